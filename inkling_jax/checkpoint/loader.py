@@ -1,0 +1,90 @@
+"""Loading an unquantized Inkling 2 checkpoint into `CausalLM`, one tensor at a time.
+
+Every tensor is checked against the parameter it fills: unknown, duplicated or missing tensors, wrong
+shapes and non-float dtypes raise `CheckpointError` naming the tensor (and both shapes).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from inkling_jax.checkpoint.names import detect_layout, is_vision, text_parameter
+from inkling_jax.checkpoint.safetensors_io import CheckpointFiles, SafetensorsError
+from inkling_jax.config import ModelConfig, load_config
+from inkling_jax.model.text import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float32, np.float16, np.float64, jnp.bfloat16))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; the message names the tensor."""
+
+
+def parameter_paths(model_state: nnx.State) -> dict[str, nnx.Variable]:
+    """Dotted parameter path -> variable, for every parameter of a split model."""
+    return {".".join(str(part) for part in path): var for path, var in nnx.to_flat_state(model_state)}
+
+
+def abstract_causal_lm(config: ModelConfig, dtype: jnp.dtype) -> CausalLM:
+    """The model's structure with shapes and dtypes only; nothing allocated."""
+    return nnx.eval_shape(lambda: CausalLM(config.text, dtype, nnx.Rngs(0)))
+
+
+def load_causal_lm(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, CausalLM]:
+    """Read config.json and the safetensors weights of `checkpoint` (either layout) into a CausalLM."""
+    config = load_config(checkpoint)
+    if config.quantization is not None and config.quantization.get("quant_method") not in (None, "none"):
+        raise CheckpointError(
+            f"{checkpoint}: quantized checkpoints ({config.quantization.get('quant_method')}) are not loadable yet"
+        )
+    graphdef, state = nnx.split(abstract_causal_lm(config, dtype))
+    expected = parameter_paths(state)
+    try:
+        files = CheckpointFiles(checkpoint)
+    except SafetensorsError as error:
+        raise CheckpointError(str(error)) from error
+    layout = detect_layout(files.names())
+    filled: dict[str, str] = {}
+    skipped = []
+    for name in files.names():
+        if config.vision is not None and is_vision(name):
+            skipped.append(name)
+            continue
+        mapped = text_parameter(name, layout)
+        if mapped is None or mapped[0] not in expected:
+            raise CheckpointError(f"{checkpoint}: unexpected tensor {name!r} in a {layout}-layout checkpoint")
+        path, transform = mapped
+        if path in filled:
+            raise CheckpointError(f"{checkpoint}: tensors {filled[path]!r} and {name!r} both fill {path!r}")
+        variable = expected[path]
+        shape = files.shape(name)
+        if shape != variable.shape:
+            raise CheckpointError(
+                f"{checkpoint}: tensor {name!r} has shape {shape}, the config needs {tuple(variable.shape)}"
+            )
+        try:
+            array = files.read(name)
+        except SafetensorsError as error:
+            raise CheckpointError(str(error)) from error
+        if array.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{checkpoint}: tensor {name!r} has dtype {array.dtype}, expected a float type"
+            )
+        variable.set_value(jax.device_put(np.asarray(transform(array)).astype(variable.dtype)))
+        filled[path] = name
+    missing = sorted(set(expected) - set(filled))
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"{checkpoint}: missing tensors for {shown} ({layout} layout)")
+    if skipped:
+        logger.debug("left %d vision-tower tensors to the image tower", len(skipped))
+    return config, nnx.merge(graphdef, state)

@@ -1,0 +1,165 @@
+"""Lazy safetensors reading (single file or sharded with an index) and writing, any dtype.
+
+Tensors are memory-mapped and handed out one at a time as numpy arrays; bfloat16 and the float8
+formats come back as ml_dtypes arrays, which the `safetensors` numpy API cannot represent.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class SafetensorsError(ValueError):
+    """A checkpoint file that cannot be read as safetensors; the message names file and tensor."""
+
+
+class _File:
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as f:
+                prefix = f.read(8)
+                (header_size,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (None,)
+                if header_size is None or header_size > size - 8:
+                    raise SafetensorsError(f"{path} is not a safetensors file (bad header size)")
+                header = json.loads(f.read(header_size))
+        except OSError as error:
+            raise SafetensorsError(f"cannot read {path}: {error}") from error
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise SafetensorsError(f"{path}: header is not JSON: {error}") from error
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{path}: header is not a JSON object")
+        header.pop("__metadata__", None)
+        self.data_start = 8 + header_size
+        self.data_size = size - self.data_start
+        self.entries = header
+        self._map: np.memmap | None = None
+
+    def read(self, name: str) -> np.ndarray:
+        entry = self.entries[name]
+        dtype = DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise SafetensorsError(
+                f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}"
+            )
+        try:
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise SafetensorsError(f"{self.path}: tensor {name!r} has a malformed header entry") from error
+        if not 0 <= begin <= end <= self.data_size or end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise SafetensorsError(
+                f"{self.path}: tensor {name!r} byte range {begin}..{end} does not hold {shape} of {entry['dtype']}"
+            )
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
+        return self._map[begin:end].view(dtype).reshape(shape)
+
+
+class CheckpointFiles:
+    """The tensors of a checkpoint directory (or one .safetensors file), read lazily by name."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        self._where: dict[str, _File] = {}
+        if path.is_file():
+            files = {path.name: _File(path)}
+            self._where = {name: files[path.name] for name in files[path.name].entries}
+            return
+        index = path / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise SafetensorsError(f"{index} has no valid 'weight_map': {error}") from error
+            files = {}
+            for name, file in weight_map.items():
+                if file not in files:
+                    if not (path / file).exists():
+                        raise SafetensorsError(f"{index} names {file} for {name!r}, which does not exist")
+                    files[file] = _File(path / file)
+                if name not in files[file].entries:
+                    raise SafetensorsError(f"{index} puts {name!r} in {file}, which does not hold it")
+                self._where[name] = files[file]
+        elif (path / SINGLE_FILE).exists():
+            single = _File(path / SINGLE_FILE)
+            self._where = dict.fromkeys(single.entries, single)
+        else:
+            raise SafetensorsError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].entries[name]["shape"])
+
+    def read(self, name: str) -> np.ndarray:
+        return self._where[name].read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+
+def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write numpy (and ml_dtypes) arrays as one safetensors file."""
+    header: dict[str, dict] = {}
+    offset = 0
+    arrays = {name: np.asarray(array).copy(order="C") for name, array in tensors.items()}
+    for name, array in arrays.items():
+        header[name] = {
+            "dtype": _NAMES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with Path(path).open("wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for array in arrays.values():
+            f.write(array.tobytes())
+
+
+def write_sharded(directory: str | Path, tensors: Mapping[str, np.ndarray], num_shards: int) -> None:
+    """Write tensors over `num_shards` files plus model.safetensors.index.json."""
+    directory = Path(directory)
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = names[shard::num_shards]
+        write_safetensors(directory / file, {name: tensors[name] for name in part})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(np.asarray(array).nbytes for array in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))

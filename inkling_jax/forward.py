@@ -1,0 +1,46 @@
+"""Jitted whole-sequence forward passes over a loaded model: scoring and cache-free greedy decoding.
+
+These recompute the full prefix (no decode state); the engine's incremental step lives in serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from inkling_jax.model.text import CausalLM
+
+
+def logits_fn(model: CausalLM) -> Callable[[jax.Array], jax.Array]:
+    """token_ids [B, T] -> float32 logits [B, T, unpadded_vocab], compiled once per shape."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state: nnx.State, token_ids: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, state)(token_ids)
+
+    return lambda token_ids: forward(state, token_ids)
+
+
+def greedy_continuation(model: CausalLM, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """Argmax continuation of `prompt`, recomputing the prefix each token with one fixed shape.
+
+    Positions after the current prefix hold padding; causality keeps them out of earlier logits.
+    """
+    graphdef, state = nnx.split(model)
+    length = len(prompt) + max_tokens
+
+    @jax.jit
+    def next_token(state: nnx.State, token_ids: jax.Array, last: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, state)(token_ids[None])[0]
+        return jnp.argmax(logits[last]).astype(jnp.int32)
+
+    token_ids = np.zeros(length, np.int32)
+    token_ids[: len(prompt)] = prompt
+    for position in range(len(prompt), length):
+        token_ids[position] = int(next_token(state, jnp.asarray(token_ids), jnp.int32(position - 1)))
+    return token_ids[len(prompt) :].tolist()

@@ -1,0 +1,63 @@
+"""Causal short convolutions with a residual, over one sequence of tokens.
+
+Static: per-channel taps (torch conv1d layout [C, 1, K]: tap K-1 weights the current token),
+out = (conv(x) + x) / sqrt(K + 1). Dynamic (full layers' K and V): per-channel static taps
+`static_weight[lag]` plus per-token taps projected from another input and shared within a KV head,
+out = (conv(x) + x) / sqrt(2K + 1). Both run in fp32 and return the input dtype.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from inkling_jax.model.params import Linear, normal, param, zeros
+
+
+def lagged(x: jax.Array, kernel_size: int) -> jax.Array:
+    """[..., T, C] -> [..., T, C, K] with [..., t, c, lag] = x[..., t - lag, c] (zero before the start)."""
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(kernel_size - 1, 0), (0, 0)])
+    length = x.shape[-2]
+    return jnp.stack(
+        [
+            padded[..., kernel_size - 1 - lag : kernel_size - 1 - lag + length, :]
+            for lag in range(kernel_size)
+        ],
+        axis=-1,
+    )
+
+
+class ShortConvolution(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, channels: int, kernel_size: int, axis: str | None, std: float):
+        self.kernel_size = kernel_size
+        self.weight = param(rngs, (channels, 1, kernel_size), (axis, None, None), jnp.float32, normal(std))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, T, C] -> [B, T, C]."""
+        xf = x.astype(jnp.float32)
+        taps = self.weight[...][:, 0, ::-1].astype(jnp.float32)  # [C, K], lag-indexed
+        out = jnp.einsum("btck,ck->btc", lagged(xf, self.kernel_size), taps)
+        return ((out + xf) / math.sqrt(self.kernel_size + 1)).astype(x.dtype)
+
+
+class DynamicShortConvolution(nnx.Module):
+    def __init__(
+        self, rngs: nnx.Rngs, channels: int, input_size: int, num_heads: int, kernel_size: int,
+        dtype: jnp.dtype, std: float,
+    ):  # fmt: skip
+        self.kernel_size = kernel_size
+        self.num_heads = num_heads
+        self.static_weight = param(rngs, (kernel_size, channels), (None, "kv_heads"), dtype, zeros)
+        self.weight_proj = Linear(rngs, input_size, num_heads * kernel_size, (None, "embed"), dtype, std)
+
+    def __call__(self, x: jax.Array, dynamic_input: jax.Array) -> jax.Array:
+        """x [B, T, C], dynamic_input [B, T, H_in] -> [B, T, C]."""
+        batch, length, channels = x.shape
+        dynamic = self.weight_proj(dynamic_input).astype(jnp.float32)
+        dynamic = dynamic.reshape(batch, length, self.num_heads, 1, self.kernel_size)
+        static = self.static_weight[...].astype(jnp.float32).T.reshape(self.num_heads, -1, self.kernel_size)
+        taps = (static + dynamic).reshape(batch, length, channels, self.kernel_size)
+        xf = x.astype(jnp.float32)
+        out = jnp.sum(lagged(xf, self.kernel_size) * taps, axis=-1)
+        return ((out + xf) / math.sqrt(2 * self.kernel_size + 1)).astype(x.dtype)

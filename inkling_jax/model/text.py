@@ -1,0 +1,124 @@
+"""The Inkling 2 text stack and its causal-LM head.
+
+Every layer: block attention residual -> (input norms) -> relative-bias attention -> static short
+conv; the residual restarts at block boundaries (the layer input becomes a block source); block
+attention residual -> norm -> MoE -> static short conv. After the last layer a final block attention
+residual, RMSNorm, the unembedding, a logit softcap and the slice to the real vocabulary.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from inkling_jax.config import TextConfig
+from inkling_jax.model.attention import Attention
+from inkling_jax.model.attn_res import BlockAttentionResidual
+from inkling_jax.model.moe import SparseMoeBlock
+from inkling_jax.model.norms import RMSNorm, softcap
+from inkling_jax.model.params import Linear, normal, param
+from inkling_jax.model.short_conv import ShortConvolution
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, config: TextConfig, layer: int, dtype: jnp.dtype):
+        self.sliding = config.is_sliding(layer)
+        self.block_boundary = config.is_block_boundary(layer)
+        hidden, eps, std = config.hidden_size, config.rms_norm_eps, config.initializer_range
+        if layer > 0:
+            self.attention_input = BlockAttentionResidual(rngs, hidden, 1 if self.sliding else 3)
+        self.mlp_input = BlockAttentionResidual(rngs, hidden)
+        self.self_attn = Attention(rngs, config, layer, dtype)
+        self.mlp = SparseMoeBlock(rngs, config, dtype)
+        if self.sliding:
+            self.input_layernorm = RMSNorm(rngs, hidden, eps, dtype)
+        else:
+            self.q_input_layernorm = RMSNorm(rngs, hidden, eps, dtype)
+            self.k_input_layernorm = RMSNorm(rngs, hidden, eps, dtype)
+            self.v_input_layernorm = RMSNorm(rngs, hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(rngs, hidden, eps, dtype)
+        self.post_attention_convolution = ShortConvolution(
+            rngs, hidden, config.conv_kernel_size, "embed", std
+        )
+        self.post_mlp_convolution = ShortConvolution(rngs, hidden, config.conv_kernel_size, "embed", std)
+
+    def __call__(self, x: jax.Array, sources: list[jax.Array], positions: jax.Array) -> jax.Array:
+        """x [B, T, H] (activation dtype); sources: the closed blocks' [B, T, H] -> [B, T, H]."""
+        dtype = x.dtype
+        if hasattr(self, "attention_input"):
+            inputs = self.attention_input(sources, x)
+        else:
+            inputs = [x] * (1 if self.sliding else 3)
+        if self.sliding:
+            h = self.input_layernorm(inputs[0]).astype(dtype)
+            h = self.self_attn(h, h, h, positions)
+        else:
+            norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
+            q_in, k_in, v_in = (norm(i).astype(dtype) for norm, i in zip(norms, inputs, strict=True))
+            h = self.self_attn(q_in, k_in, v_in, positions)
+        h = self.post_attention_convolution(h).astype(jnp.float32)
+
+        if self.block_boundary:
+            sources = [*sources, x]
+        else:
+            h = x.astype(jnp.float32) + h
+        residual = h
+        h = self.mlp_input(sources, h)[0]
+        h = self.mlp(self.post_attention_layernorm(h).astype(dtype))
+        h = self.post_mlp_convolution(h)
+        return (residual + h).astype(dtype)
+
+
+class NormedEmbedding(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype):
+        shape = (config.vocab_size, config.hidden_size)
+        self.weight = param(rngs, shape, ("vocab", "embed"), dtype, normal(config.initializer_range))
+        self.embed_norm = RMSNorm(rngs, config.hidden_size, config.rms_norm_eps, dtype)
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:
+        return self.embed_norm(jnp.take(self.weight[...], token_ids, axis=0))
+
+
+class TextModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype):
+        self.config = config
+        self.embed_tokens = NormedEmbedding(rngs, config, dtype)
+        self.layers = nnx.List(
+            [DecoderLayer(rngs, config, i, dtype) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(rngs, config.hidden_size, config.rms_norm_eps, dtype)
+        self.final_input = BlockAttentionResidual(rngs, config.hidden_size)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """token_ids, positions [B, T] int32 -> final hidden states [B, T, H] (activation dtype)."""
+        x = self.embed_tokens(token_ids)
+        dtype = x.dtype
+        sources: list[jax.Array] = []
+        for i, layer in enumerate(self.layers):
+            out = layer(x, sources, positions)
+            if self.config.is_block_boundary(i):
+                sources.append(x)
+            x = out
+        x = self.final_input(sources, x)[0]
+        return self.norm(x).astype(dtype)
+
+
+class CausalLM(nnx.Module):
+    """Inkling 2 text model with its (untied) unembedding; parameter names follow transformers'
+    `Inkling2ForCausalLM` so its checkpoints load by name."""
+
+    def __init__(self, config: TextConfig, dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.model = TextModel(rngs, config, dtype)
+        self.lm_head = Linear(
+            rngs, config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype, config.initializer_range
+        )
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """token_ids [B, T] -> float32 logits [B, T, unpadded_vocab_size]."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1], dtype=jnp.int32), token_ids.shape)
+        hidden = self.model(token_ids, positions)
+        logits = self.lm_head(hidden).astype(jnp.float32)
+        logits = softcap(logits, self.config.final_logit_softcapping)
+        return logits[..., : self.config.unpadded_vocab_size]

@@ -1,0 +1,81 @@
+"""Parameter counts of an Inkling 2 config, from shapes alone (nothing is allocated).
+
+The text stack is counted from `jax.eval_shape` of `CausalLM`; the image tower (not modelled in JAX
+yet) from the tensor shapes transformers' `Inkling2VisionModel` declares for the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from inkling_jax.checkpoint.loader import abstract_causal_lm, parameter_paths
+from inkling_jax.config import ModelConfig, VisionConfig, load_config
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterCounts:
+    text: int
+    vision: int
+    routed_experts: int
+    active_experts: int
+    embedding: int
+
+    @property
+    def total(self) -> int:
+        return self.text + self.vision
+
+    @property
+    def active_per_token(self) -> int:
+        """Text parameters one token's forward reads: all but the unselected experts."""
+        return self.text - self.routed_experts + self.active_experts
+
+    @property
+    def active_per_token_without_embedding(self) -> int:
+        """Same, less the embedding table (a row lookup, not a matmul)."""
+        return self.active_per_token - self.embedding
+
+
+def vision_parameters(vision: VisionConfig) -> int:
+    """Parameters of the ViT tower and its projector, from its config."""
+    width, inner, merged = vision.hidden_size, vision.intermediate_size, vision.spatial_merge_size**2
+    bias = vision.projection_hidden_dim + vision.text_hidden_size if vision.projector_bias else 0
+    embeddings = (
+        vision.num_channels * vision.patch_size**2 * width + vision.posemb_grid_size**2 * width + 2 * width
+    )
+    layer = 4 * (width * width + width) + 2 * width * inner + inner + width + 4 * width + 2 * width
+    projector = (
+        merged * width * vision.projection_hidden_dim + vision.projection_hidden_dim * vision.text_hidden_size
+    )
+    return embeddings + 2 * width + vision.num_hidden_layers * layer + projector + bias
+
+
+def count_parameters(config: ModelConfig) -> ParameterCounts:
+    _, state = nnx.split(abstract_causal_lm(config, jnp.bfloat16))
+    sizes = {path: math.prod(var.shape) for path, var in parameter_paths(state).items()}
+    routed = sum(size for path, size in sizes.items() if ".mlp.experts." in path)
+    text = config.text
+    return ParameterCounts(
+        text=sum(sizes.values()),
+        vision=vision_parameters(config.vision) if config.vision is not None else 0,
+        routed_experts=routed,
+        active_experts=routed * text.num_experts_per_tok // text.n_routed_experts,
+        embedding=sizes["model.embed_tokens.weight"],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Parameter counts of an Inkling 2 config.json")
+    parser.add_argument("config", help="config.json or a checkpoint directory")
+    counts = count_parameters(load_config(parser.parse_args().config))
+    for name in ("total", "text", "vision", "routed_experts", "active_per_token",
+                 "active_per_token_without_embedding"):  # fmt: skip
+        print(f"{name:>36}: {getattr(counts, name):>16,} ({getattr(counts, name) / 1e9:.2f}B)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""`python -m inkling_jax.score`: float32 logits of one causal forward over a list of token ids.
+
+    python -m inkling_jax.score --checkpoint DIR --input IDS.json --output LOGITS.npy [--dtype float32|bfloat16]
+
+IDS.json is a JSON list of token ids; LOGITS.npy gets float32 [len(ids), unpadded_vocab_size].
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from inkling_jax.checkpoint import CheckpointError, load_causal_lm
+from inkling_jax.config import ConfigError
+from inkling_jax.forward import logits_fn
+from inkling_jax.token_ids import TokenIdError, read_token_ids
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inkling_jax.score", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory (config.json + safetensors)"
+    )
+    parser.add_argument("--input", required=True, help="JSON file holding a list of token ids")
+    parser.add_argument("--output", required=True, help="where to write the float32 logits (.npy)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="parameter/activation dtype"
+    )
+    args = parser.parse_args(argv)
+    try:
+        config, model = load_causal_lm(args.checkpoint, DTYPES[args.dtype])
+        ids = read_token_ids(args.input, config.text)
+    except (ConfigError, CheckpointError, TokenIdError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    logits = logits_fn(model)(jnp.asarray([ids], jnp.int32))[0]
+    np.save(args.output, np.asarray(logits, np.float32))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

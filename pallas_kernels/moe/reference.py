@@ -1,0 +1,58 @@
+"""Pure-jnp oracle for Inkling's routed experts (dropless, softcapped SwiGLU).
+
+out[n] = sum_j w[n, j] * down_e( capped_swiglu( gate_up_e(x[n]) ) ),  e = experts[n, j],
+capped_swiglu(g, u) = softcap(g, gate_cap) * sigmoid(g) * softcap(u, up_cap), in fp32.
+Token copies are sorted by expert and run as one grouped matmul per projection.
+"""
+
+import jax
+import jax.numpy as jnp
+
+# lhs [M, K] x rhs [E, N, K] -> [M, N]: contract K, group the rows of lhs over rhs's expert axis.
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    return jnp.tanh(x / cap) * cap
+
+
+def capped_swiglu(gate: jax.Array, up: jax.Array, gate_cap: float, up_cap: float) -> jax.Array:
+    """SwiGLU whose linear gate factor and up projection are softcapped; fp32, cast back."""
+    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return (softcap(g, gate_cap) * jax.nn.sigmoid(g) * softcap(u, up_cap)).astype(gate.dtype)
+
+
+def moe_experts(
+    x: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    *,
+    gate_cap: float,
+    up_cap: float,
+) -> jax.Array:
+    """Weighted sum of each token's experts, [N, H] in x's dtype (accumulated in fp32).
+
+    x [N, H]; gate_up [E, 2I, H] (gate rows then up rows); down [E, H, I];
+    experts [N, k] int32 expert ids; weights [N, k] float32 routing weights.
+    """
+    num_tokens, top_k = experts.shape
+    num_experts, two_i, _ = gate_up.shape
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts)
+    token_of = order // top_k
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+
+    rows = x[token_of]
+    gate_up_out = jax.lax.ragged_dot_general(rows, gate_up.astype(x.dtype), group_sizes, _GROUPED)
+    hidden = capped_swiglu(gate_up_out[:, : two_i // 2], gate_up_out[:, two_i // 2 :], gate_cap, up_cap)
+    out_rows = jax.lax.ragged_dot_general(hidden, down.astype(x.dtype), group_sizes, _GROUPED)
+
+    weighted = out_rows.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(weighted)
+    return out.astype(x.dtype)

@@ -1,0 +1,1 @@
+"""gRPC serving for inkling_jax (issue 6)."""

@@ -1,0 +1,165 @@
+"""Safetensors IO and checkpoint loading: round trips on random data, and clear errors."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from inkling_jax.checkpoint import CheckpointError, load_causal_lm
+from inkling_jax.checkpoint.loader import parameter_paths
+from inkling_jax.checkpoint.names import deinterleave_rows
+from inkling_jax.checkpoint.safetensors_io import (
+    CheckpointFiles,
+    SafetensorsError,
+    write_safetensors,
+    write_sharded,
+)
+from inkling_jax.checkpoint.synthetic import synthetic_tensors, write_checkpoint
+
+TINY = {
+    "model_type": "inkling2_text", "vocab_size": 64, "unpadded_vocab_size": 60, "hidden_size": 16,
+    "num_hidden_layers": 3, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "swa_num_attention_heads": 2,
+    "swa_num_key_value_heads": 2, "swa_head_dim": 4, "sliding_window_size": 4, "d_rel": 2, "rel_extent": 5,
+    "moe_intermediate_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_layers_per_attn_res_block": 2,
+    "eos_token_id": 3,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "tiny.json").write_text(json.dumps(TINY))
+    return write_checkpoint(root / "tiny.json", root / "ckpt", seed=7)
+
+
+def _copy(checkpoint: Path, tmp_path: Path, edit) -> Path:
+    """A copy of `checkpoint` whose tensors pass through `edit(dict) -> dict`."""
+    files = CheckpointFiles(checkpoint)
+    tensors = edit({name: np.array(files.read(name)) for name in files.names()})
+    out = tmp_path / "edited"
+    out.mkdir()
+    shutil.copy(checkpoint / "config.json", out / "config.json")
+    write_safetensors(out / "model.safetensors", tensors)
+    return out
+
+
+def test_safetensors_round_trip_every_dtype(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {
+        "f32": rng.normal(size=(3, 5)).astype(np.float32),
+        "bf16": rng.normal(size=(4, 2, 3)).astype(ml_dtypes.bfloat16),
+        "e4m3": rng.normal(size=(7,)).astype(ml_dtypes.float8_e4m3fn),
+        "i32": rng.integers(-100, 100, size=(2, 2)).astype(np.int32),
+        "scalar": np.array(1.5, np.float32),
+    }
+    write_safetensors(tmp_path / "a.safetensors", tensors)
+    files = CheckpointFiles(tmp_path / "a.safetensors")
+    assert files.names() == sorted(tensors)
+    for name, array in tensors.items():
+        read = files.read(name)
+        assert read.dtype == array.dtype and read.shape == array.shape
+        assert read.tobytes() == array.tobytes(), name
+
+
+def test_sharded_checkpoint_reads_through_index(tmp_path):
+    rng = np.random.default_rng(1)
+    tensors = {f"t{i}": rng.normal(size=(i + 1, 3)).astype(np.float32) for i in range(5)}
+    write_sharded(tmp_path, tensors, num_shards=2)
+    assert len(list(tmp_path.glob("model-*-of-00002.safetensors"))) == 2
+    files = CheckpointFiles(tmp_path)
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(files.read(name), array)
+
+
+def test_broken_files_raise_named_errors(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00")
+    with pytest.raises(SafetensorsError, match="model.safetensors"):
+        CheckpointFiles(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "gone.safetensors"}}))
+    with pytest.raises(SafetensorsError, match="gone.safetensors"):
+        CheckpointFiles(tmp_path)
+    with pytest.raises(SafetensorsError, match="no model.safetensors"):
+        CheckpointFiles(tmp_path / "..")
+
+
+def test_deinterleave_rows_splits_gate_and_up():
+    rng = np.random.default_rng(2)
+    gate, up = rng.normal(size=(3, 4, 5)), rng.normal(size=(3, 4, 5))
+    interleaved = np.empty((3, 8, 5))
+    interleaved[:, 0::2], interleaved[:, 1::2] = gate, up
+    np.testing.assert_array_equal(deinterleave_rows(interleaved), np.concatenate([gate, up], axis=1))
+
+
+def test_load_fills_every_parameter_from_the_file(tiny_checkpoint):
+    _, model = load_causal_lm(tiny_checkpoint, jnp.float32)
+    files = CheckpointFiles(tiny_checkpoint)
+    params = parameter_paths(nnx.state(model))
+    assert len(params) == len(files.names())
+    for path, variable in params.items():
+        static_conv = path.endswith(("_sconv.weight", "_convolution.weight"))
+        name = path.removesuffix(".weight") + ".conv1d.weight" if static_conv else path
+        np.testing.assert_array_equal(np.asarray(variable[...]), files.read(name))
+
+
+def test_bfloat16_load_keeps_fp32_parameters(tiny_checkpoint):
+    _, model = load_causal_lm(tiny_checkpoint, jnp.bfloat16)
+    params = parameter_paths(nnx.state(model))
+    assert params["model.layers.0.self_attn.q_proj.weight"].dtype == jnp.bfloat16
+    assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == jnp.bfloat16
+    for fp32 in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate.e_score_correction_bias",
+                 "model.layers.0.post_mlp_convolution.weight", "model.layers.0.self_attn.k_sconv.weight",
+                 "model.layers.1.attention_input.query", "model.final_input.query"):  # fmt: skip
+        assert params[fp32].dtype == jnp.float32, fp32
+
+
+def test_multimodal_transformers_layout_sharded_skips_vision(tiny_checkpoint, tmp_path):
+    files = CheckpointFiles(tiny_checkpoint)
+    tensors = {name.replace("model.", "model.language_model.", 1): np.array(files.read(name)) for name in files}
+    tensors["model.vision_tower.pre_layernorm.weight"] = np.ones(8, np.float32)
+    write_sharded(tmp_path, tensors, num_shards=3)
+    config = {"model_type": "inkling2", "text_config": TINY, "image_token_id": 50,
+              "vision_config": {"hidden_size": 8, "num_attention_heads": 2, "text_hidden_size": 16}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = jnp.asarray([[5, 9, 1, 33, 2, 7, 40, 11]], jnp.int32)
+    _, reference = load_causal_lm(tiny_checkpoint, jnp.float32)
+    _, wrapped = load_causal_lm(tmp_path, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(wrapped(ids)), np.asarray(reference(ids)))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.self_attn.k_sconv.static_weight"},
+         "missing tensors for model.layers.1.self_attn.k_sconv.static_weight"),
+        (lambda t: {**t, "model.layers.0.self_attn.extra.weight": np.ones(2, np.float32)},
+         "unexpected tensor 'model.layers.0.self_attn.extra.weight'"),
+        (lambda t: {**t, "model.layers.0.mlp.gate.weight": np.ones((4, 17), np.float32)},
+         r"'model.layers.0.mlp.gate.weight' has shape \(4, 17\), the config needs \(4, 16\)"),
+        (lambda t: {**t, "model.norm.weight": np.ones(16, np.int32)}, "'model.norm.weight' has dtype int32"),
+    ],
+)  # fmt: skip
+def test_bad_checkpoints_name_the_tensor(tiny_checkpoint, tmp_path, edit, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_causal_lm(_copy(tiny_checkpoint, tmp_path, edit), jnp.float32)
+
+
+def test_quantized_config_is_refused(tiny_checkpoint, tmp_path):
+    out = _copy(tiny_checkpoint, tmp_path, lambda t: t)
+    (out / "config.json").write_text(json.dumps({**TINY, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match="quantized"):
+        load_causal_lm(out, jnp.float32)
+
+
+def test_synthetic_weights_are_nontrivial(tmp_path):
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    tensors = synthetic_tensors(tmp_path / "tiny.json", seed=3)
+    for name, value in tensors.items():
+        assert np.std(value) > 0.01 or value.size == 1, name
+        assert not np.allclose(value, 1.0), name
