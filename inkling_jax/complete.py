@@ -11,17 +11,17 @@ import argparse
 import json
 import sys
 
+import jax
+
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
 from inkling_jax.config import ConfigError
 from inkling_jax.forward import greedy_continuation
-from inkling_jax.score import DTYPES
+from inkling_jax.score import DTYPES, MATMUL_PRECISION
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m inkling_jax.complete", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m inkling_jax.complete", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, TokenIdError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(greedy_continuation(model, ids, args.max_tokens)))
+    with jax.default_matmul_precision(MATMUL_PRECISION[args.dtype]):
+        print(json.dumps(greedy_continuation(model, ids, args.max_tokens)))
     return 0
 
 

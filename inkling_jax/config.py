@@ -177,9 +177,7 @@ def _build(cls: type, section: str, raw: Mapping[str, Any], aliases: Mapping[str
             unused.append(key if not section else f"{section}.{key}")
             continue
         if name in values:
-            raise ConfigError(
-                f"config field {section + '.' if section else ''}{key!r} is given twice (as {name!r})"
-            )
+            raise ConfigError(f"config field {section + '.' if section else ''}{key!r} is given twice (as {name!r})")
         values[name] = _check_type(section, name, value, hints[name])
     return cls(**values), unused
 
@@ -206,9 +204,7 @@ def _validate_text(text: TextConfig, section: str) -> TextConfig:
         ),
     )  # fmt: skip
     if text.log_scaling_alpha < 0:
-        raise ConfigError(
-            f"config field {section}.log_scaling_alpha must be >= 0, got {text.log_scaling_alpha}"
-        )
+        raise ConfigError(f"config field {section}.log_scaling_alpha must be >= 0, got {text.log_scaling_alpha}")
     if text.unpadded_vocab_size > text.vocab_size:
         raise ConfigError(
             f"config field {section}.unpadded_vocab_size ({text.unpadded_vocab_size}) exceeds "
@@ -242,9 +238,7 @@ def _validate_text(text: TextConfig, section: str) -> TextConfig:
         )
     for i, kind in enumerate(layer_types):
         if kind not in LAYER_TYPES:
-            raise ConfigError(
-                f"config field {section}.layer_types[{i}] must be one of {LAYER_TYPES}, got {kind!r}"
-            )
+            raise ConfigError(f"config field {section}.layer_types[{i}] must be one of {LAYER_TYPES}, got {kind!r}")
     eos = text.eos_token_id
     for token in eos if isinstance(eos, tuple) else (eos,):
         if token is not None and not 0 <= token < text.unpadded_vocab_size:
@@ -300,9 +294,7 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
         text, text_unused = _build(TextConfig, "text_config", text_raw, TEXT_ALIASES)
         vision, vision_unused = _build(VisionConfig, "vision_config", vision_raw, VISION_ALIASES)
         top_unused = [
-            k
-            for k in raw
-            if k not in {"text_config", "vision_config", "image_token_id", "quantization_config"}
+            k for k in raw if k not in {"text_config", "vision_config", "image_token_id", "quantization_config"}
         ]
         unused = text_unused + vision_unused + top_unused
         image_token_id = _check_type("", "image_token_id", raw.get("image_token_id", 200054), int)
@@ -317,9 +309,7 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
             raise ConfigError(f"config field image_token_id {image_token_id} is outside the vocabulary")
         config = ModelConfig(model_type, text, vision, image_token_id, quantization)
     else:
-        raise ConfigError(
-            f"config field 'model_type' is {model_type!r}; expected 'inkling2' or 'inkling2_text'"
-        )
+        raise ConfigError(f"config field 'model_type' is {model_type!r}; expected 'inkling2' or 'inkling2_text'")
     ignored = sorted(name for name in unused if name.rsplit(".", 1)[-1] not in _GENERIC_FIELDS)
     if ignored:
         logger.debug("config fields not used by inkling_jax: %s", ", ".join(ignored))

@@ -5,6 +5,7 @@ These recompute the full prefix (no decode state); the engine's incremental step
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -15,15 +16,21 @@ from flax import nnx
 from inkling_jax.model.text import CausalLM
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef: nnx.GraphDef, state: nnx.State, token_ids: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state)(token_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _argmax_at(graphdef: nnx.GraphDef, state: nnx.State, token_ids: jax.Array, position: jax.Array) -> jax.Array:
+    logits = nnx.merge(graphdef, state)(token_ids[None])[0]
+    return jnp.argmax(logits[position]).astype(jnp.int32)
+
+
 def logits_fn(model: CausalLM) -> Callable[[jax.Array], jax.Array]:
-    """token_ids [B, T] -> float32 logits [B, T, unpadded_vocab], compiled once per shape."""
+    """token_ids [B, T] -> float32 logits [B, T, unpadded_vocab]; compiled once per model structure and shape."""
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state: nnx.State, token_ids: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, state)(token_ids)
-
-    return lambda token_ids: forward(state, token_ids)
+    return lambda token_ids: _logits(graphdef, state, token_ids)
 
 
 def greedy_continuation(model: CausalLM, prompt: Sequence[int], max_tokens: int) -> list[int]:
@@ -32,15 +39,9 @@ def greedy_continuation(model: CausalLM, prompt: Sequence[int], max_tokens: int)
     Positions after the current prefix hold padding; causality keeps them out of earlier logits.
     """
     graphdef, state = nnx.split(model)
-    length = len(prompt) + max_tokens
-
-    @jax.jit
-    def next_token(state: nnx.State, token_ids: jax.Array, last: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, state)(token_ids[None])[0]
-        return jnp.argmax(logits[last]).astype(jnp.int32)
-
-    token_ids = np.zeros(length, np.int32)
+    token_ids = np.zeros(len(prompt) + max_tokens, np.int32)
     token_ids[: len(prompt)] = prompt
-    for position in range(len(prompt), length):
-        token_ids[position] = int(next_token(state, jnp.asarray(token_ids), jnp.int32(position - 1)))
+    for position in range(len(prompt), len(token_ids)):
+        token = _argmax_at(graphdef, state, jnp.asarray(token_ids), jnp.int32(position - 1))
+        token_ids[position] = int(token)
     return token_ids[len(prompt) :].tolist()

@@ -44,13 +44,9 @@ def vision_parameters(vision: VisionConfig) -> int:
     """Parameters of the ViT tower and its projector, from its config."""
     width, inner, merged = vision.hidden_size, vision.intermediate_size, vision.spatial_merge_size**2
     bias = vision.projection_hidden_dim + vision.text_hidden_size if vision.projector_bias else 0
-    embeddings = (
-        vision.num_channels * vision.patch_size**2 * width + vision.posemb_grid_size**2 * width + 2 * width
-    )
+    embeddings = vision.num_channels * vision.patch_size**2 * width + vision.posemb_grid_size**2 * width + 2 * width
     layer = 4 * (width * width + width) + 2 * width * inner + inner + width + 4 * width + 2 * width
-    projector = (
-        merged * width * vision.projection_hidden_dim + vision.projection_hidden_dim * vision.text_hidden_size
-    )
+    projector = merged * width * vision.projection_hidden_dim + vision.projection_hidden_dim * vision.text_hidden_size
     return embeddings + 2 * width + vision.num_hidden_layers * layer + projector + bias
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,18 +20,16 @@ from inkling_jax.forward import logits_fn
 from inkling_jax.token_ids import TokenIdError, read_token_ids
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# float32 means float32 arithmetic: no TF32 / bf16-pass matmuls on accelerators.
+MATMUL_PRECISION = {"float32": "highest", "bfloat16": "default"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inkling_jax.score", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory (config.json + safetensors)"
-    )
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json + safetensors)")
     parser.add_argument("--input", required=True, help="JSON file holding a list of token ids")
     parser.add_argument("--output", required=True, help="where to write the float32 logits (.npy)")
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="parameter/activation dtype"
-    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter/activation dtype")
     args = parser.parse_args(argv)
     try:
         config, model = load_causal_lm(args.checkpoint, DTYPES[args.dtype])
@@ -38,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, TokenIdError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    logits = logits_fn(model)(jnp.asarray([ids], jnp.int32))[0]
+    with jax.default_matmul_precision(MATMUL_PRECISION[args.dtype]):
+        logits = logits_fn(model)(jnp.asarray([ids], jnp.int32))[0]
     np.save(args.output, np.asarray(logits, np.float32))
     return 0
 

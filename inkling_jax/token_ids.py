@@ -20,9 +20,7 @@ def validate_token_ids(ids: object, text: TextConfig) -> list[int]:
         if not isinstance(token, int) or isinstance(token, bool):
             raise TokenIdError(f"token id #{i} is {token!r}, not an integer")
         if not 0 <= token < text.unpadded_vocab_size:
-            raise TokenIdError(
-                f"token id #{i} is {token}, outside the vocabulary [0, {text.unpadded_vocab_size})"
-            )
+            raise TokenIdError(f"token id #{i} is {token}, outside the vocabulary [0, {text.unpadded_vocab_size})")
     return ids
 
 

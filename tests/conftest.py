@@ -5,6 +5,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")

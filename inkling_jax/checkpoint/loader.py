@@ -76,9 +76,7 @@ def load_causal_lm(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> t
         except SafetensorsError as error:
             raise CheckpointError(str(error)) from error
         if array.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(
-                f"{checkpoint}: tensor {name!r} has dtype {array.dtype}, expected a float type"
-            )
+            raise CheckpointError(f"{checkpoint}: tensor {name!r} has dtype {array.dtype}, expected a float type")
         variable.set_value(jax.device_put(np.asarray(transform(array)).astype(variable.dtype)))
         filled[path] = name
     missing = sorted(set(expected) - set(filled))

@@ -68,9 +68,7 @@ class _File:
         entry = self.entries[name]
         dtype = DTYPES.get(entry.get("dtype"))
         if dtype is None:
-            raise SafetensorsError(
-                f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}"
-            )
+            raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
         try:
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])

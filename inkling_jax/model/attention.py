@@ -38,32 +38,26 @@ class Attention(nnx.Module):
         hidden, std = config.hidden_size, config.initializer_range
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
-        def linear(out: int, axes: tuple[str | None, str | None]) -> Linear:
-            return Linear(rngs, hidden if axes[1] == "embed" else q_size, out, axes, dtype, std)
+        def linear(in_features: int, out_features: int, axes: tuple[str, str]) -> Linear:
+            return Linear(rngs, in_features, out_features, axes, dtype, std)
 
-        self.q_proj = linear(q_size, ("heads", "embed"))
-        self.k_proj = linear(kv_size, ("kv_heads", "embed"))
-        self.v_proj = linear(kv_size, ("kv_heads", "embed"))
-        self.r_proj = linear(self.num_heads * config.d_rel, ("heads", "embed"))
-        self.o_proj = linear(hidden, ("embed", "heads"))
-        self.gate_proj = linear(q_size, ("heads", "embed"))
-        self.sink_proj = linear(self.num_heads, ("heads", "embed"))
+        self.q_proj = linear(hidden, q_size, ("heads", "embed"))
+        self.k_proj = linear(hidden, kv_size, ("kv_heads", "embed"))
+        self.v_proj = linear(hidden, kv_size, ("kv_heads", "embed"))
+        self.r_proj = linear(hidden, self.num_heads * config.d_rel, ("heads", "embed"))
+        self.o_proj = linear(q_size, hidden, ("embed", "heads"))
+        self.gate_proj = linear(hidden, q_size, ("heads", "embed"))
+        self.sink_proj = linear(hidden, self.num_heads, ("heads", "embed"))
         kernel = config.conv_kernel_size
         if self.sliding:
             self.k_sconv = ShortConvolution(rngs, kv_size, kernel, "kv_heads", std)
             self.v_sconv = ShortConvolution(rngs, kv_size, kernel, "kv_heads", std)
         else:
-            self.k_sconv = DynamicShortConvolution(
-                rngs, kv_size, hidden, self.num_kv_heads, kernel, dtype, std
-            )
-            self.v_sconv = DynamicShortConvolution(
-                rngs, kv_size, hidden, self.num_kv_heads, kernel, dtype, std
-            )
+            self.k_sconv = DynamicShortConvolution(rngs, kv_size, hidden, self.num_kv_heads, kernel, dtype, std)
+            self.v_sconv = DynamicShortConvolution(rngs, kv_size, hidden, self.num_kv_heads, kernel, dtype, std)
         self.rel_logits_proj = RelativeLogits(rngs, config.d_rel, config.relative_extent(layer), dtype, std)
         self.q_l2_clip = ScaledL2Clip(rngs, self.num_heads, self.head_dim, config.qk_l2_clip_threshold, dtype)
-        self.rel_l2_clip = ScaledL2Clip(
-            rngs, self.num_heads, config.d_rel, config.rel_l2_clip_threshold, dtype
-        )
+        self.rel_l2_clip = ScaledL2Clip(rngs, self.num_heads, config.d_rel, config.rel_l2_clip_threshold, dtype)
 
     def _convolve(self, conv: nnx.Module, x: jax.Array, source: jax.Array) -> jax.Array:
         return conv(x) if self.sliding else conv(x, source)

@@ -17,9 +17,7 @@ class Router(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.route_scale = config.route_scale
         experts, hidden = config.n_routed_experts, config.hidden_size
-        self.weight = param(
-            rngs, (experts, hidden), (None, "embed"), jnp.float32, normal(config.initializer_range)
-        )
+        self.weight = param(rngs, (experts, hidden), (None, "embed"), jnp.float32, normal(config.initializer_range))
         self.e_score_correction_bias = param(rngs, (experts,), (None,), jnp.float32, zeros)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -38,12 +36,8 @@ class Experts(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype):
         experts, hidden, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         init = normal(config.initializer_range)
-        self.gate_up_proj = param(
-            rngs, (experts, 2 * inner, hidden), ("experts", "expert_mlp", "embed"), dtype, init
-        )
-        self.down_proj = param(
-            rngs, (experts, hidden, inner), ("experts", "embed", "expert_mlp"), dtype, init
-        )
+        self.gate_up_proj = param(rngs, (experts, 2 * inner, hidden), ("experts", "expert_mlp", "embed"), dtype, init)
+        self.down_proj = param(rngs, (experts, hidden, inner), ("experts", "embed", "expert_mlp"), dtype, init)
 
 
 class SparseMoeBlock(nnx.Module):

@@ -20,10 +20,7 @@ def lagged(x: jax.Array, kernel_size: int) -> jax.Array:
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(kernel_size - 1, 0), (0, 0)])
     length = x.shape[-2]
     return jnp.stack(
-        [
-            padded[..., kernel_size - 1 - lag : kernel_size - 1 - lag + length, :]
-            for lag in range(kernel_size)
-        ],
+        [padded[..., kernel_size - 1 - lag : kernel_size - 1 - lag + length, :] for lag in range(kernel_size)],
         axis=-1,
     )
 

@@ -36,9 +36,7 @@ class DecoderLayer(nnx.Module):
             self.k_input_layernorm = RMSNorm(rngs, hidden, eps, dtype)
             self.v_input_layernorm = RMSNorm(rngs, hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(rngs, hidden, eps, dtype)
-        self.post_attention_convolution = ShortConvolution(
-            rngs, hidden, config.conv_kernel_size, "embed", std
-        )
+        self.post_attention_convolution = ShortConvolution(rngs, hidden, config.conv_kernel_size, "embed", std)
         self.post_mlp_convolution = ShortConvolution(rngs, hidden, config.conv_kernel_size, "embed", std)
 
     def __call__(self, x: jax.Array, sources: list[jax.Array], positions: jax.Array) -> jax.Array:
@@ -82,9 +80,7 @@ class TextModel(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype):
         self.config = config
         self.embed_tokens = NormedEmbedding(rngs, config, dtype)
-        self.layers = nnx.List(
-            [DecoderLayer(rngs, config, i, dtype) for i in range(config.num_hidden_layers)]
-        )
+        self.layers = nnx.List([DecoderLayer(rngs, config, i, dtype) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(rngs, config.hidden_size, config.rms_norm_eps, dtype)
         self.final_input = BlockAttentionResidual(rngs, config.hidden_size)
 

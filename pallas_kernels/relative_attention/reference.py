@@ -10,9 +10,7 @@ import jax
 import jax.numpy as jnp
 
 
-def relative_bias(
-    rel: jax.Array, rel_proj: jax.Array, q_positions: jax.Array, kv_positions: jax.Array
-) -> jax.Array:
+def relative_bias(rel: jax.Array, rel_proj: jax.Array, q_positions: jax.Array, kv_positions: jax.Array) -> jax.Array:
     """Bias [B, Hq, T, S] from relative states rel [B, T, Hq, d_rel] and rel_proj [d_rel, extent]."""
     extent = rel_proj.shape[-1]
     profiles = jnp.einsum("bthr,re->bhte", rel, rel_proj.astype(rel.dtype))  # [B, Hq, T, extent]

@@ -1,0 +1,860 @@
+"""Build the reference-side parity fixtures for the Inkling 2 JAX port.
+
+This script runs against the *PyTorch reference* (transformers 5.23.0, torch 2.13.0 CPU) and must
+never import ``inkling_jax``. For every tiny configuration it writes
+``tests/fixtures/parity/<name>/``:
+
+* ``hf/``           config.json (with ``transformers_version``) + weights under the transformers
+                    module names (``Model.state_dict()``), written directly with safetensors.
+* ``original/``     config.json (no ``transformers_version``, like a hub release) + one
+                    ``model.safetensors`` in the original checkpoint layout (``model.llm.*``,
+                    ``model.visual.*``), i.e. the inverse of transformers' conversion mapping.
+                    The script proves the layout by loading it back through ``from_pretrained``.
+* ``reference.npz`` input ids, float32 / bfloat16 logits and a greedy continuation.
+* ``meta.json``     versions, seeds, init scales and the activation statistics printed below.
+
+Run it through ``tests/parity/regenerate.sh``; it is deterministic (fixed seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import (
+    Inkling2Config,
+    Inkling2ForCausalLM,
+    Inkling2ForConditionalGeneration,
+    Inkling2TextConfig,
+)
+
+PINNED_TRANSFORMERS = "5.23.0"
+PINNED_TORCH = "2.13.0"
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "parity"
+
+GREEDY_PROMPT_LEN = 9
+GREEDY_NEW_TOKENS = 16
+
+# Knobs shared by both tiny configs: small clip thresholds / softcaps so that every nonlinearity
+# is active on random weights (see the statistics printed by the script).
+ACTIVE_NONLINEARITIES = {
+    "qk_l2_clip_threshold": 3.0,
+    "rel_l2_clip_threshold": 1.0,
+    "mlp_gate_softcap": 1.0,
+    "mlp_up_softcap": 1.5,
+    "final_logit_softcapping": 3.0,
+}
+
+TINY_TEXT_CONFIG = {
+    "vocab_size": 512,
+    "unpadded_vocab_size": 500,
+    "hidden_size": 64,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
+    "sliding_window_size": 8,
+    "d_rel": 4,
+    "rel_extent": 12,
+    "log_scaling_n_floor": 10,
+    "log_scaling_alpha": 0.5,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "route_scale": 2.5,
+    "n_layers_per_attn_res_block": 6,
+    "conv_kernel_size": 4,
+    "eos_token_id": 499,
+    "max_position_embeddings": 4096,
+    **ACTIVE_NONLINEARITIES,
+}
+
+TINY_MM_TEXT_CONFIG = {
+    "vocab_size": 384,
+    "unpadded_vocab_size": 380,
+    "hidden_size": 48,
+    "num_hidden_layers": 7,
+    "layer_types": [
+        "hybrid",
+        "hybrid_sliding",
+        "hybrid_sliding",
+        "hybrid",
+        "hybrid_sliding",
+        "hybrid_sliding",
+        "hybrid",
+    ],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 12,
+    "swa_num_attention_heads": 6,
+    "swa_num_key_value_heads": 3,
+    "swa_head_dim": 8,
+    "sliding_window_size": 6,
+    "d_rel": 3,
+    "rel_extent": 10,
+    "log_scaling_n_floor": 7,
+    "log_scaling_alpha": 0.3,
+    "moe_intermediate_size": 24,
+    "n_routed_experts": 6,
+    "num_experts_per_tok": 3,
+    "route_scale": 1.7,
+    "n_layers_per_attn_res_block": 3,
+    "conv_kernel_size": 3,
+    "rms_norm_eps": 1e-5,
+    "eos_token_id": 379,
+    **ACTIVE_NONLINEARITIES,
+}
+
+TINY_MM_VISION_CONFIG = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "posemb_grid_size": 4,
+    "projection_hidden_dim": 48,
+    "text_hidden_size": 48,
+}
+
+# Standard deviations of the normal draws replacing the default (std 0.02) init of the text weights.
+# q/k/r are tuned so that a sizeable fraction of head vectors hits the L2 clip; lm_head so that the
+# pre-softcap logits are of the order of the final softcap; experts so that both MLP softcaps bite.
+TINY_TEXT_STDS = {
+    "q_proj": 0.085,
+    "k_proj": 0.2,
+    "r_proj": 0.07,
+    "o_proj": 0.15,
+    "gate_proj": 0.2,
+    "sink_proj": 0.2,
+    "weight_proj": 0.1,
+    "router": 0.2,
+    "experts": 0.3,
+    "lm_head": 0.4,
+}
+TINY_MM_STDS = {
+    "q_proj": 0.12,
+    "k_proj": 0.2,
+    "r_proj": 0.08,
+    "o_proj": 0.17,
+    "gate_proj": 0.2,
+    "sink_proj": 0.2,
+    "weight_proj": 0.1,
+    "router": 0.25,
+    "experts": 0.3,
+    "lm_head": 0.45,
+}
+
+FIXTURES = {
+    "tiny_text": {
+        "kind": "text",
+        "seed": 20240611,
+        "seq_len": 40,
+        "stds": TINY_TEXT_STDS,
+        "sharded": False,
+    },
+    "tiny_mm": {
+        "kind": "mm",
+        "seed": 20240612,
+        "seq_len": 37,
+        "stds": TINY_MM_STDS,
+        "sharded": True,
+        "image_token_id": 300,
+    },
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs and models
+# --------------------------------------------------------------------------------------------------
+
+
+def build_config(spec: dict[str, Any]):
+    if spec["kind"] == "text":
+        config = Inkling2TextConfig(**TINY_TEXT_CONFIG)
+        config.architectures = ["Inkling2ForCausalLM"]
+    else:
+        config = Inkling2Config(
+            text_config=dict(TINY_MM_TEXT_CONFIG),
+            vision_config=dict(TINY_MM_VISION_CONFIG),
+            image_token_id=spec["image_token_id"],
+        )
+        config.architectures = ["Inkling2ForConditionalGeneration"]
+    return config
+
+
+def model_class(spec: dict[str, Any]):
+    return Inkling2ForCausalLM if spec["kind"] == "text" else Inkling2ForConditionalGeneration
+
+
+def text_config_of(model) -> Inkling2TextConfig:
+    return model.config.get_text_config()
+
+
+def _draw(gen: torch.Generator, shape, kind: str, a: float, b: float = 0.0) -> torch.Tensor:
+    if kind == "normal":
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * a
+    return torch.rand(shape, generator=gen, dtype=torch.float32) * (b - a) + a
+
+
+def _text_rule(name: str, owner_cls: str, stds: dict[str, float]):
+    """Replacement distribution for one text-model tensor, or None to keep the default init."""
+    if owner_cls == "Inkling2RMSNorm":
+        return ("uniform", 0.5, 1.5)
+    if name.endswith(("attention_input.query", "mlp_input.query", "final_input.query")):
+        return ("normal", 1.0)
+    if name.endswith("static_weight"):
+        return ("normal", 0.3)
+    if name.endswith("_l2_clip.scale"):
+        return ("uniform", 0.5, 1.5)
+    if name.endswith("e_score_correction_bias"):
+        return ("normal", 0.5)
+    if name.endswith("conv1d.weight"):
+        return ("normal", 0.3)
+    if name.endswith("rel_logits_proj.proj"):
+        return ("normal", 1.0)
+    if name.endswith("embed_tokens.weight"):
+        return ("normal", 1.0)
+    if name == "lm_head.weight":
+        return ("normal", stds["lm_head"])
+    if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return ("normal", stds["experts"])
+    if name.endswith("mlp.gate.weight"):
+        return ("normal", stds["router"])
+    if name.endswith("weight_proj.weight"):
+        return ("normal", stds["weight_proj"])
+    m = re.search(r"self_attn\.(q_proj|k_proj|r_proj|o_proj|gate_proj|sink_proj)\.weight$", name)
+    if m:
+        return ("normal", stds[m.group(1)])
+    return None
+
+
+def _vision_rule(name: str, owner_cls: str):
+    """Vision tower: make the default-constant tensors (norms, biases, layer scales) random."""
+    if owner_cls == "LayerNorm":
+        return ("uniform", 0.5, 1.5) if name.endswith("weight") else ("normal", 0.1)
+    if name.endswith(".bias"):
+        return ("normal", 0.05)
+    if re.search(r"lambda_[12]$", name):
+        return ("uniform", 0.05, 0.3)
+    return None
+
+
+def randomize_(model, seed: int, stds: dict[str, float]) -> dict[str, str]:
+    """Overwrite (in place, deterministically) every tensor whose default init is trivial."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    applied = {}
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            owner_cls = type(owner).__name__
+            if ".vision_tower." in f".{name}":
+                rule = _vision_rule(name, owner_cls)
+            else:
+                rule = _text_rule(name, owner_cls, stds)
+            key = re.sub(r"\.\d+\.", ".*.", name)
+            if rule is None:
+                applied[key] = "default init (normal std 0.02)"
+                continue
+            tensor.copy_(_draw(gen, tensor.shape, *rule))
+            applied[key] = f"{rule[0]}{tuple(rule[1:])}"
+    return applied
+
+
+def check_nontrivial(state_dict: dict[str, torch.Tensor]) -> None:
+    """No constant tensor, and no two tensors of one shape equal (so a name swap cannot hide)."""
+    by_shape: dict[tuple, list[str]] = {}
+    for name, tensor in state_dict.items():
+        if tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all()):
+            raise AssertionError(f"{name} is constant")
+        by_shape.setdefault(tuple(tensor.shape), []).append(name)
+    for names in by_shape.values():
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                if torch.equal(state_dict[a], state_dict[b]):
+                    raise AssertionError(f"{a} and {b} are identical")
+
+
+# --------------------------------------------------------------------------------------------------
+# Original checkpoint layout (inverse of conversion_mapping.py "inkling2" / "inkling2_text")
+# --------------------------------------------------------------------------------------------------
+
+# Per-layer names, relative to `layers.{i}.`: transformers name -> original name.
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn.wq_du.weight",
+    "self_attn.k_proj.weight": "attn.wk_dv.weight",
+    "self_attn.v_proj.weight": "attn.wv_dv.weight",
+    "self_attn.r_proj.weight": "attn.wr_du.weight",
+    "self_attn.o_proj.weight": "attn.wo_ud.weight",
+    "self_attn.gate_proj.weight": "attn.gate_attn.weight",
+    "self_attn.sink_proj.weight": "attn.attn_sink_proj.weight",
+    "self_attn.q_l2_clip.scale": "attn.q_l2_clip.scale",
+    "self_attn.rel_l2_clip.scale": "attn.rel_l2_clip.scale",
+    "self_attn.rel_logits_proj.proj": "attn.rel_logits_proj.proj",
+    # static short convolutions (sliding layers)
+    "self_attn.k_sconv.conv1d.weight": "attn.k_sconv.weight",
+    "self_attn.v_sconv.conv1d.weight": "attn.v_sconv.weight",
+    # dynamic short convolutions (full layers)
+    "self_attn.k_sconv.static_weight": "attn.k_sconv.static_w",
+    "self_attn.v_sconv.static_weight": "attn.v_sconv.static_w",
+    "self_attn.k_sconv.weight_proj.weight": "attn.k_sconv.weight_proj",
+    "self_attn.v_sconv.weight_proj.weight": "attn.v_sconv.weight_proj",
+    "post_attention_convolution.conv1d.weight": "attn_sconv.weight",
+    "post_mlp_convolution.conv1d.weight": "mlp_sconv.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+    "q_input_layernorm.weight": "q_input_norm.weight",
+    "k_input_layernorm.weight": "k_input_norm.weight",
+    "v_input_layernorm.weight": "v_input_norm.weight",
+    "mlp.gate.weight": "mlp.gate.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.gate.bias",
+    "mlp.experts.gate_up_proj": "mlp.experts.w13_weight",  # rows interleaved, see below
+    "mlp.experts.down_proj": "mlp.experts.w2_weight",
+}
+
+# Text-model names outside the layers, relative to the text model root.
+_TEXT_ROOT_NAMES = {
+    "embed_tokens.weight": "embed.weight",
+    "embed_tokens.embed_norm.weight": "embed_norm.weight",
+    "norm.weight": "norm.weight",
+    "final_input.query": "attn_res.output_query",
+}
+
+# Vision tower, full names: regex on the transformers name -> original name template.
+_VISION_NAMES = [
+    (
+        r"model\.vision_tower\.embeddings\.position_embedding\.weight",
+        "model.visual.backbone.embeddings.position_embedding",
+    ),
+    (
+        r"model\.vision_tower\.embeddings\.(patch_embedding\.weight|class_embedding|cls_position_embedding)",
+        r"model.visual.backbone.embeddings.\1",
+    ),
+    (r"model\.vision_tower\.pre_layernorm\.(weight|bias)", r"model.visual.backbone.ln_pre.\1"),
+    (
+        r"model\.vision_tower\.layers\.(\d+)\.layernorm_before\.(weight|bias)",
+        r"model.visual.backbone.layers.\1.ln_1.\2",
+    ),
+    (
+        r"model\.vision_tower\.layers\.(\d+)\.layernorm_after\.(weight|bias)",
+        r"model.visual.backbone.layers.\1.ln_2.\2",
+    ),
+    (
+        r"model\.vision_tower\.layers\.(\d+)\.mlp\.fc1\.(weight|bias)",
+        r"model.visual.backbone.layers.\1.mlp.c_fc.\2",
+    ),
+    (
+        r"model\.vision_tower\.layers\.(\d+)\.mlp\.fc2\.(weight|bias)",
+        r"model.visual.backbone.layers.\1.mlp.c_proj.\2",
+    ),
+    (r"model\.vision_tower\.layers\.(\d+)\.lambda_1", r"model.visual.backbone.layers.\1.ls_1.gamma"),
+    (r"model\.vision_tower\.layers\.(\d+)\.lambda_2", r"model.visual.backbone.layers.\1.ls_2.gamma"),
+    (
+        r"model\.vision_tower\.layers\.(\d+)\.self_attn\.((?:q|k|v|out)_proj\.(?:weight|bias))",
+        r"model.visual.backbone.layers.\1.self_attn.\2",
+    ),
+    (r"model\.vision_tower\.merger\.linear_1\.(weight|bias)", r"model.visual.proj_in.\1"),
+    (r"model\.vision_tower\.merger\.linear_2\.(weight|bias)", r"model.visual.proj_out.\1"),
+]
+
+
+def _original_text_name(rel: str) -> str:
+    """Transformers text-model name (relative to the text model root) -> name under `model.llm.`."""
+    if rel in _TEXT_ROOT_NAMES:
+        return _TEXT_ROOT_NAMES[rel]
+    m = re.fullmatch(r"layers\.(\d+)\.attention_input\.query", rel)
+    if m:  # the original list starts at layer 1 (layer 0 has no attention-input residual)
+        return f"attn_res.attn_queries.{int(m.group(1)) - 1}"
+    m = re.fullmatch(r"layers\.(\d+)\.mlp_input\.query", rel)
+    if m:
+        return f"attn_res.mlp_queries.{m.group(1)}"
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", rel)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise KeyError(f"no original name for text tensor {rel!r}")
+
+
+def original_name(name: str, kind: str) -> str:
+    if name == "lm_head.weight":
+        return "model.llm.unembed.weight"
+    text_root = "model." if kind == "text" else "model.language_model."
+    if name.startswith(text_root):
+        return "model.llm." + _original_text_name(name[len(text_root) :])
+    for pattern, template in _VISION_NAMES:
+        m = re.fullmatch(pattern, name)
+        if m:
+            return m.expand(template)
+    raise KeyError(f"no original name for {name!r}")
+
+
+def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, H] with gate rows then up rows -> rows alternating gate_j, up_j (original w13)."""
+    num_experts, two_i, hidden = gate_up.shape
+    halves = gate_up.reshape(num_experts, 2, two_i // 2, hidden)
+    return halves.transpose(1, 2).reshape(num_experts, two_i, hidden).contiguous()
+
+
+def to_original_state_dict(state_dict: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state_dict.items():
+        new_name = original_name(name, kind)
+        if new_name in out:
+            raise AssertionError(f"two tensors map to {new_name}")
+        if name.endswith("mlp.experts.gate_up_proj"):
+            tensor = interleave_gate_up(tensor)
+        out[new_name] = tensor.detach().clone().contiguous()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+
+def _drop_version(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _drop_version(v) for k, v in d.items() if k != "transformers_version"}
+    return d
+
+
+def _contiguous(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+
+def write_hf(model, out_dir: Path, sharded: bool) -> list[str]:
+    out_dir.mkdir(parents=True)
+    model.config.to_json_file(str(out_dir / "config.json"))
+    sd = _contiguous(model.state_dict())
+    if not sharded:
+        save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = list(sd)
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    shards: list[dict[str, torch.Tensor]] = [{}, {}]
+    running = 0
+    for name in names:  # module order; the split falls in the middle of the language model
+        size = sd[name].numel() * sd[name].element_size()
+        shards[0 if running + size <= total // 2 else 1][name] = sd[name]
+        running += size
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {}
+    for shard, fname in zip(shards, files, strict=True):
+        assert shard, "empty shard"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return [*files, "model.safetensors.index.json"]
+
+
+def write_original(model, kind: str, out_dir: Path) -> dict[str, torch.Tensor]:
+    out_dir.mkdir(parents=True)
+    config_dict = _drop_version(json.loads(model.config.to_json_string(use_diff=True)))
+    (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    orig = to_original_state_dict(model.state_dict(), kind)
+    save_file(orig, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return orig
+
+
+# --------------------------------------------------------------------------------------------------
+# Proofs
+# --------------------------------------------------------------------------------------------------
+
+
+def _assert_clean_loading_info(info: dict[str, Any], where: str) -> None:
+    problems = {k: v for k, v in info.items() if v}
+    if problems:
+        raise AssertionError(f"loading {where} reported problems: {problems}")
+
+
+def _assert_same_state(reference: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], where: str) -> None:
+    if set(reference) != set(loaded):
+        raise AssertionError(
+            f"{where}: key sets differ: only in source {sorted(set(reference) - set(loaded))[:8]}, "
+            f"only in loaded {sorted(set(loaded) - set(reference))[:8]}"
+        )
+    for name, tensor in reference.items():
+        other = loaded[name]
+        if other.dtype != tensor.dtype or other.shape != tensor.shape or not torch.equal(other, tensor):
+            raise AssertionError(f"{where}: tensor {name} differs after loading")
+
+
+def original_config_for_loading(kind: str, original_dir: Path):
+    """The config object for loading `original/`.
+
+    For the multimodal model, `Inkling2Config.from_dict` injects the MXFP8 quantization config
+    whenever the dict has neither `quantization_config` nor `transformers_version` (exactly the case
+    of an original hub config.json). These fixture weights are plain float32, so the proof builds the
+    config from the same file with the version key added, which skips only that injection.
+    """
+    raw = json.loads((original_dir / "config.json").read_text())
+    if kind == "text":
+        return Inkling2TextConfig.from_dict(raw)
+    return Inkling2Config.from_dict({**raw, "transformers_version": transformers.__version__})
+
+
+def prove_loading(
+    spec, model, hf_dir: Path, original_dir: Path, input_ids: np.ndarray, logits_f32: np.ndarray
+) -> dict[str, Any]:
+    cls = model_class(spec)
+    kind = spec["kind"]
+    reference = model.state_dict()
+    facts: dict[str, Any] = {}
+
+    # original layout -> transformers
+    config = original_config_for_loading(kind, original_dir)
+    expected_cfg = _drop_version(json.loads(model.config.to_json_string(use_diff=True)))
+    got_cfg = _drop_version(json.loads(config.to_json_string(use_diff=True)))
+    if expected_cfg != got_cfg:
+        raise AssertionError("original/config.json does not round-trip to the source config")
+    loaded, info = cls.from_pretrained(str(original_dir), config=config, output_loading_info=True, dtype=torch.float32)
+    _assert_clean_loading_info(info, "original/")
+    _assert_same_state(reference, loaded.state_dict(), "original/")
+    facts["original_loading_info"] = {k: sorted(v) if isinstance(v, (set, list)) else v for k, v in info.items()}
+
+    if kind == "mm":
+        # Document the quirk: the plain config path would turn this into an fp8 (MXFP8) checkpoint.
+        injected = Inkling2Config.from_pretrained(str(original_dir)).quantization_config
+        injected = injected.to_dict() if hasattr(injected, "to_dict") else injected
+        assert injected and injected.get("quant_method") == "fp8", injected
+        facts["original_config_plain_load_quantization_config"] = injected
+
+    # transformers layout (sharded for tiny_mm) -> transformers
+    loaded_hf, info_hf = cls.from_pretrained(str(hf_dir), output_loading_info=True, dtype=torch.float32)
+    _assert_clean_loading_info(info_hf, "hf/")
+    _assert_same_state(reference, loaded_hf.state_dict(), "hf/")
+
+    # Same weights, other memory placement: CPU kernels may round differently (see README).
+    facts["f32_reload_logit_diff"] = {
+        src: float(np.abs(causal_logits(m.eval(), input_ids) - logits_f32).max())
+        for src, m in (("original", loaded), ("hf", loaded_hf))
+    }
+    return facts
+
+
+# --------------------------------------------------------------------------------------------------
+# Statistics (how strongly each nonlinearity acts on the fixture input)
+# --------------------------------------------------------------------------------------------------
+
+
+class StatsCollector:
+    def __init__(self, model):
+        self.model = model
+        self.tcfg = text_config_of(model)
+        self.handles = []
+        self.records: dict[str, list] = {}
+
+    def _add(self, key, value):
+        self.records.setdefault(key, []).append(value)
+
+    def __enter__(self):
+        for name, module in self.model.named_modules():
+            cls = type(module).__name__
+            layer = re.search(r"layers\.(\d+)\.", name + ".")
+            layer = int(layer.group(1)) if layer else -1
+            if ".vision_tower" in f".{name}":
+                continue
+            if cls == "Inkling2ScaledL2Clip":
+                tag = "q" if name.endswith("q_l2_clip") else "rel"
+                self.handles.append(module.register_forward_pre_hook(self._scaled_clip_hook(tag, layer)))
+            elif cls == "Inkling2L2Clip":
+                self.handles.append(module.register_forward_pre_hook(self._clip_hook("k", layer)))
+            elif cls == "Inkling2SoftcappedSwiGLU":
+                self.handles.append(module.register_forward_pre_hook(self._swiglu_hook))
+            elif cls == "Inkling2TopKRouter":
+                self.handles.append(module.register_forward_pre_hook(self._router_hook))
+            elif cls == "Inkling2BlockAttentionResidual":
+                self.handles.append(module.register_forward_pre_hook(self._block_attn_hook))
+        self.handles.append(self.model.logit_softcap.register_forward_pre_hook(self._final_hook))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def _scaled_clip_hook(self, tag, layer):
+        def hook(module, args):
+            x = args[0].float() * module.scale.float()
+            frac = (torch.linalg.vector_norm(x, dim=-1) > module.threshold).float().mean().item()
+            self._add(f"{tag}_clip_frac", (layer, frac))
+
+        return hook
+
+    def _clip_hook(self, tag, layer):
+        def hook(module, args):
+            frac = (torch.linalg.vector_norm(args[0].float(), dim=-1) > module.threshold).float().mean().item()
+            self._add(f"{tag}_clip_frac", (layer, frac))
+
+        return hook
+
+    def _swiglu_hook(self, module, args):
+        gate, up = args[0].float(), args[1].float()
+        self._add("gate_softcap_frac", (gate.abs() > module.gate_softcap.softcap).float().mean().item())
+        self._add("up_softcap_frac", (up.abs() > module.up_softcap.softcap).float().mean().item())
+
+    def _router_hook(self, module, args):
+        flat = args[0].float().reshape(-1, module.hidden_dim)
+        scores = module.score_fn(torch.nn.functional.linear(flat, module.weight.float()))
+        with_bias = torch.topk(scores + module.e_score_correction_bias, module.top_k, dim=-1).indices
+        by_scores = torch.topk(scores, module.top_k, dim=-1).indices
+        by_bias = torch.topk(module.e_score_correction_bias.expand_as(scores), module.top_k, dim=-1).indices
+        chosen = with_bias.sort(-1).values
+        for tag, other in (("scores", by_scores), ("bias", by_bias)):
+            differs = (chosen != other.sort(-1).values).any(-1).float().mean().item()
+            self._add(f"routing_differs_from_{tag}_only_frac", differs)
+
+    def _block_attn_hook(self, module, args):
+        block_states, partial = args
+        stacked = module.norm(torch.cat([block_states, partial.unsqueeze(-2)], dim=-2).float())
+        if stacked.shape[-2] < 2:
+            return
+        hidden = stacked.shape[-1]
+        query = module.query.float().view(-1, hidden)
+        weights = torch.softmax(torch.einsum("qh,...sh->...qs", query, stacked) / hidden**0.5, dim=-1)
+        self._add("block_attn_max_weight", weights.max(-1).values.mean().item())
+        self._add("block_attn_uniform_weight", 1.0 / stacked.shape[-2])
+
+    def _final_hook(self, module, args):
+        x = args[0].float()[..., : self.tcfg.unpadded_vocab_size]
+        self._add("final_logit_pre_softcap_std", x.std().item())
+        self._add("final_logit_pre_softcap_absmax", x.abs().max().item())
+        self._add("final_logit_softcap_frac_above_cap", (x.abs() > module.softcap).float().mean().item())
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in ("q_clip_frac", "k_clip_frac", "rel_clip_frac"):
+            per_layer = self.records.get(key, [])
+            out[key + "_layer0"] = round(next(f for layer, f in per_layer if layer == 0), 4)
+            out[key + "_all_layers_mean"] = round(float(np.mean([f for _, f in per_layer])), 4)
+        for key in (
+            "gate_softcap_frac",
+            "up_softcap_frac",
+            "routing_differs_from_scores_only_frac",
+            "routing_differs_from_bias_only_frac",
+            "block_attn_max_weight",
+            "block_attn_uniform_weight",
+            "final_logit_softcap_frac_above_cap",
+            "final_logit_pre_softcap_std",
+            "final_logit_pre_softcap_absmax",
+        ):
+            out[key + "_mean"] = round(float(np.mean(self.records[key])), 4)
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference outputs
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def causal_logits(model, ids: np.ndarray) -> np.ndarray:
+    out = model(torch.from_numpy(ids.astype(np.int64))[None], use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+@torch.no_grad()
+def greedy_recompute(model, prompt: np.ndarray, steps: int) -> np.ndarray:
+    ids = torch.from_numpy(prompt.astype(np.int64))[None]
+    for _ in range(steps):
+        nxt = model(ids, use_cache=False).logits[0, -1].argmax()
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].numpy()
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt: np.ndarray, steps: int) -> np.ndarray:
+    ids = torch.from_numpy(prompt.astype(np.int64))[None]
+    # eos disabled so the continuation always has exactly `steps` tokens
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=steps,
+        min_new_tokens=0,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].numpy()
+
+
+def eager_experts_copy(model):
+    """Same weights, experts run by the plain per-expert loop instead of the default kernel."""
+    other = copy.deepcopy(model)
+    other.set_experts_implementation("eager")
+    assert model.config.get_text_config()._experts_implementation != "eager"
+    return other.eval()
+
+
+def keep_fp32_patterns(model) -> list[str]:
+    return sorted(model._keep_in_fp32_modules_strict)
+
+
+def check_bf16_model(model_bf16, model_f32) -> list[str]:
+    """Strict fp32 modules stay fp32 in a bf16 load, everything else is bf16 (round-to-nearest)."""
+    patterns = keep_fp32_patterns(model_bf16)
+    kept = []
+    ref = model_f32.state_dict()
+    for name, tensor in model_bf16.state_dict().items():
+        strict = any(p in name for p in patterns)
+        expected = torch.float32 if strict else torch.bfloat16
+        if tensor.dtype != expected:
+            raise AssertionError(f"bf16 load: {name} is {tensor.dtype}, expected {expected}")
+        if not torch.equal(tensor, ref[name].to(expected)):
+            raise AssertionError(f"bf16 load: {name} is not the rounded fp32 tensor")
+        if strict:
+            kept.append(name)
+    return kept
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------
+
+
+def make_fixture(name: str, spec: dict[str, Any], out_root: Path) -> dict[str, Any]:
+    print(f"\n=== {name} ===")
+    torch.manual_seed(spec["seed"])
+    config = build_config(spec)
+    model = model_class(spec)(config)
+    model.eval()
+    init_plan = randomize_(model, spec["seed"], spec["stds"])
+    check_nontrivial(model.state_dict())
+    tcfg = text_config_of(model)
+
+    rng = np.random.default_rng(spec["seed"])
+    input_ids = rng.integers(0, tcfg.unpadded_vocab_size, size=spec["seq_len"]).astype(np.int32)
+
+    with StatsCollector(model) as stats:
+        logits_f32 = causal_logits(model, input_ids)
+    summary = stats.summary()
+    for key, value in summary.items():
+        print(f"  {key:45s} {value}")
+
+    out_dir = out_root / name
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    hf_dir, original_dir = out_dir / "hf", out_dir / "original"
+    hf_files = write_hf(model, hf_dir, sharded=spec["sharded"])
+    write_original(model, spec["kind"], original_dir)
+    facts = prove_loading(spec, model, hf_dir, original_dir, input_ids, logits_f32)
+    print("  original/ and hf/ reload exactly (no missing/unexpected/mismatched keys)")
+
+    # bf16: load the saved transformers-layout model with dtype=bfloat16
+    model_bf16 = model_class(spec).from_pretrained(str(hf_dir), dtype=torch.bfloat16)
+    model_bf16.eval()
+    kept_fp32 = check_bf16_model(model_bf16, model)
+    logits_bf16 = causal_logits(model_bf16, input_ids)
+    bf16_err = float(np.abs(logits_bf16 - logits_f32).max())
+    eager_diff = float(np.abs(causal_logits(eager_experts_copy(model), input_ids) - logits_f32).max())
+    print(f"  f32 noise floor: max |eager experts - default experts| logits = {eager_diff:.2e}")
+    reload_diffs = ", ".join(f"{k} {v:.2e}" for k, v in facts["f32_reload_logit_diff"].items())
+    print(f"  f32 noise floor: max |reloaded - source| logits: {reload_diffs}")
+    print(f"  bf16 load keeps {len(kept_fp32)} tensors fp32; max |bf16 - f32| logits = {bf16_err:.4f}")
+
+    prompt = input_ids[:GREEDY_PROMPT_LEN].copy()
+    recompute = greedy_recompute(model, prompt, GREEDY_NEW_TOKENS)
+    cached = greedy_generate(model, prompt, GREEDY_NEW_TOKENS)
+    generate_matches = cached.shape == recompute.shape and bool((cached == recompute).all())
+    if generate_matches:
+        greedy_ids = cached
+        print(f"  greedy (generate == recompute): {greedy_ids.tolist()}")
+    else:
+        print(
+            f"  WARNING: cached generate {cached.tolist()} != full recompute {recompute.tolist()};"
+            " saving the recompute version",
+            file=sys.stderr,
+        )
+        greedy_ids = recompute
+
+    vocab = tcfg.unpadded_vocab_size
+    assert logits_f32.shape == (spec["seq_len"], vocab) and logits_bf16.shape == logits_f32.shape
+    np.savez(
+        out_dir / "reference.npz",
+        input_ids=input_ids.astype(np.int32),
+        logits_f32=logits_f32.astype(np.float32),
+        logits_bf16=logits_bf16.astype(np.float32),
+        greedy_prompt=prompt.astype(np.int32),
+        greedy_ids=greedy_ids.astype(np.int32),
+    )
+
+    meta = {
+        "name": name,
+        "model_class": type(model).__name__,
+        "model_type": model.config.model_type,
+        "seed": spec["seed"],
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "experts_implementation": getattr(tcfg, "_experts_implementation", None),
+        "attn_implementation": tcfg._attn_implementation,
+        "hf_weight_files": hf_files,
+        "init_stds": spec["stds"],
+        "init_plan": init_plan,
+        "stats": summary,
+        "bf16": {
+            "keep_in_fp32_modules_strict": keep_fp32_patterns(model_bf16),
+            "tensors_kept_fp32": kept_fp32,
+            "max_abs_logit_diff_vs_f32": round(bf16_err, 6),
+            "mean_abs_logit_diff_vs_f32": round(float(np.abs(logits_bf16 - logits_f32).mean()), 6),
+            "argmax_agreement_vs_f32": round(float((logits_bf16.argmax(-1) == logits_f32.argmax(-1)).mean()), 4),
+        },
+        "f32_noise_floor": {
+            "note": "logits_f32 use the default experts implementation; this is the max |diff| to the eager one",
+            "max_abs_logit_diff_eager_experts": eager_diff,
+        },
+        "greedy": {
+            "generate_matches_recompute": generate_matches,
+            "generate": cached.tolist(),
+            "recompute": recompute.tolist(),
+        },
+        **facts,
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    for path in out_dir.rglob("*"):
+        if path.is_file():
+            os.chmod(path, 0o644)
+    return meta
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--only", choices=sorted(FIXTURES), action="append")
+    parser.add_argument("--allow-version-mismatch", action="store_true")
+    args = parser.parse_args()
+
+    versions_ok = transformers.__version__ == PINNED_TRANSFORMERS and torch.__version__.split("+")[0] == PINNED_TORCH
+    if not versions_ok:
+        msg = (
+            f"expected transformers=={PINNED_TRANSFORMERS}, torch=={PINNED_TORCH}; "
+            f"found {transformers.__version__}, {torch.__version__}"
+        )
+        if not args.allow_version_mismatch:
+            raise SystemExit(msg)
+        print("WARNING: " + msg, file=sys.stderr)
+
+    torch.set_grad_enabled(False)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    for name in args.only or sorted(FIXTURES):
+        make_fixture(name, FIXTURES[name], args.out)
+    print(f"\nfixtures written under {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
