@@ -47,7 +47,7 @@ class TextConfig:
     rel_extent: int = 1024
     log_scaling_n_floor: int = 128000
     log_scaling_alpha: float = 0.1
-    layer_types: tuple[str, ...] = ()
+    layer_types: tuple[str, ...] | None = None  # None: 5 sliding then 1 full, repeated
     max_position_embeddings: int = 1048576
     rms_norm_eps: float = 1e-6
     conv_kernel_size: int = 4
@@ -228,9 +228,9 @@ def _validate_text(text: TextConfig, section: str) -> TextConfig:
         raise ConfigError(f"config field {section}.scoring_func must be 'sigmoid', got {text.scoring_func!r}")
     if text.hidden_act != "silu":
         raise ConfigError(f"config field {section}.hidden_act must be 'silu', got {text.hidden_act!r}")
-    layer_types = text.layer_types or tuple(
-        FULL if (i + 1) % 6 == 0 else SLIDING for i in range(text.num_hidden_layers)
-    )
+    layer_types = text.layer_types
+    if layer_types is None:
+        layer_types = tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(text.num_hidden_layers))
     if len(layer_types) != text.num_hidden_layers:
         raise ConfigError(
             f"config field {section}.layer_types has {len(layer_types)} entries, "

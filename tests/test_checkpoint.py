@@ -143,6 +143,11 @@ def test_multimodal_transformers_layout_sharded_skips_vision(tiny_checkpoint, tm
         (lambda t: {**t, "model.layers.0.mlp.gate.weight": np.ones((4, 17), np.float32)},
          r"'model.layers.0.mlp.gate.weight' has shape \(4, 17\), the config needs \(4, 16\)"),
         (lambda t: {**t, "model.norm.weight": np.ones(16, np.int32)}, "'model.norm.weight' has dtype int32"),
+        (
+            lambda t: {**t, "model.layers.0.mlp.experts.down_proj": t["model.layers.0.mlp.experts.down_proj"].astype(
+                ml_dtypes.float8_e4m3fn)},
+            "has dtype float8_e4m3fn.*quantized",
+        ),
     ],
 )  # fmt: skip
 def test_bad_checkpoints_name_the_tensor(tiny_checkpoint, tmp_path, edit, message):

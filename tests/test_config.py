@@ -76,6 +76,7 @@ def _text(**fields):
         (_text(num_hidden_layers=4, layer_types=["hybrid"] * 3), "layer_types"),
         (_text(num_hidden_layers=2, layer_types=["hybrid", "sliding"]), "layer_types[1]"),
         (_text(layer_types="hybrid"), "layer_types"),
+        (_text(layer_types=[]), "layer_types has 0 entries"),
         (_text(unpadded_vocab_size=300000), "unpadded_vocab_size"),
         (_text(num_experts_per_tok=400), "num_experts_per_tok"),
         (_text(scoring_func="softmax"), "scoring_func"),

@@ -76,7 +76,14 @@ def load_causal_lm(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> t
         except SafetensorsError as error:
             raise CheckpointError(str(error)) from error
         if array.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{checkpoint}: tensor {name!r} has dtype {array.dtype}, expected a float type")
+            quantized = (
+                " (quantized data: MXFP8 / NVFP4 checkpoints are not loadable yet)"
+                if "float8" in array.dtype.name
+                else ""
+            )
+            raise CheckpointError(
+                f"{checkpoint}: tensor {name!r} has dtype {array.dtype}, expected float32/bfloat16/float16{quantized}"
+            )
         variable.set_value(jax.device_put(np.asarray(transform(array)).astype(variable.dtype)))
         filled[path] = name
     missing = sorted(set(expected) - set(filled))
