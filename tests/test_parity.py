@@ -119,3 +119,29 @@ def test_score_cli_rejects_bad_ids(ids, message, tmp_path):
     assert result.returncode == 2
     assert message in result.stderr
     assert not (tmp_path / "logits.npy").exists()
+
+
+def test_batched_sequences_match_single_runs(reference, models):
+    """Rows of a batch stay independent: attention, convolutions and routing see only their own row."""
+    ids = reference["tiny_text"]["input_ids"][None]
+    other = np.random.default_rng(1).integers(0, 500, size=ids.shape).astype(np.int32)
+    forward = logits_fn(models["tiny_text", "hf"])
+    batched = np.asarray(forward(jnp.asarray(np.concatenate([ids, other]))))
+    assert relative_error(batched[0], reference["tiny_text"]["logits_f32"]) < 1e-4
+    assert relative_error(batched[1], np.asarray(forward(jnp.asarray(other)))[0]) < 1e-4
+
+
+def test_unexpected_original_tensor_is_named(tmp_path):
+    from inkling_jax.checkpoint import CheckpointError
+    from inkling_jax.checkpoint.safetensors_io import CheckpointFiles, write_safetensors
+
+    source = FIXTURES / "tiny_text" / "original"
+    files = CheckpointFiles(source)
+    tensors = {name: np.array(files.read(name)) for name in files}
+    tensors["model.llm.layers.3.attn.wq_extra.weight"] = np.ones((2, 2), np.float32)
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensor 'model.llm.layers.3.attn.wq_extra.weight' \(original"
+    ):
+        load_causal_lm(tmp_path, jnp.float32)

@@ -61,7 +61,7 @@ def load_causal_lm(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> t
             continue
         mapped = text_parameter(name, layout)
         if mapped is None or mapped[0] not in expected:
-            raise CheckpointError(f"{checkpoint}: unexpected tensor {name!r} in a {layout}-layout checkpoint")
+            raise CheckpointError(f"{checkpoint}: unexpected tensor {name!r} ({layout} layout)")
         path, transform = mapped
         if path in filled:
             raise CheckpointError(f"{checkpoint}: tensors {filled[path]!r} and {name!r} both fill {path!r}")
