@@ -142,9 +142,14 @@ _GENERIC_FIELDS = frozenset(
 )  # fmt: skip
 
 
+def _field(section: str, name: str) -> str:
+    """How an error names a field: `text_config.hidden_size`, or `hidden_size` at the top level."""
+    return f"{section}.{name}" if section else name
+
+
 def _check_type(section: str, name: str, value: Any, annotation: Any) -> Any:
     """Value of `annotation`'s type (ints accepted for floats, lists for tuples), else ConfigError."""
-    where = f"{section}.{name}" if section else name
+    where = _field(section, name)
     options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     for option in options:
         if option is type(None) and value is None:
@@ -174,10 +179,10 @@ def _build(cls: type, section: str, raw: Mapping[str, Any], aliases: Mapping[str
     for key, value in raw.items():
         name = aliases.get(key, key)
         if name not in fields:
-            unused.append(key if not section else f"{section}.{key}")
+            unused.append(_field(section, key))
             continue
         if name in values:
-            raise ConfigError(f"config field {section + '.' if section else ''}{key!r} is given twice (as {name!r})")
+            raise ConfigError(f"config field {_field(section, key)!r} is given twice (as {name!r})")
         values[name] = _check_type(section, name, value, hints[name])
     return cls(**values), unused
 
@@ -186,7 +191,7 @@ def _positive(section: str, config: Any, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(config, name)
         if not value > 0:
-            raise ConfigError(f"config field {section}.{name} must be positive, got {value}")
+            raise ConfigError(f"config field {_field(section, name)} must be positive, got {value}")
 
 
 def _validate_text(text: TextConfig, section: str) -> TextConfig:
@@ -204,10 +209,12 @@ def _validate_text(text: TextConfig, section: str) -> TextConfig:
         ),
     )  # fmt: skip
     if text.log_scaling_alpha < 0:
-        raise ConfigError(f"config field {section}.log_scaling_alpha must be >= 0, got {text.log_scaling_alpha}")
+        raise ConfigError(
+            f"config field {_field(section, 'log_scaling_alpha')} must be >= 0, got {text.log_scaling_alpha}"
+        )
     if text.unpadded_vocab_size > text.vocab_size:
         raise ConfigError(
-            f"config field {section}.unpadded_vocab_size ({text.unpadded_vocab_size}) exceeds "
+            f"config field {_field(section, 'unpadded_vocab_size')} ({text.unpadded_vocab_size}) exceeds "
             f"vocab_size ({text.vocab_size})"
         )
     for heads, kv in (
@@ -216,33 +223,37 @@ def _validate_text(text: TextConfig, section: str) -> TextConfig:
     ):
         if getattr(text, heads) % getattr(text, kv):
             raise ConfigError(
-                f"config field {section}.{kv} ({getattr(text, kv)}) must divide "
-                f"{section}.{heads} ({getattr(text, heads)})"
+                f"config field {_field(section, kv)} ({getattr(text, kv)}) must divide "
+                f"{_field(section, heads)} ({getattr(text, heads)})"
             )
     if text.num_experts_per_tok > text.n_routed_experts:
         raise ConfigError(
-            f"config field {section}.num_experts_per_tok ({text.num_experts_per_tok}) exceeds "
+            f"config field {_field(section, 'num_experts_per_tok')} ({text.num_experts_per_tok}) exceeds "
             f"n_routed_experts ({text.n_routed_experts})"
         )
     if text.scoring_func != "sigmoid":
-        raise ConfigError(f"config field {section}.scoring_func must be 'sigmoid', got {text.scoring_func!r}")
+        raise ConfigError(
+            f"config field {_field(section, 'scoring_func')} must be 'sigmoid', got {text.scoring_func!r}"
+        )
     if text.hidden_act != "silu":
-        raise ConfigError(f"config field {section}.hidden_act must be 'silu', got {text.hidden_act!r}")
+        raise ConfigError(f"config field {_field(section, 'hidden_act')} must be 'silu', got {text.hidden_act!r}")
     layer_types = text.layer_types
     if layer_types is None:
         layer_types = tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(text.num_hidden_layers))
     if len(layer_types) != text.num_hidden_layers:
         raise ConfigError(
-            f"config field {section}.layer_types has {len(layer_types)} entries, "
+            f"config field {_field(section, 'layer_types')} has {len(layer_types)} entries, "
             f"num_hidden_layers is {text.num_hidden_layers}"
         )
     for i, kind in enumerate(layer_types):
         if kind not in LAYER_TYPES:
-            raise ConfigError(f"config field {section}.layer_types[{i}] must be one of {LAYER_TYPES}, got {kind!r}")
+            raise ConfigError(
+                f"config field {_field(section, 'layer_types')}[{i}] must be one of {LAYER_TYPES}, got {kind!r}"
+            )
     eos = text.eos_token_id
     for token in eos if isinstance(eos, tuple) else (eos,):
         if token is not None and not 0 <= token < text.unpadded_vocab_size:
-            raise ConfigError(f"config field {section}.eos_token_id {token} is outside the vocabulary")
+            raise ConfigError(f"config field {_field(section, 'eos_token_id')} {token} is outside the vocabulary")
     return dataclasses.replace(text, layer_types=layer_types)
 
 
@@ -255,8 +266,8 @@ def _validate_vision(vision: VisionConfig, section: str) -> VisionConfig:
     )  # fmt: skip
     if vision.hidden_size % vision.num_attention_heads:
         raise ConfigError(
-            f"config field {section}.num_attention_heads ({vision.num_attention_heads}) must divide "
-            f"{section}.hidden_size ({vision.hidden_size})"
+            f"config field {_field(section, 'num_attention_heads')} ({vision.num_attention_heads}) must divide "
+            f"{_field(section, 'hidden_size')} ({vision.hidden_size})"
         )
     if vision.intermediate_size is None:
         vision = dataclasses.replace(vision, intermediate_size=int(vision.hidden_size * vision.mlp_ratio))
@@ -287,7 +298,7 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
         text, unused = _build(
             TextConfig, "", {k: v for k, v in raw.items() if k != "quantization_config"}, TEXT_ALIASES
         )
-        config = ModelConfig(model_type, _validate_text(text, "text"), quantization=quantization)
+        config = ModelConfig(model_type, _validate_text(text, ""), quantization=quantization)
     elif model_type == "inkling2":
         text_raw = _section(raw, "text_config")
         vision_raw = _section(raw, "vision_config")
