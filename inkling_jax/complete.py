@@ -11,12 +11,10 @@ import argparse
 import json
 import sys
 
-import jax
-
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
 from inkling_jax.config import ConfigError
 from inkling_jax.forward import greedy_continuation
-from inkling_jax.score import DTYPES, MATMUL_PRECISION
+from inkling_jax.score import DTYPES
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 
 
@@ -39,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, TokenIdError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    with jax.default_matmul_precision(MATMUL_PRECISION[args.dtype]):
-        print(json.dumps(greedy_continuation(model, ids, args.max_tokens)))
+    print(json.dumps(greedy_continuation(model, ids, args.max_tokens)))
     return 0
 
 

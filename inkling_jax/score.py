@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,8 +19,6 @@ from inkling_jax.forward import logits_fn
 from inkling_jax.token_ids import TokenIdError, read_token_ids
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# float32 means float32 arithmetic: no TF32 / bf16-pass matmuls on accelerators.
-MATMUL_PRECISION = {"float32": "highest", "bfloat16": "default"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, TokenIdError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    with jax.default_matmul_precision(MATMUL_PRECISION[args.dtype]):
-        logits = logits_fn(model)(jnp.asarray([ids], jnp.int32))[0]
+    logits = logits_fn(model)(jnp.asarray([ids], jnp.int32))[0]
     np.save(args.output, np.asarray(logits, np.float32))
     return 0
 

@@ -93,15 +93,26 @@ def test_score_cli_writes_reference_logits(layout, reference, tmp_path):
     assert relative_error(logits, reference[case]["logits_f32"]) < 1e-4
 
 
-def test_score_cli_bfloat16_runs_close_to_float32(reference, tmp_path):
-    """bf16 arithmetic differs from fp32 (the tiny fixtures amplify it), but the first token's logits
-    see only one token of context and stay close."""
+@pytest.mark.parametrize("case", CASES)
+def test_bfloat16_logits_follow_reference_rounding(case, reference):
+    """bf16 arithmetic is chaotic on these tiny models (the reference's own bf16 and fp32 logits differ by
+    up to 5), so we check that we round where transformers rounds: the first tokens agree to the bit, and
+    later ones stay an order of magnitude closer to the reference's bf16 logits than fp32 logits are."""
+    ids = jnp.asarray(reference[case]["input_ids"][None], jnp.int32)
+    got = np.asarray(logits_fn(load_causal_lm(FIXTURES / case / "hf", jnp.bfloat16)[1])(ids)[0])
+    want, f32 = reference[case]["logits_bf16"], reference[case]["logits_f32"]
+    np.testing.assert_allclose(got[:12], want[:12], rtol=0, atol=1e-5)  # a bf16 ulp would move them by >1e-3
+    assert np.abs(got - want).mean() < 0.2 * np.abs(f32 - want).mean()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_score_cli_bfloat16(reference, tmp_path):
     case = "tiny_text"
     result = _score(FIXTURES / case / "hf", reference[case]["input_ids"].tolist(), tmp_path, "bfloat16")
     assert result.returncode == 0, result.stderr
     logits = np.load(tmp_path / "logits.npy")
-    assert logits.shape == reference[case]["logits_f32"].shape and np.isfinite(logits).all()
-    assert relative_error(logits[0], reference[case]["logits_bf16"][0]) < 0.1
+    assert logits.dtype == np.float32 and logits.shape == reference[case]["logits_f32"].shape
+    np.testing.assert_allclose(logits[:12], reference[case]["logits_bf16"][:12], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(

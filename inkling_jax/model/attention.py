@@ -14,6 +14,7 @@ from inkling_jax.config import TextConfig
 from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
+from pallas_kernels.numerics import round_to
 from pallas_kernels.relative_attention import relative_attention
 
 
@@ -73,19 +74,19 @@ class Attention(nnx.Module):
         q = self.q_l2_clip(self.q_proj(q_in).reshape(heads))
         k = self._convolve(self.k_sconv, self.k_proj(k_in), k_in)
         v = self._convolve(self.v_sconv, self.v_proj(v_in), v_in)
-        k = l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold).astype(dtype)
-        v = rms_normalize(v.reshape(kv_heads), config.rms_norm_eps).astype(dtype)
+        k = round_to(l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold), dtype)
+        v = round_to(rms_normalize(v.reshape(kv_heads), config.rms_norm_eps), dtype)
         rel = self.rel_l2_clip(self.r_proj(q_in).reshape(heads))
         if not self.sliding:
             tau = log_length_scale(positions, config.log_scaling_alpha, config.log_scaling_n_floor)
             tau = tau[:, :, None, None]
-            q = (q.astype(jnp.float32) * tau).astype(dtype)
-            rel = (rel.astype(jnp.float32) * tau).astype(dtype)
+            q = round_to(q.astype(jnp.float32) * tau, dtype)
+            rel = round_to(rel.astype(jnp.float32) * tau, dtype)
 
         out = relative_attention(
             q, k, v, rel, self.rel_logits_proj.proj[...], self.sink_proj(q_in), positions, positions,
             scale=self.head_dim**-0.5, window=config.sliding_window_size if self.sliding else None,
         )  # fmt: skip
         gate = jax.nn.sigmoid(self.gate_proj(q_in).astype(jnp.float32))
-        out = (out.reshape(batch, length, -1).astype(jnp.float32) * gate).astype(dtype)
+        out = round_to(out.reshape(batch, length, -1).astype(jnp.float32) * gate, dtype)
         return self.o_proj(out)

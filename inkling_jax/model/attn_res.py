@@ -10,6 +10,7 @@ from flax import nnx
 
 from inkling_jax.model.norms import rms_normalize
 from inkling_jax.model.params import param, zeros
+from pallas_kernels.numerics import einsum
 
 
 class BlockAttentionResidual(nnx.Module):
@@ -23,6 +24,6 @@ class BlockAttentionResidual(nnx.Module):
         stacked = rms_normalize(jnp.stack([*sources, partial], axis=-2), 1e-6)  # [B, T, S+1, H]
         hidden = stacked.shape[-1]
         queries = self.query[...].astype(jnp.float32).reshape(-1, hidden)  # [Q, H]
-        logits = jnp.einsum("qh,btsh->btqs", queries, stacked) * hidden**-0.5
-        mixed = jnp.einsum("btqs,btsh->btqh", jax.nn.softmax(logits, axis=-1), stacked)
+        logits = einsum("qh,btsh->btqs", queries, stacked) * hidden**-0.5
+        mixed = einsum("btqs,btsh->btqh", jax.nn.softmax(logits, axis=-1), stacked)
         return [mixed[:, :, i] for i in range(queries.shape[0])]

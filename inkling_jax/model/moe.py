@@ -7,6 +7,7 @@ from flax import nnx
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from pallas_kernels.moe import moe_experts
+from pallas_kernels.numerics import einsum
 
 
 class Router(nnx.Module):
@@ -22,7 +23,7 @@ class Router(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [N, H] -> (expert ids [N, k] int32, weights [N, k] fp32)."""
-        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T
+        logits = einsum("nh,eh->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
         scores = jax.nn.sigmoid(logits)
         _, experts = jax.lax.top_k(scores + self.e_score_correction_bias[...], self.top_k)
         weights = jnp.take_along_axis(scores, experts, axis=-1)

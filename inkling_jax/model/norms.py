@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.model.params import ones, param
+from pallas_kernels.numerics import round_to
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -32,7 +33,7 @@ class RMSNorm(nnx.Module):
         self.weight = param(rngs, (size,), ("embed",), dtype, ones)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (self.weight[...].astype(jnp.float32) * rms_normalize(x, self.eps)).astype(x.dtype)
+        return round_to(self.weight[...].astype(jnp.float32) * rms_normalize(x, self.eps), x.dtype)
 
 
 class ScaledL2Clip(nnx.Module):
@@ -44,4 +45,4 @@ class ScaledL2Clip(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         scaled = x.astype(jnp.float32) * self.scale[...].astype(jnp.float32)
-        return l2_clip(scaled, self.threshold).astype(x.dtype)
+        return round_to(l2_clip(scaled, self.threshold), x.dtype)

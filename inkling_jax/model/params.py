@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.numerics import einsum, round_to
+
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
@@ -45,7 +47,7 @@ def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
 
 
 class Linear(nnx.Module):
-    """y = x @ weight.T with weight [out, in]; the matmul runs in x's dtype."""
+    """y = x @ weight.T with weight [out, in], accumulated in fp32 and rounded to x's dtype."""
 
     def __init__(
         self, rngs: nnx.Rngs, in_features: int, out_features: int, axes: tuple[str | None, str | None],
@@ -54,4 +56,4 @@ class Linear(nnx.Module):
         self.weight = param(rngs, (out_features, in_features), axes, dtype, normal(std))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+        return einsum("...i,oi->...o", x, round_to(self.weight[...], x.dtype))

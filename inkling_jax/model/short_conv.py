@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.model.params import Linear, normal, param, zeros
+from pallas_kernels.numerics import einsum, round_to
 
 
 def lagged(x: jax.Array, kernel_size: int) -> jax.Array:
@@ -34,8 +35,8 @@ class ShortConvolution(nnx.Module):
         """x [B, T, C] -> [B, T, C]."""
         xf = x.astype(jnp.float32)
         taps = self.weight[...][:, 0, ::-1].astype(jnp.float32)  # [C, K], lag-indexed
-        out = jnp.einsum("btck,ck->btc", lagged(xf, self.kernel_size), taps)
-        return ((out + xf) / math.sqrt(self.kernel_size + 1)).astype(x.dtype)
+        out = einsum("btck,ck->btc", lagged(xf, self.kernel_size), taps)
+        return round_to((out + xf) / math.sqrt(self.kernel_size + 1), x.dtype)
 
 
 class DynamicShortConvolution(nnx.Module):
@@ -57,4 +58,4 @@ class DynamicShortConvolution(nnx.Module):
         taps = (static + dynamic).reshape(batch, length, channels, self.kernel_size)
         xf = x.astype(jnp.float32)
         out = jnp.sum(lagged(xf, self.kernel_size) * taps, axis=-1)
-        return ((out + xf) / math.sqrt(2 * self.kernel_size + 1)).astype(x.dtype)
+        return round_to((out + xf) / math.sqrt(2 * self.kernel_size + 1), x.dtype)

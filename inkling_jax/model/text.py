@@ -17,6 +17,7 @@ from inkling_jax.model.moe import SparseMoeBlock
 from inkling_jax.model.norms import RMSNorm, softcap
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import ShortConvolution
+from pallas_kernels.numerics import round_to
 
 
 class DecoderLayer(nnx.Module):
@@ -47,11 +48,11 @@ class DecoderLayer(nnx.Module):
         else:
             inputs = [x] * (1 if self.sliding else 3)
         if self.sliding:
-            h = self.input_layernorm(inputs[0]).astype(dtype)
+            h = round_to(self.input_layernorm(inputs[0]), dtype)
             h = self.self_attn(h, h, h, positions)
         else:
             norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
-            q_in, k_in, v_in = (norm(i).astype(dtype) for norm, i in zip(norms, inputs, strict=True))
+            q_in, k_in, v_in = (round_to(norm(i), dtype) for norm, i in zip(norms, inputs, strict=True))
             h = self.self_attn(q_in, k_in, v_in, positions)
         h = self.post_attention_convolution(h).astype(jnp.float32)
 
@@ -61,9 +62,9 @@ class DecoderLayer(nnx.Module):
             h = x.astype(jnp.float32) + h
         residual = h
         h = self.mlp_input(sources, h)[0]
-        h = self.mlp(self.post_attention_layernorm(h).astype(dtype))
+        h = self.mlp(round_to(self.post_attention_layernorm(h), dtype))
         h = self.post_mlp_convolution(h)
-        return (residual + h).astype(dtype)
+        return round_to(residual + h, dtype)
 
 
 class NormedEmbedding(nnx.Module):
@@ -95,7 +96,7 @@ class TextModel(nnx.Module):
                 sources.append(x)
             x = out
         x = self.final_input(sources, x)[0]
-        return self.norm(x).astype(dtype)
+        return round_to(self.norm(x), dtype)
 
 
 class CausalLM(nnx.Module):

@@ -8,6 +8,8 @@ Token copies are sorted by expert and run as one grouped matmul per projection.
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.numerics import ragged_dot, round_to
+
 # lhs [M, K] x rhs [E, N, K] -> [M, N]: contract K, group the rows of lhs over rhs's expert axis.
 _GROUPED = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])),
@@ -23,7 +25,7 @@ def softcap(x: jax.Array, cap: float) -> jax.Array:
 def capped_swiglu(gate: jax.Array, up: jax.Array, gate_cap: float, up_cap: float) -> jax.Array:
     """SwiGLU whose linear gate factor and up projection are softcapped; fp32, cast back."""
     g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-    return (softcap(g, gate_cap) * jax.nn.sigmoid(g) * softcap(u, up_cap)).astype(gate.dtype)
+    return round_to(softcap(g, gate_cap) * jax.nn.sigmoid(g) * softcap(u, up_cap), gate.dtype)
 
 
 def moe_experts(
@@ -49,10 +51,10 @@ def moe_experts(
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
 
     rows = x[token_of]
-    gate_up_out = jax.lax.ragged_dot_general(rows, gate_up.astype(x.dtype), group_sizes, _GROUPED)
+    gate_up_out = ragged_dot(rows, round_to(gate_up, x.dtype), group_sizes, _GROUPED)
     hidden = capped_swiglu(gate_up_out[:, : two_i // 2], gate_up_out[:, two_i // 2 :], gate_cap, up_cap)
-    out_rows = jax.lax.ragged_dot_general(hidden, down.astype(x.dtype), group_sizes, _GROUPED)
+    out_rows = ragged_dot(hidden, round_to(down, x.dtype), group_sizes, _GROUPED)
 
     weighted = out_rows.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(weighted)
-    return out.astype(x.dtype)
+    return round_to(out, x.dtype)

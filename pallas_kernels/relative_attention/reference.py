@@ -9,11 +9,13 @@ eager path: scores, bias and probabilities are rounded to the activation dtype w
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.numerics import einsum, round_to
+
 
 def relative_bias(rel: jax.Array, rel_proj: jax.Array, q_positions: jax.Array, kv_positions: jax.Array) -> jax.Array:
     """Bias [B, Hq, T, S] from relative states rel [B, T, Hq, d_rel] and rel_proj [d_rel, extent]."""
     extent = rel_proj.shape[-1]
-    profiles = jnp.einsum("bthr,re->bhte", rel, rel_proj.astype(rel.dtype))  # [B, Hq, T, extent]
+    profiles = einsum("bthr,re->bhte", rel, round_to(rel_proj, rel.dtype))  # [B, Hq, T, extent]
     distance = q_positions[:, :, None] - kv_positions[:, None, :]  # [B, T, S]
     index = jnp.clip(distance, 0, extent - 1)[:, None]
     bias = jnp.take_along_axis(profiles, index, axis=-1)
@@ -45,9 +47,10 @@ def relative_attention(
     groups = num_heads // kv_heads
     dtype = q.dtype
     qg = q.reshape(batch, q_len, kv_heads, groups, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k).reshape(batch, num_heads, q_len, -1)
-    scores = scores * jnp.asarray(scale, dtype)
-    scores = scores + relative_bias(rel, rel_proj, q_positions, kv_positions)
+    scores = einsum("btkgd,bskd->bkgts", qg, k).reshape(batch, num_heads, q_len, -1)
+    scores = round_to(scores.astype(jnp.float32) * scale, dtype)
+    bias = relative_bias(rel, rel_proj, q_positions, kv_positions)
+    scores = round_to(scores.astype(jnp.float32) + bias.astype(jnp.float32), dtype)
 
     distance = q_positions[:, :, None] - kv_positions[:, None, :]
     visible = distance >= 0
@@ -55,8 +58,8 @@ def relative_attention(
         visible &= distance < window
     logits = jnp.where(visible[:, None], scores.astype(jnp.float32), -jnp.inf)
     sink = jnp.transpose(sinks, (0, 2, 1))[..., None].astype(jnp.float32)  # [B, Hq, T, 1]
-    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1].astype(dtype)
+    probs = round_to(jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1], dtype)
 
     probs = probs.reshape(batch, kv_heads, groups, q_len, -1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, q_len, num_heads, head_dim)
