@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -159,6 +160,8 @@ def _check_type(section: str, name: str, value: Any, annotation: Any) -> Any:
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"config field {where!r} must be a finite number, got {value!r}")
             return float(value)
         if option is str and isinstance(value, str):
             return value
@@ -181,9 +184,12 @@ def _build(cls: type, section: str, raw: Mapping[str, Any], aliases: Mapping[str
         if name not in fields:
             unused.append(_field(section, key))
             continue
-        if name in values:
-            raise ConfigError(f"config field {_field(section, key)!r} is given twice (as {name!r})")
-        values[name] = _check_type(section, name, value, hints[name])
+        value = _check_type(section, name, value, hints[name])
+        if name in values and values[name] != value:
+            raise ConfigError(
+                f"config field {_field(section, key)!r} ({value!r}) contradicts {name!r} ({values[name]!r})"
+            )
+        values[name] = value
     return cls(**values), unused
 
 
@@ -235,8 +241,6 @@ def _validate_text(text: TextConfig, section: str) -> TextConfig:
         raise ConfigError(
             f"config field {_field(section, 'scoring_func')} must be 'sigmoid', got {text.scoring_func!r}"
         )
-    if text.hidden_act != "silu":
-        raise ConfigError(f"config field {_field(section, 'hidden_act')} must be 'silu', got {text.hidden_act!r}")
     layer_types = text.layer_types
     if layer_types is None:
         layer_types = tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(text.num_hidden_layers))
@@ -261,7 +265,7 @@ def _validate_vision(vision: VisionConfig, section: str) -> VisionConfig:
     _positive(
         section,
         vision,
-        ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_channels", "patch_size",
+        ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_channels", "patch_size", "mlp_ratio",
          "layer_norm_eps", "spatial_merge_size", "posemb_grid_size", "projection_hidden_dim", "text_hidden_size"),
     )  # fmt: skip
     if vision.hidden_size % vision.num_attention_heads:
@@ -332,10 +336,12 @@ def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config file at {path}")
     try:
         raw = json.loads(path.read_text())
-    except FileNotFoundError as error:
-        raise ConfigError(f"no config file at {path}") from error
-    except json.JSONDecodeError as error:
+    except OSError as error:
+        raise ConfigError(f"cannot read {path}: {error}") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path} is not valid JSON: {error}") from error
     return parse_config(raw)

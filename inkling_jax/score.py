@@ -35,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     logits = logits_fn(model)(jnp.asarray([ids], jnp.int32))[0]
-    np.save(args.output, np.asarray(logits, np.float32))
+    try:
+        np.save(args.output, np.asarray(logits, np.float32))
+    except OSError as error:
+        print(f"error: cannot write {args.output}: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -30,6 +30,6 @@ def read_token_ids(path: str | Path, text: TextConfig) -> list[int]:
         ids = json.loads(Path(path).read_text())
     except OSError as error:
         raise TokenIdError(f"cannot read {path}: {error}") from error
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise TokenIdError(f"{path} is not JSON: {error}") from error
     return validate_token_ids(ids, text)

@@ -89,6 +89,49 @@ def test_broken_files_raise_named_errors(tmp_path):
         CheckpointFiles(tmp_path / "..")
 
 
+def _raw_safetensors(path: Path, header: dict, data: bytes = b"") -> None:
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dtype": "F32", "data_offsets": [0, 4]}, "malformed header entry"),
+        ({"dtype": "F32", "shape": None, "data_offsets": [0, 4]}, "malformed header entry"),
+        ({"dtype": "F32", "shape": [-1, -1], "data_offsets": [0, 4]}, "malformed header entry"),
+        ({"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}, "malformed header entry"),
+        ({"dtype": "Q4", "shape": [1], "data_offsets": [0, 4]}, "unsupported dtype 'Q4'"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}, r"byte range 0..4 does not hold \[2\]"),
+        ("not an object", "malformed header entry"),
+    ],
+)
+def test_malformed_header_entries_are_named(tmp_path, entry, message):
+    _raw_safetensors(tmp_path / "model.safetensors", {"w": entry}, b"\0" * 4)
+    with pytest.raises(SafetensorsError, match=f"tensor 'w' .*{message}|tensor 'w' has {message}"):
+        CheckpointFiles(tmp_path)
+
+
+@pytest.mark.parametrize("weight_map", [["w"], {"w": None}, "x"])
+def test_malformed_index_is_named(tmp_path, weight_map):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(SafetensorsError, match="weight_map"):
+        CheckpointFiles(tmp_path)
+
+
+def test_checkpoint_must_be_a_directory(tiny_checkpoint):
+    with pytest.raises(CheckpointError, match="is not a checkpoint directory"):
+        load_causal_lm(tiny_checkpoint / "model.safetensors", jnp.float32)
+
+
+def test_key_clip_tensors_are_ignored_like_transformers(tiny_checkpoint, tmp_path):
+    edited = _copy(tiny_checkpoint, tmp_path, lambda t: {**t, "model.layers.0.self_attn.k_l2_clip.scale": np.ones(4)})
+    _, model = load_causal_lm(edited, jnp.float32)
+    _, reference = load_causal_lm(tiny_checkpoint, jnp.float32)
+    ids = jnp.asarray([[3, 14, 15, 9, 26]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(reference(ids)))
+
+
 def test_deinterleave_rows_splits_gate_and_up():
     rng = np.random.default_rng(2)
     gate, up = rng.normal(size=(3, 4, 5)), rng.normal(size=(3, 4, 5))

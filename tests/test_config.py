@@ -82,7 +82,10 @@ def _text(**fields):
         (_text(scoring_func="softmax"), "scoring_func"),
         (_text(hidden_size=0), "hidden_size"),
         (_text(eos_token_id=250000), "eos_token_id"),
-        (_text(sliding_window=8, sliding_window_size=8), "sliding_window"),
+        (_text(sliding_window=8, sliding_window_size=16), "'sliding_window.*contradicts"),
+        (_text(log_scaling_alpha=float("nan")), "log_scaling_alpha' must be a finite number"),
+        (_text(rms_norm_eps=float("inf")), "rms_norm_eps' must be a finite number"),
+        ({"model_type": "inkling2", "vision_config": {"mlp_ratio": -4.0}}, "vision_config.mlp_ratio"),
         ({"model_type": "inkling2", "text_config": {"hidden_size": 64}}, "text_hidden_size"),
         ({"model_type": "inkling2", "text_config": []}, "text_config"),
         ({"model_type": "inkling2", "vision_config": {"num_attention_heads": 5}}, "num_attention_heads"),
@@ -93,11 +96,29 @@ def test_bad_configs_name_the_field(raw, named):
         parse_config(raw)
 
 
+def test_alias_and_field_may_agree():
+    assert parse_config(_text(sliding_window=64, sliding_window_size=64)).text.sliding_window_size == 64
+
+
+def test_null_layer_types_take_the_default_pattern():
+    assert (
+        parse_config(_text(layer_types=None)).text.layer_types
+        == load_config(ROOT / "configs" / "inkling2_small.json").text.layer_types
+    )
+
+
 def test_unreadable_config_files(tmp_path):
     with pytest.raises(ConfigError, match="no config file"):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="no config file"):
         load_config(tmp_path)
 
 

@@ -156,3 +156,16 @@ def test_unexpected_original_tensor_is_named(tmp_path):
         CheckpointError, match=r"unexpected tensor 'model.llm.layers.3.attn.wq_extra.weight' \(original"
     ):
         load_causal_lm(tmp_path, jnp.float32)
+
+
+def test_score_cli_reports_unreadable_ids_and_unwritable_output(tmp_path):
+    (tmp_path / "ids.json").write_bytes(b"\xff\xfe[1]")
+    command = [sys.executable, "-m", "inkling_jax.score", "--checkpoint", str(FIXTURES / "tiny_text" / "hf")]
+    result = subprocess.run([*command, "--input", str(tmp_path / "ids.json"), "--output", str(tmp_path / "o.npy")],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and "is not JSON" in result.stderr
+    (tmp_path / "ids.json").write_text("[1, 2, 3]")
+    missing_dir = tmp_path / "no" / "such" / "dir" / "o.npy"
+    result = subprocess.run([*command, "--input", str(tmp_path / "ids.json"), "--output", str(missing_dir)],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and "cannot write" in result.stderr

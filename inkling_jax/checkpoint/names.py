@@ -6,7 +6,8 @@ weights drop transformers' `.conv1d` level. Layouts:
   and up rows interleaved, `attn_res.attn_queries.{i}` belonging to layer i + 1, ...
 - "transformers": `model.*` + `lm_head.weight` (Inkling2ForCausalLM) or `model.language_model.*` +
   `model.vision_tower.*` + `lm_head.weight` (Inkling2ForConditionalGeneration).
-Vision-tower tensors are recognised and left to the image tower.
+Vision-tower tensors are recognised and left to the image tower; `k_l2_clip` tensors are ignored, as
+transformers ignores them.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def detect_layout(names: Iterable[str]) -> str:
 
 def is_vision(name: str) -> bool:
     return name.startswith(VISION_PREFIXES)
+
+
+def is_ignored(name: str) -> bool:
+    """Tensors transformers' conversion renames but its model has no parameter for: the key L2 clip
+    has a fixed threshold, so a stored `k_l2_clip` tensor does not take part in the reference's math."""
+    return ".k_l2_clip." in name
 
 
 def text_parameter(name: str, layout: str) -> tuple[str, Transform] | None:

@@ -7,9 +7,11 @@ formats come back as ml_dtypes arrays, which the `safetensors` numpy API cannot 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -41,6 +43,36 @@ class SafetensorsError(ValueError):
     """A checkpoint file that cannot be read as safetensors; the message names file and tensor."""
 
 
+class Entry(NamedTuple):
+    """One tensor's header entry, validated."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _entry(path: Path, name: str, raw: object, data_size: int) -> Entry:
+    """Validate a header entry: known dtype, non-negative integer shape, a byte range that holds it."""
+    try:
+        dtype_name, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]  # type: ignore[index]
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise TypeError(f"shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise TypeError(f"data_offsets {offsets!r}")
+    except (KeyError, TypeError) as error:
+        raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry ({error})") from error
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * dtype.itemsize:
+        raise SafetensorsError(
+            f"{path}: tensor {name!r} byte range {begin}..{end} does not hold {shape} of {dtype_name}"
+        )
+    return Entry(dtype, tuple(shape), begin, end)
+
+
 class _File:
     def __init__(self, path: Path):
         self.path = path
@@ -60,27 +92,25 @@ class _File:
             raise SafetensorsError(f"{path}: header is not a JSON object")
         header.pop("__metadata__", None)
         self.data_start = 8 + header_size
-        self.data_size = size - self.data_start
-        self.entries = header
+        data_size = size - self.data_start
+        self.entries = {name: _entry(path, name, raw, data_size) for name, raw in header.items()}
         self._map: np.memmap | None = None
 
     def read(self, name: str) -> np.ndarray:
         entry = self.entries[name]
-        dtype = DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
-        try:
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise SafetensorsError(f"{self.path}: tensor {name!r} has a malformed header entry") from error
-        if not 0 <= begin <= end <= self.data_size or end - begin != int(np.prod(shape)) * dtype.itemsize:
-            raise SafetensorsError(
-                f"{self.path}: tensor {name!r} byte range {begin}..{end} does not hold {shape} of {entry['dtype']}"
-            )
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
-        return self._map[begin:end].view(dtype).reshape(shape)
+        return self._map[entry.begin : entry.end].view(entry.dtype).reshape(entry.shape)
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise SafetensorsError(f"{index} has no valid 'weight_map': {error!r}") from error
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise SafetensorsError(f"{index}: 'weight_map' must map tensor names to file names")
+    return weight_map
 
 
 class CheckpointFiles:
@@ -90,19 +120,15 @@ class CheckpointFiles:
         path = Path(path)
         self._where: dict[str, _File] = {}
         if path.is_file():
-            files = {path.name: _File(path)}
-            self._where = {name: files[path.name] for name in files[path.name].entries}
+            single = _File(path)
+            self._where = dict.fromkeys(single.entries, single)
             return
         index = path / INDEX_FILE
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise SafetensorsError(f"{index} has no valid 'weight_map': {error}") from error
-            files = {}
-            for name, file in weight_map.items():
+            files: dict[str, _File] = {}
+            for name, file in _weight_map(index).items():
                 if file not in files:
-                    if not (path / file).exists():
+                    if not (path / file).is_file():
                         raise SafetensorsError(f"{index} names {file} for {name!r}, which does not exist")
                     files[file] = _File(path / file)
                 if name not in files[file].entries:
@@ -117,8 +143,9 @@ class CheckpointFiles:
     def names(self) -> list[str]:
         return sorted(self._where)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._where[name].entries[name]["shape"])
+    def entry(self, name: str) -> Entry:
+        """dtype, shape and byte range of a tensor, from the header alone."""
+        return self._where[name].entries[name]
 
     def read(self, name: str) -> np.ndarray:
         return self._where[name].read(name)

@@ -112,7 +112,11 @@ class CausalLM(nnx.Module):
         )
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """token_ids [B, T] -> float32 logits [B, T, unpadded_vocab_size]."""
+        """token_ids [B, T] -> float32 logits [B, T, unpadded_vocab_size].
+
+        positions [B, T]: each row's absolute positions, consecutive and increasing (default 0..T-1);
+        they set causality, relative distances and tau. A row holds one sequence (no packing).
+        """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1], dtype=jnp.int32), token_ids.shape)
         hidden = self.model(token_ids, positions)
