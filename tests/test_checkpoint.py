@@ -146,9 +146,7 @@ def test_load_fills_every_parameter_from_the_file(tiny_checkpoint):
     params = parameter_paths(nnx.state(model))
     assert len(params) == len(files.names())
     for path, variable in params.items():
-        static_conv = path.endswith(("_sconv.weight", "_convolution.weight"))
-        name = path.removesuffix(".weight") + ".conv1d.weight" if static_conv else path
-        np.testing.assert_array_equal(np.asarray(variable[...]), files.read(name))
+        np.testing.assert_array_equal(np.asarray(variable[...]), files.read(path))
 
 
 def test_bfloat16_load_keeps_fp32_parameters(tiny_checkpoint):
@@ -157,7 +155,7 @@ def test_bfloat16_load_keeps_fp32_parameters(tiny_checkpoint):
     assert params["model.layers.0.self_attn.q_proj.weight"].dtype == jnp.bfloat16
     assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == jnp.bfloat16
     for fp32 in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate.e_score_correction_bias",
-                 "model.layers.0.post_mlp_convolution.weight", "model.layers.0.self_attn.k_sconv.weight",
+                 "model.layers.0.post_mlp_convolution.conv1d.weight", "model.layers.0.self_attn.k_sconv.conv1d.weight",
                  "model.layers.1.attention_input.query", "model.final_input.query"):  # fmt: skip
         assert params[fp32].dtype == jnp.float32, fp32
 

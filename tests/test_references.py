@@ -75,7 +75,7 @@ def test_static_short_conv_matches_loop():
     rng = np.random.default_rng(3)
     conv = ShortConvolution(nnx.Rngs(0), channels=6, kernel_size=4, axis=None, std=1.0)
     weight = rng.normal(size=(6, 1, 4)).astype(np.float32)  # torch layout: tap 3 is the current token
-    conv.weight.set_value(jnp.asarray(weight))
+    conv.conv1d.weight.set_value(jnp.asarray(weight))
     x = rng.normal(size=(2, 9, 6)).astype(np.float32)
     want = np.zeros_like(x)
     for t in range(9):

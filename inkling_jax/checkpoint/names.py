@@ -1,7 +1,6 @@
 """Checkpoint tensor names -> parameter paths of `CausalLM`, for every layout Inkling 2 ships in.
 
-Our parameter paths are transformers' `Inkling2ForCausalLM` names, except that static convolution
-weights drop transformers' `.conv1d` level. Layouts:
+Our parameter paths are transformers' `Inkling2ForCausalLM` names. Layouts:
 - "original": the released checkpoints (`model.llm.*`, `model.visual.*`): fused `w13_weight` with gate
   and up rows interleaved, `attn_res.attn_queries.{i}` belonging to layer i + 1, ...
 - "transformers": `model.*` + `lm_head.weight` (Inkling2ForCausalLM) or `model.language_model.*` +
@@ -107,4 +106,4 @@ def text_parameter(name: str, layout: str) -> tuple[str, Transform] | None:
     if target is None:
         return None
     transform = deinterleave_rows if name.endswith("mlp.experts.w13_weight") else _identity
-    return target.replace(".conv1d.weight", ".weight"), transform
+    return target, transform

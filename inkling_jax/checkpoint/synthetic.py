@@ -22,13 +22,6 @@ from inkling_jax.config import load_config
 from inkling_jax.model.text import CausalLM
 
 
-def _checkpoint_name(path: str) -> str:
-    """Our parameter path -> transformers' `Inkling2ForCausalLM` tensor name."""
-    if path.endswith(("_sconv.weight", "_convolution.weight")):
-        return path.removesuffix(".weight") + ".conv1d.weight"
-    return path
-
-
 def synthetic_tensors(config_path: str | Path, seed: int) -> dict[str, np.ndarray]:
     """float32 tensors of a random model for the text config at `config_path`, by checkpoint name."""
     text = load_config(config_path).text
@@ -41,11 +34,11 @@ def synthetic_tensors(config_path: str | Path, seed: int) -> dict[str, np.ndarra
             value = rng.normal(0.0, 0.5, value.shape)
         elif path.endswith(("norm.weight", "layernorm.weight", "l2_clip.scale")):
             value = rng.uniform(0.5, 1.5, value.shape)
-        elif path.endswith(("_sconv.weight", "_convolution.weight")):
+        elif path.endswith(".conv1d.weight"):
             value = rng.normal(0.0, 0.3, value.shape)
         elif path == "model.embed_tokens.weight":
             value = rng.normal(0.0, 1.0, value.shape)
-        tensors[_checkpoint_name(path)] = value.astype(np.float32)
+        tensors[path] = value.astype(np.float32)
     return tensors
 
 

@@ -26,15 +26,22 @@ def lagged(x: jax.Array, kernel_size: int) -> jax.Array:
     )
 
 
+class DepthwiseTaps(nnx.Module):
+    """The static taps, stored as transformers' `conv1d.weight` [C, 1, K] (kept in fp32 like the reference)."""
+
+    def __init__(self, rngs: nnx.Rngs, channels: int, kernel_size: int, axis: str | None, std: float):
+        self.weight = param(rngs, (channels, 1, kernel_size), (axis, None, None), jnp.float32, normal(std))
+
+
 class ShortConvolution(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, channels: int, kernel_size: int, axis: str | None, std: float):
         self.kernel_size = kernel_size
-        self.weight = param(rngs, (channels, 1, kernel_size), (axis, None, None), jnp.float32, normal(std))
+        self.conv1d = DepthwiseTaps(rngs, channels, kernel_size, axis, std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, C] -> [B, T, C]."""
         xf = x.astype(jnp.float32)
-        taps = self.weight[...][:, 0, ::-1].astype(jnp.float32)  # [C, K], lag-indexed
+        taps = self.conv1d.weight[...][:, 0, ::-1].astype(jnp.float32)  # [C, K], lag-indexed
         out = einsum("btck,ck->btc", lagged(xf, self.kernel_size), taps)
         return round_to((out + xf) / math.sqrt(self.kernel_size + 1), x.dtype)
 
