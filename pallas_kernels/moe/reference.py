@@ -2,13 +2,16 @@
 
 out[n] = sum_j w[n, j] * down_e( capped_swiglu( gate_up_e(x[n]) ) ),  e = experts[n, j],
 capped_swiglu(g, u) = softcap(g, gate_cap) * sigmoid(g) * softcap(u, up_cap), in fp32.
-Token copies are sorted by expert and run as one grouped matmul per projection.
+Token copies are sorted by expert and run as one grouped matmul per projection. Quantized expert
+weights are dequantized (fp32, rounded once to the activation dtype) before the matmul; kernels
+dequantize block by block instead.
 """
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.numerics import ragged_dot, round_to
+from pallas_kernels.quantized import QuantizedArray
 
 # lhs [M, K] x rhs [E, N, K] -> [M, N]: contract K, group the rows of lhs over rhs's expert axis.
 _GROUPED = jax.lax.RaggedDotDimensionNumbers(
@@ -30,8 +33,8 @@ def capped_swiglu(gate: jax.Array, up: jax.Array, gate_cap: float, up_cap: float
 
 def moe_experts(
     x: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
+    gate_up: jax.Array | QuantizedArray,
+    down: jax.Array | QuantizedArray,
     experts: jax.Array,
     weights: jax.Array,
     *,
@@ -40,10 +43,11 @@ def moe_experts(
 ) -> jax.Array:
     """Weighted sum of each token's experts, [N, H] in x's dtype (accumulated in fp32).
 
-    x [N, H]; gate_up [E, 2I, H] (gate rows then up rows); down [E, H, I];
+    x [N, H]; gate_up [E, 2I, H] (gate rows then up rows); down [E, H, I], plain or quantized;
     experts [N, k] int32 expert ids; weights [N, k] float32 routing weights.
     """
     num_tokens, top_k = experts.shape
+    gate_up, down = (w.dequantize(x.dtype) if isinstance(w, QuantizedArray) else w for w in (gate_up, down))
     num_experts, two_i, _ = gate_up.shape
     flat_experts = experts.reshape(-1)
     order = jnp.argsort(flat_experts)
