@@ -1,21 +1,26 @@
-"""Loading an unquantized Inkling 2 checkpoint into `CausalLM`, one tensor at a time.
+"""Loading an Inkling 2 checkpoint into `CausalLM`, one tensor at a time, experts kept as stored.
 
 Every tensor is checked against the parameter it fills: unknown, duplicated or missing tensors, wrong
-shapes and non-float dtypes raise `CheckpointError` naming the tensor (and both shapes), before any
-tensor data is read.
+shapes, dtypes or sidecars raise `CheckpointError` naming the tensor (and both shapes), before any
+tensor data is read; scale values are checked as they are read, before any compute.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inkling_jax.checkpoint.names import detect_layout, is_ignored, is_vision, text_parameter
+from inkling_jax.checkpoint.errors import CheckpointError
+from inkling_jax.checkpoint.names import DATA, IGNORED, detect_layout, is_ignored, is_vision, text_parameter
+from inkling_jax.checkpoint.quantized import FLOAT_DTYPES, check_quantization_config, expert_format, stored_array
 from inkling_jax.checkpoint.safetensors_io import CheckpointFiles, SafetensorsError
 from inkling_jax.config import ModelConfig, load_config
 from inkling_jax.model.text import CausalLM
@@ -23,82 +28,135 @@ from inkling_jax.model.text import CausalLM
 logger = logging.getLogger(__name__)
 
 
-FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float32, np.float16, np.float64, jnp.bfloat16))
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config; the message names the tensor."""
-
-
 def parameter_paths(model_state: nnx.State) -> dict[str, nnx.Variable]:
     """Dotted parameter path -> variable, for every parameter of a split model."""
     return {".".join(str(part) for part in path): var for path, var in nnx.to_flat_state(model_state)}
 
 
-def abstract_causal_lm(config: ModelConfig, dtype: jnp.dtype) -> CausalLM:
+def abstract_causal_lm(
+    config: ModelConfig, dtype: jnp.dtype, expert_formats: Sequence[str | None] | None = None
+) -> CausalLM:
     """The model's structure with shapes and dtypes only; nothing allocated."""
-    return nnx.eval_shape(lambda: CausalLM(config.text, dtype, nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: CausalLM(config.text, dtype, nnx.Rngs(0), expert_formats))
 
 
-def _plan(checkpoint: Path, files: CheckpointFiles, config: ModelConfig, expected: dict) -> dict[str, tuple]:
-    """Parameter path -> (tensor name, transform) for every parameter, checked from the headers alone."""
+_EXPERT_TARGET = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+class Tensor(NamedTuple):
+    """One checkpoint tensor in the load plan."""
+
+    name: str
+    role: str | None
+    format: str | None
+    transform: Callable[[np.ndarray], np.ndarray]
+
+
+def _group(checkpoint: Path, files: CheckpointFiles, config: ModelConfig) -> tuple[str, dict[str, dict]]:
+    """Checkpoint tensors grouped by the weight they make up: target -> {role: Mapped, ...}."""
     layout = detect_layout(files.names())
-    plan: dict[str, tuple] = {}
+    groups: dict[str, dict] = {}
     skipped = []
     for name in files.names():
         if (config.vision is not None and is_vision(name)) or is_ignored(name):
             skipped.append(name)
             continue
         mapped = text_parameter(name, layout)
-        if mapped is None or mapped[0] not in expected:
+        if mapped is None:
             raise CheckpointError(f"{checkpoint}: unexpected tensor {name!r} ({layout} layout)")
-        path, transform = mapped
-        if path in plan:
-            raise CheckpointError(f"{checkpoint}: tensors {plan[path][0]!r} and {name!r} both fill {path!r}")
-        entry, needed = files.entry(name), tuple(expected[path].shape)
-        if entry.shape != needed:
-            raise CheckpointError(f"{checkpoint}: tensor {name!r} has shape {entry.shape}, the config needs {needed}")
-        if entry.dtype not in FLOAT_DTYPES:
-            quantized = " (quantized data: MXFP8 / NVFP4 checkpoints are not loadable yet)"
+        if mapped.role is IGNORED:
+            continue
+        group = groups.setdefault(mapped.target, {})
+        if mapped.role in group:
             raise CheckpointError(
-                f"{checkpoint}: tensor {name!r} has dtype {entry.dtype}, expected float32/bfloat16/float16"
-                + (quantized if entry.dtype.itemsize == 1 else "")
+                f"{checkpoint}: tensors {group[mapped.role][0]!r} and {name!r} both fill {mapped.target!r}"
             )
-        plan[path] = (name, transform)
+        group[mapped.role] = (name, mapped.transform)
+    if skipped:
+        logger.info("not loaded by the text model: %s", ", ".join(skipped[:4]) + ("..." if len(skipped) > 4 else ""))
+    return layout, groups
+
+
+def _expert_formats(checkpoint: Path, files: CheckpointFiles, config: ModelConfig, groups: dict) -> list:
+    """Each layer's expert format (None for plain), decided from its tensors."""
+    text = config.text
+    shapes = {
+        "gate_up_proj": (text.n_routed_experts, 2 * text.moe_intermediate_size, text.hidden_size),
+        "down_proj": (text.n_routed_experts, text.hidden_size, text.moe_intermediate_size),
+    }
+    formats: dict[int, str | None] = {}
+    for target, group in groups.items():
+        m = _EXPERT_TARGET.fullmatch(target)
+        if m is None or int(m.group(1)) >= text.num_hidden_layers:
+            if set(group) != {DATA}:
+                raise CheckpointError(f"{checkpoint}: quantization sidecars for {target!r}, which is not an expert")
+            continue
+        if DATA not in group:
+            raise CheckpointError(f"{checkpoint}: sidecars of {target!r} without its data tensor")
+        layer = int(m.group(1))
+        format = expert_format(checkpoint, files, {role: name for role, (name, _) in group.items()}, shapes[m.group(2)])
+        if formats.setdefault(layer, format) != format:
+            raise CheckpointError(f"{checkpoint}: layer {layer}'s two expert weights are stored in different formats")
+    check_quantization_config(checkpoint, config.quantization, formats)
+    return [formats.get(layer) for layer in range(text.num_hidden_layers)]
+
+
+def _plan(
+    checkpoint: Path, files: CheckpointFiles, layout: str, groups: dict, formats: list, expected: dict
+) -> dict[str, Tensor]:
+    """Parameter path -> the tensor that fills it, with names, shapes and dtypes checked from the headers."""
+    plan: dict[str, Tensor] = {}
+    for target, group in groups.items():
+        m = _EXPERT_TARGET.fullmatch(target)
+        format = formats[int(m.group(1))] if m else None
+        for role, (name, transform) in group.items():
+            path = target if format is None else f"{target}.{role}"
+            if path not in expected:
+                raise CheckpointError(f"{checkpoint}: unexpected tensor {name!r} ({layout} layout)")
+            entry, needed = files.entry(name), tuple(expected[path].shape)
+            if format is None:
+                if entry.shape != needed:
+                    raise CheckpointError(
+                        f"{checkpoint}: tensor {name!r} has shape {entry.shape}, the config needs {needed}"
+                    )
+                if entry.dtype not in FLOAT_DTYPES:
+                    raise CheckpointError(
+                        f"{checkpoint}: tensor {name!r} has dtype {entry.dtype}, expected float32/bfloat16/float16"
+                    )
+            plan[path] = Tensor(name, role, format, transform)
     missing = sorted(set(expected) - set(plan))
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"{checkpoint}: missing tensors for {shown} ({layout} layout)")
-    if skipped:
-        logger.info("not loaded by the text model: %s", ", ".join(skipped[:4]) + ("..." if len(skipped) > 4 else ""))
     return plan
 
 
 def load_causal_lm(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, CausalLM]:
     """Read config.json and the safetensors weights of `checkpoint` (either layout) into a CausalLM.
 
-    Every name, shape and dtype is checked before any data is read; tensors are then read and placed
-    one at a time.
+    Experts stay in the format the checkpoint stores them in (plain, MXFP8 or NVFP4). Every name, shape
+    and dtype is checked before any data is read; tensors are then read, checked and placed one at a time.
     """
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise CheckpointError(f"{checkpoint} is not a checkpoint directory (config.json + safetensors)")
     config = load_config(checkpoint)
-    if config.quantization is not None and config.quantization.get("quant_method") not in (None, "none"):
-        raise CheckpointError(
-            f"{checkpoint}: quantized checkpoints ({config.quantization.get('quant_method')}) are not loadable yet"
-        )
-    graphdef, state = nnx.split(abstract_causal_lm(config, dtype))
-    expected = parameter_paths(state)
     try:
         files = CheckpointFiles(checkpoint)
     except SafetensorsError as error:
         raise CheckpointError(str(error)) from error
-    for path, (name, transform) in _plan(checkpoint, files, config, expected).items():
+    layout, groups = _group(checkpoint, files, config)
+    formats = _expert_formats(checkpoint, files, config, groups)
+    graphdef, state = nnx.split(abstract_causal_lm(config, dtype, formats))
+    expected = parameter_paths(state)
+    experts = config.text.n_routed_experts
+    for path, tensor in _plan(checkpoint, files, layout, groups, formats, expected).items():
         variable = expected[path]
         try:
-            array = transform(files.read(name))
+            array = tensor.transform(files.read(tensor.name))
         except OSError as error:
-            raise CheckpointError(f"{checkpoint}: cannot read tensor {name!r}: {error}") from error
+            raise CheckpointError(f"{checkpoint}: cannot read tensor {tensor.name!r}: {error}") from error
+        if tensor.format is not None:
+            array = stored_array(checkpoint, tensor.name, tensor.role, tensor.format, array, experts)
         variable.set_value(jax.device_put(np.asarray(array).astype(variable.dtype)))
     return config, nnx.merge(graphdef, state)

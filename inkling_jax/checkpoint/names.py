@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,7 +25,8 @@ Transform = Callable[[np.ndarray], np.ndarray]
 
 
 def deinterleave_rows(w13: np.ndarray) -> np.ndarray:
-    """[E, 2I, H] with rows (gate_0, up_0, gate_1, up_1, ...) -> gate rows then up rows."""
+    """[E, 2I, X] with rows (gate_0, up_0, gate_1, up_1, ...) -> gate rows then up rows (X: the input
+    width, or its packed codes or block scales, which follow their rows)."""
     experts, rows, hidden = w13.shape
     return w13.reshape(experts, rows // 2, 2, hidden).transpose(0, 2, 1, 3).reshape(experts, rows, hidden)
 
@@ -34,28 +36,35 @@ def _identity(array: np.ndarray) -> np.ndarray:
 
 
 # Original names inside `model.llm.layers.{i}.` -> transformers names inside `model.layers.{i}.`.
-_ORIGINAL_LAYER = [
-    (r"attn\.wq_du\.", "self_attn.q_proj."),
-    (r"attn\.wk_dv\.", "self_attn.k_proj."),
-    (r"attn\.wv_dv\.", "self_attn.v_proj."),
-    (r"attn\.wr_du\.", "self_attn.r_proj."),
-    (r"attn\.wo_ud\.", "self_attn.o_proj."),
-    (r"attn\.gate_attn\.", "self_attn.gate_proj."),
-    (r"attn\.attn_sink_proj\.", "self_attn.sink_proj."),
-    (r"attn\.(q_l2_clip|rel_l2_clip|rel_logits_proj)\.", r"self_attn.\1."),
-    (r"attn\.([kv])_sconv\.weight$", r"self_attn.\1_sconv.conv1d.weight"),
-    (r"attn\.([kv])_sconv\.static_w$", r"self_attn.\1_sconv.static_weight"),
-    (r"attn\.([kv])_sconv\.weight_proj$", r"self_attn.\1_sconv.weight_proj.weight"),
-    (r"attn_sconv\.weight$", "post_attention_convolution.conv1d.weight"),
-    (r"mlp_sconv\.weight$", "post_mlp_convolution.conv1d.weight"),
-    (r"attn_norm\.", "input_layernorm."),
-    (r"mlp_norm\.", "post_attention_layernorm."),
-    (r"([qkv])_input_norm\.", r"\1_input_layernorm."),
-    (r"mlp\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
-    (r"mlp\.gate\.weight$", "mlp.gate.weight"),
-    (r"mlp\.experts\.w13_weight$", "mlp.experts.gate_up_proj"),
-    (r"mlp\.experts\.w2_weight$", "mlp.experts.down_proj"),
-]
+_ORIGINAL_LAYER = {
+    "attn.wq_du.weight": "self_attn.q_proj.weight",
+    "attn.wk_dv.weight": "self_attn.k_proj.weight",
+    "attn.wv_dv.weight": "self_attn.v_proj.weight",
+    "attn.wr_du.weight": "self_attn.r_proj.weight",
+    "attn.wo_ud.weight": "self_attn.o_proj.weight",
+    "attn.gate_attn.weight": "self_attn.gate_proj.weight",
+    "attn.attn_sink_proj.weight": "self_attn.sink_proj.weight",
+    "attn.q_l2_clip.scale": "self_attn.q_l2_clip.scale",
+    "attn.rel_l2_clip.scale": "self_attn.rel_l2_clip.scale",
+    "attn.rel_logits_proj.proj": "self_attn.rel_logits_proj.proj",
+    "attn.k_sconv.weight": "self_attn.k_sconv.conv1d.weight",
+    "attn.v_sconv.weight": "self_attn.v_sconv.conv1d.weight",
+    "attn.k_sconv.static_w": "self_attn.k_sconv.static_weight",
+    "attn.v_sconv.static_w": "self_attn.v_sconv.static_weight",
+    "attn.k_sconv.weight_proj": "self_attn.k_sconv.weight_proj.weight",
+    "attn.v_sconv.weight_proj": "self_attn.v_sconv.weight_proj.weight",
+    "attn_sconv.weight": "post_attention_convolution.conv1d.weight",
+    "mlp_sconv.weight": "post_mlp_convolution.conv1d.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "q_input_norm.weight": "q_input_layernorm.weight",
+    "k_input_norm.weight": "k_input_layernorm.weight",
+    "v_input_norm.weight": "v_input_layernorm.weight",
+    "mlp.gate.weight": "mlp.gate.weight",
+    "mlp.gate.bias": "mlp.gate.e_score_correction_bias",
+    "mlp.experts.w13_weight": "mlp.experts.gate_up_proj",
+    "mlp.experts.w2_weight": "mlp.experts.down_proj",
+}
 _ORIGINAL_TOP = {
     "model.llm.unembed.weight": "lm_head.weight",
     "model.llm.embed.weight": "model.embed_tokens.weight",
@@ -63,6 +72,24 @@ _ORIGINAL_TOP = {
     "model.llm.norm.weight": "model.norm.weight",
     "model.llm.attn_res.output_query": "model.final_input.query",
 }
+
+# Roles of the tensors that make up one expert weight.
+DATA, SCALES, GLOBAL_SCALE, IGNORED = "data", "scales", "global_scale", None
+# Sidecars of a quantized expert weight, by the suffix on the weight's name: ModelOpt (`_scale`,
+# `_scale_2`), Inkling v1 releases (`.scale`, `.scale2`, `.input_amax`, `.original_shape`) and
+# transformers' fp8 layout (`_scale_inv`). Activation scales (`w13_input_scale`) serve W4A4 kernels only.
+_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts\.(?:w13_weight|w2_weight|gate_up_proj|down_proj))(.*)")
+_SIDECARS = {
+    "": DATA,
+    "_scale": SCALES,
+    ".scale": SCALES,
+    "_scale_inv": SCALES,
+    "_scale_2": GLOBAL_SCALE,
+    ".scale2": GLOBAL_SCALE,
+    ".input_amax": IGNORED,
+    ".original_shape": IGNORED,
+}
+_ACTIVATION_SCALE = re.compile(r".*\.mlp\.experts\.w(13|2)_input_scale")
 
 
 def _original_to_transformers(name: str) -> str | None:
@@ -72,11 +99,8 @@ def _original_to_transformers(name: str) -> str | None:
         return f"model.layers.{int(m.group(1)) + 1}.attention_input.query"
     if m := re.fullmatch(r"model\.llm\.attn_res\.mlp_queries\.(\d+)", name):
         return f"model.layers.{m.group(1)}.mlp_input.query"
-    if m := re.fullmatch(r"model\.llm\.layers\.(\d+)\.(.+)", name):
-        for pattern, replacement in _ORIGINAL_LAYER:
-            renamed, count = re.subn("^" + pattern, replacement, m.group(2))
-            if count:
-                return f"model.layers.{m.group(1)}.{renamed}"
+    if (m := re.fullmatch(r"model\.llm\.layers\.(\d+)\.(.+)", name)) and m.group(2) in _ORIGINAL_LAYER:
+        return f"model.layers.{m.group(1)}.{_ORIGINAL_LAYER[m.group(2)]}"
     return None
 
 
@@ -95,15 +119,32 @@ def is_ignored(name: str) -> bool:
     return ".k_l2_clip." in name
 
 
-def text_parameter(name: str, layout: str) -> tuple[str, Transform] | None:
-    """(our parameter path, transform to apply) for a checkpoint tensor, or None if it is not one."""
+class Mapped(NamedTuple):
+    """Where a checkpoint tensor goes: the transformers-named weight, its role, and the transform."""
+
+    target: str
+    role: str | None
+    transform: Transform
+
+
+def text_parameter(name: str, layout: str) -> Mapped | None:
+    """Where a checkpoint tensor goes, or None if it is no text-model tensor.
+
+    Plain weights have role DATA and target our parameter path; a quantized expert weight's tensors
+    (data, scales, global scale) share the target of the weight they make up.
+    """
+    if _ACTIVATION_SCALE.fullmatch(name):
+        return Mapped(name, IGNORED, _identity)
+    base, role = name, DATA
+    if (m := _EXPERT_WEIGHT.fullmatch(name)) and m.group(2) in _SIDECARS:
+        base, role = m.group(1), _SIDECARS[m.group(2)]
     if layout == ORIGINAL:
-        target = _original_to_transformers(name)
-    elif name.startswith("model.language_model."):
-        target = "model." + name.removeprefix("model.language_model.")
+        target = _original_to_transformers(base)
+    elif base.startswith("model.language_model."):
+        target = "model." + base.removeprefix("model.language_model.")
     else:
-        target = name
+        target = base
     if target is None:
         return None
-    transform = deinterleave_rows if name.endswith("mlp.experts.w13_weight") else _identity
-    return target, transform
+    interleaved = layout == ORIGINAL and base.endswith("mlp.experts.w13_weight") and role in (DATA, SCALES)
+    return Mapped(target, role, deinterleave_rows if interleaved else _identity)

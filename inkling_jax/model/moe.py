@@ -8,6 +8,7 @@ from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from pallas_kernels.moe import moe_experts
 from pallas_kernels.numerics import einsum
+from pallas_kernels.quantized import NVFP4, QuantizedArray, quantize
 
 
 class Router(nnx.Module):
@@ -31,28 +32,61 @@ class Router(nnx.Module):
         return experts.astype(jnp.int32), weights * self.route_scale
 
 
-class Experts(nnx.Module):
-    """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]."""
+class QuantizedWeight(nnx.Module):
+    """A block-quantized weight [E, N, K] as parameters: data, scales and (NVFP4) per-expert global scales.
 
-    def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype):
+    Initialised by quantizing normal(std) values, so a random quantized model is realistic in scale.
+    """
+
+    def __init__(
+        self, rngs: nnx.Rngs, shape: tuple[int, int, int], axes: tuple[str, str, str], format: str, std: float
+    ):
+        self.format = format
+        q = quantize(normal(std)(rngs.params(), shape, jnp.float32), format)
+        self.data = nnx.Param(q.data, out_sharding=axes, eager_sharding=False)
+        self.scales = nnx.Param(q.scales, out_sharding=axes, eager_sharding=False)
+        if format == NVFP4:
+            self.global_scale = nnx.Param(q.global_scale, out_sharding=(axes[0], None, None), eager_sharding=False)
+
+    def array(self) -> QuantizedArray:
+        global_scale = self.global_scale[...] if self.format == NVFP4 else None
+        return QuantizedArray(self.data[...], self.scales[...], global_scale, self.format)
+
+
+class Experts(nnx.Module):
+    """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I];
+    plain arrays in the model dtype, or quantized (`format` "mxfp8" / "nvfp4")."""
+
+    def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype, format: str | None = None):
         experts, hidden, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        init = normal(config.initializer_range)
-        self.gate_up_proj = param(rngs, (experts, 2 * inner, hidden), ("experts", "expert_mlp", "embed"), dtype, init)
-        self.down_proj = param(rngs, (experts, hidden, inner), ("experts", "embed", "expert_mlp"), dtype, init)
+        std = config.initializer_range
+        shapes = {"gate_up_proj": (experts, 2 * inner, hidden), "down_proj": (experts, hidden, inner)}
+        axes = {"gate_up_proj": ("experts", "expert_mlp", "embed"), "down_proj": ("experts", "embed", "expert_mlp")}
+        for name, shape in shapes.items():
+            if format is None:
+                setattr(self, name, param(rngs, shape, axes[name], dtype, normal(std)))
+            else:
+                setattr(self, name, QuantizedWeight(rngs, shape, axes[name], format, std))
+
+    def weights(self) -> tuple[jax.Array | QuantizedArray, jax.Array | QuantizedArray]:
+        """(gate_up, down) as the MoE op takes them."""
+        return tuple(
+            w.array() if isinstance(w, QuantizedWeight) else w[...] for w in (self.gate_up_proj, self.down_proj)
+        )
 
 
 class SparseMoeBlock(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype):
+    def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype, expert_format: str | None = None):
         self.config = config
         self.gate = Router(rngs, config)
-        self.experts = Experts(rngs, config, dtype)
+        self.experts = Experts(rngs, config, dtype, expert_format)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, H] -> [B, T, H]."""
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
         out = moe_experts(
-            flat, self.experts.gate_up_proj[...], self.experts.down_proj[...], experts, weights,
+            flat, *self.experts.weights(), experts, weights,
             gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap,
         )  # fmt: skip
         return out.reshape(x.shape)

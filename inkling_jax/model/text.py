@@ -6,6 +6,8 @@ attention residual -> norm -> MoE -> static short conv. After the last layer a f
 residual, RMSNorm, the unembedding, a logit softcap and the slice to the real vocabulary.
 """
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,7 +23,9 @@ from pallas_kernels.numerics import round_to
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, config: TextConfig, layer: int, dtype: jnp.dtype):
+    def __init__(
+        self, rngs: nnx.Rngs, config: TextConfig, layer: int, dtype: jnp.dtype, expert_format: str | None = None
+    ):
         self.sliding = config.is_sliding(layer)
         self.block_boundary = config.is_block_boundary(layer)
         hidden, eps, std = config.hidden_size, config.rms_norm_eps, config.initializer_range
@@ -29,7 +33,7 @@ class DecoderLayer(nnx.Module):
             self.attention_input = BlockAttentionResidual(rngs, hidden, 1 if self.sliding else 3)
         self.mlp_input = BlockAttentionResidual(rngs, hidden)
         self.self_attn = Attention(rngs, config, layer, dtype)
-        self.mlp = SparseMoeBlock(rngs, config, dtype)
+        self.mlp = SparseMoeBlock(rngs, config, dtype, expert_format)
         if self.sliding:
             self.input_layernorm = RMSNorm(rngs, hidden, eps, dtype)
         else:
@@ -78,10 +82,12 @@ class NormedEmbedding(nnx.Module):
 
 
 class TextModel(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype):
+    def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype, expert_formats: Sequence[str | None]):
         self.config = config
         self.embed_tokens = NormedEmbedding(rngs, config, dtype)
-        self.layers = nnx.List([DecoderLayer(rngs, config, i, dtype) for i in range(config.num_hidden_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(rngs, config, i, dtype, expert_formats[i]) for i in range(config.num_hidden_layers)]
+        )
         self.norm = RMSNorm(rngs, config.hidden_size, config.rms_norm_eps, dtype)
         self.final_input = BlockAttentionResidual(rngs, config.hidden_size)
 
@@ -101,12 +107,24 @@ class TextModel(nnx.Module):
 
 class CausalLM(nnx.Module):
     """Inkling 2 text model with its (untied) unembedding; parameter names follow transformers'
-    `Inkling2ForCausalLM` so its checkpoints load by name."""
+    `Inkling2ForCausalLM` so its checkpoints load by name.
 
-    def __init__(self, config: TextConfig, dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs | None = None):
+    expert_formats: per layer, None (experts in `dtype`) or "mxfp8" / "nvfp4" (kept quantized).
+    """
+
+    def __init__(
+        self,
+        config: TextConfig,
+        dtype: jnp.dtype = jnp.bfloat16,
+        rngs: nnx.Rngs | None = None,
+        expert_formats: Sequence[str | None] | None = None,
+    ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
+        expert_formats = expert_formats if expert_formats is not None else [None] * config.num_hidden_layers
+        if len(expert_formats) != config.num_hidden_layers:
+            raise ValueError(f"{len(expert_formats)} expert formats for {config.num_hidden_layers} layers")
         self.config = config
-        self.model = TextModel(rngs, config, dtype)
+        self.model = TextModel(rngs, config, dtype, expert_formats)
         self.lm_head = Linear(
             rngs, config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype, config.initializer_range
         )
