@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 $(CHECKPOINT)/config.json: configs/tiny.json | $(VENV)/.installed
-	$(PY) -m inkling_jax.checkpoint.synthetic --config configs/tiny.json --out $(CHECKPOINT) --seed 0
+	$(PY) -m inkling_jax.checkpoint.synthetic --config configs/tiny.json --out $(CHECKPOINT) --experts mixed
 
 run: $(CHECKPOINT)/config.json
 	$(PY) -m inkling_jax.complete --checkpoint $(CHECKPOINT) --prompt-ids $(PROMPT_IDS) --max-tokens 16

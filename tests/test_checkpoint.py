@@ -19,7 +19,7 @@ from inkling_jax.checkpoint.safetensors_io import (
     write_safetensors,
     write_sharded,
 )
-from inkling_jax.checkpoint.synthetic import synthetic_tensors, write_checkpoint
+from inkling_jax.checkpoint.synthetic import write_checkpoint
 
 TINY = {
     "model_type": "inkling2_text", "vocab_size": 64, "unpadded_vocab_size": 60, "hidden_size": 16,
@@ -35,7 +35,7 @@ TINY = {
 def tiny_checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny")
     (root / "tiny.json").write_text(json.dumps(TINY))
-    return write_checkpoint(root / "tiny.json", root / "ckpt", seed=7)
+    return write_checkpoint(root / "tiny.json", root / "ckpt", seed=7, experts="fp32", layout="transformers")
 
 
 def _copy(checkpoint: Path, tmp_path: Path, edit) -> Path:
@@ -203,9 +203,9 @@ def test_quantization_config_must_agree_with_plain_tensors(tiny_checkpoint, tmp_
         load_causal_lm(out, jnp.float32)
 
 
-def test_synthetic_weights_are_nontrivial(tmp_path):
-    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
-    tensors = synthetic_tensors(tmp_path / "tiny.json", seed=3)
-    for name, value in tensors.items():
-        assert np.std(value) > 0.01 or value.size == 1, name
+def test_synthetic_weights_are_nontrivial(tiny_checkpoint):
+    files = CheckpointFiles(tiny_checkpoint)
+    for name in files:
+        value = files.read(name)
+        assert np.std(value) > 0.01, name
         assert not np.allclose(value, 1.0), name

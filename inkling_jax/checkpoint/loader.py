@@ -33,6 +33,11 @@ def parameter_paths(model_state: nnx.State) -> dict[str, nnx.Variable]:
     return {".".join(str(part) for part in path): var for path, var in nnx.to_flat_state(model_state)}
 
 
+def parameter_bytes(model: nnx.Module) -> int:
+    """Device bytes of a model's parameters (quantized experts count as stored)."""
+    return sum(v.nbytes for v in parameter_paths(nnx.state(model)).values())
+
+
 def abstract_causal_lm(
     config: ModelConfig, dtype: jnp.dtype, expert_formats: Sequence[str | None] | None = None
 ) -> CausalLM:

@@ -104,6 +104,31 @@ def _original_to_transformers(name: str) -> str | None:
     return None
 
 
+_TRANSFORMERS_LAYER = {target: source for source, target in _ORIGINAL_LAYER.items()}
+_TRANSFORMERS_TOP = {target: source for source, target in _ORIGINAL_TOP.items()}
+
+
+def original_name(path: str) -> str:
+    """The original-layout checkpoint name of one of our parameter paths (plain weights)."""
+    if path in _TRANSFORMERS_TOP:
+        return _TRANSFORMERS_TOP[path]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", path)
+    if m is None:
+        raise KeyError(path)
+    layer, rest = int(m.group(1)), m.group(2)
+    if rest == "attention_input.query":
+        return f"model.llm.attn_res.attn_queries.{layer - 1}"
+    if rest == "mlp_input.query":
+        return f"model.llm.attn_res.mlp_queries.{layer}"
+    return f"model.llm.layers.{layer}.{_TRANSFORMERS_LAYER[rest]}"
+
+
+def interleave_rows(gate_up: np.ndarray) -> np.ndarray:
+    """Inverse of `deinterleave_rows`: gate rows then up rows -> (gate_0, up_0, gate_1, up_1, ...)."""
+    experts, rows, width = gate_up.shape
+    return gate_up.reshape(experts, 2, rows // 2, width).transpose(0, 2, 1, 3).reshape(experts, rows, width)
+
+
 def detect_layout(names: Iterable[str]) -> str:
     """ "original" when the checkpoint uses `model.llm.*` names, else "transformers"."""
     return ORIGINAL if any(name.startswith("model.llm.") for name in names) else TRANSFORMERS

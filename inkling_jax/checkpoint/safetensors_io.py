@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -154,37 +154,86 @@ class CheckpointFiles:
         return iter(self.names())
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write numpy (and ml_dtypes) arrays as one safetensors file."""
+class TensorSpec(NamedTuple):
+    """What a streamed tensor will be: its name, dtype and shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+Chunks = Callable[[TensorSpec], Iterator[np.ndarray]]
+
+
+def write_streamed(path: str | Path, specs: Sequence[TensorSpec], chunks: Chunks) -> None:
+    """Write one safetensors file whose tensors arrive as chunks (consecutive row-major pieces), so that
+    no more than a chunk is in memory at a time."""
     header: dict[str, dict] = {}
     offset = 0
-    arrays = {name: np.asarray(array).copy(order="C") for name, array in tensors.items()}
-    for name, array in arrays.items():
-        header[name] = {
-            "dtype": _NAMES[array.dtype],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
+    for spec in specs:
+        header[spec.name] = {
+            "dtype": _NAMES[np.dtype(spec.dtype)],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
         }
-        offset += array.nbytes
+        offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     with Path(path).open("wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        for array in arrays.values():
-            f.write(array.tobytes())
+        for spec in specs:
+            written = 0
+            for chunk in chunks(spec):
+                chunk = np.asarray(chunk)
+                if chunk.dtype != np.dtype(spec.dtype):
+                    raise ValueError(f"chunk of {spec.name!r} has dtype {chunk.dtype}, declared {spec.dtype}")
+                f.write(chunk.tobytes())
+                written += chunk.nbytes
+            if written != spec.nbytes:
+                raise ValueError(f"{spec.name!r}: wrote {written} bytes, declared {spec.nbytes}")
+
+
+def split_by_bytes(specs: Sequence[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive groups of tensors of about `shard_bytes` each (a larger tensor gets its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    for spec in specs:
+        if shards[-1] and sum(s.nbytes for s in shards[-1]) + spec.nbytes > shard_bytes:
+            shards.append([])
+        shards[-1].append(spec)
+    return shards
+
+
+def write_sharded_streamed(directory: str | Path, shards: Sequence[Sequence[TensorSpec]], chunks: Chunks) -> None:
+    """Write each group of tensors as one shard file, plus model.safetensors.index.json."""
+    directory = Path(directory)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_streamed(directory / file, shard, chunks)
+        weight_map.update(dict.fromkeys((spec.name for spec in shard), file))
+    total = sum(spec.nbytes for shard in shards for spec in shard)
+    (directory / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+def _in_memory(tensors: Mapping[str, np.ndarray]) -> tuple[list[TensorSpec], Chunks]:
+    arrays = {name: np.asarray(array) for name, array in tensors.items()}
+    specs = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
+    return specs, lambda spec: iter([arrays[spec.name]])
+
+
+def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write numpy (and ml_dtypes) arrays as one safetensors file."""
+    write_streamed(path, *_in_memory(tensors))
 
 
 def write_sharded(directory: str | Path, tensors: Mapping[str, np.ndarray], num_shards: int) -> None:
     """Write tensors over `num_shards` files plus model.safetensors.index.json."""
-    directory = Path(directory)
-    names = list(tensors)
-    weight_map = {}
-    for shard in range(num_shards):
-        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = names[shard::num_shards]
-        write_safetensors(directory / file, {name: tensors[name] for name in part})
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(np.asarray(array).nbytes for array in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    specs, chunks = _in_memory(tensors)
+    write_sharded_streamed(directory, [specs[i::num_shards] for i in range(num_shards)], chunks)

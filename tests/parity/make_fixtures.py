@@ -28,10 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
+import safetensors
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     Inkling2Config,
     Inkling2ForCausalLM,
@@ -722,12 +724,538 @@ def check_bf16_model(model_bf16, model_f32) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Quantized fixtures: tiny_text with MXFP8 / NVFP4 routed experts
+# --------------------------------------------------------------------------------------------------
+#
+# An independent numpy/torch codec (nothing shared with the JAX port); torch's float8_e4m3fn cast
+# does E4M3 round-to-nearest-even, everything else is written out here and cross-checked against
+# ml_dtypes. Weights are [E, N, K]; blocks run along K (the input axis), so rows are independent.
+#
+# MXFP8 (OCP MX v1.0): 32-blocks; scale exponent floor(log2(block amax)) - 8, clamped to
+#   [-127, 127], -127 for an all-zero block, stored as the biased byte exp + 127 (E8M0); elements
+#   RNE(value / 2**exp) as E4M3, saturated to +-448 first.
+# NVFP4: 16-blocks; global scale per expert g = amax|W_e| / (6 * 448) (float32); block scale
+#   s = block amax / (6 * g) (1.0 for a zero block), clamped to [2**-9, 448], E4M3 RNE; codes
+#   E2M1 RNE of value / (float(s) * g), saturated at +-6; two codes per byte, low nibble = even index.
+# Dequantized: MXFP8 e4m3 * 2**(byte - 127); NVFP4 (e2m1 * float(s)) * g (e2m1 * s is exact, so
+#   this is c * s * g rounded once), all float32.
+
+MX_BLOCK = 32
+NV_BLOCK = 16
+E4M3_MAX = 448.0
+E4M3_EMAX = 8  # exponent of E4M3's largest normal, 448 = 1.75 * 2**8
+E2M1_MAX = 6.0
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+NV_SCALE_MIN = 2.0**-9  # smallest E4M3 subnormal
+MXFP8, NVFP4 = "MXFP8", "NVFP4"
+MODELOPT, INKLING_V1 = "modelopt", "inkling_v1"  # namings of a quantized weight's sidecars
+
+# Activation-side sidecars (NVFP4 only; weight-only engines ignore them): fixed positive values.
+ACTIVATION_AMAX = {"w13": 6.0, "w2": 3.0}
+
+_TORCH_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "U8": torch.uint8,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+}
+
+
+def _mx_layer(data_dtype: str = "F8_E4M3", scale_dtype: str = "U8") -> dict[str, str]:
+    return {"format": MXFP8, "naming": MODELOPT, "data_dtype": data_dtype, "scale_dtype": scale_dtype}
+
+
+_NV_MODELOPT = {"format": NVFP4, "naming": MODELOPT}
+_NV_INKLING_V1 = {"format": NVFP4, "naming": INKLING_V1}
+
+QUANT_FIXTURES = {
+    "tiny_text_mxfp8": {
+        "base": "tiny_text",
+        # layer 3: the same MXFP8 bytes, stored as U8 data + F8_E8M0 scales (also seen in the wild)
+        "layers": {layer: _mx_layer("U8", "F8_E8M0") if layer == 3 else _mx_layer() for layer in range(12)},
+        "quantization_config": {
+            "quant_method": "fp8",
+            "weight_block_size": [1, 32],
+            "scale_fmt": "ue8m0",
+            "modules_to_not_convert": ["lm_head", "model.vision_tower", "model.language_model.layers.*.self_attn"],
+        },
+    },
+    "tiny_text_mixed": {
+        "base": "tiny_text",
+        "layers": {
+            **dict.fromkeys(range(0, 4), _NV_MODELOPT),
+            **dict.fromkeys(range(4, 8), _NV_INKLING_V1),
+            **{layer: _mx_layer() for layer in range(8, 12)},
+        },
+        "quantization_config": {
+            "quant_method": "modelopt",
+            "quant_algo": "MIXED_PRECISION",
+            "quantized_layers": {
+                **{f"model.llm.layers.{n}.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16} for n in range(8)},
+                **{f"model.llm.layers.{n}.mlp.experts": {"quant_algo": "MXFP8"} for n in range(8, 12)},
+            },
+        },
+    },
+}
+
+
+def _blocks(w: np.ndarray, block: int) -> np.ndarray:
+    *lead, k = w.shape
+    assert k % block == 0, (w.shape, block)
+    return w.reshape(*lead, k // block, block)
+
+
+def e4m3_bytes(x: np.ndarray) -> np.ndarray:
+    """float32 -> E4M3 bytes, round-to-nearest-even (torch's cast); the caller saturates."""
+    x = np.ascontiguousarray(x, np.float32)
+    assert np.isfinite(x).all() and np.abs(x).max(initial=0.0) <= E4M3_MAX
+    return torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def e4m3_values(b: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(b, np.uint8)).view(torch.float8_e4m3fn).float().numpy()
+
+
+def e2m1_codes(x: np.ndarray) -> np.ndarray:
+    """float32 -> E2M1 codes (bit 3 = sign), round-to-nearest-even, saturating at +-6.
+
+    Midpoints between neighbours go to the even mantissa (0, 1, 2, 4): 0.25 -> 0, 0.75 -> 1,
+    1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4."""
+    x = np.asarray(x, np.float32)
+    assert not np.isnan(x).any()
+    mag = np.abs(x)
+    steps = (mag > 0.25, mag >= 0.75, mag > 1.25, mag >= 1.75, mag > 2.5, mag >= 3.5, mag > 5.0)
+    index = sum(step.astype(np.uint8) for step in steps)
+    return (index | (np.signbit(x).astype(np.uint8) << 3)).astype(np.uint8)
+
+
+def e2m1_values(codes: np.ndarray) -> np.ndarray:
+    mag = E2M1_MAGNITUDES[codes & 7]
+    return np.where(codes & 8, -mag, mag).astype(np.float32)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    codes = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
+    codes[..., 0::2] = packed & 0x0F
+    codes[..., 1::2] = packed >> 4
+    return codes
+
+
+def mxfp8_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., K] float32 -> (E4M3 bytes [..., K], biased E8M0 scale bytes [..., K / 32])."""
+    blocks = _blocks(np.asarray(w, np.float32), MX_BLOCK)
+    amax = np.abs(blocks).max(-1)
+    _, e = np.frexp(amax)  # amax = m * 2**e with 0.5 <= m < 1, so floor(log2(amax)) = e - 1
+    exp = np.where(amax > 0, e.astype(np.int64) - 1 - E4M3_EMAX, -127).clip(-127, 127)
+    scaled = np.ldexp(blocks, -exp[..., None]).astype(np.float32)  # exact (power-of-two scaling)
+    data = e4m3_bytes(np.clip(scaled, -E4M3_MAX, E4M3_MAX)).reshape(w.shape)
+    return data, (exp + 127).astype(np.uint8)
+
+
+def mx_scale_values(scale: np.ndarray) -> np.ndarray:
+    return np.ldexp(np.float32(1.0), scale.astype(np.int64) - 127).astype(np.float32)
+
+
+def mxfp8_decode(data: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    values = _blocks(e4m3_values(data), MX_BLOCK) * mx_scale_values(scale)[..., None]
+    return values.reshape(data.shape).astype(np.float32)
+
+
+def nvfp4_global_scale(w: np.ndarray) -> np.ndarray:
+    """One float32 per expert (leading axis): amax|W_e| / (6 * 448); 1.0 for an all-zero expert."""
+    amax = np.abs(np.asarray(w, np.float32)).reshape(w.shape[0], -1).max(1)
+    return np.where(amax > 0, amax / np.float32(E2M1_MAX * E4M3_MAX), np.float32(1.0)).astype(np.float32)
+
+
+def nvfp4_codes(w: np.ndarray, scale: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """E2M1 codes [E, N, K] of w for given E4M3 block-scale bytes [E, N, K/16] and global scales [E]."""
+    denom = (e4m3_values(scale) * g.reshape(-1, 1, 1)).astype(np.float32)
+    return e2m1_codes(_blocks(np.asarray(w, np.float32), NV_BLOCK) / denom[..., None]).reshape(w.shape)
+
+
+def nvfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[E, N, K] float32 -> (packed codes U8 [E, N, K/2], E4M3 scale bytes [E, N, K/16], g F32 [E])."""
+    w = np.asarray(w, np.float32)
+    g = nvfp4_global_scale(w)
+    amax = np.abs(_blocks(w, NV_BLOCK)).max(-1)
+    s = amax / (np.float32(E2M1_MAX) * g.reshape(-1, 1, 1))
+    s = np.where(amax > 0, s, np.float32(1.0)).clip(NV_SCALE_MIN, E4M3_MAX).astype(np.float32)
+    scale = e4m3_bytes(s)
+    return pack_nibbles(nvfp4_codes(w, scale, g)), scale, g
+
+
+def nvfp4_decode(packed: np.ndarray, scale: np.ndarray, g: np.ndarray) -> np.ndarray:
+    values = _blocks(e2m1_values(unpack_nibbles(packed)), NV_BLOCK) * e4m3_values(scale)[..., None]
+    values = values.astype(np.float32) * g.reshape(-1, 1, 1, 1)
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(np.float32)
+
+
+def interleave_rows(a: np.ndarray) -> np.ndarray:
+    """numpy twin of `interleave_gate_up` for data or scales [E, 2I, X]: rows gate_j, up_j alternate."""
+    experts, rows, width = a.shape
+    return a.reshape(experts, 2, rows // 2, width).transpose(0, 2, 1, 3).reshape(experts, rows, width)
+
+
+def deinterleave_rows(a: np.ndarray) -> np.ndarray:
+    experts, rows, width = a.shape
+    return a.reshape(experts, rows // 2, 2, width).transpose(0, 2, 1, 3).reshape(experts, rows, width)
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def check_codecs() -> list[str]:
+    """The codec against ml_dtypes on every code, on ties and on the edge cases of the scale rules."""
+    checks = []
+    every = np.arange(256, dtype=np.uint8)
+    finite = every[(every & 0x7F) != 0x7F]  # 0x7F / 0xFF are E4M3's NaNs
+    assert _bits_equal(e4m3_values(finite), finite.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    grid = np.unique(np.abs(e4m3_values(finite)))
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)  # exact in float32
+    probe = np.concatenate([grid, mids, np.random.default_rng(0).uniform(-448, 448, 4096).astype(np.float32)])
+    probe = np.concatenate([probe, -probe, [np.float32(1e-30), np.float32(-1e-30)]]).astype(np.float32)
+    assert _bits_equal(e4m3_bytes(probe), probe.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    checks.append("E4M3: 254 finite bytes decode and grid values, midpoints (ties), 8192 uniform draws encode as ml_dtypes")
+
+    biased = np.arange(255, dtype=np.uint8)  # 0xFF is E8M0's NaN
+    assert _bits_equal(mx_scale_values(biased), biased.view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
+    assert _bits_equal(mx_scale_values(biased).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8), biased)
+    checks.append("E8M0: bytes 0..254 decode to 2**(b-127) as ml_dtypes, and encode back")
+
+    codes = np.arange(16, dtype=np.uint8)
+    assert _bits_equal(e2m1_values(codes), codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    mag = E2M1_MAGNITUDES
+    probe = np.concatenate([mag, (mag[1:] + mag[:-1]) / 2, np.random.default_rng(1).uniform(0, 6, 4096)])
+    probe = np.concatenate([probe, -probe]).astype(np.float32)
+    assert _bits_equal(e2m1_codes(probe), probe.astype(ml_dtypes.float4_e2m1fn).view(np.uint8))
+    assert _bits_equal(e2m1_codes(np.float32([6.5, 100, -7])), np.uint8([7, 7, 15]))
+    assert _bits_equal(e2m1_codes(e2m1_values(codes)), codes)
+    checks.append("E2M1: 16 codes decode, grid/midpoint (ties)/uniform values encode as ml_dtypes; saturation at +-6")
+
+    # MXFP8 rules: zero block, saturation (block amax / 2**exp in [448, 512)), exponent clamp
+    w = np.zeros((2, 64), np.float32)
+    w[1, :32] = np.linspace(-1, 1, 32)
+    w[1, 5] = 1.9375  # block exponent -8: 1.9375 * 2**8 = 496 > 448 saturates
+    w[1, 32:] = 2.0**-140  # subnormal block: exponent clamps at -127
+    data, scale = mxfp8_encode(w)
+    assert scale.tolist() == [[0, 0], [127 - 8, 0]], scale  # floor(log2(1.9375)) - 8 = -8
+    assert not data[0].any() and data[1, 5] == 0x7E  # 448
+    assert _bits_equal(mxfp8_encode(mxfp8_decode(data, scale))[0], data)
+    checks.append("MXFP8: zero block -> scale byte 0 (2**-127); 496 saturates to 448 (0x7E); exponent clamp at -127")
+
+    # NVFP4 rules: zero block -> scale 1.0 (0x38); the expert's largest block gets s = 448 (0x7E)
+    w = np.zeros((2, 1, 32), np.float32)
+    w[0, 0, 16:] = np.linspace(-3, 2, 16)
+    packed, scale, g = nvfp4_encode(w)
+    assert scale[0, 0].tolist() == [0x38, 0x7E] and scale[1, 0].tolist() == [0x38, 0x38] and g[1] == 1.0
+    assert not packed[:, :, :8].any() and unpack_nibbles(packed)[0, 0, 16] == 0x0F  # -6
+    assert _bits_equal(nvfp4_codes(nvfp4_decode(packed, scale, g), scale, g), unpack_nibbles(packed))
+    checks.append("NVFP4: zero block -> scale 1.0 (0x38); expert amax block -> scale 448, code -6 (0xF); zero expert -> g 1.0")
+    return checks
+
+
+def _quantized_tensors(base: str, plan: dict[str, str], logical: np.ndarray, interleave: bool):
+    """Checkpoint tensors (name -> (safetensors dtype, array)) of one expert weight `base`
+    (`...mlp.experts.w13` / `w2`) of logical [E, N, K] values, and its dequantized values."""
+    fmt, naming = plan["format"], plan["naming"]
+    rows = interleave_rows if interleave else (lambda a: a)
+    tensors: dict[str, tuple[str, np.ndarray]] = {}
+    if fmt == MXFP8:
+        data, scale = mxfp8_encode(logical)
+        dequant = mxfp8_decode(data, scale)
+        tensors[f"{base}_weight"] = (plan["data_dtype"], rows(data))
+        tensors[f"{base}_weight_scale"] = (plan["scale_dtype"], rows(scale))
+        return tensors, dequant
+    packed, scale, g = nvfp4_encode(logical)
+    dequant = nvfp4_decode(packed, scale, g)
+    act_amax = ACTIVATION_AMAX[base.rsplit(".", 1)[1]]
+    tensors[f"{base}_weight"] = ("U8", rows(packed))
+    if naming == MODELOPT:
+        tensors[f"{base}_weight_scale"] = ("F8_E4M3", rows(scale))
+        tensors[f"{base}_weight_scale_2"] = ("F32", g)
+        tensors[f"{base}_input_scale"] = ("F32", np.float32(act_amax / (E2M1_MAX * E4M3_MAX)).reshape(()))
+    else:
+        tensors[f"{base}_weight.scale"] = ("F8_E4M3", rows(scale))
+        tensors[f"{base}_weight.scale2"] = ("F32", g)
+        tensors[f"{base}_weight.input_amax"] = ("BF16", np.float32([act_amax]))
+        tensors[f"{base}_weight.original_shape"] = ("I64", np.int64(logical.shape))
+    return tensors, dequant
+
+
+def _to_torch(dtype: str, array: np.ndarray) -> torch.Tensor:
+    if dtype in ("F8_E4M3", "F8_E8M0", "U8"):
+        assert array.dtype == np.uint8
+        return torch.from_numpy(np.ascontiguousarray(array)).view(_TORCH_DTYPES[dtype]).clone()
+    return torch.from_numpy(np.array(array, order="C")).to(_TORCH_DTYPES[dtype])  # (keeps 0-d shapes)
+
+
+def _read_safetensors_header(path: Path) -> dict[str, Any]:
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    header.pop("__metadata__", None)
+    return header
+
+
+def _expert_from_file(sd: dict[str, torch.Tensor], base: str, plan: dict[str, str]) -> dict[str, np.ndarray]:
+    """Decode one expert weight from the tensors as loaded back from the file (original rows)."""
+    def raw(name):
+        return sd[name].view(torch.uint8).numpy() if sd[name].element_size() == 1 else sd[name].numpy()
+
+    if plan["format"] == MXFP8:
+        data, scale = raw(f"{base}_weight"), raw(f"{base}_weight_scale")
+        return {"data": data, "scale": scale, "values": mxfp8_decode(data, scale)}
+    scale_name = f"{base}_weight_scale" if plan["naming"] == MODELOPT else f"{base}_weight.scale"
+    global_name = f"{base}_weight_scale_2" if plan["naming"] == MODELOPT else f"{base}_weight.scale2"
+    packed, scale, g = raw(f"{base}_weight"), raw(scale_name), sd[global_name].float().numpy()
+    return {"data": packed, "scale": scale, "g": g, "values": nvfp4_decode(packed, scale, g)}
+
+
+def _ml_dtypes_decode(item: dict[str, np.ndarray], fmt: str) -> np.ndarray:
+    """Second decoder for the stored bytes, on ml_dtypes' conversions."""
+    if fmt == MXFP8:
+        vals = _blocks(item["data"].view(ml_dtypes.float8_e4m3fn).astype(np.float32), MX_BLOCK)
+        out = vals * item["scale"].view(ml_dtypes.float8_e8m0fnu).astype(np.float32)[..., None]
+        return out.reshape(item["data"].shape)
+    codes = unpack_nibbles(item["data"]).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    vals = _blocks(codes, NV_BLOCK) * item["scale"].view(ml_dtypes.float8_e4m3fn).astype(np.float32)[..., None]
+    return (vals * item["g"].reshape(-1, 1, 1, 1)).reshape(codes.shape)
+
+
+def _ml_dtypes_encode_matches(logical: np.ndarray, item: dict[str, np.ndarray], fmt: str) -> bool:
+    """ml_dtypes' casts of the logical weights, scaled by the stored scales, give the stored bytes."""
+    if fmt == MXFP8:
+        step = item["scale"].view(ml_dtypes.float8_e8m0fnu).astype(np.float32)[..., None]
+        scaled = np.clip(_blocks(logical, MX_BLOCK) / step, -E4M3_MAX, E4M3_MAX).reshape(logical.shape)
+        return _bits_equal(scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), item["data"])
+    g = item["g"].reshape(-1, 1, 1)
+    amax = np.abs(_blocks(logical, NV_BLOCK)).max(-1)
+    s = np.where(amax > 0, amax / (np.float32(E2M1_MAX) * g), 1).clip(NV_SCALE_MIN, E4M3_MAX).astype(np.float32)
+    if not _bits_equal(s.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), item["scale"]):
+        return False
+    denom = item["scale"].view(ml_dtypes.float8_e4m3fn).astype(np.float32) * g
+    scaled = np.clip(_blocks(logical, NV_BLOCK) / denom[..., None], -E2M1_MAX, E2M1_MAX).reshape(logical.shape)
+    return _bits_equal(scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8), unpack_nibbles(item["data"]))
+
+
+def make_quant_fixture(name: str, qspec: dict[str, Any], out_root: Path, codec_checks: list[str]) -> dict[str, Any]:
+    print(f"\n=== {name} ===")
+    base_name = qspec["base"]
+    spec = FIXTURES[base_name]
+    assert spec["kind"] == "text"
+    base, _, input_ids = build_model(spec)
+    tcfg = text_config_of(base)
+    num_layers, experts = tcfg.num_hidden_layers, tcfg.n_routed_experts
+    assert sorted(qspec["layers"]) == list(range(num_layers))
+    base_sd = base.state_dict()
+
+    # original layout: tiny_text's float32 tensors, the expert weights replaced by quantized ones
+    original = to_original_state_dict(base_sd, "text")
+    dequant_model = copy.deepcopy(base).eval()
+    params = dict(dequant_model.named_parameters())
+    tensors: dict[str, tuple[str, np.ndarray]] = {}
+    logical: dict[str, np.ndarray] = {}
+    layer_meta: dict[str, Any] = {}
+    for layer, plan in sorted(qspec["layers"].items()):
+        prefix = f"model.llm.layers.{layer}.mlp.experts"
+        layer_tensors: dict[str, tuple[str, np.ndarray]] = {}
+        errors = {}
+        for short, param, interleave in (("w13", "gate_up_proj", True), ("w2", "down_proj", False)):
+            hf_name = f"model.layers.{layer}.mlp.experts.{param}"
+            weight = base_sd[hf_name].numpy()
+            assert weight.shape[0] == experts
+            del original[f"{prefix}.{short}_weight"]
+            quantized, dequant = _quantized_tensors(f"{prefix}.{short}", plan, weight, interleave)
+            layer_tensors.update(quantized)
+            logical[f"{prefix}.{short}"] = weight
+            with torch.no_grad():
+                params[hf_name].copy_(torch.from_numpy(dequant))
+            errors[short] = float(np.sqrt(np.mean((dequant - weight) ** 2) / np.mean(weight**2)))
+        tensors.update(layer_tensors)
+        layer_meta[str(layer)] = {
+            **plan,
+            "relative_rms_error": {k: round(v, 6) for k, v in errors.items()},
+            "tensors": {k: {"dtype": d, "shape": list(a.shape)} for k, (d, a) in sorted(layer_tensors.items())},
+        }
+    checkpoint = {**original, **{k: _to_torch(d, a) for k, (d, a) in tensors.items()}}
+    assert set(original).isdisjoint(tensors)
+    dq = {n: p.detach() for n, p in dequant_model.named_parameters()}
+    for hf_name, tensor in base_sd.items():  # only the expert parameters changed
+        changed = not torch.equal(dq[hf_name], tensor) if hf_name in dq else False
+        assert changed == hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")), hf_name
+
+    out_dir = out_root / name
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    original_dir = out_dir / "original"
+    original_dir.mkdir(parents=True)
+    config_dict = _drop_version(json.loads(base.config.to_json_string(use_diff=True)))
+    base_cfg_file = out_root / base_name / "original" / "config.json"
+    if base_cfg_file.exists():
+        assert json.loads(base_cfg_file.read_text()) == config_dict, f"config differs from {base_cfg_file}"
+    config_dict["quantization_config"] = qspec["quantization_config"]
+    (original_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    weights_file = original_dir / "model.safetensors"
+    save_file(checkpoint, str(weights_file), metadata={"format": "pt"})
+
+    # Proofs on the written file: header dtypes/shapes, non-expert tensors, decode == model parameters
+    header = _read_safetensors_header(weights_file)
+    assert set(header) == set(checkpoint)
+    for tname, (dtype, array) in tensors.items():
+        assert header[tname]["dtype"] == dtype and header[tname]["shape"] == list(array.shape), (tname, header[tname])
+    loaded = load_file(str(weights_file))
+    base_file = out_root / base_name / "original" / "model.safetensors"
+    base_on_disk = load_file(str(base_file)) if base_file.exists() else None
+    for tname, tensor in original.items():
+        assert header[tname]["dtype"] == "F32" and torch.equal(loaded[tname], tensor), tname
+        if base_on_disk is not None:
+            assert torch.equal(base_on_disk[tname], loaded[tname]), f"{tname} differs from {base_file}"
+    if base_on_disk is not None:
+        assert set(base_on_disk) - set(original) == {
+            f"model.llm.layers.{n}.mlp.experts.{w}_weight" for n in range(num_layers) for w in ("w13", "w2")
+        }
+        print(f"  non-expert tensors identical to {base_file.relative_to(out_root)}")
+    nvfp4_rederive = {"global_scale_equal": 0, "block_scale_equal": 0, "block_scales": 0, "global_scales": 0}
+    for layer, plan in sorted(qspec["layers"].items()):
+        fmt = plan["format"]
+        for short, param in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            wbase = f"model.llm.layers.{layer}.mlp.experts.{short}"
+            item = _expert_from_file(loaded, wbase, plan)
+            rows = deinterleave_rows if short == "w13" else (lambda a: a)
+            file_logical = logical[wbase] if short == "w2" else interleave_rows(logical[wbase])
+            # decode(file) with rows restored is exactly the parameter the reference model runs on
+            hf_param = dq[f"model.layers.{layer}.mlp.experts.{param}"].numpy()
+            assert _bits_equal(rows(item["values"]), hf_param), wbase
+            assert _bits_equal(_ml_dtypes_decode(item, fmt), item["values"]), wbase
+            assert _ml_dtypes_encode_matches(file_logical, item, fmt), wbase
+            # the decoder inverts the encoder: re-encoding the decoded values gives the same bytes
+            if fmt == MXFP8:
+                again = mxfp8_encode(item["values"])
+                assert _bits_equal(again[0], item["data"]) and _bits_equal(again[1], item["scale"]), wbase
+            else:
+                codes = nvfp4_codes(item["values"], item["scale"], item["g"])
+                assert _bits_equal(codes, unpack_nibbles(item["data"])), wbase
+                packed, scale, g = nvfp4_encode(item["values"])
+                nvfp4_rederive["global_scale_equal"] += int((g == item["g"]).sum())
+                nvfp4_rederive["global_scales"] += g.size
+                nvfp4_rederive["block_scale_equal"] += int((scale == item["scale"]).sum())
+                nvfp4_rederive["block_scales"] += scale.size
+    print("  written bytes decode (numpy/torch and ml_dtypes) to the reference model's expert weights")
+
+    # Reference outputs on the dequantized model
+    logits_f32 = causal_logits(dequant_model, input_ids)
+    logits_base = causal_logits(base, input_ids)
+    diff = np.abs(logits_f32 - logits_base)
+    eager_diff = float(np.abs(causal_logits(eager_experts_copy(dequant_model), input_ids) - logits_f32).max())
+    prompt = input_ids[:GREEDY_PROMPT_LEN].copy()
+    recompute = greedy_recompute(dequant_model, prompt, GREEDY_NEW_TOKENS)
+    cached = greedy_generate(dequant_model, prompt, GREEDY_NEW_TOKENS)
+    generate_matches = cached.shape == recompute.shape and bool((cached == recompute).all())
+    if not generate_matches:
+        print(f"  WARNING: cached generate {cached.tolist()} != full recompute {recompute.tolist()}", file=sys.stderr)
+    greedy_ids = cached if generate_matches else recompute
+    greedy_base = greedy_generate(base, prompt, GREEDY_NEW_TOKENS)
+    differs = np.nonzero(greedy_ids != greedy_base)[0]
+    print(f"  max |dequantized - {base_name}| logits = {diff.max():.4f} (mean {diff.mean():.4f})")
+    print(f"  argmax agreement with {base_name}: {(logits_f32.argmax(-1) == logits_base.argmax(-1)).mean():.3f}")
+    print(f"  greedy: {greedy_ids.tolist()}")
+    print(f"  {base_name}: {greedy_base.tolist()} ({len(differs)} of {GREEDY_NEW_TOKENS} tokens differ)")
+    print(f"  f32 noise floor: max |eager experts - default experts| logits = {eager_diff:.2e}")
+
+    vocab = tcfg.unpadded_vocab_size
+    assert logits_f32.shape == (spec["seq_len"], vocab)
+    np.savez(
+        out_dir / "reference.npz",
+        input_ids=input_ids.astype(np.int32),
+        logits_f32=logits_f32.astype(np.float32),
+        greedy_prompt=prompt.astype(np.int32),
+        greedy_ids=greedy_ids.astype(np.int32),
+    )
+    by_kind: dict[str, list[int]] = {}
+    for layer, plan in sorted(qspec["layers"].items()):
+        tag = f"{plan['format']} {plan['naming']}"
+        if plan["format"] == MXFP8:
+            tag += f" (data {plan['data_dtype']}, scale {plan['scale_dtype']})"
+        by_kind.setdefault(tag, []).append(layer)
+    meta = {
+        "name": name,
+        "base": base_name,
+        "model_class": type(base).__name__,
+        "model_type": base.config.model_type,
+        "seed": spec["seed"],
+        "versions": {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "safetensors": safetensors.__version__,
+            "ml_dtypes": ml_dtypes.__version__,
+            "numpy": np.__version__,
+        },
+        "experts_implementation": getattr(tcfg, "_experts_implementation", None),
+        "note": (
+            f"original/ holds {base_name}'s float32 weights with quantized routed experts; reference.npz "
+            "is transformers run in float32 on the dequantized expert weights"
+        ),
+        "layers_by_format": {k: v for k, v in by_kind.items()},
+        "quantization_config": qspec["quantization_config"],
+        "formats": {
+            MXFP8: "32-blocks along K; exp = floor(log2(amax)) - 8 clamped to [-127, 127] (-127 for zero "
+            "blocks), stored as byte exp + 127; data RNE(x / 2**exp) as E4M3, saturated at 448; "
+            "value = e4m3 * 2**(byte - 127)",
+            NVFP4: "16-blocks along K; g[e] = amax|W_e| / 2688 (float32); s = block amax / (6 g) (1.0 for a "
+            "zero block) clamped to [2**-9, 448], E4M3 RNE; codes E2M1 RNE of x / (s g), saturated at 6, "
+            "byte = c[2i] | c[2i+1] << 4; value = e2m1 * s * g",
+            "w13_rows": "quantized per row in the transformers order, then data and block scales interleaved "
+            "(row 2j = gate j, row 2j+1 = up j); global scales are per expert",
+            "activation_sidecars": f"input_scale = amax / 2688, input_amax = amax, amax = {ACTIVATION_AMAX} "
+            "(arbitrary, ignored by weight-only engines)",
+        },
+        "layers": layer_meta,
+        "codec_checks": [
+            *codec_checks,
+            "per weight: file bytes decode (this codec and ml_dtypes) bit-exactly to the reference model's "
+            "parameters (rows de-interleaved); ml_dtypes casts of weight / stored scales give the stored bytes",
+            "MXFP8: re-encoding the decoded values reproduces data and scale bytes",
+            "NVFP4: re-encoding the decoded values with the stored scales reproduces the codes",
+        ],
+        "nvfp4_full_reencode": {
+            "note": "re-deriving the scales from the decoded values is not an identity for NVFP4 (a block "
+            "whose E4M3 scale rounded up may decode with max |code| < 6); counts of equal re-derived scales",
+            **nvfp4_rederive,
+        },
+        "reference": {
+            f"max_abs_logit_diff_vs_{base_name}": round(float(diff.max()), 6),
+            f"mean_abs_logit_diff_vs_{base_name}": round(float(diff.mean()), 6),
+            f"argmax_agreement_vs_{base_name}": round(float((logits_f32.argmax(-1) == logits_base.argmax(-1)).mean()), 4),
+            f"greedy_{base_name}": greedy_base.tolist(),
+            "greedy": greedy_ids.tolist(),
+            "greedy_tokens_differing": int(len(differs)),
+            "greedy_first_difference_at": int(differs[0]) if len(differs) else None,
+            "generate_matches_recompute": generate_matches,
+        },
+        "f32_noise_floor": {"max_abs_logit_diff_eager_experts": eager_diff},
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    for path in out_dir.rglob("*"):
+        if path.is_file():
+            os.chmod(path, 0o644)
+    return meta
+
+
+# --------------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------------
 
 
-def make_fixture(name: str, spec: dict[str, Any], out_root: Path) -> dict[str, Any]:
-    print(f"\n=== {name} ===")
+def build_model(spec: dict[str, Any]):
+    """The randomized float32 model of a fixture spec and its input ids (deterministic)."""
     torch.manual_seed(spec["seed"])
     config = build_config(spec)
     model = model_class(spec)(config)
@@ -738,6 +1266,13 @@ def make_fixture(name: str, spec: dict[str, Any], out_root: Path) -> dict[str, A
 
     rng = np.random.default_rng(spec["seed"])
     input_ids = rng.integers(0, tcfg.unpadded_vocab_size, size=spec["seq_len"]).astype(np.int32)
+    return model, init_plan, input_ids
+
+
+def make_fixture(name: str, spec: dict[str, Any], out_root: Path) -> dict[str, Any]:
+    print(f"\n=== {name} ===")
+    model, init_plan, input_ids = build_model(spec)
+    tcfg = text_config_of(model)
 
     with StatsCollector(model) as stats:
         logits_f32 = causal_logits(model, input_ids)
@@ -833,7 +1368,7 @@ def make_fixture(name: str, spec: dict[str, Any], out_root: Path) -> dict[str, A
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--only", choices=sorted(FIXTURES), action="append")
+    parser.add_argument("--only", choices=sorted(FIXTURES) + sorted(QUANT_FIXTURES), action="append")
     parser.add_argument("--allow-version-mismatch", action="store_true")
     args = parser.parse_args()
 
@@ -850,8 +1385,14 @@ def main() -> int:
     torch.set_grad_enabled(False)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    for name in args.only or sorted(FIXTURES):
-        make_fixture(name, FIXTURES[name], args.out)
+    selected = args.only or [*sorted(FIXTURES), *sorted(QUANT_FIXTURES)]
+    for name in selected:
+        if name in FIXTURES:
+            make_fixture(name, FIXTURES[name], args.out)
+    codec_checks = check_codecs() if any(name in QUANT_FIXTURES for name in selected) else []
+    for name in selected:
+        if name in QUANT_FIXTURES:
+            make_quant_fixture(name, QUANT_FIXTURES[name], args.out, codec_checks)
     print(f"\nfixtures written under {args.out}")
     return 0
 
