@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 $(CHECKPOINT)/config.json: configs/tiny.json | $(VENV)/.installed
+	rm -rf $(CHECKPOINT)
 	$(PY) -m inkling_jax.checkpoint.synthetic --config configs/tiny.json --out $(CHECKPOINT) --experts mixed
 
 run: $(CHECKPOINT)/config.json

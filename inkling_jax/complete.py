@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from inkling_jax.checkpoint import CheckpointError, load_causal_lm
+from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.config import ConfigError
 from inkling_jax.forward import greedy_continuation
 from inkling_jax.score import DTYPES
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
     try:
-        config, model = load_causal_lm(args.checkpoint, DTYPES[args.dtype])
+        config, model = load_model(args.checkpoint, DTYPES[args.dtype])
         try:
             ids = [int(part) for part in args.prompt_ids.split(",")]
         except ValueError as error:

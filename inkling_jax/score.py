@@ -13,7 +13,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from inkling_jax.checkpoint import CheckpointError, load_causal_lm
+from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.config import ConfigError
 from inkling_jax.forward import logits_fn
 from inkling_jax.token_ids import TokenIdError, read_token_ids
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter/activation dtype")
     args = parser.parse_args(argv)
     try:
-        config, model = load_causal_lm(args.checkpoint, DTYPES[args.dtype])
+        config, model = load_model(args.checkpoint, DTYPES[args.dtype])
         ids = read_token_ids(args.input, config.text)
     except (ConfigError, CheckpointError, TokenIdError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -169,3 +169,24 @@ def test_truncated_shard_is_named(mixed, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match=f"{shard.name}.*byte range"):
         load_causal_lm(out, jnp.float32)
+
+
+def test_orbax_round_trip_keeps_experts_quantized(mixed, tmp_path):
+    from inkling_jax.checkpoint import load_model
+    from inkling_jax.checkpoint.orbax_io import save
+
+    _, loaded = load_causal_lm(mixed, jnp.bfloat16)
+    saved = save(loaded, mixed / "config.json", tmp_path / "orbax")
+    _, restored = load_model(saved, jnp.bfloat16)
+    assert isinstance(restored.model.layers[0].mlp.experts.down_proj, QuantizedWeight)
+    for path, variable in parameter_paths(nnx.state(loaded)).items():
+        restored_value = parameter_paths(nnx.state(restored))[path][...]
+        assert restored_value.dtype == variable.dtype, path
+        np.testing.assert_array_equal(
+            np.asarray(restored_value).view(np.uint8), np.asarray(variable[...]).view(np.uint8)
+        )
+    with pytest.raises(CheckpointError, match="holds bfloat16 parameters"):
+        load_model(saved, jnp.float32)
+    (saved / "inkling_jax.json").write_text("{")
+    with pytest.raises(CheckpointError, match="unreadable inkling_jax.json"):
+        load_model(saved, jnp.bfloat16)

@@ -1,5 +1,26 @@
-"""Checkpoints: lazy safetensors reading, the original and transformers name maps, synthetic checkpoints."""
+"""Checkpoints: lazy safetensors reading in the original and transformers layouts, quantized experts,
+Orbax save/restore, synthetic checkpoints. `load_model` is the entry point for either kind of directory."""
 
-from inkling_jax.checkpoint.loader import CheckpointError, load_causal_lm
+from pathlib import Path
 
-__all__ = ["CheckpointError", "load_causal_lm"]
+import jax.numpy as jnp
+
+from inkling_jax.checkpoint import orbax_io
+from inkling_jax.checkpoint.errors import CheckpointError
+from inkling_jax.checkpoint.loader import load_causal_lm
+from inkling_jax.config import ModelConfig
+from inkling_jax.model.text import CausalLM
+
+
+def load_model(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, CausalLM]:
+    """A safetensors checkpoint (converted on load) or an Orbax one written by `orbax_io.save`."""
+    if orbax_io.is_orbax(checkpoint):
+        config, model = orbax_io.restore(checkpoint)
+        saved = model.model.embed_tokens.weight.dtype
+        if saved != jnp.dtype(dtype):
+            raise CheckpointError(f"{checkpoint} holds {saved} parameters; convert the safetensors again for {dtype}")
+        return config, model
+    return load_causal_lm(checkpoint, dtype)
+
+
+__all__ = ["CheckpointError", "load_causal_lm", "load_model"]

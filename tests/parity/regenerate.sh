@@ -11,7 +11,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 REFVENV="${REFVENV:-$ROOT/.refvenv}"
 PYTHON="${PYTHON:-python3.11}"
-PINS=(torch==2.13.0 transformers==5.23.0 safetensors)
+PINS=(torch==2.13.0 transformers==5.23.0 safetensors "ml_dtypes>=0.5")
 
 if [[ ! -x "$REFVENV/bin/python" ]]; then
     echo "creating reference venv in $REFVENV" >&2
@@ -22,6 +22,7 @@ if ! "$REFVENV/bin/python" - <<'EOF'
 import sys
 
 try:
+    import ml_dtypes  # noqa: F401
     import safetensors  # noqa: F401
     import torch
     import transformers

@@ -1,0 +1,81 @@
+"""Saving a loaded model's parameters with Orbax, and restoring them without reconversion.
+
+    python -m inkling_jax.checkpoint.orbax_io --checkpoint SAFETENSORS_DIR --out ORBAX_DIR [--dtype bfloat16]
+
+The directory holds the source config.json, a small `inkling_jax.json` (parameter dtype, expert formats)
+and the Orbax parameter tree: exactly what the model holds on device, quantized experts included, so a
+restore reads each array once and places it with the sharding of the abstract model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from inkling_jax.checkpoint.errors import CheckpointError
+from inkling_jax.checkpoint.loader import abstract_causal_lm, load_causal_lm
+from inkling_jax.config import ModelConfig, load_config
+from inkling_jax.model.text import CausalLM
+
+MARKER = "inkling_jax.json"
+PARAMS = "params"
+
+
+def expert_formats(model: CausalLM) -> list[str | None]:
+    return [getattr(layer.mlp.experts.gate_up_proj, "format", None) for layer in model.model.layers]
+
+
+def save(model: CausalLM, config_json: Path, out: str | Path) -> Path:
+    """Write `model`'s parameters (as placed on device) to an Orbax directory `out`."""
+    out = Path(out).absolute()
+    out.mkdir(parents=True, exist_ok=False)
+    (out / "config.json").write_text(Path(config_json).read_text())
+    dtype = model.model.embed_tokens.weight.dtype
+    (out / MARKER).write_text(json.dumps({"dtype": jnp.dtype(dtype).name, "expert_formats": expert_formats(model)}))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(out / PARAMS, nnx.state(model, nnx.Param))
+    checkpointer.wait_until_finished()
+    return out
+
+
+def is_orbax(directory: str | Path) -> bool:
+    return (Path(directory) / MARKER).is_file()
+
+
+def restore(directory: str | Path) -> tuple[ModelConfig, CausalLM]:
+    """The model saved by `save`, its arrays placed like the abstract model's (one device for now)."""
+    directory = Path(directory).absolute()
+    try:
+        meta = json.loads((directory / MARKER).read_text())
+        dtype, formats = jnp.dtype(meta["dtype"]), meta["expert_formats"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{directory}: unreadable {MARKER}: {error}") from error
+    config = load_config(directory)
+    graphdef, abstract = nnx.split(abstract_causal_lm(config, dtype, formats))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+    try:
+        state = ocp.StandardCheckpointer().restore(directory / PARAMS, target)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{directory}: cannot restore the Orbax parameters: {error}") from error
+    return config, nnx.merge(graphdef, state)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Convert a safetensors checkpoint to an Orbax one")
+    parser.add_argument("--checkpoint", required=True, help="safetensors checkpoint directory")
+    parser.add_argument("--out", required=True, help="Orbax directory to create")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    args = parser.parse_args()
+    _, model = load_causal_lm(args.checkpoint, jnp.dtype(args.dtype))
+    print(save(model, Path(args.checkpoint) / "config.json", args.out))
+
+
+if __name__ == "__main__":
+    main()
