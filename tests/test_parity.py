@@ -172,3 +172,27 @@ def test_score_cli_reports_unreadable_ids_and_unwritable_output(tmp_path):
     result = subprocess.run([*command, "--input", str(tmp_path / "ids.json"), "--output", str(missing_dir)],
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 2 and "cannot write" in result.stderr
+
+
+QUANTIZED_CASES = ("tiny_text_mxfp8", "tiny_text_mixed")
+
+
+@pytest.mark.parametrize("case", QUANTIZED_CASES)
+def test_quantized_checkpoints_match_reference_on_dequantized_weights(case):
+    """Experts stored MXFP8 (some as U8 + F8_E8M0) or NVFP4 (ModelOpt and Inkling v1 sidecar names)
+    in the original layout; transformers ran on their dequantized values."""
+    reference = np.load(FIXTURES / case / "reference.npz")
+    _, model = load_causal_lm(FIXTURES / case / "original", jnp.float32)
+    formats = {type(layer.mlp.experts.gate_up_proj).__name__ for layer in model.model.layers}
+    assert formats == {"QuantizedWeight"}
+    got = np.asarray(logits_fn(model)(jnp.asarray(reference["input_ids"][None], jnp.int32))[0])
+    assert relative_error(got, reference["logits_f32"]) < 1e-4
+    prompt, want = reference["greedy_prompt"].tolist(), reference["greedy_ids"].tolist()
+    assert greedy_continuation(model, prompt, len(want)) == want
+
+
+def test_score_cli_works_unchanged_on_a_quantized_checkpoint(tmp_path):
+    reference = np.load(FIXTURES / "tiny_text_mixed" / "reference.npz")
+    result = _score(FIXTURES / "tiny_text_mixed" / "original", reference["input_ids"].tolist(), tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert relative_error(np.load(tmp_path / "logits.npy"), reference["logits_f32"]) < 1e-4
