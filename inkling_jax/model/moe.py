@@ -35,14 +35,17 @@ class Router(nnx.Module):
 class QuantizedWeight(nnx.Module):
     """A block-quantized weight [E, N, K] as parameters: data, scales and (NVFP4) per-expert global scales.
 
-    Initialised by quantizing normal(std) values, so a random quantized model is realistic in scale.
+    Initialised by quantizing normal(std) values expert by expert, so a random quantized model is
+    realistic in scale and can be built directly on device at full size.
     """
 
     def __init__(
         self, rngs: nnx.Rngs, shape: tuple[int, int, int], axes: tuple[str, str, str], format: str, std: float
     ):
         self.format = format
-        q = quantize(normal(std)(rngs.params(), shape, jnp.float32), format)
+        # one expert at a time, so building on device never holds more than one expert in fp32
+        keys = jax.random.split(rngs.params(), shape[0])
+        q = jax.lax.map(lambda key: quantize(normal(std)(key, shape[1:], jnp.float32), format), keys)
         self.data = nnx.Param(q.data, out_sharding=axes, eager_sharding=False)
         self.scales = nnx.Param(q.scales, out_sharding=axes, eager_sharding=False)
         if format == NVFP4:
