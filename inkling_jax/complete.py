@@ -14,7 +14,7 @@ import sys
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.config import ConfigError
 from inkling_jax.forward import greedy_continuation
-from inkling_jax.score import DTYPES
+from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 
 
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
+    log_to_stderr()
     try:
         config, model = load_model(args.checkpoint, DTYPES[args.dtype])
         try:

@@ -8,6 +8,7 @@ IDS.json is a JSON list of token ids; LOGITS.npy gets float32 [len(ids), unpadde
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import jax.numpy as jnp
@@ -21,6 +22,16 @@ from inkling_jax.token_ids import TokenIdError, read_token_ids
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def log_to_stderr() -> None:
+    """Show inkling_jax's progress lines (e.g. checkpoint bytes vs device bytes) on stderr."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("inkling_jax")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inkling_jax.score", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json + safetensors)")
@@ -28,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="where to write the float32 logits (.npy)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter/activation dtype")
     args = parser.parse_args(argv)
+    log_to_stderr()
     try:
         config, model = load_model(args.checkpoint, DTYPES[args.dtype])
         ids = read_token_ids(args.input, config.text)

@@ -164,4 +164,9 @@ def load_causal_lm(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> t
         if tensor.format is not None:
             array = stored_array(checkpoint, tensor.name, tensor.role, tensor.format, array, experts)
         variable.set_value(jax.device_put(np.asarray(array).astype(variable.dtype)))
-    return config, nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    read = sum(files.entry(name).nbytes for name in files.names())
+    logger.info(
+        "%s: %.1f MiB of tensors -> %.1f MiB on device", checkpoint, read / 2**20, parameter_bytes(model) / 2**20
+    )
+    return config, model

@@ -51,6 +51,10 @@ class Entry(NamedTuple):
     begin: int
     end: int
 
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
 
 def _entry(path: Path, name: str, raw: object, data_size: int) -> Entry:
     """Validate a header entry: known dtype, non-negative integer shape, a byte range that holds it."""
