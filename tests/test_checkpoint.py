@@ -1,13 +1,13 @@
 """Safetensors IO and checkpoint loading: round trips on random data, and clear errors."""
 
 import json
-import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from checkpoint_edits import edited_copy
 from flax import nnx
 
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
@@ -36,17 +36,6 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny")
     (root / "tiny.json").write_text(json.dumps(TINY))
     return write_checkpoint(root / "tiny.json", root / "ckpt", seed=7, experts="fp32", layout="transformers")
-
-
-def _copy(checkpoint: Path, tmp_path: Path, edit) -> Path:
-    """A copy of `checkpoint` whose tensors pass through `edit(dict) -> dict`."""
-    files = CheckpointFiles(checkpoint)
-    tensors = edit({name: np.array(files.read(name)) for name in files.names()})
-    out = tmp_path / "edited"
-    out.mkdir()
-    shutil.copy(checkpoint / "config.json", out / "config.json")
-    write_safetensors(out / "model.safetensors", tensors)
-    return out
 
 
 def test_safetensors_round_trip_every_dtype(tmp_path):
@@ -125,7 +114,9 @@ def test_checkpoint_must_be_a_directory(tiny_checkpoint):
 
 
 def test_key_clip_tensors_are_ignored_like_transformers(tiny_checkpoint, tmp_path):
-    edited = _copy(tiny_checkpoint, tmp_path, lambda t: {**t, "model.layers.0.self_attn.k_l2_clip.scale": np.ones(4)})
+    edited = edited_copy(
+        tiny_checkpoint, tmp_path, lambda t: {**t, "model.layers.0.self_attn.k_l2_clip.scale": np.ones(4)}
+    )
     _, model = load_causal_lm(edited, jnp.float32)
     _, reference = load_causal_lm(tiny_checkpoint, jnp.float32)
     ids = jnp.asarray([[3, 14, 15, 9, 26]], jnp.int32)
@@ -193,11 +184,11 @@ def test_multimodal_transformers_layout_sharded_skips_vision(tiny_checkpoint, tm
 )  # fmt: skip
 def test_bad_checkpoints_name_the_tensor(tiny_checkpoint, tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message):
-        load_causal_lm(_copy(tiny_checkpoint, tmp_path, edit), jnp.float32)
+        load_causal_lm(edited_copy(tiny_checkpoint, tmp_path, edit), jnp.float32)
 
 
 def test_quantization_config_must_agree_with_plain_tensors(tiny_checkpoint, tmp_path):
-    out = _copy(tiny_checkpoint, tmp_path, lambda t: t)
+    out = edited_copy(tiny_checkpoint, tmp_path, lambda t: t)
     (out / "config.json").write_text(json.dumps({**TINY, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(CheckpointError, match="quantization_config says fp8, but no expert tensor is quantized"):
         load_causal_lm(out, jnp.float32)

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from checkpoint_edits import edited_copy
 from flax import nnx
 
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
 from inkling_jax.checkpoint.loader import parameter_bytes, parameter_paths
-from inkling_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointFiles, write_safetensors
+from inkling_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointFiles
 from inkling_jax.checkpoint.synthetic import _values, write_checkpoint
 from inkling_jax.model.moe import QuantizedWeight
 from pallas_kernels.quantized import MXFP8, NVFP4
@@ -97,16 +98,6 @@ def test_score_cli_runs_on_a_quantized_checkpoint(mixed, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), np.asarray(model(IDS))[0], rtol=1e-5, atol=1e-5)
 
 
-def _edited(mixed: Path, tmp_path: Path, edit) -> Path:
-    files = CheckpointFiles(mixed)
-    tensors = edit({name: np.array(files.read(name)) for name in files})
-    out = tmp_path / "edited"
-    out.mkdir()
-    shutil.copy(mixed / "config.json", out / "config.json")
-    write_safetensors(out / "model.safetensors", tensors)
-    return out
-
-
 NV = "model.llm.layers.0.mlp.experts.w13_weight"
 MX = "model.llm.layers.2.mlp.experts.w2_weight"
 
@@ -141,11 +132,11 @@ def _zero_global(t):
 )  # fmt: skip
 def test_bad_quantized_tensors_are_named(mixed, tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message):
-        load_causal_lm(_edited(mixed, tmp_path, edit), jnp.float32)
+        load_causal_lm(edited_copy(mixed, tmp_path, edit), jnp.float32)
 
 
 def test_config_must_agree_with_the_tensors(mixed, tmp_path):
-    out = _edited(mixed, tmp_path, lambda t: t)
+    out = edited_copy(mixed, tmp_path, lambda t: t)
     raw = json.loads((out / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [1, 32], "scale_fmt": "ue8m0"}
     (out / "config.json").write_text(json.dumps(raw))
