@@ -1,0 +1,102 @@
+"""On-device sampling with per-request parameters, inside the jitted step.
+
+For each slot: penalties (repetition over prompt and output tokens, presence and frequency over output
+tokens, as vLLM defines them), then greedy (temperature 0) or sampling from the temperature-scaled
+distribution restricted by top-k, top-p and min-p. A request's random stream depends only on its seed
+and on how many tokens it has generated, never on its slot or the rest of the batch. Log-probabilities
+are those of the model's own distribution (log-softmax of the raw logits), as vLLM reports by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-slot sampling parameters, each [S]. The neutral value of each disables it."""
+
+    temperature: jax.Array  # float32; 0 = greedy
+    top_k: jax.Array  # int32; 0 = all tokens
+    top_p: jax.Array  # float32; 1 = all tokens
+    min_p: jax.Array  # float32; 0 = all tokens
+    repetition_penalty: jax.Array  # float32; 1 = off
+    presence_penalty: jax.Array  # float32; 0 = off
+    frequency_penalty: jax.Array  # float32; 0 = off
+    seed: jax.Array  # uint32
+
+    @classmethod
+    def neutral(cls, slots: int) -> SamplingParams:
+        """Greedy decoding with every filter and penalty off, for `slots` slots."""
+        zeros, ones = jnp.zeros(slots, jnp.float32), jnp.ones(slots, jnp.float32)
+        return cls(zeros, jnp.zeros(slots, jnp.int32), ones, zeros, ones, zeros, zeros, jnp.zeros(slots, jnp.uint32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    tokens: jax.Array  # [S] int32
+    logprobs: jax.Array  # [S] float32, of the chosen token
+    top_ids: jax.Array  # [S, n] int32, the n most likely tokens
+    top_logprobs: jax.Array  # [S, n] float32
+
+
+def penalize(logits: jax.Array, params: SamplingParams, output_counts: jax.Array, prompt_mask: jax.Array) -> jax.Array:
+    """logits [S, V] after repetition (prompt or output tokens), presence and frequency (output) penalties.
+
+    output_counts [S, V] int32: how often each token was generated; prompt_mask [S, V] bool.
+    """
+    counts = output_counts.astype(jnp.float32)
+    seen = prompt_mask | (output_counts > 0)
+    repetition = params.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits = logits - params.frequency_penalty[:, None] * counts
+    return logits - params.presence_penalty[:, None] * (counts > 0)
+
+
+def filtered_logits(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """(order [S, V], logits [S, V]): tokens by decreasing scaled logit, and their scaled logits with
+    everything outside top-k, top-p and min-p set to -inf."""
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    scaled = logits / temperature
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    keep = (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < params.top_p[:, None]  # the mass before a token
+    keep &= probs >= params.min_p[:, None] * probs[:, :1]
+    return order, jnp.where(keep, ranked, -jnp.inf)
+
+
+def request_keys(seed: jax.Array, generated: jax.Array) -> jax.Array:
+    """One PRNG key per slot, from the request's seed and its count of generated tokens."""
+    return jax.vmap(lambda s, g: jax.random.fold_in(jax.random.key(s), g))(seed, generated)
+
+
+def sample(
+    logits: jax.Array,
+    params: SamplingParams,
+    output_counts: jax.Array,
+    prompt_mask: jax.Array,
+    generated: jax.Array,
+    num_top: int = 0,
+) -> Sampled:
+    """The next token of every slot.
+
+    logits [S, V] float32; output_counts [S, V]; prompt_mask [S, V]; generated [S] int32 (tokens each
+    request has produced so far); num_top: how many top log-probabilities to return (static).
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    penalized = penalize(logits, params, output_counts, prompt_mask)
+    order, ranked = filtered_logits(penalized, params)
+    choice = jax.vmap(jax.random.categorical)(request_keys(params.seed, generated), ranked)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    tokens = jnp.where(params.temperature > 0, sampled, jnp.argmax(penalized, axis=-1)).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)

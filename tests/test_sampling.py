@@ -1,0 +1,117 @@
+"""On-device sampling: filters, penalties, seeds and log-probabilities, on fresh random logits."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inkling_jax.sampling import SamplingParams, penalize, sample
+
+VOCAB = 12
+
+
+def params_for(slots: int, **values) -> SamplingParams:
+    neutral = SamplingParams.neutral(slots)
+    return dataclasses.replace(neutral, **{k: jnp.full(slots, v, getattr(neutral, k).dtype) for k, v in values.items()})
+
+
+def expected_distribution(logits, temperature, top_k, top_p, min_p):
+    """The filtered distribution, written from the definitions (vLLM's order: temperature, then filters)."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    probs = np.exp(scaled[order] - scaled[order].max())
+    probs /= probs.sum()
+    keep = np.ones(len(probs), bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    keep &= np.concatenate([[0.0], np.cumsum(probs)[:-1]]) < top_p
+    keep &= probs >= min_p * probs[0]
+    filtered = np.where(keep, probs, 0.0)
+    result = np.zeros(len(probs))
+    result[order] = filtered / filtered.sum()
+    return result
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (0.9, 0, 1.0, 0.1), (0.8, 6, 0.9, 0.02)],
+)
+def test_samples_follow_the_filtered_distribution(temperature, top_k, top_p, min_p):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.5, VOCAB).astype(np.float32)
+    draws = 8000
+    params = params_for(draws, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=7)
+    zeros = jnp.zeros((draws, VOCAB), jnp.int32)
+    out = jax.jit(sample)(
+        jnp.tile(logits, (draws, 1)), params, zeros, zeros.astype(bool), jnp.arange(draws, dtype=jnp.int32)
+    )
+    frequencies = np.bincount(np.asarray(out.tokens), minlength=VOCAB) / draws
+    want = expected_distribution(logits, temperature, top_k, top_p, min_p)
+    assert np.all(frequencies[want == 0] == 0)
+    np.testing.assert_allclose(frequencies, want, atol=4.5 * np.sqrt(0.25 / draws))
+
+
+def test_a_seeded_request_ignores_its_slot_and_batch():
+    rng = np.random.default_rng(1)
+    ours = rng.normal(size=VOCAB).astype(np.float32)
+    step = jax.jit(sample, static_argnames="num_top")
+    results = []
+    for slot, others in ((0, 3), (2, 4), (5, 7)):
+        batch = rng.normal(size=(others + 1, VOCAB)).astype(np.float32)
+        batch[slot] = ours
+        params = params_for(others + 1, temperature=0.9, top_p=0.95)
+        params = dataclasses.replace(params, seed=params.seed.at[slot].set(1234))
+        generated = jnp.asarray(rng.integers(0, 50, others + 1), jnp.int32).at[slot].set(17)
+        zeros = jnp.zeros((others + 1, VOCAB), jnp.int32)
+        out = step(jnp.asarray(batch), params, zeros, zeros.astype(bool), generated, num_top=3)
+        results.append((int(out.tokens[slot]), float(out.logprobs[slot])))
+    assert len(set(results)) == 1
+    zeros = jnp.zeros((1, VOCAB), jnp.int32)
+    draws = [
+        int(step(jnp.asarray(ours[None]), params_for(1, temperature=1.0, seed=seed), zeros, zeros.astype(bool),
+                 jnp.asarray([17], jnp.int32)).tokens[0])
+        for seed in range(40)
+    ]  # fmt: skip
+    assert len(set(draws)) > 3  # different seeds, different streams
+
+
+def test_penalties_match_their_definitions():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(3, VOCAB)).astype(np.float32)
+    counts = rng.integers(0, 3, size=(3, VOCAB)).astype(np.int32)
+    prompt = rng.random((3, VOCAB)) < 0.3
+    params = dataclasses.replace(
+        SamplingParams.neutral(3),
+        repetition_penalty=jnp.asarray([1.0, 1.3, 0.8]),
+        presence_penalty=jnp.asarray([0.5, 0.0, -0.2]),
+        frequency_penalty=jnp.asarray([0.0, 0.25, 0.1]),
+    )
+    got = np.asarray(penalize(jnp.asarray(logits), params, jnp.asarray(counts), jnp.asarray(prompt)))
+    want = logits.astype(np.float64).copy()
+    for s in range(3):
+        for v in range(VOCAB):
+            if prompt[s, v] or counts[s, v] > 0:
+                r = float(params.repetition_penalty[s])
+                want[s, v] = want[s, v] / r if want[s, v] > 0 else want[s, v] * r
+            want[s, v] -= float(params.frequency_penalty[s]) * counts[s, v]
+            want[s, v] -= float(params.presence_penalty[s]) * (counts[s, v] > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_and_logprobs():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, VOCAB)).astype(np.float32)
+    counts = np.zeros((4, VOCAB), np.int32)
+    counts[1, logits[1].argmax()] = 2  # a repeated best token loses to the frequency penalty
+    params = dataclasses.replace(SamplingParams.neutral(4), frequency_penalty=jnp.asarray([0.0, 50.0, 0.0, 0.0]))
+    out = sample(jnp.asarray(logits), params, jnp.asarray(counts), jnp.zeros((4, VOCAB), bool),
+                 jnp.zeros(4, jnp.int32), num_top=4)  # fmt: skip
+    expected = logits.argmax(-1)
+    expected[1] = np.argsort(-logits[1])[1]
+    np.testing.assert_array_equal(np.asarray(out.tokens), expected)
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(out.logprobs), logprobs[np.arange(4), expected], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-logits, axis=-1)[:, :4])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-logprobs, axis=-1)[:, :4], rtol=1e-5)
