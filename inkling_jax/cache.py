@@ -1,0 +1,169 @@
+"""Decode state: what each sequence keeps between steps, sized from the config and a memory budget.
+
+Per sequence (DESIGN.md):
+- full-attention layers: K and V of every token, in 128-token pages drawn from one shared pool, found
+  through the sequence's page table;
+- sliding-window layers: K and V of the last `window + max_chunk` tokens in a ring. A chunk of C new
+  tokens is written before attention reads, and its first token still needs the window - 1 tokens
+  before it, so the ring must hold window - 1 + C tokens: a ring of exactly the window is not enough;
+- four short-convolution states per layer (the last K - 1 inputs of the K, V, post-attention and
+  post-MLP convolutions), in the activation dtype, which is exactly what the convolutions read;
+- for sampling: each sequence's generated-token counts, its prompt's token set and its count of
+  generated tokens.
+Block attention residuals keep nothing across tokens. Under tensor parallelism (`tp`) attention heads,
+and with them K/V and the K/V convolution states, split across devices; the residual-stream
+convolution states are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from inkling_jax.config import TextConfig
+
+PAGE_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Static sizes of a decode state (all compiled into the step's shapes)."""
+
+    max_num_seqs: int
+    num_pages: int
+    max_pages_per_seq: int
+    max_chunk: int
+    page_size: int = PAGE_SIZE
+
+    def ring(self, text: TextConfig) -> int:
+        """Tokens a sliding layer keeps per sequence."""
+        return text.sliding_window_size + self.max_chunk
+
+
+def _kv_heads(text: TextConfig, sliding: bool, tp: int) -> tuple[int, int]:
+    """(KV heads per device, head dim): heads split over tp devices, one each once tp exceeds them."""
+    kv_heads, head_dim = (
+        (text.swa_num_key_value_heads, text.swa_head_dim) if sliding else (text.num_key_value_heads, text.head_dim)
+    )
+    return max(1, kv_heads // tp), head_dim
+
+
+def _layer_counts(text: TextConfig) -> tuple[int, int]:
+    sliding = sum(text.is_sliding(i) for i in range(text.num_hidden_layers))
+    return sliding, text.num_hidden_layers - sliding
+
+
+def kv_bytes_per_token(text: TextConfig, sliding: bool, dtype: jnp.dtype, tp: int = 1) -> int:
+    """K and V bytes of one token in one layer of the given kind, per device."""
+    heads, head_dim = _kv_heads(text, sliding, tp)
+    return 2 * heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def conv_state_bytes(text: TextConfig, dtype: jnp.dtype, tp: int = 1) -> int:
+    """Short-convolution state bytes of one sequence over all layers, per device."""
+    total = 0
+    for layer in range(text.num_hidden_layers):
+        heads, head_dim = _kv_heads(text, text.is_sliding(layer), tp)
+        channels = 2 * heads * head_dim + 2 * text.hidden_size  # K, V; post-attention, post-MLP (replicated)
+        total += (text.conv_kernel_size - 1) * channels * jnp.dtype(dtype).itemsize
+    return total
+
+
+def bytes_per_sequence(
+    text: TextConfig, context: int, *, max_chunk: int, dtype: jnp.dtype = jnp.bfloat16, tp: int = 1
+) -> dict[str, int]:
+    """Device bytes one sequence of `context` tokens holds, by part (sampling state excluded)."""
+    sliding_layers, full_layers = _layer_counts(text)
+    pages = math.ceil(context / PAGE_SIZE)
+    ring = min(text.sliding_window_size + max_chunk, context)
+    parts = {
+        "full_attention_kv": full_layers * pages * PAGE_SIZE * kv_bytes_per_token(text, False, dtype, tp),
+        "sliding_window_kv": sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp),
+        "conv_states": conv_state_bytes(text, dtype, tp),
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
+def layout_for_budget(
+    text: TextConfig,
+    budget_bytes: int,
+    *,
+    max_num_seqs: int,
+    max_context: int,
+    max_chunk: int,
+    dtype: jnp.dtype = jnp.bfloat16,
+    tp: int = 1,
+) -> CacheLayout:
+    """The largest page pool that fits `budget_bytes` (per device) after every slot's fixed state."""
+    sliding_layers, full_layers = _layer_counts(text)
+    ring = text.sliding_window_size + max_chunk
+    fixed = max_num_seqs * (
+        sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp)
+        + conv_state_bytes(text, dtype, tp)
+        + text.vocab_size * 5  # sampling: int32 output counts and a bool prompt mask per token
+    )
+    per_page = max(1, full_layers) * PAGE_SIZE * kv_bytes_per_token(text, False, dtype, tp)
+    num_pages = (budget_bytes - fixed) // per_page
+    max_pages_per_seq = math.ceil(max_context / PAGE_SIZE)
+    if num_pages < max_pages_per_seq:
+        raise ValueError(
+            f"a budget of {budget_bytes / 2**30:.2f} GiB holds {max(num_pages, 0)} pages after the fixed state of "
+            f"{max_num_seqs} sequences ({fixed / 2**30:.2f} GiB); one sequence of {max_context} tokens needs "
+            f"{max_pages_per_seq}"
+        )
+    return CacheLayout(max_num_seqs, int(num_pages), max_pages_per_seq, max_chunk)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything sequences keep between steps (donated to the step)."""
+
+    full_k: jax.Array  # [full layers, num_pages, page, kv_heads, head_dim]
+    full_v: jax.Array
+    page_table: jax.Array  # [S, max_pages_per_seq] int32 page ids
+    sliding_k: jax.Array  # [sliding layers, S, ring, kv_heads, head_dim]; token p at ring slot p % ring
+    sliding_v: jax.Array
+    conv_k: jax.Array  # [layers, S, K - 1, kv channels], oldest first
+    conv_v: jax.Array
+    conv_attention: jax.Array  # [layers, S, K - 1, hidden]
+    conv_mlp: jax.Array
+    lengths: jax.Array  # [S] int32 tokens already in the state
+    output_counts: jax.Array  # [S, vocab] int32
+    prompt_mask: jax.Array  # [S, vocab] bool
+    generated: jax.Array  # [S] int32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
+
+
+def init_state(text: TextConfig, layout: CacheLayout, dtype: jnp.dtype = jnp.bfloat16) -> DecodeState:
+    """An empty decode state (unsharded; `inkling_jax.sharding` places it on a mesh)."""
+    sliding_layers, full_layers = _layer_counts(text)
+    slots, ring, taps = layout.max_num_seqs, layout.ring(text), text.conv_kernel_size - 1
+    swa_heads, swa_dim = _kv_heads(text, True, 1)
+    full_heads, full_dim = _kv_heads(text, False, 1)
+    kv_channels = max(swa_heads * swa_dim, full_heads * full_dim)  # one array for both layer kinds
+
+    def zeros(*shape: int) -> jax.Array:  # a buffer of its own per field: the state is donated
+        return jnp.zeros(shape, dtype)
+
+    return DecodeState(
+        full_k=zeros(full_layers, layout.num_pages, layout.page_size, full_heads, full_dim),
+        full_v=zeros(full_layers, layout.num_pages, layout.page_size, full_heads, full_dim),
+        page_table=jnp.zeros((slots, layout.max_pages_per_seq), jnp.int32),
+        sliding_k=zeros(sliding_layers, slots, ring, swa_heads, swa_dim),
+        sliding_v=zeros(sliding_layers, slots, ring, swa_heads, swa_dim),
+        conv_k=zeros(text.num_hidden_layers, slots, taps, kv_channels),
+        conv_v=zeros(text.num_hidden_layers, slots, taps, kv_channels),
+        conv_attention=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
+        conv_mlp=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
+        lengths=jnp.zeros(slots, jnp.int32),
+        output_counts=jnp.zeros((slots, text.vocab_size), jnp.int32),
+        prompt_mask=jnp.zeros((slots, text.vocab_size), bool),
+        generated=jnp.zeros(slots, jnp.int32),
+    )
