@@ -6,6 +6,8 @@ input-dependent on full layers). Full layers scale q and the relative states by
 tau = 1 + alpha * log(max((pos + 1) / n_floor, 1)). The output is gated by sigmoid(gate_proj(x)).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,9 +15,78 @@ from flax import nnx
 from inkling_jax.config import TextConfig
 from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
 from inkling_jax.model.params import Linear, normal, param
-from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
+from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution, next_history
 from pallas_kernels.numerics import round_to
 from pallas_kernels.relative_attention import relative_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Where a step's tokens [S, C] sit: each slot's tokens already in the state, how many of its C
+    tokens are real (the rest pad), and its page table (full-attention pages)."""
+
+    lengths: jax.Array  # [S] int32
+    counts: jax.Array  # [S] int32
+    page_table: jax.Array  # [S, max pages] int32
+    width: int = dataclasses.field(metadata={"static": True}, default=1)  # C
+
+    @property
+    def positions(self) -> jax.Array:
+        """[S, C] absolute positions of the step's tokens."""
+        return self.lengths[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
+
+    @property
+    def valid(self) -> jax.Array:
+        """[S, C] real tokens."""
+        return jnp.arange(self.width)[None, :] < self.counts[:, None]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionCache:
+    """One layer's attention state: K/V (full layers: the shared pages [P, page, Hkv, D]; sliding
+    layers: per-slot rings [S, R, Hkv, D]) and the K/V convolutions' last inputs [S, K - 1, channels]."""
+
+    k: jax.Array
+    v: jax.Array
+    k_history: jax.Array
+    v_history: jax.Array
+
+
+def write_pages(pages: jax.Array, values: jax.Array, chunk: Chunk) -> jax.Array:
+    """pages [P, page, H, D] with each real token's values [S, C, H, D] stored at its position."""
+    page_size = pages.shape[1]
+    positions = chunk.positions
+    page = jnp.take_along_axis(chunk.page_table, positions // page_size, axis=1, mode="clip")
+    page = jnp.where(chunk.valid, page, pages.shape[0])  # padding writes nowhere
+    return pages.at[page, positions % page_size].set(values.astype(pages.dtype), mode="drop")
+
+
+def read_pages(pages: jax.Array, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
+    """Each slot's keys in position order [S, L, H, D] and their positions [S, L]."""
+    view = pages[chunk.page_table]  # [S, max pages, page, H, D]
+    slots, num_pages, page_size = view.shape[:3]
+    positions = jnp.broadcast_to(jnp.arange(num_pages * page_size, dtype=jnp.int32), (slots, num_pages * page_size))
+    return view.reshape(slots, num_pages * page_size, *view.shape[3:]), positions
+
+
+def write_ring(ring: jax.Array, values: jax.Array, chunk: Chunk) -> jax.Array:
+    """ring [S, R, H, D] with each real token's values at slot position % R."""
+    size = ring.shape[1]
+    slots = jnp.broadcast_to(jnp.arange(ring.shape[0])[:, None], chunk.positions.shape)
+    index = jnp.where(chunk.valid, chunk.positions % size, size)
+    return ring.at[slots, index].set(values.astype(ring.dtype), mode="drop")
+
+
+def ring_positions(ring: jax.Array, chunk: Chunk) -> jax.Array:
+    """[S, R] position each ring entry holds after the chunk is written (entries never written: far
+    in the future, so no query sees them)."""
+    size = ring.shape[1]
+    last = chunk.lengths + chunk.counts - 1
+    entry = jnp.arange(size, dtype=jnp.int32)[None, :]
+    held = last[:, None] - (last[:, None] - entry) % size
+    return jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max // 2)
 
 
 class RelativeLogits(nnx.Module):
@@ -60,20 +131,37 @@ class Attention(nnx.Module):
         self.q_l2_clip = ScaledL2Clip(rngs, self.num_heads, self.head_dim, config.qk_l2_clip_threshold, dtype)
         self.rel_l2_clip = ScaledL2Clip(rngs, self.num_heads, config.d_rel, config.rel_l2_clip_threshold, dtype)
 
-    def _convolve(self, conv: nnx.Module, x: jax.Array, source: jax.Array) -> jax.Array:
-        return conv(x) if self.sliding else conv(x, source)
+    def _convolve(self, conv: nnx.Module, x: jax.Array, source: jax.Array, history: jax.Array | None) -> jax.Array:
+        return conv(x, history=history) if self.sliding else conv(x, source, history=history)
 
-    def __call__(self, q_in: jax.Array, k_in: jax.Array, v_in: jax.Array, positions: jax.Array) -> jax.Array:
-        """q_in, k_in, v_in [B, T, H] (the same array on sliding layers); positions [B, T] -> [B, T, H]."""
+    def __call__(
+        self,
+        q_in: jax.Array,
+        k_in: jax.Array,
+        v_in: jax.Array,
+        positions: jax.Array,
+        cache: AttentionCache | None = None,
+        chunk: Chunk | None = None,
+    ) -> tuple[jax.Array, AttentionCache | None]:
+        """q_in, k_in, v_in [B, T, H] (the same array on sliding layers); positions [B, T] -> [B, T, H].
+
+        Without a cache the T tokens are a whole sequence; with one (and its `chunk`) they follow what
+        the cache holds, and the updated cache comes back.
+        """
         config = self.config
         batch, length, _ = q_in.shape
         dtype = q_in.dtype
         heads = (batch, length, self.num_heads, -1)
         kv_heads = (batch, length, self.num_kv_heads, self.head_dim)
+        kv_size = self.num_kv_heads * self.head_dim
 
         q = self.q_l2_clip(self.q_proj(q_in).reshape(heads))
-        k = self._convolve(self.k_sconv, self.k_proj(k_in), k_in)
-        v = self._convolve(self.v_sconv, self.v_proj(v_in), v_in)
+        k_pre, v_pre = self.k_proj(k_in), self.v_proj(v_in)
+        k_history = v_history = None
+        if cache is not None:
+            k_history, v_history = cache.k_history[..., :kv_size], cache.v_history[..., :kv_size]
+        k = self._convolve(self.k_sconv, k_pre, k_in, k_history)
+        v = self._convolve(self.v_sconv, v_pre, v_in, v_history)
         k = round_to(l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold), dtype)
         v = round_to(rms_normalize(v.reshape(kv_heads), config.rms_norm_eps), dtype)
         rel = self.rel_l2_clip(self.r_proj(q_in).reshape(heads))
@@ -83,10 +171,25 @@ class Attention(nnx.Module):
             q = round_to(q.astype(jnp.float32) * tau, dtype)
             rel = round_to(rel.astype(jnp.float32) * tau, dtype)
 
+        new_cache = None
+        kv_positions = positions
+        if cache is not None:
+            if self.sliding:
+                new_k, new_v = write_ring(cache.k, k, chunk), write_ring(cache.v, v, chunk)
+                kv_positions = ring_positions(new_k, chunk)
+                k, v = new_k, new_v
+            else:
+                new_k, new_v = write_pages(cache.k, k, chunk), write_pages(cache.v, v, chunk)
+                k, kv_positions = read_pages(new_k, chunk)
+                v, _ = read_pages(new_v, chunk)
+            histories = (next_history(k_pre, k_history, chunk.counts), next_history(v_pre, v_history, chunk.counts))
+            k_hist, v_hist = (cache.k_history.at[..., :kv_size].set(h) for h in histories)
+            new_cache = AttentionCache(new_k, new_v, k_hist, v_hist)
         out = relative_attention(
-            q, k, v, rel, self.rel_logits_proj.proj[...], self.sink_proj(q_in), positions, positions,
+            q, k.astype(dtype), v.astype(dtype), rel, self.rel_logits_proj.proj[...], self.sink_proj(q_in),
+            positions, kv_positions,
             scale=self.head_dim**-0.5, window=config.sliding_window_size if self.sliding else None,
         )  # fmt: skip
         gate = jax.nn.sigmoid(self.gate_proj(q_in).astype(jnp.float32))
         out = round_to(out.reshape(batch, length, -1).astype(jnp.float32) * gate, dtype)
-        return self.o_proj(out)
+        return self.o_proj(out), new_cache

@@ -16,14 +16,25 @@ from inkling_jax.model.params import Linear, normal, param, zeros
 from pallas_kernels.numerics import einsum, round_to
 
 
-def lagged(x: jax.Array, kernel_size: int) -> jax.Array:
-    """[..., T, C] -> [..., T, C, K] with [..., t, c, lag] = x[..., t - lag, c] (zero before the start)."""
-    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(kernel_size - 1, 0), (0, 0)])
+def lagged(x: jax.Array, kernel_size: int, history: jax.Array | None = None) -> jax.Array:
+    """[..., T, C] -> [..., T, C, K] with [..., t, c, lag] = x[..., t - lag, c]; before the start come the
+    K - 1 earlier inputs in `history` [..., K - 1, C] (oldest first), or zeros."""
+    if history is None:
+        padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(kernel_size - 1, 0), (0, 0)])
+    else:
+        padded = jnp.concatenate([history.astype(x.dtype), x], axis=-2)
     length = x.shape[-2]
     return jnp.stack(
         [padded[..., kernel_size - 1 - lag : kernel_size - 1 - lag + length, :] for lag in range(kernel_size)],
         axis=-1,
     )
+
+
+def next_history(x: jax.Array, history: jax.Array, counts: jax.Array) -> jax.Array:
+    """The K - 1 latest inputs after the first counts[b] of x [B, T, C] follow history [B, K - 1, C]."""
+    joined = jnp.concatenate([history, x.astype(history.dtype)], axis=1)
+    index = counts[:, None] + jnp.arange(history.shape[1])[None, :]
+    return jnp.take_along_axis(joined, index[:, :, None], axis=1)
 
 
 class DepthwiseTaps(nnx.Module):
@@ -38,11 +49,11 @@ class ShortConvolution(nnx.Module):
         self.kernel_size = kernel_size
         self.conv1d = DepthwiseTaps(rngs, channels, kernel_size, axis, std)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [B, T, C] -> [B, T, C]."""
+    def __call__(self, x: jax.Array, history: jax.Array | None = None) -> jax.Array:
+        """x [B, T, C] (after `history` [B, K - 1, C], if given) -> [B, T, C]."""
         xf = x.astype(jnp.float32)
         taps = self.conv1d.weight[...][:, 0, ::-1].astype(jnp.float32)  # [C, K], lag-indexed
-        out = einsum("btck,ck->btc", lagged(xf, self.kernel_size), taps)
+        out = einsum("btck,ck->btc", lagged(xf, self.kernel_size, history), taps)
         return round_to((out + xf) / math.sqrt(self.kernel_size + 1), x.dtype)
 
 
@@ -56,13 +67,13 @@ class DynamicShortConvolution(nnx.Module):
         self.static_weight = param(rngs, (kernel_size, channels), (None, "kv_heads"), dtype, zeros)
         self.weight_proj = Linear(rngs, input_size, num_heads * kernel_size, (None, "embed"), dtype, std)
 
-    def __call__(self, x: jax.Array, dynamic_input: jax.Array) -> jax.Array:
-        """x [B, T, C], dynamic_input [B, T, H_in] -> [B, T, C]."""
+    def __call__(self, x: jax.Array, dynamic_input: jax.Array, history: jax.Array | None = None) -> jax.Array:
+        """x [B, T, C] (after `history` [B, K - 1, C], if given), dynamic_input [B, T, H_in] -> [B, T, C]."""
         batch, length, channels = x.shape
         dynamic = self.weight_proj(dynamic_input).astype(jnp.float32)
         dynamic = dynamic.reshape(batch, length, self.num_heads, 1, self.kernel_size)
         static = self.static_weight[...].astype(jnp.float32).T.reshape(self.num_heads, -1, self.kernel_size)
         taps = (static + dynamic).reshape(batch, length, channels, self.kernel_size)
         xf = x.astype(jnp.float32)
-        out = jnp.sum(lagged(xf, self.kernel_size) * taps, axis=-1)
+        out = jnp.sum(lagged(xf, self.kernel_size, history) * taps, axis=-1)
         return round_to((out + xf) / math.sqrt(2 * self.kernel_size + 1), x.dtype)

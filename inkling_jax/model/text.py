@@ -6,6 +6,7 @@ attention residual -> norm -> MoE -> static short conv. After the last layer a f
 residual, RMSNorm, the unembedding, a logit softcap and the slice to the real vocabulary.
 """
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -13,13 +14,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.config import TextConfig
-from inkling_jax.model.attention import Attention
+from inkling_jax.model.attention import Attention, AttentionCache, Chunk
 from inkling_jax.model.attn_res import BlockAttentionResidual
 from inkling_jax.model.moe import SparseMoeBlock
 from inkling_jax.model.norms import RMSNorm, softcap
 from inkling_jax.model.params import Linear, normal, param
-from inkling_jax.model.short_conv import ShortConvolution
+from inkling_jax.model.short_conv import ShortConvolution, next_history
 from pallas_kernels.numerics import round_to
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """One layer's decode state: attention K/V and K/V conv inputs, and the last inputs of the
+    post-attention and post-MLP convolutions [S, K - 1, H]."""
+
+    attention: AttentionCache
+    attention_history: jax.Array
+    mlp_history: jax.Array
 
 
 class DecoderLayer(nnx.Module):
@@ -44,21 +56,31 @@ class DecoderLayer(nnx.Module):
         self.post_attention_convolution = ShortConvolution(rngs, hidden, config.conv_kernel_size, "embed", std)
         self.post_mlp_convolution = ShortConvolution(rngs, hidden, config.conv_kernel_size, "embed", std)
 
-    def __call__(self, x: jax.Array, sources: list[jax.Array], positions: jax.Array) -> jax.Array:
-        """x [B, T, H] (activation dtype); sources: the closed blocks' [B, T, H] -> [B, T, H]."""
+    def __call__(
+        self,
+        x: jax.Array,
+        sources: list[jax.Array],
+        positions: jax.Array,
+        cache: LayerCache | None = None,
+        chunk: Chunk | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """x [B, T, H] (activation dtype); sources: the closed blocks' [B, T, H] -> [B, T, H] (and the
+        updated cache, when the tokens continue one)."""
         dtype = x.dtype
+        attention_cache = None if cache is None else cache.attention
         if hasattr(self, "attention_input"):
             inputs = self.attention_input(sources, x)
         else:
             inputs = [x] * (1 if self.sliding else 3)
         if self.sliding:
             h = round_to(self.input_layernorm(inputs[0]), dtype)
-            h = self.self_attn(h, h, h, positions)
+            h, attention_cache = self.self_attn(h, h, h, positions, attention_cache, chunk)
         else:
             norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
             q_in, k_in, v_in = (round_to(norm(i), dtype) for norm, i in zip(norms, inputs, strict=True))
-            h = self.self_attn(q_in, k_in, v_in, positions)
-        h = self.post_attention_convolution(h).astype(jnp.float32)
+            h, attention_cache = self.self_attn(q_in, k_in, v_in, positions, attention_cache, chunk)
+        attention_out = h
+        h = self.post_attention_convolution(h, None if cache is None else cache.attention_history).astype(jnp.float32)
 
         if self.block_boundary:
             sources = [*sources, x]
@@ -66,9 +88,15 @@ class DecoderLayer(nnx.Module):
             h = x.astype(jnp.float32) + h
         residual = h
         h = self.mlp_input(sources, h)[0]
-        h = self.mlp(round_to(self.post_attention_layernorm(h), dtype))
-        h = self.post_mlp_convolution(h)
-        return round_to(residual + h, dtype)
+        mlp_out = self.mlp(round_to(self.post_attention_layernorm(h), dtype))
+        h = self.post_mlp_convolution(mlp_out, None if cache is None else cache.mlp_history)
+        if cache is not None:
+            cache = LayerCache(
+                attention_cache,
+                next_history(attention_out, cache.attention_history, chunk.counts),
+                next_history(mlp_out, cache.mlp_history, chunk.counts),
+            )
+        return round_to(residual + h, dtype), cache
 
 
 class NormedEmbedding(nnx.Module):
@@ -91,18 +119,27 @@ class TextModel(nnx.Module):
         self.norm = RMSNorm(rngs, config.hidden_size, config.rms_norm_eps, dtype)
         self.final_input = BlockAttentionResidual(rngs, config.hidden_size)
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        """token_ids, positions [B, T] int32 -> final hidden states [B, T, H] (activation dtype)."""
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        caches: Sequence[LayerCache] | None = None,
+        chunk: Chunk | None = None,
+    ) -> tuple[jax.Array, list[LayerCache] | None]:
+        """token_ids, positions [B, T] int32 -> final hidden states [B, T, H] (activation dtype), and
+        the layers' updated caches when the tokens continue them."""
         x = self.embed_tokens(token_ids)
         dtype = x.dtype
         sources: list[jax.Array] = []
+        new_caches = []
         for i, layer in enumerate(self.layers):
-            out = layer(x, sources, positions)
+            out, cache = layer(x, sources, positions, None if caches is None else caches[i], chunk)
+            new_caches.append(cache)
             if self.config.is_block_boundary(i):
                 sources.append(x)
             x = out
         x = self.final_input(sources, x)[0]
-        return round_to(self.norm(x), dtype)
+        return round_to(self.norm(x), dtype), None if caches is None else new_caches
 
 
 class CausalLM(nnx.Module):
@@ -137,7 +174,19 @@ class CausalLM(nnx.Module):
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1], dtype=jnp.int32), token_ids.shape)
-        hidden = self.model(token_ids, positions)
-        logits = self.lm_head(hidden).astype(jnp.float32)
-        logits = softcap(logits, self.config.final_logit_softcapping)
+        hidden, _ = self.model(token_ids, positions)
+        return self.logits(hidden)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states [..., H] -> float32 logits [..., unpadded_vocab_size]."""
+        logits = softcap(self.lm_head(hidden).astype(jnp.float32), self.config.final_logit_softcapping)
         return logits[..., : self.config.unpadded_vocab_size]
+
+    def step(
+        self, token_ids: jax.Array, caches: Sequence[LayerCache], chunk: Chunk
+    ) -> tuple[jax.Array, list[LayerCache]]:
+        """Continue every slot's sequence by its chunk: token_ids [S, C] (the first counts[s] real) ->
+        float32 logits [S, vocab] at each slot's last real token, and the updated caches."""
+        hidden, caches = self.model(token_ids, chunk.positions, caches, chunk)
+        last = jnp.maximum(chunk.counts - 1, 0)
+        return self.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), caches
