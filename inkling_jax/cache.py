@@ -103,7 +103,7 @@ def layout_for_budget(
     fixed = max_num_seqs * (
         sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp)
         + conv_state_bytes(text, dtype, tp)
-        + text.vocab_size * 5  # sampling: int32 output counts and a bool prompt mask per token
+        + text.unpadded_vocab_size * 5  # sampling: int32 output counts and a bool prompt mask per token
     )
     per_page = max(1, full_layers) * PAGE_SIZE * kv_bytes_per_token(text, False, dtype, tp)
     num_pages = (budget_bytes - fixed) // per_page
@@ -163,7 +163,7 @@ def init_state(text: TextConfig, layout: CacheLayout, dtype: jnp.dtype = jnp.bfl
         conv_attention=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
         conv_mlp=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
         lengths=jnp.zeros(slots, jnp.int32),
-        output_counts=jnp.zeros((slots, text.vocab_size), jnp.int32),
-        prompt_mask=jnp.zeros((slots, text.vocab_size), bool),
+        output_counts=jnp.zeros((slots, text.unpadded_vocab_size), jnp.int32),
+        prompt_mask=jnp.zeros((slots, text.unpadded_vocab_size), bool),
         generated=jnp.zeros(slots, jnp.int32),
     )
