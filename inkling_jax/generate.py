@@ -1,0 +1,224 @@
+"""`python -m inkling_jax.generate`: batch generation of JSONL requests through the engine step.
+
+    python -m inkling_jax.generate --checkpoint DIR --input IN.jsonl --output OUT.jsonl
+        [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C]
+
+Input lines: {"id", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+"stop_token_ids"} (all but id and prompt_token_ids optional); output lines, in input order:
+{"id", "token_ids", "finish_reason"} with finish_reason "stop" (a stop token or the model's end of
+sequence, included in token_ids) or "length". Requests share `max_num_seqs` slots; prompts are
+prefilled in chunks of C tokens alongside other slots' decoding. Two step shapes are compiled up front
+([slots, C] while any slot prefills, [slots, 1] otherwise), and nothing after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state
+from inkling_jax.checkpoint import CheckpointError, load_model
+from inkling_jax.config import ConfigError, TextConfig
+from inkling_jax.model.text import CausalLM
+from inkling_jax.sampling import SamplingParams
+from inkling_jax.score import DTYPES, log_to_stderr
+from inkling_jax.step import StepBatch, step
+from inkling_jax.token_ids import TokenIdError, validate_token_ids
+
+
+class RequestError(ValueError):
+    """A request line that cannot be served; the message names the line and the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    id: str | int
+    prompt_token_ids: list[int]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def parse_request(line: str, number: int, text: TextConfig) -> Request:
+    """One JSONL line -> Request, or RequestError naming the line."""
+
+    def fail(message: str) -> RequestError:
+        return RequestError(f"line {number}: {message}")
+
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise fail(f"not JSON ({error})") from error
+    if not isinstance(raw, dict):
+        raise fail("a request must be a JSON object")
+    fields = {f.name for f in dataclasses.fields(Request)}
+    if "prompt" in raw:
+        raise fail("'prompt' (text) needs the tokenizer, which is not available yet; send prompt_token_ids")
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise fail(f"unknown field(s) {', '.join(unknown)}")
+    for required in ("id", "prompt_token_ids"):
+        if required not in raw:
+            raise fail(f"missing {required!r}")
+    if not isinstance(raw["id"], str | int) or isinstance(raw["id"], bool):
+        raise fail("'id' must be a string or an integer")
+    try:
+        prompt = validate_token_ids(raw["prompt_token_ids"], text)
+        stop = tuple(validate_token_ids(raw["stop_token_ids"], text)) if raw.get("stop_token_ids") else ()
+    except TokenIdError as error:
+        raise fail(str(error)) from error
+
+    def number_field(name: str, kind: type, low: float, high: float, default: float) -> float:
+        value = raw.get(name, default)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or (kind is int and not isinstance(value, int))
+        ):
+            raise fail(f"{name!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
+            raise fail(f"{name!r} must be within [{low}, {high}], got {value!r}")
+        return kind(value)
+
+    request = Request(
+        id=raw["id"],
+        prompt_token_ids=prompt,
+        max_tokens=number_field("max_tokens", int, 1, text.max_position_embeddings, 16),
+        temperature=number_field("temperature", float, 0.0, 100.0, 1.0),
+        top_p=number_field("top_p", float, 1e-9, 1.0, 1.0),
+        top_k=max(0, number_field("top_k", int, -1, text.unpadded_vocab_size, 0)),
+        min_p=number_field("min_p", float, 0.0, 1.0, 0.0),
+        seed=number_field("seed", int, 0, 2**32 - 1, 0),
+        stop_token_ids=stop,
+    )
+    if len(request.prompt_token_ids) + request.max_tokens > text.max_position_embeddings:
+        raise fail(f"prompt + max_tokens exceeds the model's {text.max_position_embeddings} positions")
+    return request
+
+
+@dataclasses.dataclass
+class _Slot:
+    index: int  # the request's position in the input
+    request: Request
+    prompted: int = 0  # prompt tokens already sent
+    output: list[int] = dataclasses.field(default_factory=list)
+    fresh: bool = True
+
+
+def generate(model: CausalLM, requests: Sequence[Request], max_num_seqs: int, chunk: int) -> list[dict]:
+    """Serve every request through the engine step; results in input order."""
+    text = model.config
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    pages = math.ceil(longest / PAGE_SIZE)
+    layout = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
+    graphdef, params = nnx.split(model)
+    state = init_state(text, layout, model.model.embed_tokens.weight.dtype)
+    page_table = jnp.arange(max_num_seqs * pages, dtype=jnp.int32).reshape(max_num_seqs, pages)
+    eos = text.eos_token_id if isinstance(text.eos_token_id, tuple) else (text.eos_token_id,)
+    for width in (chunk, 1):  # compile both step shapes before serving
+        idle = StepBatch(jnp.zeros((max_num_seqs, width), jnp.int32), jnp.zeros(max_num_seqs, jnp.int32),
+                         *(jnp.zeros(max_num_seqs, bool) for _ in range(3)), page_table,
+                         SamplingParams.neutral(max_num_seqs))  # fmt: skip
+        _, state = step(graphdef, params, state, idle)
+    results: list[dict | None] = [None] * len(requests)
+    waiting = list(enumerate(requests))
+    slots: list[_Slot | None] = [None] * max_num_seqs
+    while waiting or any(slots):
+        for s in range(max_num_seqs):
+            if slots[s] is None and waiting:
+                slots[s] = _Slot(*waiting.pop(0))
+        prefilling = any(slot and slot.prompted < len(slot.request.prompt_token_ids) for slot in slots)
+        width = chunk if prefilling else 1
+        tokens = np.zeros((max_num_seqs, width), np.int32)
+        counts = np.zeros(max_num_seqs, np.int32)
+        reset, prompt, emit = (np.zeros(max_num_seqs, bool) for _ in range(3))
+        for s, slot in enumerate(slots):
+            if slot is None:
+                continue
+            ids = slot.request.prompt_token_ids
+            if slot.prompted < len(ids):
+                piece = ids[slot.prompted : slot.prompted + width]
+                slot.prompted += len(piece)
+                prompt[s], emit[s] = True, slot.prompted == len(ids)
+            else:
+                piece, emit[s] = slot.output[-1:], True
+            tokens[s, : len(piece)], counts[s] = piece, len(piece)
+            reset[s], slot.fresh = slot.fresh, False
+        sampling = _sampling_params([slot.request if slot else None for slot in slots])
+        batch = StepBatch(jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(reset), jnp.asarray(prompt),
+                          jnp.asarray(emit), page_table, sampling)  # fmt: skip
+        out, state = step(graphdef, params, state, batch)
+        sampled = np.asarray(out.tokens)
+        for s, slot in enumerate(slots):
+            if slot is None or not emit[s]:
+                continue
+            token = int(sampled[s])
+            slot.output.append(token)
+            stopped = token in slot.request.stop_token_ids or token in eos
+            if stopped or len(slot.output) >= slot.request.max_tokens:
+                reason = "stop" if stopped else "length"
+                results[slot.index] = {"id": slot.request.id, "token_ids": slot.output, "finish_reason": reason}
+                slots[s] = None
+    return results
+
+
+def _sampling_params(requests: Sequence[Request | None]) -> SamplingParams:
+    def column(name: str, dtype: type) -> jnp.ndarray:
+        neutral = getattr(SamplingParams.neutral(1), name)[0].item()
+        return jnp.asarray([getattr(r, name) if r else neutral for r in requests], dtype)
+
+    neutral = SamplingParams.neutral(len(requests))
+    return dataclasses.replace(
+        neutral,
+        temperature=column("temperature", jnp.float32),
+        top_k=column("top_k", jnp.int32),
+        top_p=column("top_p", jnp.float32),
+        min_p=column("min_p", jnp.float32),
+        seed=column("seed", jnp.uint32),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inkling_jax.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--input", required=True, help="JSONL requests")
+    parser.add_argument("--output", required=True, help="JSONL results, in input order")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (token bucket) width")
+    args = parser.parse_args(argv)
+    log_to_stderr()
+    try:
+        if args.max_num_seqs < 1 or args.chunk < 1:
+            raise RequestError("--max-num-seqs and --chunk must be at least 1")
+        config, model = load_model(args.checkpoint, DTYPES[args.dtype])
+        try:
+            lines = Path(args.input).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise RequestError(f"cannot read {args.input}: {error}") from error
+        requests = [parse_request(line, n, config.text) for n, line in enumerate(lines, 1) if line.strip()]
+        if not requests:
+            raise RequestError(f"{args.input} holds no requests")
+        results = generate(model, requests, args.max_num_seqs, args.chunk)
+        Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))
+    except (ConfigError, CheckpointError, RequestError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

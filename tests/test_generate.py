@@ -1,0 +1,65 @@
+"""`python -m inkling_jax.generate` on the tiny parity checkpoint."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inkling_jax.generate import main
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text"
+REFERENCE = dict(np.load(FIXTURE / "reference.npz"))
+
+
+def run(tmp_path: Path, lines: list, *options: str) -> tuple[int, list[dict]]:
+    (tmp_path / "in.jsonl").write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
+                                               for line in lines))  # fmt: skip
+    code = main(["--checkpoint", str(FIXTURE / "hf"), "--input", str(tmp_path / "in.jsonl"), "--output",
+                 str(tmp_path / "out.jsonl"), "--dtype", "float32", *options])  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    return code, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+
+def test_batched_requests_match_running_alone(tmp_path):
+    prompt, greedy = REFERENCE["greedy_prompt"].tolist(), REFERENCE["greedy_ids"].tolist()
+    rng = np.random.default_rng(0)
+    requests = [{"id": "greedy", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0}]
+    for i in range(4):
+        requests.append({"id": i, "prompt_token_ids": rng.integers(0, 500, int(rng.integers(1, 15))).tolist(),
+                         "max_tokens": int(rng.integers(1, 9)), "temperature": 0.8, "top_p": 0.9, "top_k": 50,
+                         "seed": 11 + i})  # fmt: skip
+    code, batched = run(tmp_path, requests, "--max-num-seqs", "2", "--chunk", "4")
+    assert code == 0
+    assert [r["id"] for r in batched] == [r["id"] for r in requests]
+    assert batched[0] == {"id": "greedy", "token_ids": greedy, "finish_reason": "length"}
+    for request, result in zip(requests[1:], batched[1:], strict=True):
+        code, (alone,) = run(tmp_path, [request], "--max-num-seqs", "1", "--chunk", "8")
+        assert alone == result
+        assert len(result["token_ids"]) == request["max_tokens"]
+
+
+def test_stop_tokens_end_a_request(tmp_path):
+    prompt, greedy = REFERENCE["greedy_prompt"].tolist(), REFERENCE["greedy_ids"].tolist()
+    request = {"id": 1, "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0, "stop_token_ids": [greedy[3]]}
+    code, (result,) = run(tmp_path, [request])
+    assert code == 0
+    assert result == {"id": 1, "token_ids": greedy[: greedy.index(greedy[3]) + 1], "finish_reason": "stop"}
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "line 2: not JSON"),
+        ({"prompt_token_ids": [1]}, "line 2: missing 'id'"),
+        ({"id": 1, "prompt_token_ids": [1], "temprature": 0.5}, "line 2: unknown field(s) temprature"),
+        ({"id": 1, "prompt_token_ids": [1], "temperature": -1}, "line 2: 'temperature' must be within"),
+        ({"id": 1, "prompt_token_ids": [1, 600]}, "line 2: token id #1 is 600, outside the vocabulary"),
+        ({"id": 1, "prompt_token_ids": [1], "max_tokens": 0}, "line 2: 'max_tokens' must be within"),
+        ({"id": 1, "prompt": "hello"}, "line 2: 'prompt' (text) needs the tokenizer"),
+    ],
+)
+def test_malformed_lines_are_named(tmp_path, capsys, line, message):
+    code, results = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}, line])
+    assert code == 2 and results == []
+    assert message in capsys.readouterr().err
