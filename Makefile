@@ -2,7 +2,6 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 CHECKPOINT := out/tiny-checkpoint
-PROMPT_IDS ?= 11,42,7,300,5,96,250,3
 
 .PHONY: setup run test lint fixtures
 
@@ -19,7 +18,8 @@ $(CHECKPOINT)/config.json: configs/tiny.json | $(VENV)/.installed
 	$(PY) -m inkling_jax.checkpoint.synthetic --config configs/tiny.json --out $(CHECKPOINT) --experts mixed
 
 run: $(CHECKPOINT)/config.json
-	$(PY) -m inkling_jax.complete --checkpoint $(CHECKPOINT) --prompt-ids $(PROMPT_IDS) --max-tokens 16
+	$(PY) -m inkling_jax.generate --checkpoint $(CHECKPOINT) --input configs/demo_requests.jsonl --output out/demo_results.jsonl
+	cat out/demo_results.jsonl
 
 lint: setup
 	$(VENV)/bin/ruff check .
