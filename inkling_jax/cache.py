@@ -119,18 +119,26 @@ def layout_for_budget(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DecodeState:
-    """Everything sequences keep between steps (donated to the step)."""
+class KVCache:
+    """The layers' state, stacked by layer kind; each layer updates its part in place."""
 
     full_k: jax.Array  # [full layers, num_pages, page, kv_heads, head_dim]
     full_v: jax.Array
-    page_table: jax.Array  # [S, max_pages_per_seq] int32 page ids
     sliding_k: jax.Array  # [sliding layers, S, ring, kv_heads, head_dim]; token p at ring slot p % ring
     sliding_v: jax.Array
     conv_k: jax.Array  # [layers, S, K - 1, kv channels], oldest first
     conv_v: jax.Array
     conv_attention: jax.Array  # [layers, S, K - 1, hidden]
     conv_mlp: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything sequences keep between steps (donated to the step)."""
+
+    kv: KVCache
+    page_table: jax.Array  # [S, max_pages_per_seq] int32 page ids
     lengths: jax.Array  # [S] int32 tokens already in the state
     output_counts: jax.Array  # [S, vocab] int32
     prompt_mask: jax.Array  # [S, vocab] bool
@@ -152,16 +160,19 @@ def init_state(text: TextConfig, layout: CacheLayout, dtype: jnp.dtype = jnp.bfl
     def zeros(*shape: int) -> jax.Array:  # a buffer of its own per field: the state is donated
         return jnp.zeros(shape, dtype)
 
-    return DecodeState(
+    kv = KVCache(
         full_k=zeros(full_layers, layout.num_pages, layout.page_size, full_heads, full_dim),
         full_v=zeros(full_layers, layout.num_pages, layout.page_size, full_heads, full_dim),
-        page_table=jnp.zeros((slots, layout.max_pages_per_seq), jnp.int32),
         sliding_k=zeros(sliding_layers, slots, ring, swa_heads, swa_dim),
         sliding_v=zeros(sliding_layers, slots, ring, swa_heads, swa_dim),
         conv_k=zeros(text.num_hidden_layers, slots, taps, kv_channels),
         conv_v=zeros(text.num_hidden_layers, slots, taps, kv_channels),
         conv_attention=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
         conv_mlp=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
+    )
+    return DecodeState(
+        kv=kv,
+        page_table=jnp.zeros((slots, layout.max_pages_per_seq), jnp.int32),
         lengths=jnp.zeros(slots, jnp.int32),
         output_counts=jnp.zeros((slots, text.unpadded_vocab_size), jnp.int32),
         prompt_mask=jnp.zeros((slots, text.unpadded_vocab_size), bool),

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.cache import DecodeState
-from inkling_jax.model.attention import AttentionCache, Chunk
-from inkling_jax.model.text import CausalLM, LayerCache
+from inkling_jax.model.attention import Chunk
 from inkling_jax.sampling import Sampled, SamplingParams, sample
 
 
@@ -38,38 +37,6 @@ class StepBatch:
     sampling: SamplingParams
 
 
-def _layer_caches(model: CausalLM, state: DecodeState) -> list[LayerCache]:
-    caches, sliding, full = [], 0, 0
-    for i in range(model.config.num_hidden_layers):
-        if model.config.is_sliding(i):
-            k, v, sliding = state.sliding_k[sliding], state.sliding_v[sliding], sliding + 1
-        else:
-            k, v, full = state.full_k[full], state.full_v[full], full + 1
-        attention = AttentionCache(k, v, state.conv_k[i], state.conv_v[i])
-        caches.append(LayerCache(attention, state.conv_attention[i], state.conv_mlp[i]))
-    return caches
-
-
-def _stack(model: CausalLM, caches: list[LayerCache], state: DecodeState) -> DecodeState:
-    sliding = [c.attention for i, c in enumerate(caches) if model.config.is_sliding(i)]
-    full = [c.attention for i, c in enumerate(caches) if not model.config.is_sliding(i)]
-
-    def stacked(parts: list[jax.Array], like: jax.Array) -> jax.Array:
-        return jnp.stack(parts) if parts else like
-
-    return dataclasses.replace(
-        state,
-        sliding_k=stacked([a.k for a in sliding], state.sliding_k),
-        sliding_v=stacked([a.v for a in sliding], state.sliding_v),
-        full_k=stacked([a.k for a in full], state.full_k),
-        full_v=stacked([a.v for a in full], state.full_v),
-        conv_k=jnp.stack([c.attention.k_history for c in caches]),
-        conv_v=jnp.stack([c.attention.v_history for c in caches]),
-        conv_attention=jnp.stack([c.attention_history for c in caches]),
-        conv_mlp=jnp.stack([c.mlp_history for c in caches]),
-    )
-
-
 def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
     """Clear the per-sequence state of the slots where a new sequence starts."""
 
@@ -78,12 +45,17 @@ def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
         shape[axis] = reset.shape[0]
         return jnp.where(reset.reshape(shape), jnp.zeros((), x.dtype), x)
 
+    kv = state.kv
+    kv = dataclasses.replace(
+        kv,
+        conv_k=clear(kv.conv_k, 1),
+        conv_v=clear(kv.conv_v, 1),
+        conv_attention=clear(kv.conv_attention, 1),
+        conv_mlp=clear(kv.conv_mlp, 1),
+    )
     return dataclasses.replace(
         state,
-        conv_k=clear(state.conv_k, 1),
-        conv_v=clear(state.conv_v, 1),
-        conv_attention=clear(state.conv_attention, 1),
-        conv_mlp=clear(state.conv_mlp, 1),
+        kv=kv,
         lengths=clear(state.lengths, 0),
         output_counts=clear(state.output_counts, 0),
         prompt_mask=clear(state.prompt_mask, 0),
@@ -99,8 +71,8 @@ def step(
     model = nnx.merge(graphdef, params)
     state = dataclasses.replace(_reset(state, batch.reset), page_table=batch.page_table)
     chunk = Chunk(state.lengths, batch.counts, state.page_table, batch.token_ids.shape[1])
-    logits, caches = model.step(batch.token_ids, _layer_caches(model, state), chunk)
-    state = _stack(model, caches, state)
+    logits, kv = model.step(batch.token_ids, state.kv, chunk)
+    state = dataclasses.replace(state, kv=kv)
 
     slots = jnp.arange(batch.counts.shape[0])[:, None]
     prompt_tokens = jnp.where(chunk.valid & batch.is_prompt[:, None], batch.token_ids, state.prompt_mask.shape[1])

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from inkling_jax.cache import KVCache
 from inkling_jax.config import TextConfig
 from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
 from inkling_jax.model.params import Linear, normal, param
@@ -42,47 +43,35 @@ class Chunk:
         return jnp.arange(self.width)[None, :] < self.counts[:, None]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AttentionCache:
-    """One layer's attention state: K/V (full layers: the shared pages [P, page, Hkv, D]; sliding
-    layers: per-slot rings [S, R, Hkv, D]) and the K/V convolutions' last inputs [S, K - 1, channels]."""
-
-    k: jax.Array
-    v: jax.Array
-    k_history: jax.Array
-    v_history: jax.Array
-
-
-def write_pages(pages: jax.Array, values: jax.Array, chunk: Chunk) -> jax.Array:
-    """pages [P, page, H, D] with each real token's values [S, C, H, D] stored at its position."""
-    page_size = pages.shape[1]
+def write_pages(pages: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:
+    """pages [layers, P, page, H, D] with each real token's values [S, C, H, D] stored at its position in
+    `layer`'s pages (an in-place update of the donated state)."""
+    page_size = pages.shape[2]
     positions = chunk.positions
     page = jnp.take_along_axis(chunk.page_table, positions // page_size, axis=1, mode="clip")
-    page = jnp.where(chunk.valid, page, pages.shape[0])  # padding writes nowhere
-    return pages.at[page, positions % page_size].set(values.astype(pages.dtype), mode="drop")
+    page = jnp.where(chunk.valid, page, pages.shape[1])  # padding writes nowhere
+    return pages.at[layer, page, positions % page_size].set(values.astype(pages.dtype), mode="drop")
 
 
-def read_pages(pages: jax.Array, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
-    """Each slot's keys in position order [S, L, H, D] and their positions [S, L]."""
-    view = pages[chunk.page_table]  # [S, max pages, page, H, D]
+def read_pages(pages: jax.Array, layer: int, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
+    """Each slot's keys of `layer` in position order [S, L, H, D] and their positions [S, L]."""
+    view = pages[layer][chunk.page_table]  # [S, max pages, page, H, D]
     slots, num_pages, page_size = view.shape[:3]
     positions = jnp.broadcast_to(jnp.arange(num_pages * page_size, dtype=jnp.int32), (slots, num_pages * page_size))
     return view.reshape(slots, num_pages * page_size, *view.shape[3:]), positions
 
 
-def write_ring(ring: jax.Array, values: jax.Array, chunk: Chunk) -> jax.Array:
-    """ring [S, R, H, D] with each real token's values at slot position % R."""
-    size = ring.shape[1]
-    slots = jnp.broadcast_to(jnp.arange(ring.shape[0])[:, None], chunk.positions.shape)
+def write_ring(rings: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:
+    """rings [layers, S, R, H, D] with each real token's values at slot position % R of `layer`."""
+    size = rings.shape[2]
+    slots = jnp.broadcast_to(jnp.arange(rings.shape[1])[:, None], chunk.positions.shape)
     index = jnp.where(chunk.valid, chunk.positions % size, size)
-    return ring.at[slots, index].set(values.astype(ring.dtype), mode="drop")
+    return rings.at[layer, slots, index].set(values.astype(rings.dtype), mode="drop")
 
 
-def ring_positions(ring: jax.Array, chunk: Chunk) -> jax.Array:
+def ring_positions(size: int, chunk: Chunk) -> jax.Array:
     """[S, R] position each ring entry holds after the chunk is written (entries never written: far
     in the future, so no query sees them)."""
-    size = ring.shape[1]
     last = chunk.lengths + chunk.counts - 1
     entry = jnp.arange(size, dtype=jnp.int32)[None, :]
     held = last[:, None] - (last[:, None] - entry) % size
@@ -105,7 +94,9 @@ def log_length_scale(positions: jax.Array, alpha: float, n_floor: int) -> jax.Ar
 class Attention(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, config: TextConfig, layer: int, dtype: jnp.dtype):
         self.config = config
+        self.layer = layer
         self.sliding = config.is_sliding(layer)
+        self.kind_index = sum(config.is_sliding(i) == self.sliding for i in range(layer))  # among its kind
         self.num_heads, self.num_kv_heads, self.head_dim = config.attention_dims(layer)
         hidden, std = config.hidden_size, config.initializer_range
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -140,13 +131,13 @@ class Attention(nnx.Module):
         k_in: jax.Array,
         v_in: jax.Array,
         positions: jax.Array,
-        cache: AttentionCache | None = None,
+        kv: KVCache | None = None,
         chunk: Chunk | None = None,
-    ) -> tuple[jax.Array, AttentionCache | None]:
+    ) -> tuple[jax.Array, KVCache | None]:
         """q_in, k_in, v_in [B, T, H] (the same array on sliding layers); positions [B, T] -> [B, T, H].
 
         Without a cache the T tokens are a whole sequence; with one (and its `chunk`) they follow what
-        the cache holds, and the updated cache comes back.
+        the cache holds, and the cache comes back with this layer's part updated.
         """
         config = self.config
         batch, length, _ = q_in.shape
@@ -158,8 +149,8 @@ class Attention(nnx.Module):
         q = self.q_l2_clip(self.q_proj(q_in).reshape(heads))
         k_pre, v_pre = self.k_proj(k_in), self.v_proj(v_in)
         k_history = v_history = None
-        if cache is not None:
-            k_history, v_history = cache.k_history[..., :kv_size], cache.v_history[..., :kv_size]
+        if kv is not None:
+            k_history, v_history = kv.conv_k[self.layer, ..., :kv_size], kv.conv_v[self.layer, ..., :kv_size]
         k = self._convolve(self.k_sconv, k_pre, k_in, k_history)
         v = self._convolve(self.v_sconv, v_pre, v_in, v_history)
         k = round_to(l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold), dtype)
@@ -171,20 +162,28 @@ class Attention(nnx.Module):
             q = round_to(q.astype(jnp.float32) * tau, dtype)
             rel = round_to(rel.astype(jnp.float32) * tau, dtype)
 
-        new_cache = None
         kv_positions = positions
-        if cache is not None:
+        if kv is not None:
+            kind = self.kind_index
             if self.sliding:
-                new_k, new_v = write_ring(cache.k, k, chunk), write_ring(cache.v, v, chunk)
-                kv_positions = ring_positions(new_k, chunk)
-                k, v = new_k, new_v
+                kv = dataclasses.replace(
+                    kv,
+                    sliding_k=write_ring(kv.sliding_k, kind, k, chunk),
+                    sliding_v=write_ring(kv.sliding_v, kind, v, chunk),
+                )
+                k, v = kv.sliding_k[kind], kv.sliding_v[kind]
+                kv_positions = ring_positions(k.shape[1], chunk)
             else:
-                new_k, new_v = write_pages(cache.k, k, chunk), write_pages(cache.v, v, chunk)
-                k, kv_positions = read_pages(new_k, chunk)
-                v, _ = read_pages(new_v, chunk)
-            histories = (next_history(k_pre, k_history, chunk.counts), next_history(v_pre, v_history, chunk.counts))
-            k_hist, v_hist = (cache.k_history.at[..., :kv_size].set(h) for h in histories)
-            new_cache = AttentionCache(new_k, new_v, k_hist, v_hist)
+                kv = dataclasses.replace(
+                    kv, full_k=write_pages(kv.full_k, kind, k, chunk), full_v=write_pages(kv.full_v, kind, v, chunk)
+                )
+                k, kv_positions = read_pages(kv.full_k, kind, chunk)
+                v, _ = read_pages(kv.full_v, kind, chunk)
+            kv = dataclasses.replace(
+                kv,
+                conv_k=kv.conv_k.at[self.layer, ..., :kv_size].set(next_history(k_pre, k_history, chunk.counts)),
+                conv_v=kv.conv_v.at[self.layer, ..., :kv_size].set(next_history(v_pre, v_history, chunk.counts)),
+            )
         out = relative_attention(
             q, k.astype(dtype), v.astype(dtype), rel, self.rel_logits_proj.proj[...], self.sink_proj(q_in),
             positions, kv_positions,
@@ -192,4 +191,4 @@ class Attention(nnx.Module):
         )  # fmt: skip
         gate = jax.nn.sigmoid(self.gate_proj(q_in).astype(jnp.float32))
         out = round_to(out.reshape(batch, length, -1).astype(jnp.float32) * gate, dtype)
-        return self.o_proj(out), new_cache
+        return self.o_proj(out), kv

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from inkling_jax.cache import KVCache
 from inkling_jax.config import TextConfig
-from inkling_jax.model.attention import Attention, AttentionCache, Chunk
+from inkling_jax.model.attention import Attention, Chunk
 from inkling_jax.model.attn_res import BlockAttentionResidual
 from inkling_jax.model.moe import SparseMoeBlock
 from inkling_jax.model.norms import RMSNorm, softcap
@@ -23,21 +24,11 @@ from inkling_jax.model.short_conv import ShortConvolution, next_history
 from pallas_kernels.numerics import round_to
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerCache:
-    """One layer's decode state: attention K/V and K/V conv inputs, and the last inputs of the
-    post-attention and post-MLP convolutions [S, K - 1, H]."""
-
-    attention: AttentionCache
-    attention_history: jax.Array
-    mlp_history: jax.Array
-
-
 class DecoderLayer(nnx.Module):
     def __init__(
         self, rngs: nnx.Rngs, config: TextConfig, layer: int, dtype: jnp.dtype, expert_format: str | None = None
     ):
+        self.layer = layer
         self.sliding = config.is_sliding(layer)
         self.block_boundary = config.is_block_boundary(layer)
         hidden, eps, std = config.hidden_size, config.rms_norm_eps, config.initializer_range
@@ -61,26 +52,26 @@ class DecoderLayer(nnx.Module):
         x: jax.Array,
         sources: list[jax.Array],
         positions: jax.Array,
-        cache: LayerCache | None = None,
+        kv: KVCache | None = None,
         chunk: Chunk | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
+    ) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, H] (activation dtype); sources: the closed blocks' [B, T, H] -> [B, T, H] (and the
-        updated cache, when the tokens continue one)."""
+        cache with this layer's part updated, when the tokens continue one)."""
         dtype = x.dtype
-        attention_cache = None if cache is None else cache.attention
         if hasattr(self, "attention_input"):
             inputs = self.attention_input(sources, x)
         else:
             inputs = [x] * (1 if self.sliding else 3)
         if self.sliding:
             h = round_to(self.input_layernorm(inputs[0]), dtype)
-            h, attention_cache = self.self_attn(h, h, h, positions, attention_cache, chunk)
+            h, kv = self.self_attn(h, h, h, positions, kv, chunk)
         else:
             norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
             q_in, k_in, v_in = (round_to(norm(i), dtype) for norm, i in zip(norms, inputs, strict=True))
-            h, attention_cache = self.self_attn(q_in, k_in, v_in, positions, attention_cache, chunk)
+            h, kv = self.self_attn(q_in, k_in, v_in, positions, kv, chunk)
         attention_out = h
-        h = self.post_attention_convolution(h, None if cache is None else cache.attention_history).astype(jnp.float32)
+        h = self.post_attention_convolution(h, None if kv is None else kv.conv_attention[self.layer])
+        h = h.astype(jnp.float32)
 
         if self.block_boundary:
             sources = [*sources, x]
@@ -89,14 +80,17 @@ class DecoderLayer(nnx.Module):
         residual = h
         h = self.mlp_input(sources, h)[0]
         mlp_out = self.mlp(round_to(self.post_attention_layernorm(h), dtype))
-        h = self.post_mlp_convolution(mlp_out, None if cache is None else cache.mlp_history)
-        if cache is not None:
-            cache = LayerCache(
-                attention_cache,
-                next_history(attention_out, cache.attention_history, chunk.counts),
-                next_history(mlp_out, cache.mlp_history, chunk.counts),
+        h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[self.layer])
+        if kv is not None:
+            i = self.layer
+            kv = dataclasses.replace(
+                kv,
+                conv_attention=kv.conv_attention.at[i].set(
+                    next_history(attention_out, kv.conv_attention[i], chunk.counts)
+                ),
+                conv_mlp=kv.conv_mlp.at[i].set(next_history(mlp_out, kv.conv_mlp[i], chunk.counts)),
             )
-        return round_to(residual + h, dtype), cache
+        return round_to(residual + h, dtype), kv
 
 
 class NormedEmbedding(nnx.Module):
@@ -123,23 +117,21 @@ class TextModel(nnx.Module):
         self,
         token_ids: jax.Array,
         positions: jax.Array,
-        caches: Sequence[LayerCache] | None = None,
+        kv: KVCache | None = None,
         chunk: Chunk | None = None,
-    ) -> tuple[jax.Array, list[LayerCache] | None]:
+    ) -> tuple[jax.Array, KVCache | None]:
         """token_ids, positions [B, T] int32 -> final hidden states [B, T, H] (activation dtype), and
-        the layers' updated caches when the tokens continue them."""
+        the updated cache when the tokens continue one."""
         x = self.embed_tokens(token_ids)
         dtype = x.dtype
         sources: list[jax.Array] = []
-        new_caches = []
         for i, layer in enumerate(self.layers):
-            out, cache = layer(x, sources, positions, None if caches is None else caches[i], chunk)
-            new_caches.append(cache)
+            out, kv = layer(x, sources, positions, kv, chunk)
             if self.config.is_block_boundary(i):
                 sources.append(x)
             x = out
         x = self.final_input(sources, x)[0]
-        return round_to(self.norm(x), dtype), None if caches is None else new_caches
+        return round_to(self.norm(x), dtype), kv
 
 
 class CausalLM(nnx.Module):
@@ -182,11 +174,9 @@ class CausalLM(nnx.Module):
         logits = softcap(self.lm_head(hidden).astype(jnp.float32), self.config.final_logit_softcapping)
         return logits[..., : self.config.unpadded_vocab_size]
 
-    def step(
-        self, token_ids: jax.Array, caches: Sequence[LayerCache], chunk: Chunk
-    ) -> tuple[jax.Array, list[LayerCache]]:
+    def step(self, token_ids: jax.Array, kv: KVCache, chunk: Chunk) -> tuple[jax.Array, KVCache]:
         """Continue every slot's sequence by its chunk: token_ids [S, C] (the first counts[s] real) ->
-        float32 logits [S, vocab] at each slot's last real token, and the updated caches."""
-        hidden, caches = self.model(token_ids, chunk.positions, caches, chunk)
+        float32 logits [S, vocab] at each slot's last real token, and the updated cache."""
+        hidden, kv = self.model(token_ids, chunk.positions, kv, chunk)
         last = jnp.maximum(chunk.counts - 1, 0)
-        return self.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), caches
+        return self.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), kv
