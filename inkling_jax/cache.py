@@ -28,6 +28,10 @@ from inkling_jax.config import TextConfig
 PAGE_SIZE = 128
 
 
+class CacheBudgetError(ValueError):
+    """A memory budget too small for the requested slots and context."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """Static sizes of a decode state (all compiled into the step's shapes)."""
@@ -109,7 +113,7 @@ def layout_for_budget(
     num_pages = (budget_bytes - fixed) // per_page
     max_pages_per_seq = math.ceil(max_context / PAGE_SIZE)
     if num_pages < max_pages_per_seq:
-        raise ValueError(
+        raise CacheBudgetError(
             f"a budget of {budget_bytes / 2**30:.2f} GiB holds {max(num_pages, 0)} pages after the fixed state of "
             f"{max_num_seqs} sequences ({fixed / 2**30:.2f} GiB); one sequence of {max_context} tokens needs "
             f"{max_pages_per_seq}"

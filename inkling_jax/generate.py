@@ -1,7 +1,7 @@
 """`python -m inkling_jax.generate`: batch generation of JSONL requests through the engine step.
 
     python -m inkling_jax.generate --checkpoint DIR --input IN.jsonl --output OUT.jsonl
-        [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C]
+        [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M]
 
 Input lines: {"id", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
 "stop_token_ids"} (all but id and prompt_token_ids optional); output lines, in input order:
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state
+from inkling_jax.cache import PAGE_SIZE, CacheBudgetError, CacheLayout, init_state, layout_for_budget
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.config import ConfigError, TextConfig
 from inkling_jax.model.text import CausalLM
@@ -118,15 +118,29 @@ class _Slot:
     fresh: bool = True
 
 
-def generate(model: CausalLM, requests: Sequence[Request], max_num_seqs: int, chunk: int) -> list[dict]:
-    """Serve every request through the engine step; results in input order."""
+def generate(
+    model: CausalLM, requests: Sequence[Request], max_num_seqs: int, chunk: int, budget_bytes: int | None = None
+) -> list[dict]:
+    """Serve every request through the engine step; results in input order.
+
+    With a memory budget the page pool is what fits after the slots' fixed state, and a request waits
+    until enough pages are free for its prompt and max_tokens; without one every slot gets room for
+    the longest request.
+    """
     text = model.config
+    dtype = model.model.embed_tokens.weight.dtype
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
     pages = math.ceil(longest / PAGE_SIZE)
-    layout = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
+    if budget_bytes is None:
+        layout = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
+    else:
+        layout = layout_for_budget(text, budget_bytes, max_num_seqs=max_num_seqs, max_context=longest,
+                                   max_chunk=chunk, dtype=dtype)  # fmt: skip
     graphdef, params = nnx.split(model)
-    state = init_state(text, layout, model.model.embed_tokens.weight.dtype)
-    page_table = jnp.arange(max_num_seqs * pages, dtype=jnp.int32).reshape(max_num_seqs, pages)
+    state = init_state(text, layout, dtype)
+    free_pages = list(range(layout.num_pages))
+    table = np.zeros((max_num_seqs, layout.max_pages_per_seq), np.int32)
+    page_table = jnp.asarray(table)
     eos = text.eos_token_id if isinstance(text.eos_token_id, tuple) else (text.eos_token_id,)
     for width in (chunk, 1):  # compile both step shapes before serving
         idle = StepBatch(jnp.zeros((max_num_seqs, width), jnp.int32), jnp.zeros(max_num_seqs, jnp.int32),
@@ -139,7 +153,12 @@ def generate(model: CausalLM, requests: Sequence[Request], max_num_seqs: int, ch
     while waiting or any(slots):
         for s in range(max_num_seqs):
             if slots[s] is None and waiting:
+                need = math.ceil((len(waiting[0][1].prompt_token_ids) + waiting[0][1].max_tokens) / PAGE_SIZE)
+                if need > len(free_pages):
+                    break  # first come, first served: wait for pages
+                table[s, :need] = [free_pages.pop() for _ in range(need)]
                 slots[s] = _Slot(*waiting.pop(0))
+                page_table = jnp.asarray(table)
         prefilling = any(slot and slot.prompted < len(slot.request.prompt_token_ids) for slot in slots)
         width = chunk if prefilling else 1
         tokens = np.zeros((max_num_seqs, width), np.int32)
@@ -171,6 +190,8 @@ def generate(model: CausalLM, requests: Sequence[Request], max_num_seqs: int, ch
             if stopped or len(slot.output) >= slot.request.max_tokens:
                 reason = "stop" if stopped else "length"
                 results[slot.index] = {"id": slot.request.id, "token_ids": slot.output, "finish_reason": reason}
+                used = math.ceil((len(slot.request.prompt_token_ids) + slot.request.max_tokens) / PAGE_SIZE)
+                free_pages.extend(table[s, :used].tolist())
                 slots[s] = None
     return results
 
@@ -199,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (token bucket) width")
+    parser.add_argument("--kv-cache-mib", type=float, help="decode-state budget; default: room for every slot")
     args = parser.parse_args(argv)
     log_to_stderr()
     try:
@@ -212,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         requests = [parse_request(line, n, config.text) for n, line in enumerate(lines, 1) if line.strip()]
         if not requests:
             raise RequestError(f"{args.input} holds no requests")
-        results = generate(model, requests, args.max_num_seqs, args.chunk)
+        budget = None if args.kv_cache_mib is None else int(args.kv_cache_mib * 2**20)
+        results = generate(model, requests, args.max_num_seqs, args.chunk, budget)
         Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))
-    except (ConfigError, CheckpointError, RequestError, OSError) as error:
+    except (ConfigError, CheckpointError, RequestError, CacheBudgetError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

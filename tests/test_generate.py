@@ -63,3 +63,19 @@ def test_malformed_lines_are_named(tmp_path, capsys, line, message):
     code, results = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}, line])
     assert code == 2 and results == []
     assert message in capsys.readouterr().err
+
+
+def test_a_small_budget_makes_requests_wait_for_pages(tmp_path):
+    """Three slots but pages for two sequences: the third request waits, and nothing changes."""
+    from inkling_jax.cache import CacheLayout, init_state
+    from inkling_jax.checkpoint import load_causal_lm
+    from inkling_jax.generate import Request, generate
+
+    _, model = load_causal_lm(FIXTURE / "hf", np.float32)
+    rng = np.random.default_rng(4)
+    requests = [Request(i, rng.integers(0, 500, 10).tolist(), max_tokens=6, temperature=0.7, seed=i) for i in range(4)]
+    unlimited = generate(model, requests, max_num_seqs=3, chunk=4)
+    budget = init_state(model.config, CacheLayout(3, 2, 1, 4), np.float32).nbytes
+    assert generate(model, requests, max_num_seqs=3, chunk=4, budget_bytes=budget) == unlimited
+    code, _ = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}], "--kv-cache-mib", "0.01")
+    assert code == 2
