@@ -1,0 +1,99 @@
+"""Meshes and partitioning: `tp4`, `dp2tp4`, ... over the available devices (axes `data`, `model`).
+
+Tensor and expert parallelism share the `model` axis: query heads, experts and the vocabulary split
+across it; KV heads split too while tp divides them and are replicated beyond (each device then keeps
+the KV heads its query heads read); norms, block-residual queries, the router and the residual stream
+are replicated. Parameters say which logical axes they have (`inkling_jax.model.params`); these rules
+map them onto the mesh.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from inkling_jax.config import TextConfig
+from inkling_jax.model.params import logical_axes
+
+DATA, MODEL = "data", "model"
+
+
+class MeshError(ValueError):
+    """A mesh that does not fit the devices or the model; the message says which."""
+
+
+def parse_mesh(spec: str) -> tuple[int, int]:
+    """ "tp4" -> (1, 4); "dp2tp4" -> (2, 4)."""
+    match = re.fullmatch(r"(?:dp(\d+))?tp(\d+)", spec)
+    if match is None:
+        raise MeshError(f"mesh {spec!r} is not of the form tpN or dpMtpN (e.g. tp4, dp2tp4)")
+    dp, tp = int(match.group(1) or 1), int(match.group(2))
+    if dp < 1 or tp < 1:
+        raise MeshError(f"mesh {spec!r}: sizes must be at least 1")
+    return dp, tp
+
+
+def check_model_fits(text: TextConfig, tp: int) -> None:
+    """tp must divide the query heads of both layer kinds, the experts and the vocabulary, and the KV
+    heads unless it is a multiple of them (then they are replicated)."""
+    for name in ("num_attention_heads", "swa_num_attention_heads", "n_routed_experts", "vocab_size"):
+        if getattr(text, name) % tp:
+            raise MeshError(f"tp{tp} does not divide {name} ({getattr(text, name)})")
+    for name in ("num_key_value_heads", "swa_num_key_value_heads"):
+        heads = getattr(text, name)
+        if heads % tp and tp % heads:
+            raise MeshError(f"tp{tp} neither divides nor is a multiple of {name} ({heads})")
+
+
+def make_mesh(spec: str, text: TextConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh `spec` names, over the first dp * tp devices."""
+    dp, tp = parse_mesh(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    if dp * tp > len(devices):
+        raise MeshError(f"mesh {spec!r} needs {dp * tp} devices, {len(devices)} are available")
+    check_model_fits(text, tp)
+    return Mesh(np.asarray(devices[: dp * tp]).reshape(dp, tp), (DATA, MODEL))
+
+
+def logical_rules(text: TextConfig, tp: int) -> dict[str, str | None]:
+    """Logical axis -> mesh axis."""
+    kv_split = text.num_key_value_heads % tp == 0 and text.swa_num_key_value_heads % tp == 0
+    return {
+        "heads": MODEL,
+        "kv_heads": MODEL if kv_split else None,
+        "experts": MODEL,
+        "vocab": MODEL,
+        "embed": None,
+        "expert_mlp": None,
+    }
+
+
+def parameter_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
+    """A NamedSharding for every parameter of `model`, from its logical axes."""
+    text = model.config
+    rules = logical_rules(text, mesh.shape[MODEL])
+
+    def sharding(variable: nnx.Variable) -> NamedSharding:
+        spec = PartitionSpec(*(rules.get(axis) if axis else None for axis in logical_axes(variable)))
+        return NamedSharding(mesh, spec)
+
+    state = nnx.state(model, nnx.Param)
+    return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """`model` with every parameter placed on `mesh` by the rules."""
+    graphdef, state = nnx.split(model)
+    shardings = parameter_shardings(model, mesh)
+    placed = jax.tree.map(
+        lambda variable, target: variable.replace(jax.device_put(variable[...], target)),
+        state,
+        shardings,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return nnx.merge(graphdef, placed)
