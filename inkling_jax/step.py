@@ -40,10 +40,12 @@ class StepBatch:
 def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
     """Clear the per-sequence state of the slots where a new sequence starts."""
 
+    slots = reset.shape[0]
+    rows = jnp.where(reset, jnp.arange(slots), slots)  # only the reset slots are touched
+
     def clear(x: jax.Array, axis: int) -> jax.Array:
-        shape = [1] * x.ndim
-        shape[axis] = reset.shape[0]
-        return jnp.where(reset.reshape(shape), jnp.zeros((), x.dtype), x)
+        index = (slice(None),) * axis + (rows,)
+        return x.at[index].set(jnp.zeros((), x.dtype), mode="drop")
 
     kv = state.kv
     kv = dataclasses.replace(
