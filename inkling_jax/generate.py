@@ -1,7 +1,7 @@
 """`python -m inkling_jax.generate`: batch generation of JSONL requests through the engine step.
 
     python -m inkling_jax.generate --checkpoint DIR --input IN.jsonl --output OUT.jsonl
-        [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M]
+        [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M] [--mesh tpN]
 
 Input lines: {"id", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
 "stop_token_ids"} (all but id and prompt_token_ids optional); output lines, in input order:
@@ -21,9 +21,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from inkling_jax.cache import PAGE_SIZE, CacheBudgetError, CacheLayout, init_state, layout_for_budget
 from inkling_jax.checkpoint import CheckpointError, load_model
@@ -31,6 +33,7 @@ from inkling_jax.config import ConfigError, TextConfig
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES, log_to_stderr
+from inkling_jax.sharding import DATA, MODEL, MeshError, make_mesh, shard_model, state_shardings
 from inkling_jax.step import StepBatch, step
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 
@@ -119,25 +122,35 @@ class _Slot:
 
 
 def generate(
-    model: CausalLM, requests: Sequence[Request], max_num_seqs: int, chunk: int, budget_bytes: int | None = None
+    model: CausalLM,
+    requests: Sequence[Request],
+    max_num_seqs: int,
+    chunk: int,
+    budget_bytes: int | None = None,
+    mesh: Mesh | None = None,
 ) -> list[dict]:
     """Serve every request through the engine step; results in input order.
 
     With a memory budget the page pool is what fits after the slots' fixed state, and a request waits
     until enough pages are free for its prompt and max_tokens; without one every slot gets room for
-    the longest request.
+    the longest request. With a mesh, parameters and decode state are partitioned over it (the
+    budget is then per device).
     """
     text = model.config
     dtype = model.model.embed_tokens.weight.dtype
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
     pages = math.ceil(longest / PAGE_SIZE)
+    tp = 1 if mesh is None else mesh.shape[MODEL]
     if budget_bytes is None:
         layout = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
     else:
         layout = layout_for_budget(text, budget_bytes, max_num_seqs=max_num_seqs, max_context=longest,
-                                   max_chunk=chunk, dtype=dtype)  # fmt: skip
-    graphdef, params = nnx.split(model)
+                                   max_chunk=chunk, dtype=dtype, tp=tp)  # fmt: skip
     state = init_state(text, layout, dtype)
+    if mesh is not None:
+        model = shard_model(model, mesh)
+        state = jax.device_put(state, state_shardings(state, text, mesh))
+    graphdef, params = nnx.split(model)
     free_pages = list(range(layout.num_pages))
     table = np.zeros((max_num_seqs, layout.max_pages_per_seq), np.int32)
     page_table = jnp.asarray(table)
@@ -221,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (token bucket) width")
     parser.add_argument("--kv-cache-mib", type=float, help="decode-state budget; default: room for every slot")
+    parser.add_argument("--mesh", default="tp1", help="tpN (tensor and expert parallel over N devices)")
     args = parser.parse_args(argv)
     log_to_stderr()
     try:
@@ -235,9 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         if not requests:
             raise RequestError(f"{args.input} holds no requests")
         budget = None if args.kv_cache_mib is None else int(args.kv_cache_mib * 2**20)
-        results = generate(model, requests, args.max_num_seqs, args.chunk, budget)
+        mesh = make_mesh(args.mesh, config.text)
+        if mesh.shape[DATA] > 1:
+            raise MeshError(f"--mesh {args.mesh}: data-parallel generation is not available yet; use tpN")
+        results = generate(model, requests, args.max_num_seqs, args.chunk, budget, mesh)
         Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))
-    except (ConfigError, CheckpointError, RequestError, CacheBudgetError, OSError) as error:
+    except (ConfigError, CheckpointError, RequestError, CacheBudgetError, MeshError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -9,6 +9,7 @@ map them onto the mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from inkling_jax.cache import DecodeState, KVCache
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import logical_axes
 
@@ -84,6 +86,28 @@ def parameter_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
 
     state = nnx.state(model, nnx.Param)
     return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(state: DecodeState, text: TextConfig, mesh: Mesh) -> DecodeState:
+    """Shardings of a decode state: K/V and the K/V conv states by KV head like the projections that
+    fill them, everything else replicated (slots stay whole: data-parallel replicas run their own)."""
+    kv_axis = logical_rules(text, mesh.shape[MODEL])["kv_heads"]
+
+    def spec(*axes: str | None) -> NamedSharding:
+        return NamedSharding(mesh, PartitionSpec(*axes))
+
+    replicated = spec()
+    kv = KVCache(
+        full_k=spec(None, None, None, kv_axis),
+        full_v=spec(None, None, None, kv_axis),
+        sliding_k=spec(None, None, None, kv_axis),
+        sliding_v=spec(None, None, None, kv_axis),
+        conv_k=spec(None, None, None, kv_axis),
+        conv_v=spec(None, None, None, kv_axis),
+        conv_attention=replicated,
+        conv_mlp=replicated,
+    )
+    return dataclasses.replace(jax.tree.map(lambda _: replicated, state), kv=kv)
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:

@@ -79,3 +79,20 @@ def test_a_small_budget_makes_requests_wait_for_pages(tmp_path):
     assert generate(model, requests, max_num_seqs=3, chunk=4, budget_bytes=budget) == unlimited
     code, _ = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}], "--kv-cache-mib", "0.01")
     assert code == 2
+
+
+@pytest.mark.parametrize("spec", ["tp2", "tp4"])
+def test_tensor_parallel_generation_matches_one_device(tmp_path, spec):
+    """4 simulated CPU devices (tests/conftest.py): the same tokens as tp1."""
+    rng = np.random.default_rng(5)
+    requests = [{"id": i, "prompt_token_ids": rng.integers(0, 500, 6 + 3 * i).tolist(), "max_tokens": 5,
+                 "temperature": 0.6 * i, "seed": i} for i in range(3)]  # fmt: skip
+    code, one = run(tmp_path, requests, "--max-num-seqs", "2", "--chunk", "4")
+    code_tp, sharded = run(tmp_path, requests, "--max-num-seqs", "2", "--chunk", "4", "--mesh", spec)
+    assert code == code_tp == 0
+    assert sharded == one
+
+
+def test_data_parallel_generation_is_refused_clearly(tmp_path, capsys):
+    code, _ = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}], "--mesh", "dp2tp2")
+    assert code == 2 and "data-parallel generation is not available yet" in capsys.readouterr().err
