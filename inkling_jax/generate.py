@@ -209,10 +209,13 @@ def generate(
     return results
 
 
+# What an idle slot samples with (its token is discarded): greedy, no filters.
+_IDLE = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0}
+
+
 def _sampling_params(requests: Sequence[Request | None]) -> SamplingParams:
     def column(name: str, dtype: type) -> jnp.ndarray:
-        neutral = getattr(SamplingParams.neutral(1), name)[0].item()
-        return jnp.asarray([getattr(r, name) if r else neutral for r in requests], dtype)
+        return jnp.asarray([getattr(r, name) if r else _IDLE[name] for r in requests], dtype)
 
     neutral = SamplingParams.neutral(len(requests))
     return dataclasses.replace(
