@@ -12,7 +12,9 @@ Per sequence (DESIGN.md):
   generated tokens.
 Block attention residuals keep nothing across tokens. Under tensor parallelism (`tp`) attention heads,
 and with them K/V and the K/V convolution states, split across devices; the residual-stream
-convolution states are replicated.
+convolution states are replicated. Beyond as many devices as KV heads, the K/V caches hold each KV head
+once per device that reads it (tp heads in all, one per device) and the K/V convolution states are
+replicated.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def _kv_heads(text: TextConfig, sliding: bool, tp: int) -> tuple[int, int]:
     return max(1, kv_heads // tp), head_dim
 
 
+def kv_split(text: TextConfig, tp: int) -> bool:
+    """Whether tp devices split the KV heads of both layer kinds (else each keeps the K/V projections whole)."""
+    return text.num_key_value_heads % tp == 0 and text.swa_num_key_value_heads % tp == 0
+
+
 def _layer_counts(text: TextConfig) -> tuple[int, int]:
     sliding = sum(text.is_sliding(i) for i in range(text.num_hidden_layers))
     return sliding, text.num_hidden_layers - sliding
@@ -70,7 +77,7 @@ def conv_state_bytes(text: TextConfig, dtype: jnp.dtype, tp: int = 1) -> int:
     """Short-convolution state bytes of one sequence over all layers, per device."""
     total = 0
     for layer in range(text.num_hidden_layers):
-        heads, head_dim = _kv_heads(text, text.is_sliding(layer), tp)
+        heads, head_dim = _kv_heads(text, text.is_sliding(layer), tp if kv_split(text, tp) else 1)
         channels = 2 * heads * head_dim + 2 * text.hidden_size  # K, V; post-attention, post-MLP (replicated)
         total += (text.conv_kernel_size - 1) * channels * jnp.dtype(dtype).itemsize
     return total
@@ -153,13 +160,14 @@ class DecodeState:
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
 
 
-def init_state(text: TextConfig, layout: CacheLayout, dtype: jnp.dtype = jnp.bfloat16) -> DecodeState:
-    """An empty decode state (unsharded; `inkling_jax.sharding` places it on a mesh)."""
+def init_state(text: TextConfig, layout: CacheLayout, dtype: jnp.dtype = jnp.bfloat16, tp: int = 1) -> DecodeState:
+    """An empty decode state for `tp` devices (unsharded; `inkling_jax.sharding` places it on a mesh)."""
     sliding_layers, full_layers = _layer_counts(text)
     slots, ring, taps = layout.max_num_seqs, layout.ring(text), text.conv_kernel_size - 1
     swa_heads, swa_dim = _kv_heads(text, True, 1)
     full_heads, full_dim = _kv_heads(text, False, 1)
     kv_channels = max(swa_heads * swa_dim, full_heads * full_dim)  # one array for both layer kinds
+    swa_heads, full_heads = max(swa_heads, tp), max(full_heads, tp)  # a copy per device beyond the KV heads
 
     def zeros(*shape: int) -> jax.Array:  # a buffer of its own per field: the state is donated
         return jnp.zeros(shape, dtype)

@@ -1,20 +1,24 @@
 """`python -m inkling_jax.generate`: batch generation of JSONL requests through the engine step.
 
     python -m inkling_jax.generate --checkpoint DIR --input IN.jsonl --output OUT.jsonl
-        [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M] [--mesh tpN]
+        [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M] [--mesh tpN|dpMtpN]
+        [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
 
 Input lines: {"id", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
 "stop_token_ids"} (all but id and prompt_token_ids optional); output lines, in input order:
 {"id", "token_ids", "finish_reason"} with finish_reason "stop" (a stop token or the model's end of
-sequence, included in token_ids) or "length". Requests share `max_num_seqs` slots; prompts are
-prefilled in chunks of C tokens alongside other slots' decoding. Two step shapes are compiled up front
-([slots, C] while any slot prefills, [slots, 1] otherwise), and nothing after.
+sequence, included in token_ids) or "length". Requests share `max_num_seqs` slots per data-parallel
+replica; prompts are prefilled in chunks of C tokens alongside other slots' decoding. Two step shapes
+are compiled up front ([slots, C] while any slot prefills, [slots, 1] otherwise), and nothing after.
+Multi-host: every process runs the same command (see `inkling_jax.distributed`); process 0 writes the
+output.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -22,14 +26,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from inkling_jax import distributed
 from inkling_jax.cache import PAGE_SIZE, CacheBudgetError, CacheLayout, init_state, layout_for_budget
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.config import ConfigError, TextConfig
+from inkling_jax.distributed import DistributedError
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES, log_to_stderr
@@ -120,6 +126,10 @@ class _Slot:
     output: list[int] = dataclasses.field(default_factory=list)
     fresh: bool = True
 
+    @property
+    def pages(self) -> int:
+        return math.ceil((len(self.request.prompt_token_ids) + self.request.max_tokens) / PAGE_SIZE)
+
 
 def generate(
     model: CausalLM,
@@ -131,101 +141,127 @@ def generate(
 ) -> list[dict]:
     """Serve every request through the engine step; results in input order.
 
-    With a memory budget the page pool is what fits after the slots' fixed state, and a request waits
-    until enough pages are free for its prompt and max_tokens; without one every slot gets room for
-    the longest request. With a mesh, parameters and decode state are partitioned over it (the
-    budget is then per device).
+    Each data-parallel replica of the mesh (one without a mesh) has `max_num_seqs` slots and a page
+    pool of its own. With a memory budget (per device) the pool is what fits after the slots' fixed
+    state, and a request waits until a replica has pages free for its prompt and max_tokens; without
+    one every slot gets room for the longest request. In a multi-process run every process calls this
+    with the same requests and steps the same global batch.
     """
     text = model.config
+    mesh = make_mesh("tp1", text) if mesh is None else mesh
+    replicas, tp = mesh.shape[DATA], mesh.shape[MODEL]
     dtype = model.model.embed_tokens.weight.dtype
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
     pages = math.ceil(longest / PAGE_SIZE)
-    tp = 1 if mesh is None else mesh.shape[MODEL]
     if budget_bytes is None:
-        layout = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
+        replica = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
     else:
-        layout = layout_for_budget(text, budget_bytes, max_num_seqs=max_num_seqs, max_context=longest,
-                                   max_chunk=chunk, dtype=dtype, tp=tp)  # fmt: skip
-    state = init_state(text, layout, dtype)
-    if mesh is not None:
-        model = shard_model(model, mesh)
-        state = jax.device_put(state, state_shardings(state, text, mesh))
-    graphdef, params = nnx.split(model)
-    free_pages = list(range(layout.num_pages))
-    table = np.zeros((max_num_seqs, layout.max_pages_per_seq), np.int32)
-    page_table = jnp.asarray(table)
-    eos = text.eos_token_id if isinstance(text.eos_token_id, tuple) else (text.eos_token_id,)
-    for width in (chunk, 1):  # compile both step shapes before serving
-        idle = StepBatch(jnp.zeros((max_num_seqs, width), jnp.int32), jnp.zeros(max_num_seqs, jnp.int32),
-                         *(jnp.zeros(max_num_seqs, bool) for _ in range(3)), page_table,
-                         SamplingParams.neutral(max_num_seqs))  # fmt: skip
-        _, state = step(graphdef, params, state, idle)
-    results: list[dict | None] = [None] * len(requests)
-    waiting = list(enumerate(requests))
-    slots: list[_Slot | None] = [None] * max_num_seqs
-    while waiting or any(slots):
-        for s in range(max_num_seqs):
-            if slots[s] is None and waiting:
-                need = math.ceil((len(waiting[0][1].prompt_token_ids) + waiting[0][1].max_tokens) / PAGE_SIZE)
-                if need > len(free_pages):
-                    break  # first come, first served: wait for pages
-                table[s, :need] = [free_pages.pop() for _ in range(need)]
-                slots[s] = _Slot(*waiting.pop(0))
-                page_table = jnp.asarray(table)
-        prefilling = any(slot and slot.prompted < len(slot.request.prompt_token_ids) for slot in slots)
-        width = chunk if prefilling else 1
-        tokens = np.zeros((max_num_seqs, width), np.int32)
-        counts = np.zeros(max_num_seqs, np.int32)
-        reset, prompt, emit = (np.zeros(max_num_seqs, bool) for _ in range(3))
-        for s, slot in enumerate(slots):
-            if slot is None:
-                continue
-            ids = slot.request.prompt_token_ids
-            if slot.prompted < len(ids):
-                piece = ids[slot.prompted : slot.prompted + width]
-                slot.prompted += len(piece)
-                prompt[s], emit[s] = True, slot.prompted == len(ids)
-            else:
-                piece, emit[s] = slot.output[-1:], True
-            tokens[s, : len(piece)], counts[s] = piece, len(piece)
-            reset[s], slot.fresh = slot.fresh, False
-        sampling = _sampling_params([slot.request if slot else None for slot in slots])
-        batch = StepBatch(jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(reset), jnp.asarray(prompt),
-                          jnp.asarray(emit), page_table, sampling)  # fmt: skip
-        out, state = step(graphdef, params, state, batch)
-        sampled = np.asarray(out.tokens)
-        for s, slot in enumerate(slots):
-            if slot is None or not emit[s]:
-                continue
-            token = int(sampled[s])
-            slot.output.append(token)
-            stopped = token in slot.request.stop_token_ids or token in eos
-            if stopped or len(slot.output) >= slot.request.max_tokens:
-                reason = "stop" if stopped else "length"
-                results[slot.index] = {"id": slot.request.id, "token_ids": slot.output, "finish_reason": reason}
-                used = math.ceil((len(slot.request.prompt_token_ids) + slot.request.max_tokens) / PAGE_SIZE)
-                free_pages.extend(table[s, :used].tolist())
-                slots[s] = None
-    return results
+        replica = layout_for_budget(text, budget_bytes, max_num_seqs=max_num_seqs, max_context=longest,
+                                    max_chunk=chunk, dtype=dtype, tp=tp)  # fmt: skip
+    layout = dataclasses.replace(replica, max_num_seqs=max_num_seqs * replicas, num_pages=replica.num_pages * replicas)
+    with jax.set_mesh(mesh):  # MoE layers run expert-parallel over `model`, the step's slots split over `data`
+        engine = _Engine(shard_model(model, mesh), layout, mesh)
+        return _schedule(engine, requests, replicas, replica.num_pages)
+
+
+class _Engine:
+    """The jitted step over a mesh, fed from host arrays and read back on every process."""
+
+    def __init__(self, model: CausalLM, layout: CacheLayout, mesh: Mesh):
+        text, dtype = model.config, model.model.embed_tokens.weight.dtype
+        self.graphdef, self.params = nnx.split(model)
+        make_state = functools.partial(init_state, text, layout, dtype, mesh.shape[MODEL])
+        shardings = state_shardings(jax.eval_shape(make_state), text, mesh)
+        self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
+        self.by_slot = NamedSharding(mesh, P(DATA))
+        self.text = text
+        self.slots, self.max_pages, self.chunk = layout.max_num_seqs, layout.max_pages_per_seq, layout.max_chunk
+
+    def step(self, batch: StepBatch) -> np.ndarray:
+        """Run one step on a host batch ([S, ...] numpy leaves); the sampled tokens [S]."""
+        on_mesh = jax.tree.map(
+            lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
+        )
+        sampled, self.state = step(self.graphdef, self.params, self.state, on_mesh)
+        return np.asarray(sampled.tokens.addressable_data(0))  # replicated: every process holds all of it
 
 
 # What an idle slot samples with (its token is discarded): greedy, no filters.
 _IDLE = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0}
 
 
-def _sampling_params(requests: Sequence[Request | None]) -> SamplingParams:
-    def column(name: str, dtype: type) -> jnp.ndarray:
-        return jnp.asarray([getattr(r, name) if r else _IDLE[name] for r in requests], dtype)
+def _batch(slots: Sequence[_Slot | None], width: int, page_table: np.ndarray) -> StepBatch:
+    """The next step's host batch; advances each slot's prompt position."""
+    count = len(slots)
+    tokens = np.zeros((count, width), np.int32)
+    counts = np.zeros(count, np.int32)
+    reset, prompt, emit = (np.zeros(count, bool) for _ in range(3))
+    for s, slot in enumerate(slots):
+        if slot is None:
+            continue
+        ids = slot.request.prompt_token_ids
+        if slot.prompted < len(ids):
+            piece = ids[slot.prompted : slot.prompted + width]
+            slot.prompted += len(piece)
+            prompt[s], emit[s] = True, slot.prompted == len(ids)
+        else:
+            piece, emit[s] = slot.output[-1:], True
+        tokens[s, : len(piece)], counts[s] = piece, len(piece)
+        reset[s], slot.fresh = slot.fresh, False
+    requests = [slot.request if slot else None for slot in slots]
+    neutral = jax.tree.map(np.asarray, SamplingParams.neutral(count))
 
-    neutral = SamplingParams.neutral(len(requests))
-    return dataclasses.replace(
+    def column(name: str, dtype: type) -> np.ndarray:
+        return np.asarray([getattr(r, name) if r else _IDLE[name] for r in requests], dtype)
+
+    sampling = dataclasses.replace(
         neutral,
-        temperature=column("temperature", jnp.float32),
-        top_k=column("top_k", jnp.int32),
-        top_p=column("top_p", jnp.float32),
-        min_p=column("min_p", jnp.float32),
-        seed=column("seed", jnp.uint32),
+        temperature=column("temperature", np.float32),
+        top_k=column("top_k", np.int32),
+        top_p=column("top_p", np.float32),
+        min_p=column("min_p", np.float32),
+        seed=column("seed", np.uint32),
     )
+    return StepBatch(tokens, counts, reset, prompt, emit, page_table.copy(), sampling)
+
+
+def _schedule(engine: _Engine, requests: Sequence[Request], replicas: int, pages_per_replica: int) -> list[dict]:
+    """Admit requests into free slots (first come, first served, pages permitting), step until all finish."""
+    eos = engine.text.eos_token_id
+    eos_ids = eos if isinstance(eos, tuple) else (eos,)
+    slots_per_replica = engine.slots // replicas
+    free_pages = [list(range(pages_per_replica)) for _ in range(replicas)]  # replica-local page ids
+    table = np.zeros((engine.slots, engine.max_pages), np.int32)
+    slots: list[_Slot | None] = [None] * engine.slots
+    for width in (engine.chunk, 1):  # compile both step shapes before serving
+        engine.step(_batch(slots, width, table))
+    results: list[dict | None] = [None] * len(requests)
+    waiting = [_Slot(index, request) for index, request in enumerate(requests)]
+    while waiting or any(slots):
+        for s in range(engine.slots):
+            pool = free_pages[s // slots_per_replica]
+            if slots[s] is None and waiting and waiting[0].pages <= len(pool):
+                table[s, : waiting[0].pages] = [pool.pop() for _ in range(waiting[0].pages)]
+                slots[s] = waiting.pop(0)
+        prefilling = any(slot and slot.prompted < len(slot.request.prompt_token_ids) for slot in slots)
+        batch = _batch(slots, engine.chunk if prefilling else 1, table)
+        sampled = engine.step(batch)
+        for s, slot in enumerate(slots):
+            if slot is None or not batch.emit[s]:
+                continue
+            token = int(sampled[s])
+            slot.output.append(token)
+            stopped = token in slot.request.stop_token_ids or token in eos_ids
+            if stopped or len(slot.output) >= slot.request.max_tokens:
+                reason = "stop" if stopped else "length"
+                results[slot.index] = {"id": slot.request.id, "token_ids": slot.output, "finish_reason": reason}
+                free_pages[s // slots_per_replica].extend(table[s, : slot.pages].tolist())
+                slots[s] = None
+    return results
+
+
+# Bad input of any kind: one line naming it, exit status 2.
+_USER_ERRORS = (ConfigError, CheckpointError, RequestError, CacheBudgetError, MeshError, DistributedError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,10 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (token bucket) width")
     parser.add_argument("--kv-cache-mib", type=float, help="decode-state budget; default: room for every slot")
-    parser.add_argument("--mesh", default="tp1", help="tpN (tensor and expert parallel over N devices)")
+    mesh_help = "tpN (tensor and expert parallel over N devices) or dpMtpN (M replicas of tpN)"
+    parser.add_argument("--mesh", default="tp1", help=mesh_help)
+    distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     log_to_stderr()
     try:
+        distributed.initialize(args)
         if args.max_num_seqs < 1 or args.chunk < 1:
             raise RequestError("--max-num-seqs and --chunk must be at least 1")
         config, model = load_model(args.checkpoint, DTYPES[args.dtype])
@@ -253,11 +292,18 @@ def main(argv: list[str] | None = None) -> int:
             raise RequestError(f"{args.input} holds no requests")
         budget = None if args.kv_cache_mib is None else int(args.kv_cache_mib * 2**20)
         mesh = make_mesh(args.mesh, config.text)
-        if mesh.shape[DATA] > 1:
-            raise MeshError(f"--mesh {args.mesh}: data-parallel generation is not available yet; use tpN")
         results = generate(model, requests, args.max_num_seqs, args.chunk, budget, mesh)
-        Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))
-    except (ConfigError, CheckpointError, RequestError, CacheBudgetError, MeshError, OSError) as error:
+        if jax.process_index() == 0:
+            Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))
+    except (
+        ConfigError,
+        CheckpointError,
+        RequestError,
+        CacheBudgetError,
+        MeshError,
+        DistributedError,
+        OSError,
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -1,9 +1,10 @@
 """Meshes and partitioning: `tp4`, `dp2tp4`, ... over the available devices (axes `data`, `model`).
 
 Tensor and expert parallelism share the `model` axis: query heads, experts and the vocabulary split
-across it; KV heads split too while tp divides them and are replicated beyond (each device then keeps
-the KV heads its query heads read); norms, block-residual queries, the router and the residual stream
-are replicated. Parameters say which logical axes they have (`inkling_jax.model.params`); these rules
+across it; KV heads split too while tp divides them; beyond, the K/V projections are replicated and
+each device's cache keeps only the KV head its query heads read; norms, block-residual queries, the
+router and the residual stream are replicated. Data-parallel replicas on `data` each own a share of the
+decode state's slots and pages. Parameters say which logical axes they have (`inkling_jax.model.params`); these rules
 map them onto the mesh.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from inkling_jax.cache import DecodeState, KVCache
+from inkling_jax.cache import DecodeState, KVCache, kv_split
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import logical_axes
 
@@ -64,10 +65,9 @@ def make_mesh(spec: str, text: TextConfig, devices: Sequence[jax.Device] | None 
 
 def logical_rules(text: TextConfig, tp: int) -> dict[str, str | None]:
     """Logical axis -> mesh axis."""
-    kv_split = text.num_key_value_heads % tp == 0 and text.swa_num_key_value_heads % tp == 0
     return {
         "heads": MODEL,
-        "kv_heads": MODEL if kv_split else None,
+        "kv_heads": MODEL if kv_split(text, tp) else None,
         "experts": MODEL,
         "vocab": MODEL,
         "embed": None,
@@ -88,26 +88,29 @@ def parameter_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
     return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def replica_specs(state: DecodeState) -> DecodeState:
+    """How a decode state splits into data-parallel replicas: by slot, and the page pool by page
+    (every array is [slots, ...] or [layers, slots or pages, ...])."""
+    by_slot, by_layer_then_slot = PartitionSpec(DATA), PartitionSpec(None, DATA)
+    specs = jax.tree.map(lambda _: by_slot, state)
+    return dataclasses.replace(specs, kv=jax.tree.map(lambda _: by_layer_then_slot, state.kv))
+
+
 def state_shardings(state: DecodeState, text: TextConfig, mesh: Mesh) -> DecodeState:
-    """Shardings of a decode state: K/V and the K/V conv states by KV head like the projections that
-    fill them, everything else replicated (slots stay whole: data-parallel replicas run their own)."""
-    kv_axis = logical_rules(text, mesh.shape[MODEL])["kv_heads"]
+    """Shardings of a decode state (`init_state(..., tp)`): slots and pages split over `data` replicas;
+    within a replica K/V split by head, one head or more per device, the K/V conv states like the
+    projections that fill them, everything else replicated."""
+    conv_axis = logical_rules(text, mesh.shape[MODEL])["kv_heads"]
+    heads_axis = {"full_k": MODEL, "full_v": MODEL, "sliding_k": MODEL, "sliding_v": MODEL}
+    heads_axis |= {"conv_k": conv_axis, "conv_v": conv_axis}
 
-    def spec(*axes: str | None) -> NamedSharding:
-        return NamedSharding(mesh, PartitionSpec(*axes))
+    def kv_spec(name: str, spec: PartitionSpec) -> PartitionSpec:
+        return PartitionSpec(*spec, None, heads_axis[name]) if name in heads_axis else spec
 
-    replicated = spec()
-    kv = KVCache(
-        full_k=spec(None, None, None, kv_axis),
-        full_v=spec(None, None, None, kv_axis),
-        sliding_k=spec(None, None, None, kv_axis),
-        sliding_v=spec(None, None, None, kv_axis),
-        conv_k=spec(None, None, None, kv_axis),
-        conv_v=spec(None, None, None, kv_axis),
-        conv_attention=replicated,
-        conv_mlp=replicated,
-    )
-    return dataclasses.replace(jax.tree.map(lambda _: replicated, state), kv=kv)
+    specs = replica_specs(state)
+    kv = KVCache(**{f.name: kv_spec(f.name, getattr(specs.kv, f.name)) for f in dataclasses.fields(KVCache)})
+    specs = dataclasses.replace(specs, kv=kv)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:

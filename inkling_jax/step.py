@@ -7,6 +7,11 @@ token a decoding sequence sampled last), padded to the bucket width C; a slot wi
 Every slot that brings tokens samples from the logits after its last real token; where `emit` is set
 the token counts as generated (penalties, seeded stream), elsewhere (a prompt's earlier chunks) it is
 discarded.
+
+Under a mesh with a `data` axis (set with `jax.set_mesh`), the slots and the page pool split into
+data-parallel replicas: each replica steps its own slots against its own pages (page-table entries are
+replica-local page ids), while parameters and activations split over `model` inside each replica.
+The sampled outputs come back replicated, so every process of a multi-host run reads all of them.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import DecodeState
 from inkling_jax.model.attention import Chunk
 from inkling_jax.sampling import Sampled, SamplingParams, sample
+from inkling_jax.sharding import DATA, replica_specs
 
 
 @jax.tree_util.register_dataclass
@@ -70,6 +77,25 @@ def step(
     graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, batch: StepBatch, num_top: int = 0
 ) -> tuple[Sampled, DecodeState]:
     """One engine step (state donated). Outputs are meaningful for slots with counts > 0."""
+    replica_step = functools.partial(_step, graphdef, num_top=num_top)
+    mesh = jax.sharding.get_abstract_mesh()
+    if DATA in mesh.axis_names and mesh.shape[DATA] > 1:
+        slots = P(DATA)
+        replica_step = jax.shard_map(
+            replica_step,
+            in_specs=(P(), replica_specs(state), slots),
+            out_specs=(slots, replica_specs(state)),
+            axis_names={DATA},
+        )
+    sampled, state = replica_step(params, state, batch)
+    if not mesh.empty:
+        sampled = jax.lax.with_sharding_constraint(sampled, P())
+    return sampled, state
+
+
+def _step(
+    graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, batch: StepBatch, num_top: int
+) -> tuple[Sampled, DecodeState]:
     model = nnx.merge(graphdef, params)
     state = dataclasses.replace(_reset(state, batch.reset), page_table=batch.page_table)
     chunk = Chunk(state.lengths, batch.counts, state.page_table, batch.token_ids.shape[1])

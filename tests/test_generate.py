@@ -81,18 +81,23 @@ def test_a_small_budget_makes_requests_wait_for_pages(tmp_path):
     assert code == 2
 
 
-@pytest.mark.parametrize("spec", ["tp2", "tp4"])
-def test_tensor_parallel_generation_matches_one_device(tmp_path, spec):
-    """4 simulated CPU devices (tests/conftest.py): the same tokens as tp1."""
-    rng = np.random.default_rng(5)
-    requests = [{"id": i, "prompt_token_ids": rng.integers(0, 500, 6 + 3 * i).tolist(), "max_tokens": 5,
-                 "temperature": 0.6 * i, "seed": i} for i in range(3)]  # fmt: skip
-    code, one = run(tmp_path, requests, "--max-num-seqs", "2", "--chunk", "4")
-    code_tp, sharded = run(tmp_path, requests, "--max-num-seqs", "2", "--chunk", "4", "--mesh", spec)
-    assert code == code_tp == 0
-    assert sharded == one
+MIXED_REQUESTS = [
+    {"id": i, "prompt_token_ids": np.random.default_rng(5 + i).integers(0, 500, 6 + 3 * i).tolist(), "max_tokens": 5,
+     "temperature": 0.6 * i, "seed": i} for i in range(3)
+]  # fmt: skip
 
 
-def test_data_parallel_generation_is_refused_clearly(tmp_path, capsys):
-    code, _ = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}], "--mesh", "dp2tp2")
-    assert code == 2 and "data-parallel generation is not available yet" in capsys.readouterr().err
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    code, results = run(tmp_path_factory.mktemp("tp1"), MIXED_REQUESTS, "--max-num-seqs", "2", "--chunk", "4")
+    assert code == 0
+    return results
+
+
+@pytest.mark.parametrize("spec", ["tp4", "dp2tp2"])
+def test_sharded_generation_matches_one_device(tmp_path, one_device, spec):
+    """8 simulated CPU devices (tests/conftest.py): the same tokens as tp1 (tp4 keeps a copy of one of
+    the 2 KV heads per device); dp2 splits the requests over two replicas of max-num-seqs slots each."""
+    code, sharded = run(tmp_path, MIXED_REQUESTS, "--max-num-seqs", "2", "--chunk", "4", "--mesh", spec)
+    assert code == 0
+    assert sharded == one_device

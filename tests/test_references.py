@@ -71,6 +71,25 @@ def test_moe_experts_matches_dense_loop():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+def test_moe_experts_on_a_share_of_the_experts_drops_the_rest():
+    """Expert parallelism's contract: each shard runs its experts with the others' ids out of range,
+    and the shards' fp32 partial sums add up to the whole."""
+    rng = np.random.default_rng(3)
+    tokens, hidden, inner, experts, top_k, shards = 13, 8, 6, 6, 2, 3
+    x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.bfloat16)
+    gate_up = jnp.asarray(rng.normal(size=(experts, 2 * inner, hidden)), jnp.bfloat16)
+    down = jnp.asarray(rng.normal(size=(experts, hidden, inner)), jnp.bfloat16)
+    chosen = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 2.0, size=(tokens, top_k)).astype(np.float32)
+    caps = {"gate_cap": 1.5, "up_cap": 2.0, "out_dtype": jnp.float32}
+    whole = moe_experts(x, gate_up, down, chosen, weights, **caps)
+    per = experts // shards
+    share = [slice(i * per, (i + 1) * per) for i in range(shards)]
+    parts = [moe_experts(x, gate_up[s], down[s], chosen - s.start, weights, **caps) for s in share]
+    assert all(np.abs(np.asarray(part)).max() > 0 for part in parts)
+    np.testing.assert_allclose(np.asarray(sum(parts)), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
 def test_static_short_conv_matches_loop():
     rng = np.random.default_rng(3)
     conv = ShortConvolution(nnx.Rngs(0), channels=6, kernel_size=4, axis=None, std=1.0)

@@ -1,14 +1,17 @@
-"""Meshes and parameter partitioning on 8 simulated CPU devices (tests/conftest.py)."""
+"""Meshes, parameter partitioning and expert parallelism on 8 simulated CPU devices (tests/conftest.py)."""
 
+import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from inkling_jax.checkpoint import load_causal_lm
+from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.forward import greedy_continuation, logits_fn
 from inkling_jax.sharding import MeshError, make_mesh, parse_mesh, shard_model
 
@@ -20,10 +23,14 @@ def reference():
     return dict(np.load(FIXTURES / "tiny_text" / "reference.npz"))
 
 
+def load_fixture(name: str):
+    layout = "hf" if name == "tiny_text" else "original"
+    return load_causal_lm(FIXTURES / name / layout, jnp.float32)[1]
+
+
 @pytest.fixture(scope="module", params=["tiny_text", "tiny_text_mixed"])
 def model(request):
-    layout = "hf" if request.param == "tiny_text" else "original"
-    return load_causal_lm(FIXTURES / request.param / layout, jnp.float32)[1]
+    return load_fixture(request.param)
 
 
 def test_mesh_specs_parse_and_bad_ones_are_named(model):
@@ -38,15 +45,60 @@ def test_mesh_specs_parse_and_bad_ones_are_named(model):
         make_mesh("tp3", model.config)
 
 
-@pytest.mark.parametrize("spec", ["tp2", "tp4", "dp2tp2", "dp2tp4"])
-def test_meshes_give_the_same_logits_and_greedy_continuation(model, reference, spec):
-    ids = jnp.asarray(reference["input_ids"][None], jnp.int32)
+# Eight query heads of both kinds (tp8 fits), two KV heads (split at tp2, one copy per device beyond),
+# 16 experts (2 per device at tp8); quantized experts (NVFP4 and MXFP8 layers).
+WIDE_HEADS = {
+    "model_type": "inkling2_text", "vocab_size": 512, "unpadded_vocab_size": 500, "hidden_size": 64,
+    "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+    "swa_num_attention_heads": 8, "swa_num_key_value_heads": 2, "swa_head_dim": 8, "sliding_window_size": 8,
+    "d_rel": 4, "rel_extent": 12, "log_scaling_n_floor": 10, "conv_kernel_size": 4, "moe_intermediate_size": 32,
+    "n_routed_experts": 16, "num_experts_per_tok": 4, "route_scale": 2.5, "eos_token_id": 499,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    work = tmp_path_factory.mktemp("wide_heads")
+    (work / "config.json").write_text(json.dumps(WIDE_HEADS))
+    return load_causal_lm(write_checkpoint(work / "config.json", work / "checkpoint", experts="mixed"), jnp.float32)[1]
+
+
+def assert_mesh_matches_one_device(model, spec, ids, prompt):
     want = np.asarray(logits_fn(model)(ids))
-    sharded = shard_model(model, make_mesh(spec, model.config))
-    got = np.asarray(logits_fn(sharded)(ids))
-    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
-    prompt = reference["greedy_prompt"].tolist()
-    assert greedy_continuation(sharded, prompt, 8) == greedy_continuation(model, prompt, 8)
+    mesh = make_mesh(spec, model.config)
+    sharded = shard_model(model, mesh)
+    with jax.set_mesh(mesh):  # the MoE layers run expert-parallel under it
+        got = np.asarray(logits_fn(sharded)(ids))
+        continuation = greedy_continuation(sharded, prompt, 8)
+    assert np.abs(got - want).max() / np.abs(want).max() < 5e-5  # fp32, sums split across devices
+    assert continuation == greedy_continuation(model, prompt, 8)
+
+
+@pytest.mark.parametrize(("name", "spec"), [("tiny_text", "tp4"), ("tiny_text_mixed", "tp2"), ("tiny_text", "dp2tp2")])
+def test_meshes_give_the_same_logits_and_greedy_continuation(reference, name, spec):
+    ids = jnp.asarray(reference["input_ids"][None], jnp.int32)
+    assert_mesh_matches_one_device(load_fixture(name), spec, ids, reference["greedy_prompt"].tolist())
+
+
+@pytest.mark.parametrize("spec", ["tp2", "tp8", "dp2tp4"])
+def test_meshes_up_to_tp8_give_the_same_logits_and_greedy_continuation(wide_model, spec):
+    rng = np.random.default_rng(8)
+    ids = jnp.asarray(rng.integers(0, 500, (2, 24)), jnp.int32)
+    assert_mesh_matches_one_device(wide_model, spec, ids, rng.integers(0, 500, 9).tolist())
+
+
+def test_experts_run_on_their_own_devices(wide_model):
+    """Under tp8 each device multiplies only its 2 experts: the expert weights are never gathered,
+    and the combine is a reduce-scatter."""
+    mesh = make_mesh("tp8", wide_model.config)
+    sharded = shard_model(wide_model, mesh)
+    ids = jnp.asarray(np.random.default_rng(9).integers(0, 500, (1, 16)), jnp.int32)
+    with jax.set_mesh(mesh):
+        graphdef, state = nnx.split(sharded)
+        compiled = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids)).lower(state, ids).compile().as_text()
+    gathers = [line for line in compiled.splitlines() if "all-gather(" in line]
+    assert not any(f"[{shape}]" in line for line in gathers for shape in ("16,64,64", "16,64,32"))
+    assert "reduce-scatter(" in compiled
 
 
 def test_partitioning_follows_the_rules(model):

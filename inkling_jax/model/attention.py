@@ -165,6 +165,9 @@ class Attention(nnx.Module):
         kv_positions = positions
         if kv is not None:
             kind = self.kind_index
+            copies = (kv.sliding_k if self.sliding else kv.full_k).shape[3] // self.num_kv_heads
+            if copies > 1:  # more devices than KV heads: each device's cache keeps the head its queries read
+                k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
             if self.sliding:
                 kv = dataclasses.replace(
                     kv,

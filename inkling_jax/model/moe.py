@@ -1,13 +1,22 @@
-"""The MoE feed-forward: sigmoid router with a selection-only correction bias, softcapped SwiGLU experts."""
+"""The MoE feed-forward: sigmoid router with a selection-only correction bias, softcapped SwiGLU experts.
+
+Under a mesh with a `model` axis (set with `jax.set_mesh`), the experts run expert-parallel: each device
+computes only its own E/tp experts for the (replicated) tokens, then the fp32 partial sums are
+reduce-scattered over tokens, rounded once, and all-gathered back into the replicated residual stream.
+"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
+from inkling_jax.sharding import MODEL
 from pallas_kernels.moe import moe_experts
-from pallas_kernels.numerics import einsum
+from pallas_kernels.numerics import einsum, round_to
 from pallas_kernels.quantized import NVFP4, QuantizedArray, quantize
 
 
@@ -88,8 +97,39 @@ class SparseMoeBlock(nnx.Module):
         """x [B, T, H] -> [B, T, H]."""
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
-        out = moe_experts(
-            flat, *self.experts.weights(), experts, weights,
-            gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap,
-        )  # fmt: skip
+        run = functools.partial(moe_experts, gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap)
+        mesh = jax.sharding.get_abstract_mesh()
+        if MODEL in mesh.axis_names and mesh.shape[MODEL] > 1:
+            out = expert_parallel(run, mesh, flat, *self.experts.weights(), experts, weights)
+        else:
+            out = run(flat, *self.experts.weights(), experts, weights)
         return out.reshape(x.shape)
+
+
+def expert_parallel(run, mesh, x, gate_up, down, experts, weights) -> jax.Array:
+    """`run` (the MoE op) over experts split on the mesh's `model` axis; x [N, H] replicated -> [N, H].
+
+    Tokens are already on every device, so dispatch costs nothing; the combine is a reduce-scatter of
+    fp32 partial sums (each token's experts add up in fp32 and round once, as without the mesh) and an
+    all-gather in the activation dtype. bench/moe_exchange.py compares it with an all-to-all exchange.
+    """
+    tp, tokens = mesh.shape[MODEL], x.shape[0]
+    padded = -(-tokens // tp) * tp  # the reduce-scatter splits tokens evenly
+
+    def local(x, gate_up, down, experts, weights):  # gate_up, down: this device's experts
+        per_device = jax.tree.leaves(gate_up)[0].shape[0]
+        mine = experts - jax.lax.axis_index(MODEL) * per_device  # ids outside [0, per_device) are dropped
+        partial = run(x, gate_up, down, mine, weights, out_dtype=jnp.float32)
+        partial = jnp.pad(partial, ((0, padded - tokens), (0, 0)))
+        summed = jax.lax.psum_scatter(partial, MODEL, scatter_dimension=0, tiled=True)
+        return jax.lax.all_gather(round_to(summed, x.dtype), MODEL, axis=0, tiled=True)[:tokens]
+
+    experts_on_model = P(MODEL)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), experts_on_model, experts_on_model, P(), P()),
+        out_specs=P(),
+        axis_names={MODEL},
+        check_vma=False,  # the all-gather's result is replicated; the type check cannot see it
+    )(x, gate_up, down, experts, weights)

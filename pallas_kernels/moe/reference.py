@@ -2,7 +2,9 @@
 
 out[n] = sum_j w[n, j] * down_e( capped_swiglu( gate_up_e(x[n]) ) ),  e = experts[n, j],
 capped_swiglu(g, u) = softcap(g, gate_cap) * sigmoid(g) * softcap(u, up_cap), in fp32.
-Token copies are sorted by expert and run as one grouped matmul per projection. Quantized expert
+Token copies are sorted by expert and run as one grouped matmul per projection. A copy routed to an
+id outside [0, E) contributes nothing: under expert parallelism each shard is handed only its own E
+experts and drops the rest, and returns fp32 partial sums to be added across shards. Quantized expert
 weights are dequantized (fp32, rounded once to the activation dtype) before the matmul; kernels
 dequantize block by block instead.
 """
@@ -40,16 +42,19 @@ def moe_experts(
     *,
     gate_cap: float,
     up_cap: float,
+    out_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
-    """Weighted sum of each token's experts, [N, H] in x's dtype (accumulated in fp32).
+    """Weighted sum of each token's experts, [N, H] accumulated in fp32 and rounded once to `out_dtype`
+    (default: x's dtype).
 
     x [N, H]; gate_up [E, 2I, H] (gate rows then up rows); down [E, H, I], plain or quantized;
-    experts [N, k] int32 expert ids; weights [N, k] float32 routing weights.
+    experts [N, k] int32 expert ids (ids outside [0, E) are dropped); weights [N, k] float32 routing weights.
     """
     num_tokens, top_k = experts.shape
     gate_up, down = (w.dequantize(x.dtype) if isinstance(w, QuantizedArray) else w for w in (gate_up, down))
     num_experts, two_i, _ = gate_up.shape
-    flat_experts = experts.reshape(-1)
+    kept = (experts >= 0) & (experts < num_experts)
+    flat_experts = jnp.where(kept, experts, num_experts).reshape(-1)
     order = jnp.argsort(flat_experts)
     token_of = order // top_k
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
@@ -59,6 +64,7 @@ def moe_experts(
     hidden = capped_swiglu(gate_up_out[:, : two_i // 2], gate_up_out[:, two_i // 2 :], gate_cap, up_cap)
     out_rows = ragged_dot(hidden, round_to(down, x.dtype), group_sizes, _GROUPED)
 
-    weighted = out_rows.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    # dropped copies sort last, past every group, and weigh nothing
+    weighted = out_rows.astype(jnp.float32) * jnp.where(kept, weights, 0.0).reshape(-1)[order][:, None]
     out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(weighted)
-    return round_to(out, x.dtype)
+    return round_to(out, x.dtype if out_dtype is None else out_dtype)
