@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from inkling_jax import distributed
 from inkling_jax.cache import PAGE_SIZE, CacheBudgetError, CacheLayout, init_state, layout_for_budget
 from inkling_jax.checkpoint import CheckpointError, load_model
-from inkling_jax.config import ConfigError, TextConfig
+from inkling_jax.config import ConfigError, TextConfig, load_config
 from inkling_jax.distributed import DistributedError
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import SamplingParams
@@ -282,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(args)
         if args.max_num_seqs < 1 or args.chunk < 1:
             raise RequestError("--max-num-seqs and --chunk must be at least 1")
-        config, model = load_model(args.checkpoint, DTYPES[args.dtype])
+        if not Path(args.checkpoint, "config.json").is_file():
+            raise CheckpointError(f"{args.checkpoint} is not a checkpoint directory (no config.json)")
+        mesh = make_mesh(args.mesh, load_config(args.checkpoint).text)
+        config, model = load_model(args.checkpoint, DTYPES[args.dtype], mesh)  # straight into its shards
         try:
             lines = Path(args.input).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as error:
@@ -291,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
         if not requests:
             raise RequestError(f"{args.input} holds no requests")
         budget = None if args.kv_cache_mib is None else int(args.kv_cache_mib * 2**20)
-        mesh = make_mesh(args.mesh, config.text)
         results = generate(model, requests, args.max_num_seqs, args.chunk, budget, mesh)
         if jax.process_index() == 0:
             Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))

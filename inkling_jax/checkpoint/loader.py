@@ -2,11 +2,13 @@
 
 Every tensor is checked against the parameter it fills: unknown, duplicated or missing tensors, wrong
 shapes, dtypes or sidecars raise `CheckpointError` naming the tensor (and both shapes), before any
-tensor data is read; scale values are checked as they are read, before any compute.
+tensor data is read; scale values are checked as they are read, before any compute. Given a mesh, each
+parameter is built straight into its shards from the slices this process's devices own.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -17,13 +19,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from inkling_jax.checkpoint.errors import CheckpointError
-from inkling_jax.checkpoint.names import DATA, IGNORED, detect_layout, is_ignored, is_vision, text_parameter
-from inkling_jax.checkpoint.quantized import FLOAT_DTYPES, check_quantization_config, expert_format, stored_array
+from inkling_jax.checkpoint.names import (
+    DATA,
+    GLOBAL_SCALE,
+    IGNORED,
+    Index,
+    Transform,
+    detect_layout,
+    is_ignored,
+    is_vision,
+    text_parameter,
+)
+from inkling_jax.checkpoint.quantized import (
+    FLOAT_DTYPES,
+    check_quantization_config,
+    expert_format,
+    per_expert,
+    stored_array,
+)
 from inkling_jax.checkpoint.safetensors_io import CheckpointFiles, SafetensorsError
 from inkling_jax.config import ModelConfig, load_config
 from inkling_jax.model.text import CausalLM
+from inkling_jax.sharding import parameter_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +74,7 @@ class Tensor(NamedTuple):
     name: str
     role: str | None
     format: str | None
-    transform: Callable[[np.ndarray], np.ndarray]
+    transform: Transform
 
 
 def _group(checkpoint: Path, files: CheckpointFiles, config: ModelConfig) -> tuple[str, dict[str, dict]]:
@@ -136,11 +156,53 @@ def _plan(
     return plan
 
 
-def load_causal_lm(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, CausalLM]:
+def _parameter_slice(
+    checkpoint: Path, files: CheckpointFiles, tensor: Tensor, index: Index, dtype: jnp.dtype, experts: int
+) -> np.ndarray:
+    """The `index` slice of the parameter `tensor` fills. Only the stored slice it needs is cut from the
+    memory-mapped file; that slice alone is transformed, checked and converted to `dtype`, into memory of
+    its own (never a view of the file, which could change under the model)."""
+    try:
+        if tensor.role == GLOBAL_SCALE:  # one value per expert, stored in several shapes: mapped whole, then cut
+            source = files.read(tensor.name)
+            part = per_expert(source, experts)[index]
+        else:
+            source = files.read(tensor.name, tensor.transform.source(index))
+            part = tensor.transform(source, index)
+        if tensor.format is not None:
+            part = stored_array(checkpoint, tensor.name, tensor.role, tensor.format, part)
+        return part.astype(dtype, copy=np.may_share_memory(part, source))
+    except OSError as error:
+        raise CheckpointError(f"{checkpoint}: cannot read tensor {tensor.name!r}: {error}") from error
+
+
+def _placed(shape: tuple[int, ...], sharding: NamedSharding | None, read: Callable[[Index], np.ndarray]) -> jax.Array:
+    """A parameter made of `read(index)` slices: whole on the default device without a sharding; else
+    each distinct slice this process's devices hold (the addressable ones: multi-process safe) is read
+    once, put on every such device that holds it and dropped before the next is read, so host memory
+    holds one slice at a time (`jax.make_array_from_callback` would gather them all before placing any)."""
+    if sharding is None:
+        return jax.device_put(read(tuple(slice(None) for _ in shape)))
+    devices: dict[Index, list[jax.Device]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        devices.setdefault(index, []).append(device)
+    shards = []
+    for index, group in devices.items():
+        part = read(index)
+        shards += [jax.device_put(part, device) for device in group]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def load_causal_lm(
+    checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16, mesh: Mesh | None = None
+) -> tuple[ModelConfig, CausalLM]:
     """Read config.json and the safetensors weights of `checkpoint` (either layout) into a CausalLM.
 
     Experts stay in the format the checkpoint stores them in (plain, MXFP8 or NVFP4). Every name, shape
     and dtype is checked before any data is read; tensors are then read, checked and placed one at a time.
+    With a `mesh`, each parameter is created with the sharding `parameter_shardings` gives it, from just
+    the slices this process's devices own, so host memory beyond the placed parameters stays within one
+    slice; without one, parameters go whole to the default device, one tensor at a time.
     """
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
@@ -152,21 +214,18 @@ def load_causal_lm(checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> t
         raise CheckpointError(str(error)) from error
     layout, groups = _group(checkpoint, files, config)
     formats = _expert_formats(checkpoint, files, config, groups)
-    graphdef, state = nnx.split(abstract_causal_lm(config, dtype, formats))
+    abstract = abstract_causal_lm(config, dtype, formats)
+    graphdef, state = nnx.split(abstract)
     expected = parameter_paths(state)
+    shardings = parameter_paths(parameter_shardings(abstract, mesh)) if mesh is not None else {}
     experts = config.text.n_routed_experts
     for path, tensor in _plan(checkpoint, files, layout, groups, formats, expected).items():
         variable = expected[path]
-        try:
-            array = tensor.transform(files.read(tensor.name))
-        except OSError as error:
-            raise CheckpointError(f"{checkpoint}: cannot read tensor {tensor.name!r}: {error}") from error
-        if tensor.format is not None:
-            array = stored_array(checkpoint, tensor.name, tensor.role, tensor.format, array, experts)
-        variable.set_value(jax.device_put(np.asarray(array).astype(variable.dtype)))
+        read = functools.partial(_parameter_slice, checkpoint, files, tensor, dtype=variable.dtype, experts=experts)
+        variable.set_value(_placed(tuple(variable.shape), shardings.get(path), read))
     model = nnx.merge(graphdef, state)
-    read = sum(files.entry(name).nbytes for name in files.names())
+    read_bytes = sum(files.entry(name).nbytes for name in files.names())
     logger.info(
-        "%s: %.1f MiB of tensors -> %.1f MiB on device", checkpoint, read / 2**20, parameter_bytes(model) / 2**20
+        "%s: %.1f MiB of tensors -> %.1f MiB on device", checkpoint, read_bytes / 2**20, parameter_bytes(model) / 2**20
     )
     return config, model

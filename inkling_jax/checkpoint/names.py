@@ -21,7 +21,7 @@ ORIGINAL = "original"
 TRANSFORMERS = "transformers"
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.")
 
-Transform = Callable[[np.ndarray], np.ndarray]
+Index = tuple[slice, ...]
 
 
 def deinterleave_rows(w13: np.ndarray) -> np.ndarray:
@@ -33,6 +33,28 @@ def deinterleave_rows(w13: np.ndarray) -> np.ndarray:
 
 def _identity(array: np.ndarray) -> np.ndarray:
     return array
+
+
+class Transform(NamedTuple):
+    """A stored tensor -> parameter map that works slice by slice, so a shard is computed from the
+    stored slice it covers. `whole` are the axes `apply` mixes: a slice is read whole along them and
+    cut after `apply`; every other axis maps one to one and is cut before anything is read."""
+
+    apply: Callable[[np.ndarray], np.ndarray]
+    whole: tuple[int, ...] = ()
+
+    def source(self, index: Index) -> Index:
+        """The slice of the stored tensor that the parameter's `index` slice is computed from."""
+        return tuple(slice(None) if axis in self.whole else part for axis, part in enumerate(index))
+
+    def __call__(self, source: np.ndarray, index: Index) -> np.ndarray:
+        """The parameter's `index` slice, from the stored tensor's `self.source(index)` slice."""
+        return self.apply(source)[tuple(part if axis in self.whole else slice(None) for axis, part in enumerate(index))]
+
+
+IDENTITY = Transform(_identity)
+# gate/up rows are interleaved within each expert: experts and input columns slice freely, rows are read whole
+DEINTERLEAVE = Transform(deinterleave_rows, whole=(1,))
 
 
 # Original names inside `model.llm.layers.{i}.` -> transformers names inside `model.layers.{i}.`.
@@ -159,7 +181,7 @@ def text_parameter(name: str, layout: str) -> Mapped | None:
     (data, scales, global scale) share the target of the weight they make up.
     """
     if _ACTIVATION_SCALE.fullmatch(name):
-        return Mapped(name, IGNORED, _identity)
+        return Mapped(name, IGNORED, IDENTITY)
     base, role = name, DATA
     if (m := _EXPERT_WEIGHT.fullmatch(name)) and m.group(2) in _SIDECARS:
         base, role = m.group(1), _SIDECARS[m.group(2)]
@@ -172,4 +194,4 @@ def text_parameter(name: str, layout: str) -> Mapped | None:
     if target is None:
         return None
     interleaved = layout == ORIGINAL and base.endswith("mlp.experts.w13_weight") and role in (DATA, SCALES)
-    return Mapped(target, role, deinterleave_rows if interleaved else _identity)
+    return Mapped(target, role, DEINTERLEAVE if interleaved else IDENTITY)

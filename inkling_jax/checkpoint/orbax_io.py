@@ -4,7 +4,8 @@
 
 The directory holds the source config.json, a small `inkling_jax.json` (parameter dtype, expert formats)
 and the Orbax parameter tree: exactly what the model holds on device, quantized experts included, so a
-restore reads each array once and places it with the sharding of the abstract model.
+restore reads each array once and places it with the sharding of the abstract model (on a mesh, the
+partitioning `inkling_jax.sharding` gives each parameter).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from inkling_jax.checkpoint.errors import CheckpointError
 from inkling_jax.checkpoint.loader import abstract_causal_lm, load_causal_lm
 from inkling_jax.config import ModelConfig, load_config
 from inkling_jax.model.text import CausalLM
+from inkling_jax.sharding import parameter_shardings
 
 MARKER = "inkling_jax.json"
 PARAMS = "params"
@@ -48,8 +51,13 @@ def is_orbax(directory: str | Path) -> bool:
     return (Path(directory) / MARKER).is_file()
 
 
-def restore(directory: str | Path) -> tuple[ModelConfig, CausalLM]:
-    """The model saved by `save`, its arrays placed like the abstract model's (one device for now)."""
+def _is_variable(node: object) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
+def restore(directory: str | Path, mesh: Mesh | None = None) -> tuple[ModelConfig, CausalLM]:
+    """The model saved by `save`: on the default device, or with a `mesh` restored straight into the
+    shardings `parameter_shardings` gives (each process reads only its devices' slices)."""
     directory = Path(directory).absolute()
     try:
         meta = json.loads((directory / MARKER).read_text())
@@ -57,9 +65,21 @@ def restore(directory: str | Path) -> tuple[ModelConfig, CausalLM]:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{directory}: unreadable {MARKER}: {error}") from error
     config = load_config(directory)
-    graphdef, abstract = nnx.split(abstract_causal_lm(config, dtype, formats))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+    model = abstract_causal_lm(config, dtype, formats)
+    graphdef, abstract = nnx.split(model)
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract, is_leaf=_is_variable)
+    else:
+        shardings = parameter_shardings(model, mesh)
+    target = jax.tree.map(
+        lambda variable, sharding: variable.replace(
+            jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)
+        ),
+        abstract,
+        shardings,
+        is_leaf=_is_variable,
+    )
     try:
         state = ocp.StandardCheckpointer().restore(directory / PARAMS, target)
     except (OSError, ValueError) as error:

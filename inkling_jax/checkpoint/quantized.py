@@ -79,8 +79,15 @@ def expert_format(
     return format
 
 
-def stored_array(checkpoint: Path, name: str, role: str, format: str, array: np.ndarray, experts: int) -> np.ndarray:
-    """A quantized weight's tensor as its parameter holds it, after checking its values."""
+def per_expert(global_scale: np.ndarray, experts: int) -> np.ndarray:
+    """A global scale stored as one value, [E], [E, 1] or [E, 1, 1] as the parameter's [E, 1, 1]: a
+    broadcast view, so slicing it reads only the experts asked for."""
+    return np.broadcast_to(global_scale.reshape(-1, 1, 1), (experts, 1, 1))
+
+
+def stored_array(checkpoint: Path, name: str, role: str, format: str, array: np.ndarray) -> np.ndarray:
+    """A quantized weight's tensor (or a slice of it) as its parameter holds it, after checking its values;
+    a global scale comes in as `per_expert` gives it."""
     if role == DATA:
         return array.view(E4M3) if format == MXFP8 else array
     if role == SCALES:
@@ -95,7 +102,7 @@ def stored_array(checkpoint: Path, name: str, role: str, format: str, array: np.
     values = np.asarray(array, np.float32)
     if not (np.isfinite(values).all() and (values > 0).all()):
         raise CheckpointError(f"{checkpoint}: global scale {name!r} must be finite and positive")
-    return np.broadcast_to(values.reshape(-1, 1, 1), (experts, 1, 1)).copy()
+    return values
 
 
 _QUANT_ALGOS = {"NVFP4": NVFP4, "MXFP8": MXFP8}

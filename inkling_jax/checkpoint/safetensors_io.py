@@ -1,7 +1,8 @@
 """Lazy safetensors reading (single file or sharded with an index) and writing, any dtype.
 
-Tensors are memory-mapped and handed out one at a time as numpy arrays; bfloat16 and the float8
-formats come back as ml_dtypes arrays, which the `safetensors` numpy API cannot represent.
+Tensors are memory-mapped one at a time (each its own mapping, released with its last view) and handed
+out as numpy arrays, or slices of them; bfloat16 and the float8 formats come back as ml_dtypes arrays,
+which the `safetensors` numpy API cannot represent.
 """
 
 from __future__ import annotations
@@ -98,13 +99,14 @@ class _File:
         self.data_start = 8 + header_size
         data_size = size - self.data_start
         self.entries = {name: _entry(path, name, raw, data_size) for name, raw in header.items()}
-        self._map: np.memmap | None = None
 
     def read(self, name: str) -> np.ndarray:
+        """A read-only memory map of one tensor's bytes: unmapped, its pages out of this process's
+        resident memory, once the last view of it is dropped."""
         entry = self.entries[name]
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
-        return self._map[entry.begin : entry.end].view(entry.dtype).reshape(entry.shape)
+        if entry.nbytes == 0:
+            return np.empty(entry.shape, entry.dtype)
+        return np.memmap(self.path, entry.dtype, "r", self.data_start + entry.begin, entry.shape)
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -151,8 +153,11 @@ class CheckpointFiles:
         """dtype, shape and byte range of a tensor, from the header alone."""
         return self._where[name].entries[name]
 
-    def read(self, name: str) -> np.ndarray:
-        return self._where[name].read(name)
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """A tensor, or its `index` slice, as a view of the memory-mapped file: only the pages the
+        caller then touches are read from disk."""
+        tensor = self._where[name].read(name)
+        return tensor[index] if index else tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
