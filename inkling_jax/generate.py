@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import sys
@@ -27,20 +26,18 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from inkling_jax import distributed
-from inkling_jax.cache import PAGE_SIZE, CacheBudgetError, CacheLayout, init_state, layout_for_budget
+from inkling_jax.cache import PAGE_SIZE, CacheBudgetError
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.config import ConfigError, TextConfig, load_config
 from inkling_jax.distributed import DistributedError
+from inkling_jax.engine import Engine, host_batch
 from inkling_jax.model.text import CausalLM
-from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES, log_to_stderr
-from inkling_jax.sharding import DATA, MODEL, MeshError, make_mesh, shard_model, state_shardings
-from inkling_jax.step import StepBatch, step
+from inkling_jax.sharding import MeshError, make_mesh
+from inkling_jax.step import StepBatch
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 
 
@@ -147,47 +144,11 @@ def generate(
     one every slot gets room for the longest request. In a multi-process run every process calls this
     with the same requests and steps the same global batch.
     """
-    text = model.config
-    mesh = make_mesh("tp1", text) if mesh is None else mesh
-    replicas, tp = mesh.shape[DATA], mesh.shape[MODEL]
-    dtype = model.model.embed_tokens.weight.dtype
+    mesh = make_mesh("tp1", model.config) if mesh is None else mesh
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-    pages = math.ceil(longest / PAGE_SIZE)
-    if budget_bytes is None:
-        replica = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
-    else:
-        replica = layout_for_budget(text, budget_bytes, max_num_seqs=max_num_seqs, max_context=longest,
-                                    max_chunk=chunk, dtype=dtype, tp=tp)  # fmt: skip
-    layout = dataclasses.replace(replica, max_num_seqs=max_num_seqs * replicas, num_pages=replica.num_pages * replicas)
-    with jax.set_mesh(mesh):  # MoE layers run expert-parallel over `model`, the step's slots split over `data`
-        engine = _Engine(shard_model(model, mesh), layout, mesh)
-        return _schedule(engine, requests, replicas, replica.num_pages)
-
-
-class _Engine:
-    """The jitted step over a mesh, fed from host arrays and read back on every process."""
-
-    def __init__(self, model: CausalLM, layout: CacheLayout, mesh: Mesh):
-        text, dtype = model.config, model.model.embed_tokens.weight.dtype
-        self.graphdef, self.params = nnx.split(model)
-        make_state = functools.partial(init_state, text, layout, dtype, mesh.shape[MODEL])
-        shardings = state_shardings(jax.eval_shape(make_state), text, mesh)
-        self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
-        self.by_slot = NamedSharding(mesh, P(DATA))
-        self.text = text
-        self.slots, self.max_pages, self.chunk = layout.max_num_seqs, layout.max_pages_per_seq, layout.max_chunk
-
-    def step(self, batch: StepBatch) -> np.ndarray:
-        """Run one step on a host batch ([S, ...] numpy leaves); the sampled tokens [S]."""
-        on_mesh = jax.tree.map(
-            lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
-        )
-        sampled, self.state = step(self.graphdef, self.params, self.state, on_mesh)
-        return np.asarray(sampled.tokens.addressable_data(0))  # replicated: every process holds all of it
-
-
-# What an idle slot samples with (its token is discarded): greedy, no filters.
-_IDLE = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0}
+    engine = Engine.create(model, mesh, max_num_seqs=max_num_seqs, chunk=chunk, max_context=longest,
+                           budget_bytes=budget_bytes)  # fmt: skip
+    return _schedule(engine, requests)
 
 
 def _batch(slots: Sequence[_Slot | None], width: int, page_table: np.ndarray) -> StepBatch:
@@ -209,43 +170,28 @@ def _batch(slots: Sequence[_Slot | None], width: int, page_table: np.ndarray) ->
         tokens[s, : len(piece)], counts[s] = piece, len(piece)
         reset[s], slot.fresh = slot.fresh, False
     requests = [slot.request if slot else None for slot in slots]
-    neutral = jax.tree.map(np.asarray, SamplingParams.neutral(count))
-
-    def column(name: str, dtype: type) -> np.ndarray:
-        return np.asarray([getattr(r, name) if r else _IDLE[name] for r in requests], dtype)
-
-    sampling = dataclasses.replace(
-        neutral,
-        temperature=column("temperature", np.float32),
-        top_k=column("top_k", np.int32),
-        top_p=column("top_p", np.float32),
-        min_p=column("min_p", np.float32),
-        seed=column("seed", np.uint32),
-    )
-    return StepBatch(tokens, counts, reset, prompt, emit, page_table.copy(), sampling)
+    return host_batch(tokens, counts, requests, page_table, reset=reset, is_prompt=prompt, emit=emit)
 
 
-def _schedule(engine: _Engine, requests: Sequence[Request], replicas: int, pages_per_replica: int) -> list[dict]:
+def _schedule(engine: Engine, requests: Sequence[Request]) -> list[dict]:
     """Admit requests into free slots (first come, first served, pages permitting), step until all finish."""
     eos = engine.text.eos_token_id
     eos_ids = eos if isinstance(eos, tuple) else (eos,)
-    slots_per_replica = engine.slots // replicas
-    free_pages = [list(range(pages_per_replica)) for _ in range(replicas)]  # replica-local page ids
+    free_pages = [list(range(engine.pages_per_replica)) for _ in range(engine.replicas)]  # replica-local ids
     table = np.zeros((engine.slots, engine.max_pages), np.int32)
     slots: list[_Slot | None] = [None] * engine.slots
-    for width in (engine.chunk, 1):  # compile both step shapes before serving
-        engine.step(_batch(slots, width, table))
+    engine.warm_up((engine.chunk, 1))  # both step shapes compile before serving
     results: list[dict | None] = [None] * len(requests)
     waiting = [_Slot(index, request) for index, request in enumerate(requests)]
     while waiting or any(slots):
         for s in range(engine.slots):
-            pool = free_pages[s // slots_per_replica]
+            pool = free_pages[engine.replica_of(s)]
             if slots[s] is None and waiting and waiting[0].pages <= len(pool):
                 table[s, : waiting[0].pages] = [pool.pop() for _ in range(waiting[0].pages)]
                 slots[s] = waiting.pop(0)
         prefilling = any(slot and slot.prompted < len(slot.request.prompt_token_ids) for slot in slots)
         batch = _batch(slots, engine.chunk if prefilling else 1, table)
-        sampled = engine.step(batch)
+        sampled = engine.fetch(engine.step(batch)).tokens
         for s, slot in enumerate(slots):
             if slot is None or not batch.emit[s]:
                 continue
@@ -255,7 +201,7 @@ def _schedule(engine: _Engine, requests: Sequence[Request], replicas: int, pages
             if stopped or len(slot.output) >= slot.request.max_tokens:
                 reason = "stop" if stopped else "length"
                 results[slot.index] = {"id": slot.request.id, "token_ids": slot.output, "finish_reason": reason}
-                free_pages[s // slots_per_replica].extend(table[s, : slot.pages].tolist())
+                free_pages[engine.replica_of(s)].extend(table[s, : slot.pages].tolist())
                 slots[s] = None
     return results
 

@@ -1,9 +1,11 @@
 """The engine's pure step: continue every slot's sequence by a chunk of tokens and sample one token.
 
-    step(graphdef, params, state, batch) -> (outputs, state)     # jitted once per (slots, chunk width)
+    step(graphdef, params, state, batch, previous) -> (outputs, state)   # jitted once per (slots, width)
 
 A step's tokens are laid out [S, C]: slot s brings counts[s] real tokens (a prefill chunk, or the one
 token a decoding sequence sampled last), padded to the bucket width C; a slot with counts 0 idles.
+A decoding slot's token can come straight from the previous step's output on device (`feedback`), so
+the host can dispatch the next step before it has read the last one's tokens.
 Every slot that brings tokens samples from the logits after its last real token; where `emit` is set
 the token counts as generated (penalties, seeded stream), elsewhere (a prompt's earlier chunks) it is
 discarded.
@@ -40,6 +42,8 @@ class StepBatch:
     reset: jax.Array  # [S] bool: a new sequence starts in this slot (its state is cleared first)
     is_prompt: jax.Array  # [S] bool: the tokens are prompt tokens (they join the repetition-penalty set)
     emit: jax.Array  # [S] bool: the sampled token is kept (the prompt's last chunk, or decoding)
+    feedback: jax.Array  # [S] bool: the slot's one token is what the previous step sampled for it
+    replay: jax.Array  # [S] bool: the tokens are the sequence's earlier outputs, fed again after a preemption
     page_table: jax.Array  # [S, max pages] int32, host-owned page assignments
     sampling: SamplingParams
 
@@ -74,45 +78,61 @@ def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_top"), donate_argnames="state")
 def step(
-    graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, batch: StepBatch, num_top: int = 0
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    batch: StepBatch,
+    previous: jax.Array,
+    num_top: int = 0,
 ) -> tuple[Sampled, DecodeState]:
-    """One engine step (state donated). Outputs are meaningful for slots with counts > 0."""
+    """One engine step (state donated); previous [S]: the tokens the last step sampled (read where
+    `batch.feedback` is set). Outputs are meaningful for slots with counts > 0."""
     replica_step = functools.partial(_step, graphdef, num_top=num_top)
     mesh = jax.sharding.get_abstract_mesh()
     if DATA in mesh.axis_names and mesh.shape[DATA] > 1:
         slots = P(DATA)
         replica_step = jax.shard_map(
             replica_step,
-            in_specs=(P(), replica_specs(state), slots),
+            in_specs=(P(), replica_specs(state), slots, slots),
             out_specs=(slots, replica_specs(state)),
             axis_names={DATA},
         )
-    sampled, state = replica_step(params, state, batch)
+    sampled, state = replica_step(params, state, batch, previous)
     if not mesh.empty:
         sampled = jax.lax.with_sharding_constraint(sampled, P())
     return sampled, state
 
 
 def _step(
-    graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, batch: StepBatch, num_top: int
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    batch: StepBatch,
+    previous: jax.Array,
+    num_top: int,
 ) -> tuple[Sampled, DecodeState]:
     model = nnx.merge(graphdef, params)
+    token_ids = batch.token_ids.at[:, 0].set(jnp.where(batch.feedback, previous, batch.token_ids[:, 0]))
     state = dataclasses.replace(_reset(state, batch.reset), page_table=batch.page_table)
-    chunk = Chunk(state.lengths, batch.counts, state.page_table, batch.token_ids.shape[1])
-    logits, kv = model.step(batch.token_ids, state.kv, chunk)
+    chunk = Chunk(state.lengths, batch.counts, state.page_table, token_ids.shape[1])
+    logits, kv = model.step(token_ids, state.kv, chunk)
     state = dataclasses.replace(state, kv=kv)
 
+    vocab = state.prompt_mask.shape[1]
     slots = jnp.arange(batch.counts.shape[0])[:, None]
-    prompt_tokens = jnp.where(chunk.valid & batch.is_prompt[:, None], batch.token_ids, state.prompt_mask.shape[1])
+    prompt_tokens = jnp.where(chunk.valid & batch.is_prompt[:, None], token_ids, vocab)
     prompt_mask = state.prompt_mask.at[slots, prompt_tokens].set(True, mode="drop")
-    sampled = sample(logits, batch.sampling, state.output_counts, prompt_mask, state.generated, num_top)
+    replayed = chunk.valid & batch.replay[:, None]  # earlier outputs count as generated again
+    output_counts = state.output_counts.at[slots, jnp.where(replayed, token_ids, vocab)].add(1, mode="drop")
+    generated = state.generated + jnp.sum(replayed, axis=1, dtype=jnp.int32)
+    sampled = sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top)
     emit = batch.emit & (batch.counts > 0)
-    chosen = jnp.where(emit, sampled.tokens, state.output_counts.shape[1])
+    chosen = jnp.where(emit, sampled.tokens, vocab)
     state = dataclasses.replace(
         state,
         lengths=state.lengths + batch.counts,
         prompt_mask=prompt_mask,
-        output_counts=state.output_counts.at[slots[:, 0], chosen].add(1, mode="drop"),
-        generated=state.generated + emit.astype(jnp.int32),
+        output_counts=output_counts.at[slots[:, 0], chosen].add(1, mode="drop"),
+        generated=generated + emit.astype(jnp.int32),
     )
     return sampled, state

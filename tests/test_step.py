@@ -29,6 +29,9 @@ def reference():
     return dict(np.load(FIXTURE / "reference.npz"))
 
 
+NO_PREVIOUS = jnp.zeros(SLOTS, jnp.int32)
+
+
 class Driver:
     """A minimal host loop: slots, fixed page tables, one step per call."""
 
@@ -45,11 +48,11 @@ class Driver:
         for slot, chunk in chunks.items():
             tokens[slot, : len(chunk)] = chunk
             counts[slot] = len(chunk)
-        flags = {name: jnp.asarray([s in group for s in range(SLOTS)]) for name, group in
-                 (("reset", reset), ("emit", emit), ("is_prompt", prompt))}  # fmt: skip
+        groups = {"reset": reset, "emit": emit, "is_prompt": prompt, "feedback": (), "replay": ()}
+        flags = {name: jnp.asarray([s in group for s in range(SLOTS)]) for name, group in groups.items()}
         batch = StepBatch(jnp.asarray(tokens), jnp.asarray(counts), page_table=self.page_table,
                           sampling=sampling or SamplingParams.neutral(SLOTS), **flags)  # fmt: skip
-        out, self.state = step(self.graphdef, self.params, self.state, batch, num_top=num_top)
+        out, self.state = step(self.graphdef, self.params, self.state, batch, NO_PREVIOUS, num_top=num_top)
         return out
 
 
@@ -149,10 +152,10 @@ def test_the_state_is_updated_in_place(model):
     graphdef, params = nnx.split(model)
     slots, width = 2, 4
     state = init_state(model.config, CacheLayout(slots, 512, 8, width), jnp.float32)
-    flags = (jnp.zeros(slots, bool) for _ in range(3))
+    flags = (jnp.zeros(slots, bool) for _ in range(5))
     batch = StepBatch(jnp.zeros((slots, width), jnp.int32), jnp.ones(slots, jnp.int32), *flags,
                       jnp.zeros((slots, 8), jnp.int32), SamplingParams.neutral(slots))  # fmt: skip
-    memory = step.lower(graphdef, params, state, batch).compile().memory_analysis()
+    memory = step.lower(graphdef, params, state, batch, jnp.zeros(slots, jnp.int32)).compile().memory_analysis()
     assert memory.alias_size_in_bytes >= state.nbytes - 1024
     if jax.default_backend() == "cpu":
         # XLA:GPU (JAX 0.11.2, H200) still stages the page scatter through a copy of the pools; the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -25,6 +26,7 @@ from inkling_jax.checkpoint.loader import abstract_causal_lm, load_causal_lm
 from inkling_jax.config import ModelConfig, load_config
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sharding import parameter_shardings
+from inkling_jax.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 MARKER = "inkling_jax.json"
 PARAMS = "params"
@@ -35,10 +37,14 @@ def expert_formats(model: CausalLM) -> list[str | None]:
 
 
 def save(model: CausalLM, config_json: Path, out: str | Path) -> Path:
-    """Write `model`'s parameters (as placed on device) to an Orbax directory `out`."""
+    """Write `model`'s parameters (as placed on device) to an Orbax directory `out`, with the source's
+    config and tokenizer files."""
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=False)
-    (out / "config.json").write_text(Path(config_json).read_text())
+    for name in ("config.json", TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+        source = Path(config_json).parent / name
+        if source.is_file():
+            shutil.copyfile(source, out / name)
     dtype = model.model.embed_tokens.weight.dtype
     (out / MARKER).write_text(json.dumps({"dtype": jnp.dtype(dtype).name, "expert_formats": expert_formats(model)}))
     checkpointer = ocp.StandardCheckpointer()

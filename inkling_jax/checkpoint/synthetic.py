@@ -9,12 +9,15 @@ dynamic static taps), so a checkpoint exercises every path of the model and acti
 Tensors are generated and written one at a time (experts one expert at a time), so host memory stays
 at one expert's weight whatever the model size. Quantized experts follow the released checkpoints:
 original layout, interleaved gate/up rows, ModelOpt sidecar names, NVFP4 with one global scale per expert.
+A tokenizer (tokenizer.json, tokenizer_config.json; see `synthetic_tokenizer`) comes with every config whose
+vocabulary can hold one; smaller ones (like the unit tests' 60-token models) get none, with a logged warning.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,13 +30,17 @@ from flax import nnx
 from inkling_jax.checkpoint.loader import abstract_causal_lm, parameter_paths
 from inkling_jax.checkpoint.names import interleave_rows, original_name
 from inkling_jax.checkpoint.safetensors_io import TensorSpec, split_by_bytes, write_sharded_streamed
+from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
 from inkling_jax.config import ModelConfig, load_config
+from inkling_jax.tokenizer import TokenizerError
 from pallas_kernels import block_formats
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 EXPERT_CHOICES = ("bf16", "fp32", MXFP8, "mixed")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
+
+logger = logging.getLogger(__name__)
 
 
 def expert_formats(config: ModelConfig, experts: str, nvfp4_layers: range | None) -> list[str | None]:
@@ -133,7 +140,8 @@ def write_checkpoint(
     layout: str = "original",
     shard_bytes: int = 2 << 30,
 ) -> Path:
-    """Write config.json and random weights for the config at `config_path` to directory `out`."""
+    """Write config.json, the synthetic tokenizer and random weights for the config at `config_path` to
+    directory `out`."""
     if experts not in EXPERT_CHOICES:
         raise ValueError(f"--experts must be one of {EXPERT_CHOICES}, got {experts!r}")
     config = load_config(config_path)
@@ -146,8 +154,19 @@ def write_checkpoint(
     if any(formats):
         raw["quantization_config"] = _quantization_config(formats, layout)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
+    _write_tokenizer(out, config)
     write_sharded_streamed(out, split_by_bytes(writer.specs, shard_bytes), writer.chunks)
     return out
+
+
+def _write_tokenizer(out: Path, config: ModelConfig) -> None:
+    """The synthetic tokenizer, when the config's vocabulary can hold one."""
+    try:
+        tokenizer = build_tokenizer(config.text)
+    except TokenizerError as error:
+        logger.warning("%s gets no tokenizer: %s", out, error)
+        return
+    write_tokenizer(out, tokenizer)
 
 
 def _quantization_config(formats: list[str | None], layout: str) -> dict:

@@ -1,0 +1,141 @@
+"""The engine: parameters and decode state on a mesh, and the jitted step fed from host batches.
+
+Batch generation (`inkling_jax.generate`) and the server's scheduler (`serving.scheduler`) both drive it:
+they decide what each slot does; the engine sizes the state, places it, runs steps and hands results
+back on every process (they come back replicated).
+
+Slots and pages: the state has `slots` slots, `slots_per_replica` for each data-parallel replica, and
+each replica a pool of `pages_per_replica` pages; page tables hold replica-local page ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state, layout_for_budget
+from inkling_jax.model.text import CausalLM
+from inkling_jax.sampling import Sampled, SamplingParams
+from inkling_jax.sharding import DATA, MODEL, shard_model, state_shardings
+from inkling_jax.step import StepBatch, step
+
+# What an idle slot samples with (its token is discarded), and each parameter's neutral value.
+NEUTRAL_SAMPLING = {
+    "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0,
+}  # fmt: skip
+_SAMPLING_DTYPES = {"top_k": np.int32, "seed": np.uint32}
+
+
+def pages_for(tokens: int) -> int:
+    return -(-tokens // PAGE_SIZE)
+
+
+class Engine:
+    """The step over `mesh`; create with `Engine.create`. Use it inside `with jax.set_mesh(engine.mesh)`."""
+
+    def __init__(self, model: CausalLM, replica: CacheLayout, mesh: Mesh, num_top: int = 0):
+        self.text, self.mesh, self.num_top = model.config, mesh, num_top
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.replicas = mesh.shape[DATA]
+        self.slots_per_replica, self.pages_per_replica = replica.max_num_seqs, replica.num_pages
+        self.slots, self.max_pages, self.chunk = (
+            replica.max_num_seqs * self.replicas,
+            replica.max_pages_per_seq,
+            replica.max_chunk,
+        )
+        layout = dataclasses.replace(replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas)
+        with jax.set_mesh(mesh):
+            self.graphdef, self.params = nnx.split(shard_model(model, mesh))
+            make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL])
+            shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
+            self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
+        self.by_slot = NamedSharding(mesh, P(DATA))
+        self.previous = jnp.zeros(self.slots, jnp.int32)
+
+    @classmethod
+    def create(
+        cls,
+        model: CausalLM,
+        mesh: Mesh,
+        *,
+        max_num_seqs: int,
+        chunk: int,
+        max_context: int,
+        budget_bytes: int | None = None,
+        num_top: int = 0,
+    ) -> Engine:
+        """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
+        after the slots' fixed state (CacheBudgetError if not even one `max_context` sequence fits);
+        without one every slot gets room for `max_context` tokens."""
+        pages = pages_for(max_context)
+        if budget_bytes is None:
+            replica = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
+        else:
+            replica = layout_for_budget(
+                model.config, budget_bytes, max_num_seqs=max_num_seqs, max_context=max_context, max_chunk=chunk,
+                dtype=model.model.embed_tokens.weight.dtype, tp=mesh.shape[MODEL],
+            )  # fmt: skip
+        return cls(model, replica, mesh, num_top)
+
+    def replica_of(self, slot: int) -> int:
+        return slot // self.slots_per_replica
+
+    def step(self, batch: StepBatch) -> Sampled:
+        """Dispatch one step on a host batch ([S, ...] numpy leaves); returns at once with the device's
+        outputs (`fetch` waits for them). Slots with `feedback` set take the token sampled for them by
+        the previous step, which the host need not have read yet."""
+        on_mesh = jax.tree.map(
+            lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
+        )
+        with jax.set_mesh(self.mesh):
+            sampled, self.state = step(self.graphdef, self.params, self.state, on_mesh, self.previous, self.num_top)
+        self.previous = sampled.tokens
+        return sampled
+
+    @staticmethod
+    def fetch(sampled: Sampled) -> Sampled:
+        """The step's outputs as numpy arrays, on every process (they are replicated)."""
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), sampled)
+
+    def idle_batch(self, width: int) -> StepBatch:
+        """A batch in which no slot does anything (for compiling a width)."""
+        return host_batch(np.zeros((self.slots, width), np.int32), np.zeros(self.slots, np.int32), [None] * self.slots,
+                          np.zeros((self.slots, self.max_pages), np.int32))  # fmt: skip
+
+    def warm_up(self, widths: Sequence[int]) -> None:
+        """Compile (and run once) every step width, so serving never compiles."""
+        for width in widths:
+            self.fetch(self.step(self.idle_batch(width)))
+
+
+def host_batch(
+    tokens: np.ndarray,
+    counts: np.ndarray,
+    sampling: Sequence[object | None],
+    page_table: np.ndarray,
+    *,
+    reset: np.ndarray | None = None,
+    is_prompt: np.ndarray | None = None,
+    emit: np.ndarray | None = None,
+    feedback: np.ndarray | None = None,
+    replay: np.ndarray | None = None,
+) -> StepBatch:
+    """A host StepBatch; `sampling[s]` is any object with the sampling fields (or None: idle values)."""
+    slots = tokens.shape[0]
+    flags = [np.zeros(slots, bool) if flag is None else flag for flag in (reset, is_prompt, emit, feedback, replay)]
+
+    def column(name: str) -> np.ndarray:
+        values = [NEUTRAL_SAMPLING[name] if s is None else getattr(s, name, NEUTRAL_SAMPLING[name]) for s in sampling]
+        return np.asarray(values, _SAMPLING_DTYPES.get(name, np.float32))
+
+    params = SamplingParams(**{name: column(name) for name in NEUTRAL_SAMPLING})
+    return StepBatch(tokens, counts, *flags, page_table.copy(), params)

@@ -1,0 +1,363 @@
+"""Continuous batching over the engine's fixed slots, on a thread of its own.
+
+Every step mixes decoding (one token for each running sequence) with chunks of prompts (at most
+`prefill_budget` prompt tokens per step, in pieces of the engine's chunk width). Pages are allocated
+as sequences grow; when a replica runs out, its most recently admitted sequence is preempted (its
+pages freed) and later recomputed: its prompt and the tokens it had produced are fed again (the
+latter counted as its output, so penalties and its seeded random stream continue exactly) and
+generation resumes where it stopped.
+
+The loop never waits on the host: a decoding slot's next input is the token the previous step sampled
+for it, read on device, so step N + 1 is dispatched before step N's tokens are read; reading them,
+checking stop conditions and handing deltas to the streams happen while the device computes. A
+sequence that stops (EOS, stop token, cancellation) may have one more step in flight; its result is
+dropped. Detokenizing and stop strings happen in the consumers' threads (`serving.text_stream`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from inkling_jax.engine import host_batch, pages_for
+from inkling_jax.sampling import Sampled
+from inkling_jax.step import StepBatch
+from serving.engine import Engine
+from serving.requests import Code, Delta, EngineRequest, Rejected, TopLogprob, validate_options
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    waiting: int
+    running: int
+    pages_used: int
+    pages_total: int
+    preemptions: int  # cumulative
+    generated_tokens: int  # cumulative
+    prompt_tokens: int  # cumulative, counted at admission
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    request: EngineRequest
+    on_delta: Callable[[Delta], None]
+    arrival: int  # admission order: the lowest is served first and preempted last
+    outputs: list[int] = dataclasses.field(default_factory=list)
+    fed: int = 0  # tokens in the decode state
+    in_flight: int = 0  # tokens sampled by dispatched steps, not read yet
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    replay_until: int = 0  # positions below this that are outputs are fed again after a preemption
+    finished: bool = False
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+    @property
+    def known(self) -> int:
+        """Tokens the host holds: the prompt and the outputs read so far."""
+        return len(self.prompt) + len(self.outputs)
+
+    def token(self, position: int) -> int:
+        return self.prompt[position] if position < len(self.prompt) else self.outputs[position - len(self.prompt)]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One step: its host batch, the sequence of each slot whose sample is kept, the device's outputs."""
+
+    batch: StepBatch
+    sequences: dict[int, _Sequence]  # slot -> sequence
+    sampled: Sampled | None = None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, prefill_budget: int | None = None, max_waiting: int = 4096):
+        self.engine = engine
+        self.core = engine.core
+        self.text = engine.text
+        self.prefill_budget = prefill_budget or 2 * self.core.chunk
+        self.max_waiting = max_waiting
+        eos = self.text.eos_token_id
+        self.eos = frozenset(eos if isinstance(eos, tuple) else (eos,))
+        self._lock = threading.Condition()
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._waiting: list[_Sequence] = []
+        self._slots: list[_Sequence | None] = [None] * self.core.slots
+        self._free_pages = [list(range(self.core.pages_per_replica)) for _ in range(self.core.replicas)]
+        self._ids: dict[str, _Sequence] = {}  # every unfinished request
+        self._arrivals = itertools.count()
+        self._counters = collections.Counter()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.ready = False
+        self.draining = False
+
+    # --- the consumer side (any thread) ---
+
+    def submit(self, request: EngineRequest, on_delta: Callable[[Delta], None]) -> None:
+        """Queue a request; `on_delta` receives its deltas from the scheduler thread (it must not block).
+        Raises Rejected when the request can never be served or the server is not accepting."""
+        if not self.ready or self.draining:
+            raise Rejected(Code.UNAVAILABLE, "the server is warming up" if not self.ready else "the server is draining")
+        validate_options(request.options, self.text, len(request.prompt_token_ids))
+        for token in request.prompt_token_ids:
+            if not 0 <= token < self.text.unpadded_vocab_size:
+                raise Rejected(Code.INVALID_ARGUMENT, f"prompt token id {token} is outside the vocabulary")
+        needed = pages_for(len(request.prompt_token_ids) + request.options.max_tokens)
+        if needed > min(self.core.pages_per_replica, self.core.max_pages):
+            capacity = min(self.core.pages_per_replica, self.core.max_pages) * self.engine.page_size
+            raise Rejected(Code.RESOURCE_EXHAUSTED,
+                           f"prompt + max_tokens needs {needed} pages; one sequence can hold at most {capacity} "
+                           "tokens in this server's cache")  # fmt: skip
+        with self._lock:
+            if request.id in self._ids:
+                raise Rejected(Code.INVALID_ARGUMENT, f"request id {request.id!r} is already in flight")
+            if len(self._waiting) + len(self._inbox) >= self.max_waiting:
+                raise Rejected(Code.RESOURCE_EXHAUSTED, f"the queue is full ({self.max_waiting} waiting requests)")
+            sequence = _Sequence(request, on_delta, next(self._arrivals))
+            self._ids[request.id] = sequence
+            self._inbox.append(("submit", sequence))
+            self._lock.notify()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request (idempotent); its stream ends with finish_reason "abort"."""
+        with self._lock:
+            self._inbox.append(("cancel", request_id))
+            self._lock.notify()
+
+    def warm_up(self) -> None:
+        """Compile every step shape (the decode width and the prefill width); then accept requests."""
+        start = time.perf_counter()
+        self.core.warm_up((self.core.chunk, 1))
+        logger.info("warm-up compiled and ran every step shape in %.1f s", time.perf_counter() - start)
+        self.ready = True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Refuse new requests and wait (up to `timeout` seconds) for the in-flight ones to finish."""
+        self.draining = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._ids:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._lock.wait(left)
+
+    def stop(self) -> None:
+        """End the loop; requests still in flight end with finish_reason "abort"."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def stats(self) -> Stats:
+        with self._lock:
+            running = sum(s is not None for s in self._slots)
+            free = sum(len(pool) for pool in self._free_pages)
+            return Stats(
+                waiting=len(self._waiting) + sum(kind == "submit" for kind, _ in self._inbox),
+                running=running,
+                pages_used=self.engine.num_pages - free,
+                pages_total=self.engine.num_pages,
+                preemptions=self._counters["preemptions"],
+                generated_tokens=self._counters["generated"],
+                prompt_tokens=self._counters["prompt"],
+            )
+
+    # --- the scheduler thread ---
+
+    def _run(self) -> None:
+        pending: _Plan | None = None
+        while True:
+            with self._lock:
+                if self._stopping:
+                    break
+                if pending is None and not self._inbox and not self._ids:
+                    self._lock.wait()
+                    continue
+                self._take_inbox()
+            try:
+                plan = self._plan()
+                if plan is not None:
+                    plan.sampled = self.core.step(plan.batch)
+                if pending is not None:
+                    self._read(pending)  # overlaps the step just dispatched
+                pending = plan
+            except Exception as error:  # a device or host failure: fail what is in flight, keep serving
+                logger.exception("step failed")
+                self._fail_all(f"the engine step failed: {error}")
+                pending = None
+        self._fail_all(None)
+
+    def _take_inbox(self) -> None:
+        """Apply queued submissions and cancellations (called with the lock held)."""
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "submit":
+                self._waiting.append(item)
+            else:
+                sequence = self._ids.get(item)
+                if sequence is not None:
+                    self._finish(sequence, "abort")
+
+    def _plan(self) -> _Plan | None:
+        """Admit, allocate pages (preempting if needed) and build the next step's batch."""
+        self._admit()
+        core, budget = self.core, self.prefill_budget
+        pieces: dict[int, tuple[_Sequence, list[int], bool]] = {}  # slot -> (sequence, host tokens, feedback)
+        for slot in self._by_priority():
+            sequence = self._slots[slot]
+            newest = sequence.known + sequence.in_flight - 1  # position of its latest token
+            if sequence.fed == newest and sequence.fed >= sequence.replay_until:  # decoding
+                if len(sequence.outputs) + sequence.in_flight < sequence.request.options.max_tokens:
+                    feedback = sequence.in_flight > 0  # its latest token is still on the device
+                    pieces[slot] = (sequence, [] if feedback else [sequence.token(newest)], feedback)
+            elif sequence.fed < sequence.known and budget > 0:  # the prompt, or outputs fed again
+                boundary = len(sequence.prompt) if sequence.fed < len(sequence.prompt) else sequence.known
+                end = min(boundary, sequence.fed + core.chunk, sequence.fed + budget)
+                pieces[slot] = (sequence, [sequence.token(p) for p in range(sequence.fed, end)], False)
+                budget -= end - sequence.fed
+        for slot, (sequence, piece, _) in list(pieces.items()):
+            if self._slots[slot] is sequence:
+                self._grow(sequence, sequence.fed + max(len(piece), 1))
+        pieces = {slot: piece for slot, piece in pieces.items() if self._slots[slot] is piece[0]}  # not preempted
+        if not pieces:
+            return None
+        slots = core.slots
+        width = core.chunk if any(len(piece) > 1 for _, piece, _ in pieces.values()) else 1
+        tokens = np.zeros((slots, width), np.int32)
+        counts = np.zeros(slots, np.int32)
+        reset, is_prompt, emit, feedback, replay = (np.zeros(slots, bool) for _ in range(5))
+        table = np.zeros((slots, core.max_pages), np.int32)
+        sampling = [None] * slots
+        kept: dict[int, _Sequence] = {}
+        for slot, (sequence, piece, from_device) in pieces.items():
+            tokens[slot, : len(piece)] = piece
+            counts[slot], feedback[slot], reset[slot] = max(len(piece), 1), from_device, sequence.fed == 0
+            is_prompt[slot] = sequence.fed < len(sequence.prompt)
+            replay[slot] = not is_prompt[slot] and sequence.fed < sequence.replay_until
+            sequence.fed += counts[slot]
+            table[slot, : len(sequence.pages)] = sequence.pages
+            sampling[slot] = sequence.request.options
+            if sequence.fed == sequence.known + sequence.in_flight:  # caught up: the sample is its next token
+                emit[slot] = True
+                sequence.in_flight += 1
+                kept[slot] = sequence
+        batch = host_batch(tokens, counts, sampling, table, reset=reset, is_prompt=is_prompt, emit=emit,
+                           feedback=feedback, replay=replay)  # fmt: skip
+        return _Plan(batch, kept)
+
+    def _by_priority(self) -> list[int]:
+        """Occupied slots, earliest admitted first."""
+        occupied = [s for s in range(self.core.slots) if self._slots[s] is not None]
+        return sorted(occupied, key=lambda s: self._slots[s].arrival)
+
+    def _admit(self) -> None:
+        """Fill free slots from the waiting queue, first come first served, while the head's known tokens
+        (and one more) fit in its replica's free pages."""
+        self._waiting.sort(key=lambda s: s.arrival)
+        for slot in range(self.core.slots):
+            if not self._waiting:
+                return
+            head = self._waiting[0]
+            if head.in_flight:  # preempted with a token still to read: re-admit once it is read
+                return
+            pool = self._free_pages[self.core.replica_of(slot)]
+            if self._slots[slot] is None and pages_for(head.known + 1) <= len(pool):
+                self._waiting.pop(0)
+                if head.replay_until == 0:  # first admission
+                    self._counters["prompt"] += len(head.prompt)
+                head.slot, head.fed, head.replay_until = slot, 0, head.known
+                self._slots[slot] = head
+
+    def _grow(self, sequence: _Sequence, tokens: int) -> None:
+        """Give `sequence` pages for `tokens` tokens, preempting the latest-admitted sequences of its
+        replica (last of all, itself) while the pool is empty."""
+        replica = self.core.replica_of(sequence.slot)
+        pool = self._free_pages[replica]
+        while sequence.slot is not None and len(sequence.pages) < pages_for(tokens):
+            if pool:
+                sequence.pages.append(pool.pop())
+            else:
+                self._preempt(self._latest_in_replica(replica))
+
+    def _latest_in_replica(self, replica: int) -> _Sequence:
+        running = [s for s in self._slots if s is not None and self.core.replica_of(s.slot) == replica]
+        return max(running, key=lambda s: s.arrival)
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        self._release(sequence)
+        sequence.fed = 0
+        self._waiting.append(sequence)
+        self._counters["preemptions"] += 1
+        logger.info("preempted %s (%d tokens) to free pages", sequence.request.id, sequence.known)
+
+    def _release(self, sequence: _Sequence) -> None:
+        """Free the sequence's slot and pages."""
+        if sequence.slot is not None:
+            self._free_pages[self.core.replica_of(sequence.slot)].extend(sequence.pages)
+            self._slots[sequence.slot] = None
+        sequence.slot, sequence.pages = None, []
+
+    def _read(self, plan: _Plan) -> None:
+        """Read a step's tokens and hand each kept one to its stream, finishing sequences that stop."""
+        sampled = self.core.fetch(plan.sampled)
+        for slot, sequence in plan.sequences.items():
+            sequence.in_flight -= 1
+            if sequence.finished:
+                continue  # stopped while this step was in flight
+            token = int(sampled.tokens[slot])
+            sequence.outputs.append(token)
+            self._counters["generated"] += 1
+            options = sequence.request.options
+            logprobs, top = (), ()
+            if options.logprobs is not None:
+                n = options.logprobs
+                pairs = zip(sampled.top_ids[slot, :n], sampled.top_logprobs[slot, :n], strict=True)
+                logprobs = (float(sampled.logprobs[slot]),)
+                top = (tuple(TopLogprob(int(i), float(p)) for i, p in pairs),)
+            reason = None
+            if token in options.stop_token_ids or (token in self.eos and not options.ignore_eos):
+                reason = "stop"
+            elif len(sequence.outputs) >= options.max_tokens:
+                reason = "length"
+            self._deliver(sequence, Delta((token,), logprobs, top, reason, len(sequence.prompt), len(sequence.outputs)))
+            if reason is not None:
+                self._finish(sequence, reason, delivered=True)
+
+    def _finish(self, sequence: _Sequence, reason: str, *, delivered: bool = False, error: str | None = None) -> None:
+        sequence.finished = True
+        if sequence in self._waiting:
+            self._waiting.remove(sequence)
+        self._release(sequence)
+        with self._lock:
+            self._ids.pop(sequence.request.id, None)
+            self._lock.notify_all()
+        if not delivered:
+            self._deliver(sequence, Delta((), (), (), reason, len(sequence.prompt), len(sequence.outputs), error))
+
+    def _deliver(self, sequence: _Sequence, delta: Delta) -> None:
+        try:
+            sequence.on_delta(delta)
+        except Exception:  # a consumer's failure must not stop the loop
+            logger.exception("stream of %s failed", sequence.request.id)
+
+    def _fail_all(self, error: str | None) -> None:
+        for sequence in list(self._ids.values()):
+            self._finish(sequence, "error" if error else "abort", error=error)
