@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CHECKPOINT := out/tiny-checkpoint
 
-.PHONY: setup run test lint fixtures
+.PHONY: setup run test lint fixtures proto
 
 $(VENV)/.installed: pyproject.toml
 	PYENV_VERSION=3.12.1 python3.12 -m venv $(VENV)
@@ -13,13 +13,14 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-$(CHECKPOINT)/config.json: configs/tiny.json | $(VENV)/.installed
+$(CHECKPOINT)/tokenizer.json: configs/tiny.json | $(VENV)/.installed
 	rm -rf $(CHECKPOINT)
 	$(PY) -m inkling_jax.checkpoint.synthetic --config configs/tiny.json --out $(CHECKPOINT) --experts mixed
 
-run: $(CHECKPOINT)/config.json
-	$(PY) -m inkling_jax.generate --checkpoint $(CHECKPOINT) --input configs/demo_requests.jsonl --output out/demo_results.jsonl
-	cat out/demo_results.jsonl
+# The gRPC server on the embedded checkpoint (Ctrl-C drains and stops it). In another shell:
+#   .venv/bin/python -m serving.client "Hello, Inkling"
+run: $(CHECKPOINT)/tokenizer.json
+	$(PY) -m serving.main --checkpoint $(CHECKPOINT) --port 50051 --metrics-port 9090
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -31,3 +32,7 @@ test: lint
 # Regenerate the transformers parity fixtures (Python 3.11 + torch CPU + transformers 5.23.0).
 fixtures:
 	bash tests/parity/regenerate.sh
+
+# Regenerate the committed gRPC stubs from serving/proto/inkling.proto (grpcio-tools pinned in the dev extra).
+proto: setup
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. serving/proto/inkling.proto

@@ -15,7 +15,6 @@ import functools
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -25,7 +24,7 @@ from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state, layout_for_bud
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import Sampled, SamplingParams
 from inkling_jax.sharding import DATA, MODEL, shard_model, state_shardings
-from inkling_jax.step import StepBatch, step
+from inkling_jax.step import StepBatch, step_fn
 
 # What an idle slot samples with (its token is discarded), and each parameter's neutral value.
 NEUTRAL_SAMPLING = {
@@ -43,7 +42,7 @@ class Engine:
     """The step over `mesh`; create with `Engine.create`. Use it inside `with jax.set_mesh(engine.mesh)`."""
 
     def __init__(self, model: CausalLM, replica: CacheLayout, mesh: Mesh, num_top: int = 0):
-        self.text, self.mesh, self.num_top = model.config, mesh, num_top
+        self.text, self.mesh = model.config, mesh
         self.dtype = model.model.embed_tokens.weight.dtype
         self.replicas = mesh.shape[DATA]
         self.slots_per_replica, self.pages_per_replica = replica.max_num_seqs, replica.num_pages
@@ -58,8 +57,11 @@ class Engine:
             make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL])
             shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
             self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
+        # each step returns the state exactly as it took it, so one compilation per width serves all steps
+        self._step = jax.jit(functools.partial(step_fn, self.graphdef, num_top=num_top), donate_argnames="state",
+                             out_shardings=(NamedSharding(mesh, P()), shardings))  # fmt: skip
         self.by_slot = NamedSharding(mesh, P(DATA))
-        self.previous = jnp.zeros(self.slots, jnp.int32)
+        self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
 
     @classmethod
     def create(
@@ -86,6 +88,11 @@ class Engine:
             )  # fmt: skip
         return cls(model, replica, mesh, num_top)
 
+    @property
+    def compilations(self) -> int:
+        """Step programs compiled so far (warm-up compiles one per width; serving must add none)."""
+        return self._step._cache_size()
+
     def replica_of(self, slot: int) -> int:
         return slot // self.slots_per_replica
 
@@ -97,7 +104,7 @@ class Engine:
             lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
         )
         with jax.set_mesh(self.mesh):
-            sampled, self.state = step(self.graphdef, self.params, self.state, on_mesh, self.previous, self.num_top)
+            sampled, self.state = self._step(self.params, self.state, on_mesh, self.previous)
         self.previous = sampled.tokens
         return sampled
 

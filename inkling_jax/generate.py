@@ -4,10 +4,11 @@
         [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M] [--mesh tpN|dpMtpN]
         [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
 
-Input lines: {"id", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-"stop_token_ids"} (all but id and prompt_token_ids optional); output lines, in input order:
-{"id", "token_ids", "finish_reason"} with finish_reason "stop" (a stop token or the model's end of
-sequence, included in token_ids) or "length". Requests share `max_num_seqs` slots per data-parallel
+Input lines: {"id", "prompt_token_ids" | "prompt", "max_tokens", "temperature", "top_p", "top_k",
+"min_p", "seed", "stop_token_ids"} (all but id and the prompt optional; a text "prompt" needs the
+checkpoint's tokenizer); output lines, in input order: {"id", "token_ids", "finish_reason"} (+ "text"
+with a tokenizer) with finish_reason "stop" (a stop token or the model's end of sequence, included in
+token_ids) or "length". Requests share `max_num_seqs` slots per data-parallel
 replica; prompts are prefilled in chunks of C tokens alongside other slots' decoding. Two step shapes
 are compiled up front ([slots, C] while any slot prefills, [slots, 1] otherwise), and nothing after.
 Multi-host: every process runs the same command (see `inkling_jax.distributed`); process 0 writes the
@@ -39,6 +40,7 @@ from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError, make_mesh
 from inkling_jax.step import StepBatch
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
+from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 
 
 class RequestError(ValueError):
@@ -58,8 +60,8 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
 
 
-def parse_request(line: str, number: int, text: TextConfig) -> Request:
-    """One JSONL line -> Request, or RequestError naming the line."""
+def parse_request(line: str, number: int, text: TextConfig, tokenizer: Tokenizer | None = None) -> Request:
+    """One JSONL line -> Request, or RequestError naming the line; a text "prompt" needs `tokenizer`."""
 
     def fail(message: str) -> RequestError:
         return RequestError(f"line {number}: {message}")
@@ -70,15 +72,20 @@ def parse_request(line: str, number: int, text: TextConfig) -> Request:
         raise fail(f"not JSON ({error})") from error
     if not isinstance(raw, dict):
         raise fail("a request must be a JSON object")
-    fields = {f.name for f in dataclasses.fields(Request)}
-    if "prompt" in raw:
-        raise fail("'prompt' (text) needs the tokenizer, which is not available yet; send prompt_token_ids")
+    fields = {f.name for f in dataclasses.fields(Request)} | {"prompt"}
     unknown = sorted(set(raw) - fields)
     if unknown:
         raise fail(f"unknown field(s) {', '.join(unknown)}")
-    for required in ("id", "prompt_token_ids"):
-        if required not in raw:
-            raise fail(f"missing {required!r}")
+    if "id" not in raw:
+        raise fail("missing 'id'")
+    if ("prompt" in raw) == ("prompt_token_ids" in raw):
+        raise fail("give exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    if "prompt" in raw:
+        if tokenizer is None:
+            raise fail("'prompt' (text) needs a tokenizer.json in the checkpoint; send prompt_token_ids")
+        if not isinstance(raw["prompt"], str):
+            raise fail("'prompt' must be a string")
+        raw["prompt_token_ids"] = tokenizer.encode(raw.pop("prompt"))
     if not isinstance(raw["id"], str | int) or isinstance(raw["id"], bool):
         raise fail("'id' must be a string or an integer")
     try:
@@ -207,7 +214,9 @@ def _schedule(engine: Engine, requests: Sequence[Request]) -> list[dict]:
 
 
 # Bad input of any kind: one line naming it, exit status 2.
-_USER_ERRORS = (ConfigError, CheckpointError, RequestError, CacheBudgetError, MeshError, DistributedError, OSError)
+_USER_ERRORS = (
+    ConfigError, CheckpointError, TokenizerError, RequestError, CacheBudgetError, MeshError, DistributedError, OSError
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,22 +245,19 @@ def main(argv: list[str] | None = None) -> int:
             lines = Path(args.input).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as error:
             raise RequestError(f"cannot read {args.input}: {error}") from error
-        requests = [parse_request(line, n, config.text) for n, line in enumerate(lines, 1) if line.strip()]
+        tokenizer = (
+            Tokenizer.from_checkpoint(args.checkpoint) if Path(args.checkpoint, TOKENIZER_FILE).is_file() else None
+        )
+        requests = [parse_request(line, n, config.text, tokenizer) for n, line in enumerate(lines, 1) if line.strip()]
         if not requests:
             raise RequestError(f"{args.input} holds no requests")
         budget = None if args.kv_cache_mib is None else int(args.kv_cache_mib * 2**20)
         results = generate(model, requests, args.max_num_seqs, args.chunk, budget, mesh)
+        if tokenizer is not None:
+            results = [{**r, "text": tokenizer.decode(r["token_ids"], skip_special_tokens=True)} for r in results]
         if jax.process_index() == 0:
             Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))
-    except (
-        ConfigError,
-        CheckpointError,
-        RequestError,
-        CacheBudgetError,
-        MeshError,
-        DistributedError,
-        OSError,
-    ) as error:
+    except _USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

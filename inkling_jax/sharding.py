@@ -96,11 +96,11 @@ def replica_specs(state: DecodeState) -> DecodeState:
     return dataclasses.replace(specs, kv=jax.tree.map(lambda _: by_layer_then_slot, state.kv))
 
 
-def state_shardings(state: DecodeState, text: TextConfig, mesh: Mesh) -> DecodeState:
-    """Shardings of a decode state (`init_state(..., tp)`): slots and pages split over `data` replicas;
-    within a replica K/V split by head, one head or more per device, the K/V conv states like the
-    projections that fill them, everything else replicated."""
-    conv_axis = logical_rules(text, mesh.shape[MODEL])["kv_heads"]
+def state_specs(state: DecodeState, text: TextConfig, tp: int) -> DecodeState:
+    """How a decode state (`init_state(..., tp)`) lies on a mesh: slots and pages split over `data`
+    replicas; within a replica K/V split by head, one head or more per device, the K/V conv states like
+    the projections that fill them, everything else replicated."""
+    conv_axis = logical_rules(text, tp)["kv_heads"]
     heads_axis = {"full_k": MODEL, "full_v": MODEL, "sliding_k": MODEL, "sliding_v": MODEL}
     heads_axis |= {"conv_k": conv_axis, "conv_v": conv_axis}
 
@@ -109,7 +109,12 @@ def state_shardings(state: DecodeState, text: TextConfig, mesh: Mesh) -> DecodeS
 
     specs = replica_specs(state)
     kv = KVCache(**{f.name: kv_spec(f.name, getattr(specs.kv, f.name)) for f in dataclasses.fields(KVCache)})
-    specs = dataclasses.replace(specs, kv=kv)
+    return dataclasses.replace(specs, kv=kv)
+
+
+def state_shardings(state: DecodeState, text: TextConfig, mesh: Mesh) -> DecodeState:
+    """`state_specs` on `mesh`."""
+    specs = state_specs(state, text, mesh.shape[MODEL])
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

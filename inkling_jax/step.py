@@ -76,8 +76,7 @@ def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_top"), donate_argnames="state")
-def step(
+def step_fn(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     state: DecodeState,
@@ -85,8 +84,9 @@ def step(
     previous: jax.Array,
     num_top: int = 0,
 ) -> tuple[Sampled, DecodeState]:
-    """One engine step (state donated); previous [S]: the tokens the last step sampled (read where
-    `batch.feedback` is set). Outputs are meaningful for slots with counts > 0."""
+    """One engine step; previous [S]: the tokens the last step sampled (read where `batch.feedback` is
+    set). Outputs are meaningful for slots with counts > 0. `step` is it jitted with the state donated;
+    `inkling_jax.engine` jits it with the output shardings pinned to the input ones."""
     replica_step = functools.partial(_step, graphdef, num_top=num_top)
     mesh = jax.sharding.get_abstract_mesh()
     if DATA in mesh.axis_names and mesh.shape[DATA] > 1:
@@ -101,6 +101,9 @@ def step(
     if not mesh.empty:
         sampled = jax.lax.with_sharding_constraint(sampled, P())
     return sampled, state
+
+
+step = jax.jit(step_fn, static_argnames=("graphdef", "num_top"), donate_argnames="state")
 
 
 def _step(

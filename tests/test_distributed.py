@@ -1,5 +1,6 @@
-"""Multi-host: two processes on localhost joined by `jax.distributed` (CPU collectives over gloo) run
-`python -m inkling_jax.generate` as one job and agree with a single process."""
+"""Multi-host: two processes on localhost joined by `jax.distributed` (CPU collectives over gloo) run a
+batch job (`python -m serving.offline`: the serving scheduler in lockstep on every process, over the
+engine step that `inkling_jax.generate` shares) and agree with a single process."""
 
 import json
 import os
@@ -50,7 +51,7 @@ def test_two_processes_agree_with_one(tmp_path, one_process):
     address = f"127.0.0.1:{free_port()}"
 
     def command(rank: int) -> list[str]:
-        return [sys.executable, "-m", "inkling_jax.generate", "--checkpoint", str(FIXTURE / "hf"),
+        return [sys.executable, "-m", "serving.offline", "--checkpoint", str(FIXTURE / "hf"), "--quiet",
                 "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"out{rank}.jsonl"),
                 "--dtype", "float32", "--max-num-seqs", "2", "--chunk", "4", "--mesh", "tp4",
                 "--coordinator-address", address, "--num-processes", "2", "--process-id", str(rank)]  # fmt: skip

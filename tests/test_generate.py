@@ -56,7 +56,7 @@ def test_stop_tokens_end_a_request(tmp_path):
         ({"id": 1, "prompt_token_ids": [1], "temperature": -1}, "line 2: 'temperature' must be within"),
         ({"id": 1, "prompt_token_ids": [1, 600]}, "line 2: token id #1 is 600, outside the vocabulary"),
         ({"id": 1, "prompt_token_ids": [1], "max_tokens": 0}, "line 2: 'max_tokens' must be within"),
-        ({"id": 1, "prompt": "hello"}, "line 2: 'prompt' (text) needs the tokenizer"),
+        ({"id": 1, "prompt": "hello"}, "line 2: 'prompt' (text) needs a tokenizer"),
     ],
 )
 def test_malformed_lines_are_named(tmp_path, capsys, line, message):

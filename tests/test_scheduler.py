@@ -83,10 +83,12 @@ def test_concurrent_requests_equal_the_offline_engine(model):
     requests = random_requests(np.random.default_rng(0), 12)
     offline = generate(model, requests, max_num_seqs=3, chunk=CHUNK)
     scheduler = make_scheduler(model, slots=4, pages=8, prefill_budget=10)
+    compiled = scheduler.core.compilations
     try:
         collector = run(scheduler, requests, logprobs=3)
     finally:
         scheduler.stop()
+    assert scheduler.core.compilations == compiled  # warm-up compiled every shape the workload used
     for request, result in zip(requests, offline, strict=True):
         assert collector.tokens[request.id] == result["token_ids"]
         deltas = collector.deltas[request.id]

@@ -1,0 +1,146 @@
+"""`python -m serving.client`: send a prompt to a running server and stream the continuation to stdout.
+
+    python -m serving.client [--address 127.0.0.1:50051] "prompt text" [--max-tokens 64] [--temperature 0] ...
+    python -m serving.client --token-ids 1,2,3 [...]     # token ids in (a checkpoint without a tokenizer)
+    python -m serving.client --info                      # what the server runs (GetModelInfo)
+
+Text is printed as it arrives; when the stream carries no text (a server without a tokenizer) the
+generated token ids are printed instead. A summary line (finish reason, token counts) goes to stderr.
+A refused request prints the server's status and message and exits 1; bad flags exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf import json_format
+
+from serving.proto import inkling_pb2 as pb
+from serving.proto import inkling_pb2_grpc as pb_grpc
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be integers separated by commas, got {text!r}") from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m serving.client", description="Stream a generation")
+    parser.add_argument("prompt", nargs="?", help="prompt text")
+    parser.add_argument("--address", default="127.0.0.1:50051", help="server HOST:PORT")
+    parser.add_argument("--token-ids", type=_token_ids, help="prompt as token ids: 1,2,3")
+    parser.add_argument("--info", action="store_true", help="print the server's model info and exit")
+    parser.add_argument("--request-id", default="")
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--min-p", type=float)
+    parser.add_argument("--repetition-penalty", type=float)
+    parser.add_argument("--presence-penalty", type=float)
+    parser.add_argument("--frequency-penalty", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop-token-ids", type=_token_ids, default=[])
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", type=int, help="print the chosen and top-N log-probabilities to stderr")
+    parser.add_argument("--parse-special-tokens", action="store_true", help="special-token strings in the prompt")
+    parser.add_argument("--keep-special-tokens", action="store_true", help="show special tokens in the text")
+    parser.add_argument("--timeout", type=float, help="deadline in seconds")
+    args = parser.parse_args(argv)
+    if not args.info and (args.prompt is None) == (args.token_ids is None):
+        parser.error("give a prompt or --token-ids (one of them)")
+    return args
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        request_id=args.request_id,
+        parse_special_tokens=args.parse_special_tokens,
+        keep_special_tokens=args.keep_special_tokens,
+    )
+    if args.token_ids is not None:
+        request.token_ids.ids.extend(args.token_ids)
+    else:
+        request.text = args.prompt
+    for name in (
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed"
+    ):  # fmt: skip
+        if getattr(args, name) is not None:
+            setattr(request.sampling, name, getattr(args, name))
+    if args.max_tokens is not None:
+        request.stop.max_tokens = args.max_tokens
+    request.stop.stop.extend(args.stop)
+    request.stop.stop_token_ids.extend(args.stop_token_ids)
+    request.stop.ignore_eos = args.ignore_eos
+    if args.logprobs is not None:
+        request.logprobs = args.logprobs
+    return request
+
+
+def generate(stub: pb_grpc.InklingStub, request: pb.GenerateRequest, timeout: float | None) -> None:
+    """Stream the continuation: text to stdout as it arrives, the summary (and log-probabilities) to stderr."""
+    token_ids, printed_text = [], False
+    for response in stub.Generate(request, timeout=timeout):
+        token_ids.extend(response.token_ids)
+        if response.text:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            printed_text = True
+        for token, logprob in zip(response.token_ids, response.logprobs, strict=False):
+            top = ", ".join(f"{t.token_id}: {t.logprob:.3f}" for t in logprob.top)
+            print(f"[{token}: {logprob.logprob:.3f}{'; top ' + top if top else ''}]", file=sys.stderr)
+        if response.finish_reason:
+            if not printed_text:
+                sys.stdout.write(json.dumps(token_ids))
+            sys.stdout.write("\n")
+            reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+            matched = f", stop string {response.matched_stop!r}" if response.matched_stop else ""
+            print(
+                f"[{reason}{matched}; prompt {response.usage.prompt_tokens} tokens, "
+                f"completion {response.usage.completion_tokens} tokens]",
+                file=sys.stderr,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.InklingStub(channel)
+        try:
+            if args.info:
+                info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 10.0)
+                print(
+                    json.dumps(
+                        json_format.MessageToDict(
+                            info, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+                        ),
+                        indent=2,
+                    )
+                )
+            else:
+                generate(stub, build_request(args), args.timeout)
+        except grpc.RpcError as error:
+            sys.stdout.flush()
+            print(f"\nerror: {describe(error, args.address)}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # closing the channel cancels the call, which frees its slot on the server
+            return 130
+    return 0
+
+
+def describe(error: grpc.RpcError, address: str) -> str:
+    """One line for a failed call: the status and the server's message, or why the server was not reached."""
+    code, details = error.code(), error.details()
+    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "connection" in details.lower()):
+        return f"cannot reach a server at {address} (is it running?): {details}"
+    return f"{code.name}: {details}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

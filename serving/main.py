@@ -1,0 +1,167 @@
+"""`python -m serving.main`: serve a checkpoint over gRPC.
+
+    python -m serving.main [--checkpoint DIR] [--mesh tp1] [--host 127.0.0.1] [--port 50051]
+        [--dtype bfloat16] [--max-num-seqs 8] [--chunk 64] [--kv-cache-mib M] [--metrics-port P]
+        [--drain-timeout 30] [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
+
+The port is bound first and answers health checks (NOT_SERVING) while the model loads and every step
+shape compiles; health turns SERVING when warm-up is done. SIGTERM or SIGINT drains: health goes
+NOT_SERVING, new requests get UNAVAILABLE, in-flight ones finish (up to --drain-timeout seconds, then
+they are aborted), and the process exits 0. Bad flags, config or checkpoint: one line on stderr, exit 2.
+Without --checkpoint the embedded synthetic checkpoint (configs/tiny.json, random weights) is served,
+written to out/tiny-checkpoint first if it is not there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+from inkling_jax import distributed
+from inkling_jax.cache import CacheBudgetError
+from inkling_jax.checkpoint import CheckpointError
+from inkling_jax.checkpoint.synthetic import write_checkpoint
+from inkling_jax.config import ConfigError
+from inkling_jax.distributed import DistributedError
+from inkling_jax.score import DTYPES, log_to_stderr
+from inkling_jax.sharding import MeshError
+from inkling_jax.tokenizer import TokenizerError
+from serving.engine import load_engine
+from serving.scheduler import Scheduler
+from serving.server import ServeError, serve
+
+log = logging.getLogger("serving")
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "tiny.json"
+DEFAULT_CHECKPOINT = REPO / "out" / "tiny-checkpoint"
+LOAD_ERRORS = (ConfigError, CheckpointError, MeshError, CacheBudgetError, TokenizerError, DistributedError)
+
+
+class ShutdownRequested(Exception):
+    """SIGTERM or SIGINT arrived before the server was serving: stop loading and exit."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m serving.main", description="Serve Inkling 2 over gRPC")
+    parser.add_argument("--checkpoint", help=f"checkpoint directory (default: the synthetic {DEFAULT_CHECKPOINT})")
+    parser.add_argument("--mesh", default="tp1", help="device mesh: tpN or dpMtpN (default tp1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
+    parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
+    parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on exit")
+    distributed.add_arguments(parser)
+    args = parser.parse_args(argv)
+    for name in ("port", "metrics_port"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < 65536:
+            parser.error(f"--{name.replace('_', '-')} must be within 0 .. 65535, got {value}")
+    if args.max_num_seqs < 1 or args.chunk < 1:
+        parser.error("--max-num-seqs and --chunk must be at least 1")
+    if args.drain_timeout < 0:
+        parser.error("--drain-timeout must not be negative")
+    return args
+
+
+def default_checkpoint() -> Path:
+    """The embedded synthetic checkpoint, written (atomically) as `make run` writes it when it is missing or
+    predates synthetic tokenizers."""
+    if not all((DEFAULT_CHECKPOINT / name).is_file() for name in ("config.json", "tokenizer.json")):
+        log.info("writing the synthetic checkpoint %s from %s", DEFAULT_CHECKPOINT, DEFAULT_CONFIG)
+        DEFAULT_CHECKPOINT.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=".tiny-checkpoint-", dir=DEFAULT_CHECKPOINT.parent))
+        try:
+            write_checkpoint(DEFAULT_CONFIG, partial, experts="mixed")
+            shutil.rmtree(DEFAULT_CHECKPOINT, ignore_errors=True)
+            os.replace(partial, DEFAULT_CHECKPOINT)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return DEFAULT_CHECKPOINT
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log_to_stderr()
+    _log_serving_to_stderr()
+    stopping, ready = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("%s: shutting down", signal.Signals(signum).name)
+        if not stopping.is_set():
+            stopping.set()
+            if not ready.is_set():
+                raise ShutdownRequested
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server = serve(None, None, args.host, args.port, args.metrics_port)
+    except ServeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    log.info("listening on %s:%d (NOT_SERVING until the model is loaded and warmed up)", args.host, server.port)
+    if server.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", args.host, server.metrics_port)
+    scheduler = None
+    try:
+        distributed.initialize(args)
+        if jax.process_count() > 1:  # every process would need the same requests in the same order
+            raise DistributedError(
+                "serving from several processes is not available yet: serve from one host (tpN over its "
+                "devices); pods run batch jobs with python -m serving.offline"
+            )
+        checkpoint = args.checkpoint or str(default_checkpoint())
+        log.info("loading %s on mesh %s (%s)", checkpoint, args.mesh, args.dtype)
+        engine = load_engine(
+            checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
+            kv_cache_mib=args.kv_cache_mib,
+        )  # fmt: skip
+        scheduler = Scheduler(engine)
+        log.info("warming up: compiling every step shape")
+        scheduler.warm_up()
+        scheduler.start()
+        server.attach(engine, scheduler)
+        ready.set()
+    except (ShutdownRequested, *LOAD_ERRORS) as error:
+        if scheduler is not None:
+            scheduler.stop()
+        server.stop()
+        if isinstance(error, ShutdownRequested):
+            return 0
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    log.info("SERVING %s on %s:%d", checkpoint, args.host, server.port)
+    stopping.wait()
+    log.info("draining: up to %g s for in-flight requests", args.drain_timeout)
+    server.drain(args.drain_timeout)
+    scheduler.stop()
+    server.stop()
+    log.info("stopped")
+    return 0
+
+
+def _log_serving_to_stderr() -> None:
+    if log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

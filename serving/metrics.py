@@ -1,0 +1,149 @@
+"""Prometheus metrics of the server, on an HTTP port of their own (`--metrics-port`).
+
+Per-request latencies (time to first token, time per output token) and finished / refused request
+counts are observed by the servicer as requests run. The scheduler's state (queue length, running
+sequences, KV pages, preemptions, token counters) is read from `Scheduler.stats()` on every scrape, so
+it is never stale; generated tokens per second is the rate over the last `THROUGHPUT_WINDOW` seconds of
+the samples the server takes once a second.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+THROUGHPUT_WINDOW = 10.0  # seconds
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Stats(Protocol):
+    """What `Scheduler.stats()` returns (`serving.scheduler.Stats`)."""
+
+    waiting: int
+    running: int
+    pages_used: int
+    pages_total: int
+    preemptions: int
+    generated_tokens: int
+    prompt_tokens: int
+
+
+class StatsSource(Protocol):
+    def stats(self) -> Stats: ...
+
+
+class Metrics:
+    """The server's metrics registry; the scheduler's part appears once `attach` gives it a scheduler."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "inkling_time_to_first_token_seconds",
+            "From receiving a Generate call to its first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "inkling_time_per_output_token_seconds",
+            "Mean time between a request's generated tokens after the first (one observation per request)",
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests_finished = Counter(
+            "inkling_requests_finished",
+            "Generate calls that ran, by how they ended (stop, length, abort, cancelled, error)",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.requests_refused = Counter(
+            "inkling_requests_refused",
+            "Generate calls refused before generating, by gRPC status code",
+            ["code"],
+            registry=self.registry,
+        )
+        self._throughput = _Throughput(THROUGHPUT_WINDOW)
+        self._scheduler: StatsSource | None = None
+        self.registry.register(_SchedulerCollector(self))
+        self._http = None
+
+    def attach(self, scheduler: StatsSource) -> None:
+        self._scheduler = scheduler
+
+    def stats(self) -> Stats | None:
+        return self._scheduler.stats() if self._scheduler is not None else None
+
+    def sample_throughput(self) -> None:
+        """Record the generated-token counter now (the server calls this once a second)."""
+        stats = self.stats()
+        if stats is not None:
+            self._throughput.add(time.monotonic(), stats.generated_tokens)
+
+    def tokens_per_second(self) -> float:
+        return self._throughput.rate()
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0: a free port); returns the port bound."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _Throughput:
+    """Rate of a growing counter over a sliding window of timed samples."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def add(self, now: float, count: int) -> None:
+        with self._lock:
+            self._samples.append((now, count))
+            while self._samples and self._samples[0][0] < now - self.window:
+                self._samples.popleft()
+
+    def rate(self) -> float:
+        with self._lock:
+            if len(self._samples) < 2:
+                return 0.0
+            (start, first), (end, last) = self._samples[0], self._samples[-1]
+        return (last - first) / (end - start) if end > start else 0.0
+
+
+class _SchedulerCollector(Collector):
+    """The scheduler's gauges and counters, read fresh on each scrape."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._metrics.stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily("inkling_requests_waiting", "Requests queued for a slot", value=stats.waiting)
+        yield GaugeMetricFamily("inkling_requests_running", "Sequences holding a slot", value=stats.running)
+        yield GaugeMetricFamily("inkling_kv_pages_used", "KV-cache pages in use", value=stats.pages_used)
+        yield GaugeMetricFamily("inkling_kv_pages_total", "KV-cache pages in the pool", value=stats.pages_total)
+        usage = stats.pages_used / stats.pages_total if stats.pages_total else 0.0
+        yield GaugeMetricFamily("inkling_kv_cache_usage_ratio", "Fraction of KV-cache pages in use", value=usage)
+        yield CounterMetricFamily("inkling_preemptions", "Sequences preempted to free pages", value=stats.preemptions)
+        yield CounterMetricFamily("inkling_prompt_tokens", "Prompt tokens prefilled", value=stats.prompt_tokens)
+        yield CounterMetricFamily("inkling_generation_tokens", "Tokens generated", value=stats.generated_tokens)
+        yield GaugeMetricFamily(
+            "inkling_generation_tokens_per_second",
+            f"Tokens generated per second over the last {THROUGHPUT_WINDOW:g} s",
+            value=self._metrics.tokens_per_second(),
+        )

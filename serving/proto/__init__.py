@@ -1,0 +1,1 @@
+"""The gRPC API: inkling.proto and its generated stubs (regenerate with `make proto`)."""

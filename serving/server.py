@@ -1,0 +1,503 @@
+"""The gRPC server: the `inkling.v1.Inkling` service, grpc.health.v1, server reflection and metrics.
+
+`serve(scheduler, engine, host, port)` starts it on a thread of its own (a `grpc.aio` server on its
+own event loop, so hundreds of concurrent streams cost a coroutine each) and returns a `Server` handle
+that can attach a model later, drain and stop. Until a scheduler is attached and ready, health says
+NOT_SERVING and calls are refused with UNAVAILABLE; while draining, health says NOT_SERVING again.
+
+Each Generate call becomes one `EngineRequest`: text is tokenized with the checkpoint's tokenizer, ids
+and parameters are checked (`validate_options`), and the scheduler's deltas are streamed back as they
+come, detokenized incrementally and cut at the first stop string (`serving.text_stream`). A call that
+is cancelled or runs past its deadline cancels its request, which frees its slot. Every refusal is a
+gRPC status with a message; an unexpected error fails only its own call (INTERNAL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inkling_jax.config import TextConfig, load_config
+from inkling_jax.token_ids import TokenIdError, validate_token_ids
+from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from serving.metrics import Metrics, Stats
+from serving.proto import inkling_pb2 as pb
+from serving.proto import inkling_pb2_grpc as pb_grpc
+from serving.requests import MAX_LOGPROBS, Code, Delta, EngineRequest, Options, Rejected, validate_options
+from serving.text_stream import TextStream
+
+log = logging.getLogger("serving")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inkling"].full_name
+MAX_REQUEST_ID_LENGTH = 256
+HEALTH_POLL_SECONDS = 0.05
+THROUGHPUT_SAMPLE_SECONDS = 1.0
+
+SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),  # a port already in use is an error, not a second server sharing it
+    ("grpc.max_receive_message_length", 256 << 20),  # prompts up to the 1M-token context, as ids or text
+)
+STATUS_OF_CODE = {
+    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
+    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+class Engine(Protocol):
+    """The parts of `serving.engine.Engine` the server reads."""
+
+    text: TextConfig
+    tokenizer: Tokenizer | None
+    mesh_spec: str
+    max_num_seqs: int
+    num_pages: int
+    page_size: int
+    checkpoint: str
+    dtype: str
+
+
+class Scheduler(Protocol):
+    """The parts of `serving.scheduler.Scheduler` the server drives."""
+
+    ready: bool
+    draining: bool
+
+    def submit(self, request: EngineRequest, on_delta: Callable[[Delta], None]) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def drain(self, timeout: float | None = None) -> None: ...
+
+    def stats(self) -> Stats: ...
+
+
+class CallError(Exception):
+    """Ends a call with a gRPC status; the message says what is wrong."""
+
+    def __init__(self, status: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def options_from_request(request: pb.GenerateRequest, seed: int) -> Options:
+    """The request's sampling and stopping, unset fields at their defaults (`seed` when it has none)."""
+    sampling, stop = request.sampling, request.stop
+    defaults = Options()
+
+    def value(message: Any, name: str, default: Any) -> Any:
+        return getattr(message, name) if message.HasField(name) else default
+
+    return Options(
+        max_tokens=value(stop, "max_tokens", defaults.max_tokens),
+        temperature=value(sampling, "temperature", defaults.temperature),
+        top_p=value(sampling, "top_p", defaults.top_p),
+        top_k=value(sampling, "top_k", defaults.top_k),
+        min_p=value(sampling, "min_p", defaults.min_p),
+        repetition_penalty=value(sampling, "repetition_penalty", defaults.repetition_penalty),
+        presence_penalty=value(sampling, "presence_penalty", defaults.presence_penalty),
+        frequency_penalty=value(sampling, "frequency_penalty", defaults.frequency_penalty),
+        seed=value(sampling, "seed", seed),
+        stop_token_ids=tuple(stop.stop_token_ids),
+        stop=tuple(stop.stop),
+        ignore_eos=stop.ignore_eos,
+        logprobs=value(request, "logprobs", None),
+    )
+
+
+def model_info(engine: Engine) -> pb.ModelInfo:
+    text, tokenizer = engine.text, engine.tokenizer
+    eos = text.eos_token_id
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return pb.ModelInfo(
+        model_type=load_config(engine.checkpoint).model_type,
+        vocab_size=text.vocab_size,
+        unpadded_vocab_size=text.unpadded_vocab_size,
+        max_context=text.max_position_embeddings,
+        eos_token_ids=eos_ids,
+        mesh=engine.mesh_spec,
+        max_num_seqs=engine.max_num_seqs,
+        page_size=engine.page_size,
+        num_pages=engine.num_pages,
+        has_tokenizer=tokenizer is not None,
+        dtype=str(engine.dtype),
+        checkpoint=str(engine.checkpoint),
+        max_logprobs=MAX_LOGPROBS,
+        special_tokens=dict(tokenizer.special_tokens) if tokenizer is not None else {},
+    )
+
+
+def logprobs_of(delta: Delta, count: int) -> list[pb.TokenLogprob]:
+    """The log-probabilities of the delta's first `count` tokens (and their top ones, when asked for)."""
+    tops = delta.top_logprobs or ((),) * len(delta.logprobs)
+    return [
+        pb.TokenLogprob(logprob=logprob, top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in top])
+        for logprob, top in zip(delta.logprobs[:count], tops[:count], strict=True)
+    ]
+
+
+def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A unary handler whose CallError, or any unexpected error, becomes the call's status."""
+
+    @functools.wraps(method)
+    async def handle(self: InklingServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except CallError as error:
+            await context.abort(error.status, str(error))
+        except Exception as error:
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+
+    return handle
+
+
+class InklingServicer(pb_grpc.InklingServicer):
+    """The Inkling service over an engine and its scheduler, both attached once the model is loaded."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
+        self._model_info: pb.ModelInfo | None = None
+        self._in_flight: set[str] = set()  # request ids the scheduler may still hold; touched on the loop only
+
+    def attach(self, engine: Engine, scheduler: Scheduler) -> None:
+        self._model_info = model_info(engine)
+        self.engine, self.scheduler = engine, scheduler
+        self.metrics.attach(scheduler)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def _loaded(self) -> tuple[Engine, Scheduler]:
+        if self.engine is None or self.scheduler is None:
+            raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is loading the model; retry shortly")
+        return self.engine, self.scheduler
+
+    def _tokenizer(self, engine: Engine, what: str) -> Tokenizer:
+        if engine.tokenizer is None:
+            raise CallError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{what} needs a tokenizer, and checkpoint {engine.checkpoint} has none (no tokenizer.json); "
+                "send token ids",
+            )
+        return engine.tokenizer
+
+    def _prompt(self, request: pb.GenerateRequest, engine: Engine) -> tuple[int, ...]:
+        match request.WhichOneof("input"):
+            case "text":
+                ids = self._tokenizer(engine, "text input").encode(
+                    request.text, special_tokens=request.parse_special_tokens
+                )
+            case "token_ids":
+                ids = list(request.token_ids.ids)
+            case _:
+                raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "give the prompt as text or token_ids")
+        if not ids:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        try:
+            validate_token_ids(ids, engine.text)
+        except TokenIdError as error:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {error}") from None
+        return tuple(ids)
+
+    def _request_id(self, requested: str) -> str:
+        if not requested:
+            return uuid.uuid4().hex
+        if len(requested) > MAX_REQUEST_ID_LENGTH:
+            raise CallError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters"
+            )
+        if requested in self._in_flight:
+            raise CallError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {requested!r} is already in flight")
+        return requested
+
+    def _engine_request(self, request: pb.GenerateRequest, engine: Engine) -> EngineRequest:
+        prompt = self._prompt(request, engine)
+        options = options_from_request(request, seed=secrets.randbelow(2**32))
+        if options.stop:
+            self._tokenizer(engine, "stop strings")
+        try:
+            validate_options(options, engine.text, len(prompt))
+        except Rejected as rejected:
+            raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
+        return EngineRequest(self._request_id(request.request_id), prompt, options)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        received = time.monotonic()
+        try:
+            engine, scheduler = self._loaded()
+            engine_request = self._engine_request(request, engine)
+            deltas = self._submit(scheduler, engine_request)
+        except CallError as error:
+            self.metrics.requests_refused.labels(code=error.status.name.lower()).inc()
+            await context.abort(error.status, str(error))
+        except Exception as error:
+            log.exception("Generate failed before submission")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+        outcome = "cancelled"
+        try:
+            text = self._text_stream(engine, engine_request.options.stop, not request.keep_special_tokens)
+            async for response in self._stream(scheduler, engine_request, deltas, text, received):
+                if response.finish_reason:
+                    outcome = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+                yield response
+        except CallError as error:
+            outcome = "error"
+            await context.abort(error.status, str(error))
+        except Exception as error:
+            outcome = "error"
+            log.exception("Generate %s failed", engine_request.id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+        finally:
+            if outcome in ("cancelled", "error"):
+                scheduler.cancel(engine_request.id)
+            self.metrics.requests_finished.labels(finish_reason=outcome).inc()
+
+    def _submit(self, scheduler: Scheduler, request: EngineRequest) -> asyncio.Queue[Delta]:
+        """Hand the request to the scheduler; its deltas arrive on the returned queue, on this loop.
+
+        The request id stays reserved until the scheduler's last delta, even when the call ends earlier,
+        so that a reused id never meets the old request's cancellation."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+
+        def receive(delta: Delta) -> None:
+            deltas.put_nowait(delta)
+            if delta.finish_reason is not None:
+                self._in_flight.discard(request.id)
+
+        def on_delta(delta: Delta) -> None:  # on the scheduler's thread: hand over, never block
+            try:
+                loop.call_soon_threadsafe(receive, delta)
+            except RuntimeError:  # the server's loop has closed: nobody is listening any more
+                pass
+
+        try:
+            scheduler.submit(request, on_delta)
+        except Rejected as rejected:
+            raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
+        self._in_flight.add(request.id)
+        return deltas
+
+    @staticmethod
+    def _text_stream(engine: Engine, stop: tuple[str, ...], skip_special_tokens: bool) -> TextStream | None:
+        """The request's detokenized text, cut at its stop strings (None: no tokenizer, token ids only)."""
+        if engine.tokenizer is None:
+            return None
+        return TextStream(IncrementalDecoder(engine.tokenizer, skip_special_tokens=skip_special_tokens), stop)
+
+    async def _stream(
+        self,
+        scheduler: Scheduler,
+        request: EngineRequest,
+        deltas: asyncio.Queue[Delta],
+        text: TextStream | None,
+        received: float,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The call's responses, from the scheduler's deltas up to the last (finish reason and usage)."""
+        options = request.options
+        completion, first_token_at = 0, None
+        while True:
+            delta = await deltas.get()
+            if delta.finish_reason == "error":
+                raise CallError(grpc.StatusCode.INTERNAL, f"generation failed: {delta.error}")
+            kept, piece, stopped = len(delta.token_ids), "", False
+            if text is not None:
+                pushed = text.push(delta.token_ids)
+                kept, piece, stopped = pushed.tokens, pushed.text, pushed.stopped
+                if not stopped and delta.finish_reason is not None:
+                    piece += text.finish()
+                    stopped = text.matched is not None
+            if stopped and delta.finish_reason is None:
+                scheduler.cancel(request.id)
+            finish = pb.FINISH_REASON_STOP if stopped else FINISH_REASONS.get(delta.finish_reason, 0)
+            now = time.monotonic()
+            if kept and first_token_at is None:
+                first_token_at = now
+                self.metrics.time_to_first_token.observe(now - received)
+            completion += kept
+            response = pb.GenerateResponse(
+                request_id=request.id,
+                token_ids=delta.token_ids[:kept],
+                text=piece,
+                logprobs=logprobs_of(delta, kept) if options.logprobs is not None else (),
+                finish_reason=finish,
+            )
+            if finish:
+                response.usage.prompt_tokens = len(request.prompt_token_ids)
+                response.usage.completion_tokens = completion
+                response.matched_stop = (text.matched if text is not None else None) or ""
+                if completion > 1:
+                    self.metrics.time_per_output_token.observe((now - first_token_at) / (completion - 1))
+            if kept or piece or finish:
+                yield response
+            if finish:
+                return
+
+    @_unary
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        engine, _ = self._loaded()
+        tokenizer = self._tokenizer(engine, "Tokenize")
+        ids = tokenizer.encode(request.text, special_tokens=request.parse_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids)
+
+    @_unary
+    def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        engine, _ = self._loaded()
+        tokenizer = self._tokenizer(engine, "Detokenize")
+        ids = list(request.token_ids)
+        try:
+            if ids:
+                validate_token_ids(ids, engine.text)
+            text = tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
+        except (TokenIdError, TokenizerError) as error:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        return pb.DetokenizeResponse(text=text)
+
+    @_unary
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        self._loaded()
+        return self._model_info
+
+
+class ServeError(RuntimeError):
+    """The server could not start (e.g. the port is taken)."""
+
+
+class Server:
+    """A running server: gRPC (and optionally metrics over HTTP) on a thread with its own event loop.
+
+    Create with `serve`. `port` and `metrics_port` are the ports actually bound.
+    """
+
+    def __init__(self, host: str, port: int, metrics_port: int | None):
+        self.metrics = Metrics()
+        self.servicer = InklingServicer(self.metrics)
+        self._health = health_async.HealthServicer()
+        self._draining = False
+        self._grpc: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-server", daemon=True)
+        self._thread.start()
+        try:
+            self.port = self._call(self._start(host, port))
+            self.metrics_port = self.metrics.serve_http(host, metrics_port) if metrics_port is not None else None
+        except BaseException:
+            self.stop()
+            raise
+
+    def _call(self, coroutine: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    async def _start(self, host: str, port: int) -> int:
+        self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_InklingServicer_to_server(self.servicer, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc,
+        )
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = self._grpc.add_insecure_port(address)
+        except RuntimeError as error:
+            raise ServeError(f"cannot listen on {address}: {error}") from None
+        if not bound:
+            raise ServeError(f"cannot listen on {address}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._grpc.start()
+        self._tasks = [self._loop.create_task(self._watch_health()), self._loop.create_task(self._sample())]
+        return bound
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def _watch_health(self) -> None:
+        """SERVING exactly while a scheduler is attached, ready and not draining."""
+        current = None
+        while True:
+            scheduler = self.servicer.scheduler
+            serving = scheduler is not None and scheduler.ready and not scheduler.draining and not self._draining
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            if status != current:
+                await self._set_health(status)
+                current = status
+            await asyncio.sleep(HEALTH_POLL_SECONDS)
+
+    async def _sample(self) -> None:
+        while True:
+            self.metrics.sample_throughput()
+            await asyncio.sleep(THROUGHPUT_SAMPLE_SECONDS)
+
+    def attach(self, engine: Engine, scheduler: Scheduler) -> None:
+        """Serve this engine's scheduler (health turns SERVING once the scheduler is ready)."""
+        self._call(self._attach(engine, scheduler))
+
+    async def _attach(self, engine: Engine, scheduler: Scheduler) -> None:
+        self.servicer.attach(engine, scheduler)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Health NOT_SERVING, then refuse new requests and wait (up to `timeout` s) for in-flight ones."""
+        self._draining = True
+        self._call(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        if self.servicer.scheduler is not None:
+            self.servicer.scheduler.drain(timeout)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving: calls still running get `grace` seconds, then are cancelled. Idempotent."""
+        if self._loop.is_closed():
+            return
+        self._call(self._shutdown(grace))
+        self.metrics.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _shutdown(self, grace: float | None) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self._health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+
+
+def serve(
+    scheduler: Scheduler | None,
+    engine: Engine | None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics_port: int | None = None,
+) -> Server:
+    """Start serving on host:port (port 0: a free one, see `Server.port`); metrics on `metrics_port`.
+
+    With no scheduler and engine yet (the model still loading) calls get UNAVAILABLE until `attach`.
+    """
+    server = Server(host, port, metrics_port)
+    if scheduler is not None and engine is not None:
+        server.attach(engine, scheduler)
+    return server
