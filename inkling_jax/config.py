@@ -4,6 +4,19 @@ Accepts both `model_type` spellings that transformers 5.23 registers (`inkling2`
 `text_config` / `vision_config`, and the text-only `inkling2_text`), every field alias transformers
 accepts, and transformers' defaults (which describe the full 594B model). Anything wrong raises
 `ConfigError` naming the field; fields we do not use are accepted and logged once at debug level.
+
+The DSpark draft is described by a top-level `dspark_config` object (absent: the checkpoint has no
+draft). Its field names follow DeepSpec's DSpark configs (`block_size`, `target_layer_ids`,
+`mask_token_id`, `markov_rank`, `num_hidden_layers`, ...). The released Inkling draft config is not
+public (research/dspark_attnres.md section 6), so these choices are ours, each one DeepSpec's:
+- the draft layers are standard pre-norm Qwen3-style layers (qk-RMSNorm, GQA, RoPE, dense SwiGLU MLP),
+  not Inkling layers: DeepSpec's draft is that layer whatever the target, and a relative-bias / short-
+  convolution layer has no defined meaning inside a bidirectional block;
+- attention dims default to the target's full-attention dims; the hidden size must be the target's
+  (the draft reads the target's embedding and writes through its LM head); the MLP width defaults to
+  4 x hidden; RoPE theta defaults to 1e6 (Qwen3's);
+- `sample_from_anchor` (the anchor slot predicts: gamma slots give gamma drafts) and the RNN sequential
+  head (`markov_head_type = "rnn"`) are the only layouts supported; others raise ConfigError.
 """
 
 from __future__ import annotations
@@ -111,14 +124,37 @@ class VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """The DSpark speculative draft (`dspark_config`). None defaults are resolved from the target's
+    config by `parse_config`; `mask_token_id` and `target_layer_ids` have no default."""
+
+    num_hidden_layers: int = 5
+    block_size: int = 7  # gamma: block slots = draft tokens per step (the anchor slot predicts)
+    target_layer_ids: tuple[int, ...] | None = None  # target decoder layers whose outputs feed the draft
+    mask_token_id: int | None = None  # fills the block's slots after the anchor
+    markov_rank: int = 256  # r: width of the RNN head's state and token embedding
+    markov_head_type: str = "rnn"
+    sample_from_anchor: bool = True
+    hidden_size: int | None = None  # must equal the target's
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rope_theta: float = 1e6
+    rms_norm_eps: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A whole checkpoint's config: the text stack, and the image tower for `inkling2`."""
+    """A whole checkpoint's config: the text stack, the image tower for `inkling2`, and the DSpark
+    draft when the checkpoint ships one."""
 
     model_type: str
     text: TextConfig
     vision: VisionConfig | None = None
     image_token_id: int | None = None
     quantization: Mapping[str, Any] | None = None
+    draft: DraftConfig | None = None
 
 
 TEXT_ALIASES = {
@@ -130,6 +166,8 @@ TEXT_ALIASES = {
     "routed_scaling_factor": "route_scale",
 }
 VISION_ALIASES = {"native_patch_size": "patch_size", "adapter_merge_size": "spatial_merge_size"}
+DRAFT_ALIASES = {"noise_token_id": "mask_token_id", "num_draft_layers": "num_hidden_layers", "rnn_rank": "markov_rank"}
+DRAFT_SECTION = "dspark_config"
 
 # Fields transformers' PreTrainedConfig carries on every config; they describe nothing we compute.
 _GENERIC_FIELDS = frozenset(
@@ -278,6 +316,70 @@ def _validate_vision(vision: VisionConfig, section: str) -> VisionConfig:
     return vision
 
 
+def _validate_draft(draft: DraftConfig, text: TextConfig, section: str) -> DraftConfig:
+    """`draft` with its None defaults taken from the target `text`, or ConfigError naming the field."""
+    defaults = {
+        "hidden_size": text.hidden_size,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": text.num_key_value_heads,
+        "head_dim": text.head_dim,
+        "intermediate_size": 4 * text.hidden_size,
+        "rms_norm_eps": text.rms_norm_eps,
+    }
+    draft = dataclasses.replace(
+        draft, **{name: value for name, value in defaults.items() if getattr(draft, name) is None}
+    )
+    _positive(
+        section,
+        draft,
+        ("num_hidden_layers", "block_size", "markov_rank", "hidden_size", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta", "rms_norm_eps"),
+    )  # fmt: skip
+    if draft.markov_head_type != "rnn":
+        raise ConfigError(
+            f"config field {_field(section, 'markov_head_type')} must be 'rnn' (the only sequential head "
+            f"supported), got {draft.markov_head_type!r}"
+        )
+    if not draft.sample_from_anchor:
+        raise ConfigError(
+            f"config field {_field(section, 'sample_from_anchor')} must be true: only drafts whose anchor slot "
+            "predicts (gamma slots -> gamma drafts) are supported"
+        )
+    if draft.hidden_size != text.hidden_size:
+        raise ConfigError(
+            f"config field {_field(section, 'hidden_size')} ({draft.hidden_size}) must equal the target's "
+            f"hidden_size ({text.hidden_size}): the draft shares its embedding and LM head"
+        )
+    if draft.num_attention_heads % draft.num_key_value_heads:
+        raise ConfigError(
+            f"config field {_field(section, 'num_key_value_heads')} ({draft.num_key_value_heads}) must divide "
+            f"{_field(section, 'num_attention_heads')} ({draft.num_attention_heads})"
+        )
+    layers = draft.target_layer_ids
+    if not layers:
+        raise ConfigError(f"config field {_field(section, 'target_layer_ids')} is missing or empty")
+    if len(set(layers)) != len(layers) or any(not 0 <= i < text.num_hidden_layers for i in layers):
+        raise ConfigError(
+            f"config field {_field(section, 'target_layer_ids')} {list(layers)} must be distinct target layers "
+            f"in 0..{text.num_hidden_layers - 1}"
+        )
+    if draft.mask_token_id is None:
+        raise ConfigError(f"config field {_field(section, 'mask_token_id')} is missing")
+    if not 0 <= draft.mask_token_id < text.unpadded_vocab_size:
+        raise ConfigError(
+            f"config field {_field(section, 'mask_token_id')} {draft.mask_token_id} is outside the vocabulary"
+        )
+    return draft
+
+
+def _parse_draft(raw: Mapping[str, Any], text: TextConfig) -> tuple[DraftConfig | None, list[str]]:
+    """The `dspark_config` section (None when absent) and its unused field names."""
+    if raw.get(DRAFT_SECTION) is None:
+        return None, []
+    draft, unused = _build(DraftConfig, DRAFT_SECTION, _section(raw, DRAFT_SECTION), DRAFT_ALIASES)
+    return _validate_draft(draft, text, DRAFT_SECTION), unused
+
+
 def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     value = raw.get(key)
     if value is None:
@@ -300,16 +402,24 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     unused: list[str] = []
     if model_type == "inkling2_text":
         text, unused = _build(
-            TextConfig, "", {k: v for k, v in raw.items() if k != "quantization_config"}, TEXT_ALIASES
+            TextConfig,
+            "",
+            {k: v for k, v in raw.items() if k not in ("quantization_config", DRAFT_SECTION)},
+            TEXT_ALIASES,
         )
-        config = ModelConfig(model_type, _validate_text(text, ""), quantization=quantization)
+        text = _validate_text(text, "")
+        draft, draft_unused = _parse_draft(raw, text)
+        unused += draft_unused
+        config = ModelConfig(model_type, text, quantization=quantization, draft=draft)
     elif model_type == "inkling2":
         text_raw = _section(raw, "text_config")
         vision_raw = _section(raw, "vision_config")
         text, text_unused = _build(TextConfig, "text_config", text_raw, TEXT_ALIASES)
         vision, vision_unused = _build(VisionConfig, "vision_config", vision_raw, VISION_ALIASES)
         top_unused = [
-            k for k in raw if k not in {"text_config", "vision_config", "image_token_id", "quantization_config"}
+            k
+            for k in raw
+            if k not in {"text_config", "vision_config", "image_token_id", "quantization_config", DRAFT_SECTION}
         ]
         unused = text_unused + vision_unused + top_unused
         image_token_id = _check_type("", "image_token_id", raw.get("image_token_id", 200054), int)
@@ -322,7 +432,9 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
             )
         if not 0 <= image_token_id < text.vocab_size:
             raise ConfigError(f"config field image_token_id {image_token_id} is outside the vocabulary")
-        config = ModelConfig(model_type, text, vision, image_token_id, quantization)
+        draft, draft_unused = _parse_draft(raw, text)
+        unused += draft_unused
+        config = ModelConfig(model_type, text, vision, image_token_id, quantization, draft)
     else:
         raise ConfigError(f"config field 'model_type' is {model_type!r}; expected 'inkling2' or 'inkling2_text'")
     ignored = sorted(name for name in unused if name.rsplit(".", 1)[-1] not in _GENERIC_FIELDS)

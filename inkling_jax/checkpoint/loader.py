@@ -3,7 +3,9 @@
 Every tensor is checked against the parameter it fills: unknown, duplicated or missing tensors, wrong
 shapes, dtypes or sidecars raise `CheckpointError` naming the tensor (and both shapes), before any
 tensor data is read; scale values are checked as they are read, before any compute. Given a mesh, each
-parameter is built straight into its shards from the slices this process's devices own.
+parameter is built straight into its shards from the slices this process's devices own. A checkpoint
+whose config has a `dspark_config` loads its DSpark draft (`dspark.*` tensors) the same way, into
+`CausalLM.dspark`; `dspark.*` tensors without the config are an error.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from inkling_jax.checkpoint.names import (
     Index,
     Transform,
     detect_layout,
+    is_draft,
     is_ignored,
     is_vision,
     text_parameter,
@@ -61,8 +64,9 @@ def parameter_bytes(model: nnx.Module) -> int:
 def abstract_causal_lm(
     config: ModelConfig, dtype: jnp.dtype, expert_formats: Sequence[str | None] | None = None
 ) -> CausalLM:
-    """The model's structure with shapes and dtypes only; nothing allocated."""
-    return nnx.eval_shape(lambda: CausalLM(config.text, dtype, nnx.Rngs(0), expert_formats))
+    """The model's structure (with the draft when the config has one), shapes and dtypes only; nothing
+    allocated."""
+    return nnx.eval_shape(lambda: CausalLM(config.text, dtype, nnx.Rngs(0), expert_formats, config.draft))
 
 
 _EXPERT_TARGET = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
@@ -86,6 +90,10 @@ def _group(checkpoint: Path, files: CheckpointFiles, config: ModelConfig) -> tup
         if (config.vision is not None and is_vision(name)) or is_ignored(name):
             skipped.append(name)
             continue
+        if is_draft(name) and config.draft is None:
+            raise CheckpointError(
+                f"{checkpoint}: tensor {name!r} belongs to a DSpark draft, but config.json has no dspark_config"
+            )
         mapped = text_parameter(name, layout)
         if mapped is None:
             raise CheckpointError(f"{checkpoint}: unexpected tensor {name!r} ({layout} layout)")
@@ -196,7 +204,8 @@ def _placed(shape: tuple[int, ...], sharding: NamedSharding | None, read: Callab
 def load_causal_lm(
     checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16, mesh: Mesh | None = None
 ) -> tuple[ModelConfig, CausalLM]:
-    """Read config.json and the safetensors weights of `checkpoint` (either layout) into a CausalLM.
+    """Read config.json and the safetensors weights of `checkpoint` (either layout) into a CausalLM (with
+    its DSpark draft as `model.dspark` when the config has a `dspark_config`, else `model.dspark` is None).
 
     Experts stay in the format the checkpoint stores them in (plain, MXFP8 or NVFP4). Every name, shape
     and dtype is checked before any data is read; tensors are then read, checked and placed one at a time.

@@ -7,6 +7,33 @@ Our parameter paths are transformers' `Inkling2ForCausalLM` names. Layouts:
   `model.vision_tower.*` + `lm_head.weight` (Inkling2ForConditionalGeneration).
 Vision-tower tensors are recognised and left to the image tower; `k_l2_clip` tensors are ignored, as
 transformers ignores them.
+
+The DSpark draft's tensors are `dspark.*` in every layout, named after DeepSpec's DSpark modules; each is
+the parameter of the same path (`CausalLM.dspark`). With m = len(target_layer_ids), d the hidden size,
+r = markov_rank, V = vocab_size (padded), H / Hkv / D / I the draft's heads, KV heads, head dim and MLP width:
+
+    dspark.fc.weight                                  [d, m*d]   context projection (no bias)
+    dspark.hidden_norm.weight                         [d]        RMSNorm of the context features
+    dspark.layers.{i}.input_layernorm.weight          [d]
+    dspark.layers.{i}.self_attn.q_proj.weight         [H*D, d]
+    dspark.layers.{i}.self_attn.k_proj.weight         [Hkv*D, d] (context features and block states)
+    dspark.layers.{i}.self_attn.v_proj.weight         [Hkv*D, d]
+    dspark.layers.{i}.self_attn.o_proj.weight         [d, H*D]
+    dspark.layers.{i}.self_attn.q_norm.weight         [D]
+    dspark.layers.{i}.self_attn.k_norm.weight         [D]
+    dspark.layers.{i}.post_attention_layernorm.weight [d]
+    dspark.layers.{i}.mlp.gate_proj.weight            [I, d]
+    dspark.layers.{i}.mlp.up_proj.weight              [I, d]
+    dspark.layers.{i}.mlp.down_proj.weight            [d, I]
+    dspark.norm.weight                                [d]        final norm before the shared LM head
+    dspark.markov_head.markov_w1.weight               [V, r]     W1, previous-token embedding
+    dspark.markov_head.markov_w2.weight               [V, r]     W2, state -> vocabulary bias
+    dspark.markov_head.joint_proj.weight              [3r, 2r+d] W_j, rows: gate, candidate, output
+    dspark.markov_head.joint_proj.bias                [3r]
+    dspark.confidence_head.proj.weight                [1, d+r]
+    dspark.confidence_head.proj.bias                  [1]
+
+No embedding or LM head: the draft uses the target's.
 """
 
 from __future__ import annotations
@@ -20,6 +47,7 @@ import numpy as np
 ORIGINAL = "original"
 TRANSFORMERS = "transformers"
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.")
+DRAFT_PREFIX = "dspark."
 
 Index = tuple[slice, ...]
 
@@ -132,6 +160,8 @@ _TRANSFORMERS_TOP = {target: source for source, target in _ORIGINAL_TOP.items()}
 
 def original_name(path: str) -> str:
     """The original-layout checkpoint name of one of our parameter paths (plain weights)."""
+    if is_draft(path):
+        return path
     if path in _TRANSFORMERS_TOP:
         return _TRANSFORMERS_TOP[path]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", path)
@@ -160,6 +190,11 @@ def is_vision(name: str) -> bool:
     return name.startswith(VISION_PREFIXES)
 
 
+def is_draft(name: str) -> bool:
+    """A DSpark draft tensor (the same name in every layout)."""
+    return name.startswith(DRAFT_PREFIX)
+
+
 def is_ignored(name: str) -> bool:
     """Tensors transformers' conversion renames but its model has no parameter for: the key L2 clip
     has a fixed threshold, so a stored `k_l2_clip` tensor does not take part in the reference's math."""
@@ -175,11 +210,13 @@ class Mapped(NamedTuple):
 
 
 def text_parameter(name: str, layout: str) -> Mapped | None:
-    """Where a checkpoint tensor goes, or None if it is no text-model tensor.
+    """Where a checkpoint tensor goes, or None if it is no text-model (or draft) tensor.
 
     Plain weights have role DATA and target our parameter path; a quantized expert weight's tensors
     (data, scales, global scale) share the target of the weight they make up.
     """
+    if is_draft(name):
+        return Mapped(name, DATA, IDENTITY)
     if _ACTIVATION_SCALE.fullmatch(name):
         return Mapped(name, IGNORED, IDENTITY)
     base, role = name, DATA

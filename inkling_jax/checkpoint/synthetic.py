@@ -2,6 +2,7 @@
 
     python -m inkling_jax.checkpoint.synthetic --config CONFIG --out DIR
         [--experts bf16|mxfp8|mixed] [--nvfp4-layers A-B] [--layout original|transformers] [--seed 0]
+        [--draft-config DSPARK_CONFIG.json]
 
 Every parameter gets non-trivial values at a realistic scale (including those the reference
 initialises to zeros or ones: attention-residual queries, clip scales, norm gains, correction bias,
@@ -9,6 +10,8 @@ dynamic static taps), so a checkpoint exercises every path of the model and acti
 Tensors are generated and written one at a time (experts one expert at a time), so host memory stays
 at one expert's weight whatever the model size. Quantized experts follow the released checkpoints:
 original layout, interleaved gate/up rows, ModelOpt sidecar names, NVFP4 with one global scale per expert.
+A config with a `dspark_config` (in the file, or added with `draft` / `--draft-config`) gets a random DSpark
+draft too (`dspark.*` tensors, the same names in both layouts).
 A tokenizer (tokenizer.json, tokenizer_config.json; see `synthetic_tokenizer`) comes with every config whose
 vocabulary can hold one; smaller ones (like the unit tests' 60-token models) get none, with a logged warning.
 """
@@ -19,7 +22,7 @@ import argparse
 import json
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -31,7 +34,7 @@ from inkling_jax.checkpoint.loader import abstract_causal_lm, parameter_paths
 from inkling_jax.checkpoint.names import interleave_rows, original_name
 from inkling_jax.checkpoint.safetensors_io import TensorSpec, split_by_bytes, write_sharded_streamed
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
-from inkling_jax.config import ModelConfig, load_config
+from inkling_jax.config import DRAFT_SECTION, ModelConfig, parse_config
 from inkling_jax.tokenizer import TokenizerError
 from pallas_kernels import block_formats
 from pallas_kernels.quantized import MXFP8, NVFP4
@@ -139,18 +142,21 @@ def write_checkpoint(
     nvfp4_layers: range | None = None,
     layout: str = "original",
     shard_bytes: int = 2 << 30,
+    draft: Mapping | None = None,
 ) -> Path:
     """Write config.json, the synthetic tokenizer and random weights for the config at `config_path` to
-    directory `out`."""
+    directory `out`; `draft`: a `dspark_config` to add (replacing the file's), for a random DSpark draft."""
     if experts not in EXPERT_CHOICES:
         raise ValueError(f"--experts must be one of {EXPERT_CHOICES}, got {experts!r}")
-    config = load_config(config_path)
+    raw = json.loads(Path(config_path).read_text())
+    if draft is not None:
+        raw[DRAFT_SECTION] = dict(draft)
+    config = parse_config(raw)
     formats = expert_formats(config, experts, nvfp4_layers)
     dtype = F32 if experts == "fp32" else BF16
     writer = _Writer(config, formats, dtype, layout, seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    raw = json.loads(Path(config_path).read_text())
     if any(formats):
         raw["quantization_config"] = _quantization_config(formats, layout)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
@@ -198,10 +204,12 @@ def main() -> None:
     parser.add_argument("--layout", choices=("original", "transformers"), default="original")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-gib", type=float, default=2.0, help="approximate shard size")
+    parser.add_argument("--draft-config", type=Path, help="a dspark_config JSON object: add a random DSpark draft")
     args = parser.parse_args()
+    draft = json.loads(args.draft_config.read_text()) if args.draft_config else None
     out = write_checkpoint(
         args.config, args.out, seed=args.seed, experts=args.experts, nvfp4_layers=args.nvfp4_layers,
-        layout=args.layout, shard_bytes=int(args.shard_gib * 2**30),
+        layout=args.layout, shard_bytes=int(args.shard_gib * 2**30), draft=draft,
     )  # fmt: skip
     print(out)
 

@@ -3,7 +3,9 @@
 Every layer: block attention residual -> (input norms) -> relative-bias attention -> static short
 conv; the residual restarts at block boundaries (the layer input becomes a block source); block
 attention residual -> norm -> MoE -> static short conv. After the last layer a final block attention
-residual, RMSNorm, the unembedding, a logit softcap and the slice to the real vocabulary.
+residual, RMSNorm, the unembedding, a logit softcap and the slice to the real vocabulary. A checkpoint
+with a DSpark draft adds it as `CausalLM.dspark` (`inkling_jax.model.draft`); it reads the target's
+layer outputs (`TextModel(..., capture=...)`) and shares its embedding and LM head.
 """
 
 import dataclasses
@@ -14,9 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.cache import KVCache
-from inkling_jax.config import TextConfig
+from inkling_jax.config import DraftConfig, TextConfig
 from inkling_jax.model.attention import Attention, Chunk
 from inkling_jax.model.attn_res import BlockAttentionResidual
+from inkling_jax.model.draft import Draft
 from inkling_jax.model.moe import SparseMoeBlock
 from inkling_jax.model.norms import RMSNorm, softcap
 from inkling_jax.model.params import Linear, normal, param
@@ -119,19 +122,33 @@ class TextModel(nnx.Module):
         positions: jax.Array,
         kv: KVCache | None = None,
         chunk: Chunk | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        capture: Sequence[int] = (),
+    ) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, jax.Array]:
         """token_ids, positions [B, T] int32 -> final hidden states [B, T, H] (activation dtype), and
-        the updated cache when the tokens continue one."""
+        the updated cache when the tokens continue one.
+
+        With `capture` (layer ids, e.g. the draft's `target_layer_ids`) also the outputs of those layers,
+        stacked in that order: [B, T, len(capture), H]. A layer's output is the residual stream it hands
+        to the next layer: the running partial sum of the current attention-residual block after layer i
+        (the closed blocks reach later layers only as sources) -- what a forward hook on the decoder layer
+        sees, as DeepSpec taps its targets. It is not normalised.
+        """
         x = self.embed_tokens(token_ids)
         dtype = x.dtype
         sources: list[jax.Array] = []
+        captured: dict[int, jax.Array] = {}
         for i, layer in enumerate(self.layers):
             out, kv = layer(x, sources, positions, kv, chunk)
             if self.config.is_block_boundary(i):
                 sources.append(x)
+            if i in capture:
+                captured[i] = out
             x = out
         x = self.final_input(sources, x)[0]
-        return round_to(self.norm(x), dtype), kv
+        hidden = round_to(self.norm(x), dtype)
+        if not capture:
+            return hidden, kv
+        return hidden, kv, jnp.stack([captured[i] for i in capture], axis=2)
 
 
 class CausalLM(nnx.Module):
@@ -139,6 +156,8 @@ class CausalLM(nnx.Module):
     `Inkling2ForCausalLM` so its checkpoints load by name.
 
     expert_formats: per layer, None (experts in `dtype`) or "mxfp8" / "nvfp4" (kept quantized).
+    draft: the DSpark draft's config; the model then holds the draft's own parameters as `dspark`
+    (else `dspark` is None). Its embedding and LM head are this model's.
     """
 
     def __init__(
@@ -147,6 +166,7 @@ class CausalLM(nnx.Module):
         dtype: jnp.dtype = jnp.bfloat16,
         rngs: nnx.Rngs | None = None,
         expert_formats: Sequence[str | None] | None = None,
+        draft: DraftConfig | None = None,
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         expert_formats = expert_formats if expert_formats is not None else [None] * config.num_hidden_layers
@@ -157,6 +177,7 @@ class CausalLM(nnx.Module):
         self.lm_head = Linear(
             rngs, config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype, config.initializer_range
         )
+        self.dspark = Draft(rngs, draft, config, dtype) if draft is not None else None
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """token_ids [B, T] -> float32 logits [B, T, unpadded_vocab_size].
