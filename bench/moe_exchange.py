@@ -1,6 +1,7 @@
 """Expert-parallel token exchange: reduce-scatter + all-gather (what the model uses) vs. all-to-all.
 
-    python -m bench.moe_exchange [--tokens 64 1024] [--tp 4 8] [--repeats 5] [--out FILE.json]
+    python -m bench.moe_exchange [--tokens 64 1024] [--tp 4 8] [--repeats 5] [--hidden 1024 --inner 256
+        --experts 64] [--out FILE.json]
 
 Both run one MoE layer's routed experts with the experts split over the mesh's `model` axis and the
 tokens replicated on every device (the residual stream is replicated within a TP group):
@@ -39,7 +40,7 @@ from inkling_jax.sharding import MODEL
 from pallas_kernels.moe import moe_experts
 from pallas_kernels.numerics import round_to
 
-HIDDEN, INNER, EXPERTS, TOP_K = 1024, 256, 64, 8
+TOP_K = 8
 CAPS = {"gate_cap": 30.0, "up_cap": 30.0}
 
 
@@ -102,13 +103,13 @@ def collective_bytes(lowered: jax.stages.Lowered, tp: int) -> dict[str, int]:
     return sent
 
 
-def measure(tokens: int, tp: int, repeats: int) -> dict:
+def measure(tokens: int, tp: int, repeats: int, hidden: int, inner: int, experts: int) -> dict:
     mesh = Mesh(np.asarray(jax.devices()[:tp]), (MODEL,))
     keys = jax.random.split(jax.random.key(tokens * 10 + tp), 5)
-    x = jax.random.normal(keys[0], (tokens, HIDDEN), jnp.bfloat16)
-    gate_up = (jax.random.normal(keys[1], (EXPERTS, 2 * INNER, HIDDEN)) * 0.03).astype(jnp.bfloat16)
-    down = (jax.random.normal(keys[2], (EXPERTS, HIDDEN, INNER)) * 0.03).astype(jnp.bfloat16)
-    _, experts = jax.lax.top_k(jax.random.normal(keys[3], (tokens, EXPERTS)), TOP_K)
+    x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
+    gate_up = (jax.random.normal(keys[1], (experts, 2 * inner, hidden)) * 0.03).astype(jnp.bfloat16)
+    down = (jax.random.normal(keys[2], (experts, hidden, inner)) * 0.03).astype(jnp.bfloat16)
+    _, experts = jax.lax.top_k(jax.random.normal(keys[3], (tokens, experts)), TOP_K)
     weights = jax.nn.softmax(jax.random.normal(keys[4], (tokens, TOP_K)))
     run = functools.partial(moe_experts, **CAPS)
     want = np.asarray(run(x, gate_up, down, experts, weights).astype(jnp.float32))
@@ -137,15 +138,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--tp", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--inner", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results = {
         "command": "python -m bench.moe_exchange " + " ".join(
             [f"--tokens {' '.join(map(str, args.tokens))}", f"--tp {' '.join(map(str, args.tp))}",
-             f"--repeats {args.repeats}"]),
+             f"--repeats {args.repeats} --hidden {args.hidden} --inner {args.inner} --experts {args.experts}"]),
         "backend": jax.default_backend(),
-        "shape": {"hidden": HIDDEN, "inner": INNER, "experts": EXPERTS, "top_k": TOP_K, "dtype": "bfloat16"},
-        "runs": [measure(tokens, tp, args.repeats) for tokens in args.tokens for tp in args.tp],
+        "shape": {"hidden": args.hidden, "inner": args.inner, "experts": args.experts, "top_k": TOP_K,
+                  "dtype": "bfloat16"},
+        "runs": [measure(tokens, tp, args.repeats, args.hidden, args.inner, args.experts)
+                 for tokens in args.tokens for tp in args.tp],
     }  # fmt: skip
     text = json.dumps(results, indent=1)
     print(text)
