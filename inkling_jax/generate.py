@@ -60,8 +60,9 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
 
 
-def parse_request(line: str, number: int, text: TextConfig, tokenizer: Tokenizer | None = None) -> Request:
-    """One JSONL line -> Request, or RequestError naming the line; a text "prompt" needs `tokenizer`."""
+def read_line(line: str, number: int, fields: set[str], tokenizer: Tokenizer | None) -> dict:
+    """A request line's JSON object with its id checked and its prompt as "prompt_token_ids" (a text
+    "prompt" encoded with `tokenizer`); `fields` are the other fields allowed. RequestError names the line."""
 
     def fail(message: str) -> RequestError:
         return RequestError(f"line {number}: {message}")
@@ -72,12 +73,13 @@ def parse_request(line: str, number: int, text: TextConfig, tokenizer: Tokenizer
         raise fail(f"not JSON ({error})") from error
     if not isinstance(raw, dict):
         raise fail("a request must be a JSON object")
-    fields = {f.name for f in dataclasses.fields(Request)} | {"prompt"}
-    unknown = sorted(set(raw) - fields)
+    unknown = sorted(set(raw) - fields - {"id", "prompt", "prompt_token_ids"})
     if unknown:
         raise fail(f"unknown field(s) {', '.join(unknown)}")
     if "id" not in raw:
         raise fail("missing 'id'")
+    if not isinstance(raw["id"], str | int) or isinstance(raw["id"], bool):
+        raise fail("'id' must be a string or an integer")
     if ("prompt" in raw) == ("prompt_token_ids" in raw):
         raise fail("give exactly one of 'prompt' (text) and 'prompt_token_ids'")
     if "prompt" in raw:
@@ -86,8 +88,16 @@ def parse_request(line: str, number: int, text: TextConfig, tokenizer: Tokenizer
         if not isinstance(raw["prompt"], str):
             raise fail("'prompt' must be a string")
         raw["prompt_token_ids"] = tokenizer.encode(raw.pop("prompt"))
-    if not isinstance(raw["id"], str | int) or isinstance(raw["id"], bool):
-        raise fail("'id' must be a string or an integer")
+    return raw
+
+
+def parse_request(line: str, number: int, text: TextConfig, tokenizer: Tokenizer | None = None) -> Request:
+    """One JSONL line -> Request, or RequestError naming the line; a text "prompt" needs `tokenizer`."""
+
+    def fail(message: str) -> RequestError:
+        return RequestError(f"line {number}: {message}")
+
+    raw = read_line(line, number, {f.name for f in dataclasses.fields(Request)}, tokenizer)
     try:
         prompt = validate_token_ids(raw["prompt_token_ids"], text)
         stop = tuple(validate_token_ids(raw["stop_token_ids"], text)) if raw.get("stop_token_ids") else ()

@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 
 from inkling_jax import distributed
+from inkling_jax.generate import RequestError, read_line
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer
 from serving.engine import load_engine
 from serving.requests import Delta, EngineRequest, Options, Rejected, validate_options
@@ -40,43 +41,17 @@ from serving.text_stream import TextStream
 _OPTION_TYPES = {field.name: field.type for field in dataclasses.fields(Options)}
 
 
-class LineError(ValueError):
-    """A request line that cannot be served; the message names the line and the field."""
-
-
 def parse_line(line: str, number: int, tokenizer: Tokenizer | None) -> EngineRequest:
     """One JSONL line -> EngineRequest (ranges are checked later, against the model)."""
 
-    def fail(message: str) -> LineError:
-        return LineError(f"line {number}: {message}")
+    def fail(message: str) -> RequestError:
+        return RequestError(f"line {number}: {message}")
 
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise fail(f"not JSON ({error})") from error
-    if not isinstance(raw, dict):
-        raise fail("a request must be a JSON object")
-    unknown = sorted(set(raw) - set(_OPTION_TYPES) - {"id", "prompt", "prompt_token_ids"})
-    if unknown:
-        raise fail(f"unknown field(s) {', '.join(unknown)}")
-    if not isinstance(raw.get("id"), str | int) or isinstance(raw.get("id"), bool):
-        raise fail("'id' (a string or an integer) is required")
-    if ("prompt" in raw) == ("prompt_token_ids" in raw):
-        raise fail("give exactly one of 'prompt' (text) and 'prompt_token_ids'")
-    if "prompt" in raw:
-        if tokenizer is None:
-            raise fail("'prompt' (text) needs a tokenizer.json in the checkpoint; send prompt_token_ids")
-        if not isinstance(raw["prompt"], str):
-            raise fail("'prompt' must be a string")
-        prompt = tokenizer.encode(raw["prompt"])
-    else:
-        prompt = raw["prompt_token_ids"]
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise fail("'prompt_token_ids' must be a list of integers")
-    options = {}
-    for name, value in raw.items():
-        if name in _OPTION_TYPES:
-            options[name] = _option(name, value, fail)
+    raw = read_line(line, number, set(_OPTION_TYPES), tokenizer)
+    prompt = raw["prompt_token_ids"]
+    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise fail("'prompt_token_ids' must be a list of integers")
+    options = {name: _option(name, value, fail) for name, value in raw.items() if name in _OPTION_TYPES}
     if options.get("stop") and tokenizer is None:
         raise fail("'stop' strings need a tokenizer.json in the checkpoint; use stop_token_ids")
     return EngineRequest(str(raw["id"]), tuple(prompt), Options(**options))
@@ -134,7 +109,7 @@ class _Run:
             try:
                 self.scheduler.submit(result.request, lambda delta, result=result: self._on_delta(result, delta))
             except Rejected as error:
-                raise LineError(f"request {result.request.id!r}: {error}") from error
+                raise RequestError(f"request {result.request.id!r}: {error}") from error
 
     def _on_delta(self, result: _Result, delta: Delta) -> None:
         """Runs on the scheduler thread, so a stop string cancels at the same step on every process."""
@@ -201,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             lines = Path(args.input).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as error:
-            raise LineError(f"cannot read {args.input}: {error}") from error
+            raise RequestError(f"cannot read {args.input}: {error}") from error
         requests = []
         for number, line in enumerate(lines, 1):
             if line.strip():
@@ -209,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     validate_options(request.options, engine.text, len(request.prompt_token_ids))
                 except Rejected as error:
-                    raise LineError(f"line {number}: {error}") from error
+                    raise RequestError(f"line {number}: {error}") from error
                 requests.append(request)
         if not requests:
-            raise LineError(f"{args.input} holds no requests")
+            raise RequestError(f"{args.input} holds no requests")
         if len({r.id for r in requests}) != len(requests):
-            raise LineError(f"{args.input}: request ids must be unique")
+            raise RequestError(f"{args.input}: request ids must be unique")
         scheduler = Scheduler(engine, prefill_budget=args.prefill_budget, max_waiting=len(requests))
         scheduler.warm_up()
         try:
