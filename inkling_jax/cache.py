@@ -7,7 +7,11 @@ Per sequence (DESIGN.md):
   tokens is written before attention reads, and its first token still needs the window - 1 tokens
   before it, so the ring must hold window - 1 + C tokens: a ring of exactly the window is not enough;
 - four short-convolution states per layer (the last K - 1 inputs of the K, V, post-attention and
-  post-MLP convolutions), in the activation dtype, which is exactly what the convolutions read;
+  post-MLP convolutions), in the activation dtype, which is exactly what the convolutions read. Unlike
+  K/V they do not roll back by length: a speculative verify pass records each layer's window (history
+  then the chunk's inputs, `ConvWindows`) and `commit_conv` keeps the accepted prefix;
+- with a DSpark draft, the draft's context K/V of every committed position, in the same pages as the
+  full-attention layers (written only once positions commit, so never rolled back);
 - for sampling: each sequence's generated-token counts, its prompt's token set and its count of
   generated tokens.
 Block attention residuals keep nothing across tokens. Under tensor parallelism (`tp`) attention heads,
@@ -25,7 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from inkling_jax.config import TextConfig
+from inkling_jax.config import DraftConfig, TextConfig
+from inkling_jax.model.short_conv import committed_history, conv_window
 
 PAGE_SIZE = 128
 
@@ -83,8 +88,27 @@ def conv_state_bytes(text: TextConfig, dtype: jnp.dtype, tp: int = 1) -> int:
     return total
 
 
+def draft_split(draft: DraftConfig, tp: int) -> bool:
+    """Whether tp devices split the draft's context KV heads (else each device keeps all of them)."""
+    return draft.num_key_value_heads % tp == 0
+
+
+def draft_bytes_per_token(draft: DraftConfig | None, dtype: jnp.dtype, tp: int = 1) -> int:
+    """Draft context K and V bytes of one token over all draft layers, per device (0 without a draft)."""
+    if draft is None:
+        return 0
+    heads = draft.num_key_value_heads // tp if draft_split(draft, tp) else draft.num_key_value_heads
+    return draft.num_hidden_layers * 2 * heads * draft.head_dim * jnp.dtype(dtype).itemsize
+
+
 def bytes_per_sequence(
-    text: TextConfig, context: int, *, max_chunk: int, dtype: jnp.dtype = jnp.bfloat16, tp: int = 1
+    text: TextConfig,
+    context: int,
+    *,
+    max_chunk: int,
+    dtype: jnp.dtype = jnp.bfloat16,
+    tp: int = 1,
+    draft: DraftConfig | None = None,
 ) -> dict[str, int]:
     """Device bytes one sequence of `context` tokens holds, by part (sampling state excluded)."""
     sliding_layers, full_layers = _layer_counts(text)
@@ -94,6 +118,7 @@ def bytes_per_sequence(
         "full_attention_kv": full_layers * pages * PAGE_SIZE * kv_bytes_per_token(text, False, dtype, tp),
         "sliding_window_kv": sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp),
         "conv_states": conv_state_bytes(text, dtype, tp),
+        "draft_context_kv": pages * PAGE_SIZE * draft_bytes_per_token(draft, dtype, tp),
     }
     return {**parts, "total": sum(parts.values())}
 
@@ -107,8 +132,10 @@ def layout_for_budget(
     max_chunk: int,
     dtype: jnp.dtype = jnp.bfloat16,
     tp: int = 1,
+    draft: DraftConfig | None = None,
 ) -> CacheLayout:
-    """The largest page pool that fits `budget_bytes` (per device) after every slot's fixed state."""
+    """The largest page pool that fits `budget_bytes` (per device) after every slot's fixed state; a
+    page holds its tokens' K/V of every full-attention layer and, with a draft, their draft context K/V."""
     sliding_layers, full_layers = _layer_counts(text)
     ring = text.sliding_window_size + max_chunk
     fixed = max_num_seqs * (
@@ -116,7 +143,9 @@ def layout_for_budget(
         + conv_state_bytes(text, dtype, tp)
         + text.unpadded_vocab_size * 5  # sampling: int32 output counts and a bool prompt mask per token
     )
-    per_page = max(1, full_layers) * PAGE_SIZE * kv_bytes_per_token(text, False, dtype, tp)
+    per_page = PAGE_SIZE * (
+        max(1, full_layers) * kv_bytes_per_token(text, False, dtype, tp) + draft_bytes_per_token(draft, dtype, tp)
+    )
     num_pages = (budget_bytes - fixed) // per_page
     max_pages_per_seq = math.ceil(max_context / PAGE_SIZE)
     if num_pages < max_pages_per_seq:
@@ -126,6 +155,22 @@ def layout_for_budget(
             f"{max_pages_per_seq}"
         )
     return CacheLayout(max_num_seqs, int(num_pages), max_pages_per_seq, max_chunk)
+
+
+CONV_STREAMS = ("k", "v", "attention", "mlp")  # KVCache.conv_{stream}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ConvWindows:
+    """One step's short-convolution windows, per stream: each layer's history before the step followed
+    by the chunk's C inputs, [layers, S, K - 1 + C, channels] (channels as in the KVCache's conv_{stream};
+    a layer with fewer K/V channels leaves the rest zero, as its state does)."""
+
+    k: jax.Array
+    v: jax.Array
+    attention: jax.Array
+    mlp: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -141,6 +186,47 @@ class KVCache:
     conv_v: jax.Array
     conv_attention: jax.Array  # [layers, S, K - 1, hidden]
     conv_mlp: jax.Array
+    draft_k: jax.Array | None = None  # [draft layers, num_pages, page, draft kv_heads, draft head_dim]; None: no draft
+    draft_v: jax.Array | None = None
+    windows: ConvWindows | None = None  # only inside a pass that records them (`record_windows`), never kept
+
+
+def record_windows(kv: KVCache, width: int) -> KVCache:
+    """kv, set to also record every layer's convolution windows (`ConvWindows`) of a chunk of `width` tokens."""
+
+    def empty(history: jax.Array) -> jax.Array:  # [layers, S, K - 1, ch] -> [layers, S, K - 1 + width, ch]
+        layers, slots, taps, channels = history.shape
+        return jnp.zeros((layers, slots, taps + width, channels), history.dtype)
+
+    return dataclasses.replace(kv, windows=ConvWindows(*(empty(getattr(kv, f"conv_{s}")) for s in CONV_STREAMS)))
+
+
+def advance_conv(kv: KVCache, stream: str, layer: int, x: jax.Array, counts: jax.Array) -> KVCache:
+    """kv with `layer`'s `stream` convolution state moved past the first counts[s] of the chunk's inputs
+    x [S, C, ch] (ch: the layer's channels, a prefix of the state's), and its window recorded when kv
+    records them."""
+    name, channels = f"conv_{stream}", x.shape[-1]
+    state = getattr(kv, name)  # [layers, S, K - 1, all channels]
+    window = conv_window(state[layer, ..., :channels], x)  # [S, K - 1 + C, ch]
+    kv = dataclasses.replace(
+        kv, **{name: state.at[layer, ..., :channels].set(committed_history(window, counts, state.shape[2]))}
+    )
+    if kv.windows is None:
+        return kv
+    recorded = getattr(kv.windows, stream).at[layer, ..., :channels].set(window)
+    return dataclasses.replace(kv, windows=dataclasses.replace(kv.windows, **{stream: recorded}))
+
+
+def commit_conv(kv: KVCache, windows: ConvWindows, commit: jax.Array) -> KVCache:
+    """kv with every layer's four convolution states as if only the first commit[s] tokens of the
+    windows' chunk had been fed: window[layer, s, commit[s] : commit[s] + K - 1] (research 3.3). Full and
+    sliding K/V need no such step: entries past the committed length are never read."""
+    taps = kv.conv_k.shape[2]
+
+    def keep(window: jax.Array) -> jax.Array:  # [layers, S, K - 1 + C, ch] -> [layers, S, K - 1, ch]
+        return jax.vmap(committed_history, in_axes=(0, None, None))(window, commit, taps)
+
+    return dataclasses.replace(kv, **{f"conv_{s}": keep(getattr(windows, s)) for s in CONV_STREAMS})
 
 
 @jax.tree_util.register_dataclass
@@ -160,8 +246,15 @@ class DecodeState:
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
 
 
-def init_state(text: TextConfig, layout: CacheLayout, dtype: jnp.dtype = jnp.bfloat16, tp: int = 1) -> DecodeState:
-    """An empty decode state for `tp` devices (unsharded; `inkling_jax.sharding` places it on a mesh)."""
+def init_state(
+    text: TextConfig,
+    layout: CacheLayout,
+    dtype: jnp.dtype = jnp.bfloat16,
+    tp: int = 1,
+    draft: DraftConfig | None = None,
+) -> DecodeState:
+    """An empty decode state for `tp` devices (unsharded; `inkling_jax.sharding` places it on a mesh),
+    with the draft's context K/V pool when a draft is given."""
     sliding_layers, full_layers = _layer_counts(text)
     slots, ring, taps = layout.max_num_seqs, layout.ring(text), text.conv_kernel_size - 1
     swa_heads, swa_dim = _kv_heads(text, True, 1)
@@ -182,6 +275,9 @@ def init_state(text: TextConfig, layout: CacheLayout, dtype: jnp.dtype = jnp.bfl
         conv_attention=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
         conv_mlp=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
     )
+    if draft is not None:
+        pool = (draft.num_hidden_layers, layout.num_pages, layout.page_size, draft.num_key_value_heads, draft.head_dim)
+        kv = dataclasses.replace(kv, draft_k=zeros(*pool), draft_v=zeros(*pool))
     return DecodeState(
         kv=kv,
         page_table=jnp.zeros((slots, layout.max_pages_per_seq), jnp.int32),

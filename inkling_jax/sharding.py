@@ -99,12 +99,16 @@ def replica_specs(state: DecodeState) -> DecodeState:
 def state_specs(state: DecodeState, text: TextConfig, tp: int) -> DecodeState:
     """How a decode state (`init_state(..., tp)`) lies on a mesh: slots and pages split over `data`
     replicas; within a replica K/V split by head, one head or more per device, the K/V conv states like
-    the projections that fill them, everything else replicated."""
+    the projections that fill them, the draft's context K/V by head while tp divides its KV heads (else
+    whole on every device), everything else replicated."""
     conv_axis = logical_rules(text, tp)["kv_heads"]
     heads_axis = {"full_k": MODEL, "full_v": MODEL, "sliding_k": MODEL, "sliding_v": MODEL}
     heads_axis |= {"conv_k": conv_axis, "conv_v": conv_axis}
+    if state.kv.draft_k is not None:
+        draft_axis = MODEL if state.kv.draft_k.shape[3] % tp == 0 else None  # [layers, pages, page, heads, dim]
+        heads_axis |= {"draft_k": draft_axis, "draft_v": draft_axis}
 
-    def kv_spec(name: str, spec: PartitionSpec) -> PartitionSpec:
+    def kv_spec(name: str, spec: PartitionSpec | None) -> PartitionSpec | None:
         return PartitionSpec(*spec, None, heads_axis[name]) if name in heads_axis else spec
 
     specs = replica_specs(state)

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax.cache import KVCache
+from inkling_jax.cache import KVCache, advance_conv
 from inkling_jax.config import TextConfig
 from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
 from inkling_jax.model.params import Linear, normal, param
-from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution, next_history
+from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
 from pallas_kernels.numerics import round_to
 from pallas_kernels.relative_attention import relative_attention
 
@@ -59,6 +59,26 @@ def read_pages(pages: jax.Array, layer: int, chunk: Chunk) -> tuple[jax.Array, j
     slots, num_pages, page_size = view.shape[:3]
     positions = jnp.broadcast_to(jnp.arange(num_pages * page_size, dtype=jnp.int32), (slots, num_pages * page_size))
     return view.reshape(slots, num_pages * page_size, *view.shape[3:]), positions
+
+
+def write_draft_context(kv: KVCache, k: jax.Array, v: jax.Array, chunk: Chunk) -> KVCache:
+    """kv with the draft's context K, V [draft layers, S, C, Hkv, D] (`Draft.context_kv` of the chunk's
+    positions) stored for each slot's first counts[s] positions. Only committed positions may enter the
+    pool, so a speculative step writes with counts = its accepted tokens + 1 and never rolls it back."""
+    draft_k, draft_v = kv.draft_k, kv.draft_v
+    for layer in range(k.shape[0]):
+        draft_k = write_pages(draft_k, layer, k[layer], chunk)
+        draft_v = write_pages(draft_v, layer, v[layer], chunk)
+    return dataclasses.replace(kv, draft_k=draft_k, draft_v=draft_v)
+
+
+def read_draft_context(kv: KVCache, chunk: Chunk) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each slot's draft context K, V [draft layers, S, L, Hkv, D] in position order and their positions
+    [S, L]: `Draft.block_hidden`'s context (it reads only positions before the anchor)."""
+    layers = range(kv.draft_k.shape[0])
+    k = jnp.stack([read_pages(kv.draft_k, layer, chunk)[0] for layer in layers])
+    v = jnp.stack([read_pages(kv.draft_v, layer, chunk)[0] for layer in layers])
+    return k, v, read_pages(kv.draft_k, 0, chunk)[1]
 
 
 def write_ring(rings: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:
@@ -182,10 +202,8 @@ class Attention(nnx.Module):
                 )
                 k, kv_positions = read_pages(kv.full_k, kind, chunk)
                 v, _ = read_pages(kv.full_v, kind, chunk)
-            kv = dataclasses.replace(
-                kv,
-                conv_k=kv.conv_k.at[self.layer, ..., :kv_size].set(next_history(k_pre, k_history, chunk.counts)),
-                conv_v=kv.conv_v.at[self.layer, ..., :kv_size].set(next_history(v_pre, v_history, chunk.counts)),
+            kv = advance_conv(
+                advance_conv(kv, "k", self.layer, k_pre, chunk.counts), "v", self.layer, v_pre, chunk.counts
             )
         out = relative_attention(
             q, k.astype(dtype), v.astype(dtype), rel, self.rel_logits_proj.proj[...], self.sink_proj(q_in),

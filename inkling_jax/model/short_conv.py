@@ -30,11 +30,18 @@ def lagged(x: jax.Array, kernel_size: int, history: jax.Array | None = None) -> 
     )
 
 
-def next_history(x: jax.Array, history: jax.Array, counts: jax.Array) -> jax.Array:
-    """The K - 1 latest inputs after the first counts[b] of x [B, T, C] follow history [B, K - 1, C]."""
-    joined = jnp.concatenate([history, x.astype(history.dtype)], axis=1)
-    index = counts[:, None] + jnp.arange(history.shape[1])[None, :]
-    return jnp.take_along_axis(joined, index[:, :, None], axis=1)
+def conv_window(history: jax.Array, x: jax.Array) -> jax.Array:
+    """history [B, K - 1, C] followed by a chunk's inputs x [B, T, C] -> the window [B, K - 1 + T, C] in
+    history's dtype: every input the history after any prefix of the chunk can hold."""
+    return jnp.concatenate([history, x.astype(history.dtype)], axis=1)
+
+
+def committed_history(window: jax.Array, commit: jax.Array, taps: int) -> jax.Array:
+    """window [B, taps + T, C] (`conv_window`, taps = K - 1), commit [B] in 0..T -> [B, taps, C]: the
+    latest inputs once the first commit[b] of the chunk's T are kept, window[b, commit[b] : commit[b] + taps]
+    (how a speculative step rolls a verify pass back to its accepted tokens)."""
+    index = commit[:, None] + jnp.arange(taps)[None, :]  # [B, taps]
+    return jnp.take_along_axis(window, index[:, :, None], axis=1)
 
 
 class DepthwiseTaps(nnx.Module):

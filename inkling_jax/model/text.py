@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax.cache import KVCache
+from inkling_jax.cache import ConvWindows, KVCache, advance_conv, record_windows
 from inkling_jax.config import DraftConfig, TextConfig
 from inkling_jax.model.attention import Attention, Chunk
 from inkling_jax.model.attn_res import BlockAttentionResidual
@@ -23,7 +23,7 @@ from inkling_jax.model.draft import Draft
 from inkling_jax.model.moe import SparseMoeBlock
 from inkling_jax.model.norms import RMSNorm, softcap
 from inkling_jax.model.params import Linear, normal, param
-from inkling_jax.model.short_conv import ShortConvolution, next_history
+from inkling_jax.model.short_conv import ShortConvolution
 from pallas_kernels.numerics import round_to
 
 
@@ -85,14 +85,8 @@ class DecoderLayer(nnx.Module):
         mlp_out = self.mlp(round_to(self.post_attention_layernorm(h), dtype))
         h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[self.layer])
         if kv is not None:
-            i = self.layer
-            kv = dataclasses.replace(
-                kv,
-                conv_attention=kv.conv_attention.at[i].set(
-                    next_history(attention_out, kv.conv_attention[i], chunk.counts)
-                ),
-                conv_mlp=kv.conv_mlp.at[i].set(next_history(mlp_out, kv.conv_mlp[i], chunk.counts)),
-            )
+            kv = advance_conv(kv, "attention", self.layer, attention_out, chunk.counts)
+            kv = advance_conv(kv, "mlp", self.layer, mlp_out, chunk.counts)
         return round_to(residual + h, dtype), kv
 
 
@@ -195,9 +189,19 @@ class CausalLM(nnx.Module):
         logits = softcap(self.lm_head(hidden).astype(jnp.float32), self.config.final_logit_softcapping)
         return logits[..., : self.config.unpadded_vocab_size]
 
-    def step(self, token_ids: jax.Array, kv: KVCache, chunk: Chunk) -> tuple[jax.Array, KVCache]:
+    def step(
+        self, token_ids: jax.Array, kv: KVCache, chunk: Chunk, windows: bool = False
+    ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, ConvWindows]:
         """Continue every slot's sequence by its chunk: token_ids [S, C] (the first counts[s] real) ->
-        float32 logits [S, vocab] at each slot's last real token, and the updated cache."""
+        float32 logits [S, vocab] at each slot's last real token, and the updated cache.
+
+        With `windows`, also every layer's convolution windows of the chunk (`ConvWindows`), from which
+        `inkling_jax.cache.commit_conv` keeps the states of any prefix (a speculative verify pass)."""
+        if windows:
+            kv = record_windows(kv, chunk.width)
         hidden, kv = self.model(token_ids, chunk.positions, kv, chunk)
         last = jnp.maximum(chunk.counts - 1, 0)
-        return self.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), kv
+        logits = self.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+        if not windows:
+            return logits, kv
+        return logits, dataclasses.replace(kv, windows=None), kv.windows
