@@ -195,3 +195,26 @@ def test_block_from_the_pool_equals_the_block_from_features(drafted):
     from_pool = draft.block_hidden(anchors, lengths, pool_k, pool_v, pool_positions, embed)
     direct = draft.block_hidden(anchors, lengths, k[:, :, :length], v[:, :, :length], positions[:, :length], embed)
     np.testing.assert_allclose(from_pool, direct, rtol=1e-6, atol=1e-6)
+
+
+def test_engine_steps_keep_the_draft_context(drafted):
+    """Prefill in chunks and a decode step through the engine's step fill the draft pool with the
+    context K/V of every position fed, as computed from a whole-sequence forward."""
+    config, model = drafted
+    text, draft = config.text, model.dspark
+    layout = CacheLayout(max_num_seqs=2, num_pages=4, max_pages_per_seq=2, max_chunk=VERIFY)
+    state = init_state(text, layout, jnp.float32, draft=config.draft)
+    page_table = jnp.asarray([[3, 0], [1, 2]], jnp.int32)
+    ids = jax.random.randint(jax.random.key(5), (2, 13), 0, text.unpadded_vocab_size)
+    kv, lengths = state.kv, jnp.zeros(2, jnp.int32)
+    step = jax.jit(model.step)
+    for start, width in ((0, VERIFY), (VERIFY, 4), (12, 1)):
+        counts = jnp.full(2, width, jnp.int32)
+        tokens = jnp.pad(ids[:, start : start + width], ((0, 0), (0, VERIFY - width)))
+        _, kv = step(tokens, kv, Chunk(lengths, counts, page_table, VERIFY))
+        lengths = lengths + counts
+    positions = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), ids.shape)
+    _, _, captured = model.model(ids, positions, capture=config.draft.target_layer_ids)
+    k, _ = draft.context_kv(draft.context_features(captured), positions)
+    pool_k, _, _ = read_draft_context(kv, Chunk(lengths, jnp.zeros(2, jnp.int32), page_table))
+    np.testing.assert_allclose(pool_k[:, :, :13], k, rtol=2e-5, atol=2e-5)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from inkling_jax.cache import ConvWindows, KVCache, advance_conv, record_windows
 from inkling_jax.config import DraftConfig, TextConfig
-from inkling_jax.model.attention import Attention, Chunk
+from inkling_jax.model.attention import Attention, Chunk, write_draft_context
 from inkling_jax.model.attn_res import BlockAttentionResidual
 from inkling_jax.model.draft import Draft
 from inkling_jax.model.moe import SparseMoeBlock
@@ -196,12 +196,24 @@ class CausalLM(nnx.Module):
         float32 logits [S, vocab] at each slot's last real token, and the updated cache.
 
         With `windows`, also every layer's convolution windows of the chunk (`ConvWindows`), from which
-        `inkling_jax.cache.commit_conv` keeps the states of any prefix (a speculative verify pass)."""
+        `inkling_jax.cache.commit_conv` keeps the states of any prefix (a speculative verify pass).
+        With a draft and a draft pool in the cache, the chunk's positions also enter the draft's context."""
         if windows:
             kv = record_windows(kv, chunk.width)
-        hidden, kv = self.model(token_ids, chunk.positions, kv, chunk)
+        hidden, kv = self._continue(token_ids, kv, chunk)
         last = jnp.maximum(chunk.counts - 1, 0)
         logits = self.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
         if not windows:
             return logits, kv
         return logits, dataclasses.replace(kv, windows=None), kv.windows
+
+    def _continue(self, token_ids: jax.Array, kv: KVCache, chunk: Chunk) -> tuple[jax.Array, KVCache]:
+        """The target over a chunk; with a draft pool, every real position's draft context K/V is
+        stored too, so the draft can start from any step (prefill, plain decoding or speculation)."""
+        if self.dspark is None or kv.draft_k is None:
+            return self.model(token_ids, chunk.positions, kv, chunk)
+        hidden, kv, features = self.model(
+            token_ids, chunk.positions, kv, chunk, capture=self.dspark.config.target_layer_ids
+        )
+        k, v = self.dspark.context_kv(self.dspark.context_features(features), chunk.positions)
+        return hidden, write_draft_context(kv, k, v, chunk)
