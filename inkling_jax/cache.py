@@ -10,8 +10,8 @@ Per sequence (DESIGN.md):
   post-MLP convolutions), in the activation dtype, which is exactly what the convolutions read. Unlike
   K/V they do not roll back by length: a speculative verify pass records each layer's window (history
   then the chunk's inputs, `ConvWindows`) and `commit_conv` keeps the accepted prefix;
-- with a DSpark draft, the draft's context K/V of every committed position, in the same pages as the
-  full-attention layers (written only once positions commit, so never rolled back);
+- with a DSpark draft, the draft's context K/V of every position fed, in the same pages as the
+  full-attention layers (like K/V, rejected positions past the committed length are never read);
 - for sampling: each sequence's generated-token counts, its prompt's token set and its count of
   generated tokens.
 Block attention residuals keep nothing across tokens. Under tensor parallelism (`tp`) attention heads,

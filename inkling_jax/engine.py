@@ -6,6 +6,10 @@ back on every process (they come back replicated).
 
 Slots and pages: the state has `slots` slots, `slots_per_replica` for each data-parallel replica, and
 each replica a pool of `pages_per_replica` pages; page tables hold replica-local page ids.
+
+Step shapes: a plain step is 1 token wide (decoding only) or `chunk` wide (with prefill); with
+speculation (`--speculative dspark`), a step in which some slot speculates is γ + 1 wide (decoding
+only) or `chunk` wide, in its own program. `widths` lists them; `warm_up` compiles them all.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state, layout_for_budget
+from inkling_jax.model.draft import require_draft
 from inkling_jax.model.text import CausalLM
-from inkling_jax.sampling import Sampled, SamplingParams
+from inkling_jax.sampling import SamplingParams
 from inkling_jax.sharding import DATA, MODEL, shard_model, state_shardings
-from inkling_jax.step import StepBatch, step_fn
+from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
+from inkling_jax.step import Emitted, StepBatch, step_fn
 
 # What an idle slot samples with (its token is discarded), and each parameter's neutral value.
 NEUTRAL_SAMPLING = {
@@ -41,7 +47,18 @@ def pages_for(tokens: int) -> int:
 class Engine:
     """The step over `mesh`; create with `Engine.create`. Use it inside `with jax.set_mesh(engine.mesh)`."""
 
-    def __init__(self, model: CausalLM, replica: CacheLayout, mesh: Mesh, num_top: int = 0):
+    def __init__(self, model: CausalLM, replica: CacheLayout, mesh: Mesh, num_top: int = 0, speculative: str = "none"):
+        """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
+        (NoDraftError) and a chunk of at least γ + 1 tokens (SpeculationError)."""
+        if speculative not in SPECULATIVE_MODES:
+            raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
+        self.speculative = speculative != "none"
+        self.gamma = require_draft(model).block_size if self.speculative else 0
+        if replica.max_chunk < self.gamma + 1:
+            raise SpeculationError(
+                f"chunk {replica.max_chunk} is narrower than a verify pass: speculation needs at least "
+                f"{self.gamma + 1} (the anchor and {self.gamma} drafts)"
+            )
         self.text, self.mesh = model.config, mesh
         self.dtype = model.model.embed_tokens.weight.dtype
         self.replicas = mesh.shape[DATA]
@@ -59,8 +76,11 @@ class Engine:
             shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
             self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
         # each step returns the state exactly as it took it, so one compilation per width serves all steps
-        self._step = jax.jit(functools.partial(step_fn, self.graphdef, num_top=num_top), donate_argnames="state",
-                             out_shardings=(NamedSharding(mesh, P()), shardings))  # fmt: skip
+        self._step = jax.jit(
+            functools.partial(step_fn, self.graphdef, num_top=min(num_top, self.text.unpadded_vocab_size),
+                              greedy_draft=speculative == "dspark-greedy"),
+            static_argnames="speculative", donate_argnames="state", out_shardings=(NamedSharding(mesh, P()), shardings),
+        )  # fmt: skip
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
 
@@ -75,6 +95,7 @@ class Engine:
         max_context: int,
         budget_bytes: int | None = None,
         num_top: int = 0,
+        speculative: str = "none",
     ) -> Engine:
         """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
         after the slots' fixed state (CacheBudgetError if not even one `max_context` sequence fits);
@@ -88,42 +109,59 @@ class Engine:
                 dtype=model.model.embed_tokens.weight.dtype, tp=mesh.shape[MODEL],
                 draft=None if model.dspark is None else model.dspark.config,
             )  # fmt: skip
-        return cls(model, replica, mesh, num_top)
+        return cls(model, replica, mesh, num_top, speculative)
 
     @property
     def compilations(self) -> int:
-        """Step programs compiled so far (warm-up compiles one per width; serving must add none)."""
+        """Step programs compiled so far (warm-up compiles one per shape; serving must add none)."""
         return self._step._cache_size()
+
+    @property
+    def widths(self) -> tuple[tuple[int, bool], ...]:
+        """Every step shape this engine runs: (width, speculative)."""
+        plain = ((1, False), (self.chunk, False))
+        return plain + (((self.gamma + 1, True), (self.chunk, True)) if self.speculative else ())
+
+    def width(self, prefill: bool, speculating: bool) -> int:
+        """The width of a step that holds a prompt chunk (`prefill`) or a speculating slot, or neither."""
+        return self.chunk if prefill else self.gamma + 1 if speculating else 1
 
     def replica_of(self, slot: int) -> int:
         return slot // self.slots_per_replica
 
-    def step(self, batch: StepBatch) -> Sampled:
+    def step(self, batch: StepBatch) -> Emitted:
         """Dispatch one step on a host batch ([S, ...] numpy leaves); returns at once with the device's
-        outputs (`fetch` waits for them). Slots with `feedback` set take the token sampled for them by
-        the previous step, which the host need not have read yet."""
+        outputs (`fetch` waits for them). Slots with `feedback` set start from the last token emitted
+        for them by the previous step, which the host need not have read yet. The step is speculative
+        when any slot has `speculate` set."""
+        speculative = bool(np.any(batch.speculate))
+        if speculative and not self.speculative:
+            raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
         on_mesh = jax.tree.map(
             lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
         )
         with jax.set_mesh(self.mesh):
-            sampled, self.state = self._step(self.params, self.state, on_mesh, self.previous)
-        self.previous = sampled.tokens
-        return sampled
+            emitted, self.state = self._step(self.params, self.state, on_mesh, self.previous, speculative=speculative)
+        self.previous = emitted.last
+        return emitted
 
     @staticmethod
-    def fetch(sampled: Sampled) -> Sampled:
+    def fetch(emitted: Emitted) -> Emitted:
         """The step's outputs as numpy arrays, on every process (they are replicated)."""
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), sampled)
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), emitted)
 
-    def idle_batch(self, width: int) -> StepBatch:
-        """A batch in which no slot does anything (for compiling a width)."""
-        return host_batch(np.zeros((self.slots, width), np.int32), np.zeros(self.slots, np.int32), [None] * self.slots,
-                          np.zeros((self.slots, self.max_pages), np.int32))  # fmt: skip
+    def idle_batch(self, width: int, speculative: bool = False) -> StepBatch:
+        """A batch in which no slot does anything (for compiling a shape)."""
+        tokens, table = np.zeros((self.slots, width), np.int32), np.zeros((self.slots, self.max_pages), np.int32)
+        speculate = np.full(
+            self.slots, speculative
+        )  # with counts 0 nothing runs, but the program is the speculative one
+        return host_batch(tokens, np.zeros(self.slots, np.int32), [None] * self.slots, table, speculate=speculate)
 
-    def warm_up(self, widths: Sequence[int]) -> None:
-        """Compile (and run once) every step width, so serving never compiles."""
-        for width in widths:
-            self.fetch(self.step(self.idle_batch(width)))
+    def warm_up(self) -> None:
+        """Compile (and run once) every step shape, so serving never compiles."""
+        for width, speculative in self.widths:
+            self.fetch(self.step(self.idle_batch(width, speculative)))
 
 
 def host_batch(
@@ -137,10 +175,14 @@ def host_batch(
     emit: np.ndarray | None = None,
     feedback: np.ndarray | None = None,
     replay: np.ndarray | None = None,
+    speculate: np.ndarray | None = None,
 ) -> StepBatch:
     """A host StepBatch; `sampling[s]` is any object with the sampling fields (or None: idle values)."""
     slots = tokens.shape[0]
-    flags = [np.zeros(slots, bool) if flag is None else flag for flag in (reset, is_prompt, emit, feedback, replay)]
+    flags = [
+        np.zeros(slots, bool) if flag is None else flag
+        for flag in (reset, is_prompt, emit, feedback, replay, speculate)
+    ]
 
     def column(name: str) -> np.ndarray:
         values = [NEUTRAL_SAMPLING[name] if s is None else getattr(s, name, NEUTRAL_SAMPLING[name]) for s in sampling]

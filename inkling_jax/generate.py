@@ -3,14 +3,16 @@
     python -m inkling_jax.generate --checkpoint DIR --input IN.jsonl --output OUT.jsonl
         [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M] [--mesh tpN|dpMtpN]
         [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
+        [--speculative none|dspark|dspark-greedy]
 
 Input lines: {"id", "prompt_token_ids" | "prompt", "max_tokens", "temperature", "top_p", "top_k",
-"min_p", "seed", "stop_token_ids"} (all but id and the prompt optional; a text "prompt" needs the
-checkpoint's tokenizer); output lines, in input order: {"id", "token_ids", "finish_reason"} (+ "text"
-with a tokenizer) with finish_reason "stop" (a stop token or the model's end of sequence, included in
-token_ids) or "length". Requests share `max_num_seqs` slots per data-parallel
-replica; prompts are prefilled in chunks of C tokens alongside other slots' decoding. Two step shapes
-are compiled up front ([slots, C] while any slot prefills, [slots, 1] otherwise), and nothing after.
+"min_p", "seed", "stop_token_ids", "speculative"} (all but id and the prompt optional; a text "prompt"
+needs the checkpoint's tokenizer; "speculative": false opts a request out of speculation); output
+lines, in input order: {"id", "token_ids", "finish_reason"} (+ "text" with a tokenizer, + "acceptance_length":
+tokens emitted per speculative round, when it had any) with finish_reason "stop" (a stop token or the
+model's end of sequence, included in token_ids) or "length". Requests share `max_num_seqs` slots per
+data-parallel replica; prompts are prefilled in chunks of C tokens alongside other slots' decoding. The
+engine's step shapes (`Engine.widths`) are compiled up front, and nothing after.
 Multi-host: every process runs the same command (see `inkling_jax.distributed`); process 0 writes the
 output.
 """
@@ -35,9 +37,11 @@ from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.config import ConfigError, TextConfig, load_config
 from inkling_jax.distributed import DistributedError
 from inkling_jax.engine import Engine, host_batch
+from inkling_jax.model.draft import NoDraftError, require_draft
 from inkling_jax.model.text import CausalLM
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError, make_mesh
+from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.step import StepBatch
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
@@ -58,6 +62,7 @@ class Request:
     min_p: float = 0.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    speculative: bool = True  # speculate when the run does (--speculative)
 
 
 def read_line(line: str, number: int, fields: set[str], tokenizer: Tokenizer | None) -> dict:
@@ -126,7 +131,10 @@ def parse_request(line: str, number: int, text: TextConfig, tokenizer: Tokenizer
         min_p=number_field("min_p", float, 0.0, 1.0, 0.0),
         seed=number_field("seed", int, 0, 2**32 - 1, 0),
         stop_token_ids=stop,
+        speculative=raw.get("speculative", True),
     )
+    if not isinstance(request.speculative, bool):
+        raise fail(f"'speculative' must be true or false, got {request.speculative!r}")
     if len(request.prompt_token_ids) + request.max_tokens > text.max_position_embeddings:
         raise fail(f"prompt + max_tokens exceeds the model's {text.max_position_embeddings} positions")
     return request
@@ -139,10 +147,12 @@ class _Slot:
     prompted: int = 0  # prompt tokens already sent
     output: list[int] = dataclasses.field(default_factory=list)
     fresh: bool = True
+    rounds: int = 0  # speculative rounds, and the tokens they emitted
+    drafted: int = 0
 
-    @property
-    def pages(self) -> int:
-        return math.ceil((len(self.request.prompt_token_ids) + self.request.max_tokens) / PAGE_SIZE)
+    def pages(self, room: int) -> int:
+        """Pages for the prompt, max_tokens and `room` positions a last verify pass may write beyond them."""
+        return math.ceil((len(self.request.prompt_token_ids) + self.request.max_tokens + room) / PAGE_SIZE)
 
 
 def generate(
@@ -152,6 +162,7 @@ def generate(
     chunk: int,
     budget_bytes: int | None = None,
     mesh: Mesh | None = None,
+    speculative: str = "none",
 ) -> list[dict]:
     """Serve every request through the engine step; results in input order.
 
@@ -159,73 +170,93 @@ def generate(
     pool of its own. With a memory budget (per device) the pool is what fits after the slots' fixed
     state, and a request waits until a replica has pages free for its prompt and max_tokens; without
     one every slot gets room for the longest request. In a multi-process run every process calls this
-    with the same requests and steps the same global batch.
+    with the same requests and steps the same global batch. speculative: one of SPECULATIVE_MODES;
+    decoding slots of requests that allow it then run DSpark rounds.
     """
     mesh = make_mesh("tp1", model.config) if mesh is None else mesh
-    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    room = 0 if speculative == "none" else require_draft(model).block_size  # a verify pass's positions past the end
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + room
     engine = Engine.create(model, mesh, max_num_seqs=max_num_seqs, chunk=chunk, max_context=longest,
-                           budget_bytes=budget_bytes)  # fmt: skip
-    return _schedule(engine, requests)
+                           budget_bytes=budget_bytes, speculative=speculative)  # fmt: skip
+    return run_requests(engine, requests)
 
 
-def _batch(slots: Sequence[_Slot | None], width: int, page_table: np.ndarray) -> StepBatch:
+def _batch(engine: Engine, slots: Sequence[_Slot | None], page_table: np.ndarray) -> StepBatch:
     """The next step's host batch; advances each slot's prompt position."""
     count = len(slots)
-    tokens = np.zeros((count, width), np.int32)
-    counts = np.zeros(count, np.int32)
-    reset, prompt, emit = (np.zeros(count, bool) for _ in range(3))
+    prefilling = any(slot and slot.prompted < len(slot.request.prompt_token_ids) for slot in slots)
+    pieces: list[list[int]] = [[] for _ in range(count)]
+    reset, prompt, emit, speculate = (np.zeros(count, bool) for _ in range(4))
     for s, slot in enumerate(slots):
         if slot is None:
             continue
         ids = slot.request.prompt_token_ids
         if slot.prompted < len(ids):
-            piece = ids[slot.prompted : slot.prompted + width]
-            slot.prompted += len(piece)
+            pieces[s] = ids[slot.prompted : slot.prompted + engine.chunk]
+            slot.prompted += len(pieces[s])
             prompt[s], emit[s] = True, slot.prompted == len(ids)
         else:
-            piece, emit[s] = slot.output[-1:], True
-        tokens[s, : len(piece)], counts[s] = piece, len(piece)
+            pieces[s], emit[s] = slot.output[-1:], True
+            # a round pays off only when more than one token is still wanted
+            speculate[s] = (
+                engine.speculative and slot.request.speculative and slot.request.max_tokens - len(slot.output) > 1
+            )
         reset[s], slot.fresh = slot.fresh, False
+    tokens = np.zeros((count, engine.width(prefilling, speculate.any())), np.int32)
+    counts = np.zeros(count, np.int32)
+    for s, piece in enumerate(pieces):
+        tokens[s, : len(piece)], counts[s] = piece, len(piece)
     requests = [slot.request if slot else None for slot in slots]
-    return host_batch(tokens, counts, requests, page_table, reset=reset, is_prompt=prompt, emit=emit)
+    return host_batch(
+        tokens, counts, requests, page_table, reset=reset, is_prompt=prompt, emit=emit, speculate=speculate
+    )
 
 
-def _schedule(engine: Engine, requests: Sequence[Request]) -> list[dict]:
+def run_requests(engine: Engine, requests: Sequence[Request]) -> list[dict]:
     """Admit requests into free slots (first come, first served, pages permitting), step until all finish."""
     eos = engine.text.eos_token_id
     eos_ids = eos if isinstance(eos, tuple) else (eos,)
     free_pages = [list(range(engine.pages_per_replica)) for _ in range(engine.replicas)]  # replica-local ids
     table = np.zeros((engine.slots, engine.max_pages), np.int32)
     slots: list[_Slot | None] = [None] * engine.slots
-    engine.warm_up((engine.chunk, 1))  # both step shapes compile before serving
+    engine.warm_up()  # every step shape compiles before serving
     results: list[dict | None] = [None] * len(requests)
     waiting = [_Slot(index, request) for index, request in enumerate(requests)]
     while waiting or any(slots):
         for s in range(engine.slots):
             pool = free_pages[engine.replica_of(s)]
-            if slots[s] is None and waiting and waiting[0].pages <= len(pool):
-                table[s, : waiting[0].pages] = [pool.pop() for _ in range(waiting[0].pages)]
+            if slots[s] is None and waiting and waiting[0].pages(engine.gamma) <= len(pool):
+                table[s, : waiting[0].pages(engine.gamma)] = [pool.pop() for _ in range(waiting[0].pages(engine.gamma))]
                 slots[s] = waiting.pop(0)
-        prefilling = any(slot and slot.prompted < len(slot.request.prompt_token_ids) for slot in slots)
-        batch = _batch(slots, engine.chunk if prefilling else 1, table)
-        sampled = engine.fetch(engine.step(batch)).tokens
+        batch = _batch(engine, slots, table)
+        emitted = engine.fetch(engine.step(batch))
         for s, slot in enumerate(slots):
             if slot is None or not batch.emit[s]:
                 continue
-            token = int(sampled[s])
-            slot.output.append(token)
-            stopped = token in slot.request.stop_token_ids or token in eos_ids
-            if stopped or len(slot.output) >= slot.request.max_tokens:
-                reason = "stop" if stopped else "length"
+            slot.rounds += int(batch.speculate[s])
+            slot.drafted += int(emitted.count[s]) if batch.speculate[s] else 0
+            reason = None
+            for token in emitted.tokens[s, : emitted.count[s]].tolist():
+                slot.output.append(token)
+                if token in slot.request.stop_token_ids or token in eos_ids:
+                    reason = "stop"
+                elif len(slot.output) >= slot.request.max_tokens:
+                    reason = "length"
+                if reason:
+                    break
+            if reason:
                 results[slot.index] = {"id": slot.request.id, "token_ids": slot.output, "finish_reason": reason}
-                free_pages[engine.replica_of(s)].extend(table[s, : slot.pages].tolist())
+                if slot.rounds:
+                    results[slot.index]["acceptance_length"] = slot.drafted / slot.rounds
+                free_pages[engine.replica_of(s)].extend(table[s, : slot.pages(engine.gamma)].tolist())
                 slots[s] = None
     return results
 
 
 # Bad input of any kind: one line naming it, exit status 2.
 _USER_ERRORS = (
-    ConfigError, CheckpointError, TokenizerError, RequestError, CacheBudgetError, MeshError, DistributedError, OSError
+    ConfigError, CheckpointError, TokenizerError, RequestError, CacheBudgetError, MeshError, DistributedError,
+    NoDraftError, SpeculationError, OSError,
 )  # fmt: skip
 
 
@@ -240,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=float, help="decode-state budget; default: room for every slot")
     mesh_help = "tpN (tensor and expert parallel over N devices) or dpMtpN (M replicas of tpN)"
     parser.add_argument("--mesh", default="tp1", help=mesh_help)
+    parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
+                        help="DSpark speculative decoding with the checkpoint's draft (dspark-greedy: drafts are the "
+                             "draft's argmax); the output's distribution is the target's either way")  # fmt: skip
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     log_to_stderr()
@@ -262,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         if not requests:
             raise RequestError(f"{args.input} holds no requests")
         budget = None if args.kv_cache_mib is None else int(args.kv_cache_mib * 2**20)
-        results = generate(model, requests, args.max_num_seqs, args.chunk, budget, mesh)
+        results = generate(model, requests, args.max_num_seqs, args.chunk, budget, mesh, args.speculative)
         if tokenizer is not None:
             results = [{**r, "text": tokenizer.decode(r["token_ids"], skip_special_tokens=True)} for r in results]
         if jax.process_index() == 0:

@@ -31,7 +31,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from inkling_jax.cache import KVCache
+from inkling_jax.model.attention import Chunk, read_draft_context
+from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import SamplingParams, filtered_logits, penalize, request_keys
+
+# --speculative: no speculation, DSpark drafts sampled from the draft's distribution, or its argmax
+SPECULATIVE_MODES = ("none", "dspark", "dspark-greedy")
+
+
+class SpeculationError(ValueError):
+    """Speculation the engine's shapes cannot do (the model's draft is checked by `require_draft`)."""
+
 
 # fold_in tags separating a token index's independent noise streams (plain `sample` uses the unfolded key)
 DRAFT, ACCEPT, RESIDUAL = 1, 2, 3
@@ -89,6 +100,40 @@ def sample_draft(
     sampled = jax.vmap(jax.random.categorical)(token_keys(params.seed, generated, 1, DRAFT)[:, 0], jnp.log(q))
     sampling = params.temperature > 0
     return jnp.where(sampling, sampled, argmax).astype(jnp.int32), jnp.where(sampling[:, None], q, one_hot)
+
+
+def propose(
+    model: CausalLM,
+    anchors: jax.Array,
+    kv: KVCache,
+    chunk: Chunk,
+    params: SamplingParams,
+    generated: jax.Array,
+    greedy: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(drafts [S, γ] int32, q [S, γ, V] float32): the DSpark draft's γ tokens after each slot's anchor and
+    the exact distribution each was drawn from.
+
+    anchors [S]: the last sampled token of each slot, at position chunk.lengths (not yet in the state);
+    kv: the state holding the draft's context for the positions before it; generated [S]: the index of
+    the round's first emitted token in its request (draft k has index generated + k). One block pass
+    gives every slot's hidden state, then the RNN head runs slot by slot, each bias reading the token
+    just drafted: q_k = softmax of (U_k + bias_k) under the request's temperature and filters.
+    """
+    draft = model.dspark
+    context_k, context_v, context_positions = read_draft_context(kv, chunk)
+    h = draft.block_hidden(anchors, chunk.lengths, context_k, context_v, context_positions, model.model.embed_tokens)
+    base = model.logits(h)  # [S, γ, V]
+    gamma = h.shape[1]
+
+    def slot(carry: tuple[jax.Array, jax.Array], k: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
+        state, previous = carry
+        state, bias = draft.rnn_step(state, previous, h[:, k])
+        token, q = sample_draft(base[:, k] + bias, params, generated + k, greedy)
+        return (state, token), (token, q)
+
+    _, (drafts, q) = jax.lax.scan(slot, (draft.initial_state(anchors.shape[0]), anchors), jnp.arange(gamma))
+    return drafts.T, jnp.swapaxes(q, 0, 1)
 
 
 def penalize_positions(

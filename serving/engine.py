@@ -11,8 +11,10 @@ from inkling_jax import engine as core
 from inkling_jax.cache import PAGE_SIZE
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.config import TextConfig, load_config
+from inkling_jax.model.draft import require_draft
 from inkling_jax.score import DTYPES
 from inkling_jax.sharding import make_mesh
+from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.tokenizer import Tokenizer, TokenizerError
 from serving.requests import MAX_LOGPROBS
 
@@ -51,16 +53,23 @@ def load_engine(
     max_num_seqs: int = 8,
     chunk: int = 64,
     kv_cache_mib: float | None = None,
+    speculative: str = "none",
 ) -> Engine:
     """Load `checkpoint` onto the mesh `mesh` and size the decode state; errors are ValueErrors naming
-    what is wrong (config, checkpoint, tokenizer, mesh, cache budget)."""
+    what is wrong (config, checkpoint, tokenizer, mesh, cache budget, speculation without a draft).
+    speculative: one of `inkling_jax.speculative.SPECULATIVE_MODES`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
     if max_num_seqs < 1 or chunk < 1:
         raise ValueError("max_num_seqs and chunk must be at least 1")
     if not Path(checkpoint, "config.json").is_file():
         raise CheckpointError(f"{checkpoint} is not a checkpoint directory (no config.json)")
-    device_mesh = make_mesh(mesh, load_config(checkpoint).text)
+    if speculative not in SPECULATIVE_MODES:
+        raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
+    config = load_config(checkpoint)
+    if speculative != "none":
+        require_draft(config, checkpoint)  # before loading anything
+    device_mesh = make_mesh(mesh, config.text)
     config, model = load_model(checkpoint, DTYPES[dtype], device_mesh)
     tokenizer = None
     if Path(checkpoint, "tokenizer.json").is_file():
@@ -72,6 +81,6 @@ def load_engine(
     budget = None if kv_cache_mib is None else int(kv_cache_mib * 2**20)
     engine = core.Engine.create(
         model, device_mesh, max_num_seqs=max_num_seqs, chunk=chunk, max_context=config.text.max_position_embeddings,
-        budget_bytes=budget, num_top=MAX_LOGPROBS,
+        budget_bytes=budget, num_top=MAX_LOGPROBS, speculative=speculative,
     )  # fmt: skip
     return Engine(engine, tokenizer, str(checkpoint), mesh, dtype)

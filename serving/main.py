@@ -32,8 +32,10 @@ from inkling_jax.checkpoint import CheckpointError
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import ConfigError
 from inkling_jax.distributed import DistributedError
+from inkling_jax.model.draft import NoDraftError
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
+from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.tokenizer import TokenizerError
 from serving.engine import load_engine
 from serving.scheduler import Scheduler
@@ -44,7 +46,10 @@ log = logging.getLogger("serving")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "tiny.json"
 DEFAULT_CHECKPOINT = REPO / "out" / "tiny-checkpoint"
-LOAD_ERRORS = (ConfigError, CheckpointError, MeshError, CacheBudgetError, TokenizerError, DistributedError)
+LOAD_ERRORS = (
+    ConfigError, CheckpointError, MeshError, CacheBudgetError, TokenizerError, DistributedError, NoDraftError,
+    SpeculationError,
+)  # fmt: skip
 
 
 class ShutdownRequested(Exception):
@@ -62,6 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
+    speculative_help = (
+        "DSpark speculative decoding with the checkpoint's draft (dspark-greedy: the draft proposes its argmax); "
+        "requests may opt out; outputs follow the model's distribution either way"
+    )
+    parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none", help=speculative_help)
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on exit")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -127,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("loading %s on mesh %s (%s)", checkpoint, args.mesh, args.dtype)
         engine = load_engine(
             checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
-            kv_cache_mib=args.kv_cache_mib,
+            kv_cache_mib=args.kv_cache_mib, speculative=args.speculative,
         )  # fmt: skip
         scheduler = Scheduler(engine)
         log.info("warming up: compiling every step shape")

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 THROUGHPUT_WINDOW = 10.0  # seconds
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+ACCEPTANCE_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0)
 
 
 class Stats(Protocol):
@@ -34,6 +35,8 @@ class Stats(Protocol):
     preemptions: int
     generated_tokens: int
     prompt_tokens: int
+    speculative_rounds: int
+    speculative_tokens: int
 
 
 class StatsSource(Protocol):
@@ -55,6 +58,12 @@ class Metrics:
             "inkling_time_per_output_token_seconds",
             "Mean time between a request's generated tokens after the first (one observation per request)",
             buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.acceptance_length = Histogram(
+            "inkling_speculative_acceptance_length",
+            "Tokens emitted per speculative round (accepted drafts + 1), one observation per request that ran rounds",
+            buckets=ACCEPTANCE_BUCKETS,
             registry=self.registry,
         )
         self.requests_finished = Counter(
@@ -142,6 +151,14 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("inkling_preemptions", "Sequences preempted to free pages", value=stats.preemptions)
         yield CounterMetricFamily("inkling_prompt_tokens", "Prompt tokens prefilled", value=stats.prompt_tokens)
         yield CounterMetricFamily("inkling_generation_tokens", "Tokens generated", value=stats.generated_tokens)
+        yield CounterMetricFamily(
+            "inkling_speculative_rounds", "Speculative rounds (draft, verify) run", value=stats.speculative_rounds
+        )
+        yield CounterMetricFamily(
+            "inkling_speculative_tokens",
+            "Tokens emitted by speculative rounds (over the rounds: the mean acceptance length)",
+            value=stats.speculative_tokens,
+        )
         yield GaugeMetricFamily(
             "inkling_generation_tokens_per_second",
             f"Tokens generated per second over the last {THROUGHPUT_WINDOW:g} s",

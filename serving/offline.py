@@ -3,12 +3,14 @@
     python -m serving.offline --checkpoint DIR --input IN.jsonl --output OUT.jsonl [--mesh tp4 | dp2tp4]
         [--dtype bfloat16] [--max-num-seqs 8] [--chunk 64] [--kv-cache-mib M] [--prefill-budget T]
         [--coordinator-address HOST:PORT|auto --num-processes N --process-id I] [--quiet]
+        [--speculative none|dspark|dspark-greedy]
 
 Input lines are those of `python -m inkling_jax.generate` ({"id", "prompt_token_ids", "max_tokens",
 "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids"}) plus "prompt" (text, with the
 checkpoint's tokenizer), "stop" (strings), "repetition_penalty", "presence_penalty",
 "frequency_penalty" and "ignore_eos"; output lines, in input order: {"id", "token_ids", "text" (with
-a tokenizer; special tokens left out, as the server streams it), "finish_reason"}. Unlike
+a tokenizer; special tokens left out, as the server streams it), "finish_reason"} and, when the request
+ran speculative rounds (`--speculative dspark`), "acceptance_length". Unlike
 `inkling_jax.generate` it allocates pages as sequences grow and
 preempts instead of waiting. A progress line and a throughput summary go to stderr.
 
@@ -32,6 +34,7 @@ import jax
 
 from inkling_jax import distributed
 from inkling_jax.generate import RequestError, read_line
+from inkling_jax.speculative import SPECULATIVE_MODES
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer
 from serving.engine import load_engine
 from serving.requests import Delta, EngineRequest, Options, Rejected, validate_options
@@ -64,9 +67,9 @@ def _option(name: str, value: object, fail) -> object:
         if not isinstance(value, list) or not all(isinstance(v, element) and not isinstance(v, bool) for v in value):
             raise fail(f"{name!r} must be a list of {'integers' if element is int else 'strings'}")
         return tuple(value)
-    if name == "ignore_eos":
+    if name in ("ignore_eos", "speculative"):
         if not isinstance(value, bool):
-            raise fail("'ignore_eos' must be true or false")
+            raise fail(f"{name!r} must be true or false")
         return value
     integral = kind in ("int", "int | None")
     if isinstance(value, bool) or not isinstance(value, int | float) or (integral and not isinstance(value, int)):
@@ -85,12 +88,14 @@ class _Result:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: list[str] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    acceptance_length: float = 0.0
 
     def line(self, with_text: bool) -> dict:
         out = {"id": self.request.id, "token_ids": self.token_ids}
         if with_text:
             out["text"] = "".join(self.text)
-        return {**out, "finish_reason": self.finish_reason}
+        out["finish_reason"] = self.finish_reason
+        return {**out, "acceptance_length": self.acceptance_length} if self.acceptance_length else out
 
 
 class _Run:
@@ -115,7 +120,7 @@ class _Run:
         """Runs on the scheduler thread, so a stop string cancels at the same step on every process."""
         if result.finish_reason is not None:
             return
-        tokens = delta.token_ids
+        tokens, result.acceptance_length = delta.token_ids, delta.acceptance_length
         if result.stream is not None:
             piece = result.stream.push(tokens)
             tokens, stopped = tokens[: piece.tokens], piece.stopped
@@ -150,8 +155,11 @@ def run(scheduler: Scheduler, requests: list[EngineRequest], tokenizer: Tokenize
     if progress:
         stats = scheduler.stats()
         rates = f"{run.generated / elapsed:.1f} tokens/s, {len(requests) / elapsed:.2f} requests/s"
+        rounds = stats.speculative_rounds
+        accepted = f", acceptance length {stats.speculative_tokens / rounds:.2f}" if rounds else ""
         print(f"\r{len(requests)} requests in {elapsed:.2f} s: {stats.prompt_tokens} prompt tokens, "
-              f"{run.generated} generated ({rates}), {stats.preemptions} preemptions", file=sys.stderr)  # fmt: skip
+              f"{run.generated} generated ({rates}), {stats.preemptions} preemptions{accepted}",
+              file=sys.stderr)  # fmt: skip
     return [result.line(tokenizer is not None) for result in run.results]
 
 
@@ -166,13 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (token bucket) width")
     parser.add_argument("--kv-cache-mib", type=float, help="decode-state budget per device")
     parser.add_argument("--prefill-budget", type=int, help="prompt tokens per step (default: 2 chunks)")
+    parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="none",
+        help="DSpark speculative decoding with the checkpoint's draft (dspark-greedy: argmax drafts)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         distributed.initialize(args)
-        engine = load_engine(args.checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                             chunk=args.chunk, kv_cache_mib=args.kv_cache_mib)  # fmt: skip
+        engine = load_engine(
+            args.checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
+            kv_cache_mib=args.kv_cache_mib, speculative=args.speculative,
+        )  # fmt: skip
         try:
             lines = Path(args.input).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as error:

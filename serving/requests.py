@@ -50,6 +50,7 @@ class Options:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the top n
+    speculative: bool = True  # speculate when the server does (--speculative); False: plain decoding
 
 
 def validate_options(options: Options, text: TextConfig, prompt_length: int) -> None:
@@ -115,3 +116,4 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far
     error: str | None = None
+    acceptance_length: float = 0.0  # tokens emitted per speculative round so far (0: none ran)

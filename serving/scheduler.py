@@ -7,11 +7,18 @@ pages freed) and later recomputed: its prompt and the tokens it had produced are
 latter counted as its output, so penalties and its seeded random stream continue exactly) and
 generation resumes where it stopped.
 
-The loop never waits on the host: a decoding slot's next input is the token the previous step sampled
-for it, read on device, so step N + 1 is dispatched before step N's tokens are read; reading them,
-checking stop conditions and handing deltas to the streams happen while the device computes. A
-sequence that stops (EOS, stop token, cancellation) may have one more step in flight; its result is
-dropped. Detokenizing and stop strings happen in the consumers' threads (`serving.text_stream`).
+With speculation (`--speculative dspark`), a decoding sequence whose request allows it runs a DSpark
+round each step (up to γ + 1 tokens at once, the same distribution as plain decoding); it decodes
+plainly when one token is all it still needs, or when a verify pass would run past the pages one
+sequence can hold (near the end of its context).
+
+The loop never waits on the host: a decoding slot's next input is the last token the previous step
+emitted for it, read on device, so step N + 1 is dispatched before step N's tokens are read; reading
+them, checking stop conditions and handing deltas to the streams happen while the device computes. The
+host does not know how many tokens an unread round emits, so it gives the sequence pages for the most
+it can. A sequence that stops (EOS, stop token, max_tokens, cancellation) may have one more step in
+flight; its result is dropped. Detokenizing and stop strings happen in the consumers' threads
+(`serving.text_stream`).
 """
 
 from __future__ import annotations
@@ -27,8 +34,7 @@ from collections.abc import Callable
 import numpy as np
 
 from inkling_jax.engine import host_batch, pages_for
-from inkling_jax.sampling import Sampled
-from inkling_jax.step import StepBatch
+from inkling_jax.step import Emitted, StepBatch
 from serving.engine import Engine
 from serving.requests import Code, Delta, EngineRequest, Rejected, TopLogprob, validate_options
 
@@ -44,6 +50,8 @@ class Stats:
     preemptions: int  # cumulative
     generated_tokens: int  # cumulative
     prompt_tokens: int  # cumulative, counted at admission
+    speculative_rounds: int  # cumulative
+    speculative_tokens: int  # cumulative: tokens those rounds emitted
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,12 +60,16 @@ class _Sequence:
     on_delta: Callable[[Delta], None]
     arrival: int  # admission order: the lowest is served first and preempted last
     outputs: list[int] = dataclasses.field(default_factory=list)
-    fed: int = 0  # tokens in the decode state
-    in_flight: int = 0  # tokens sampled by dispatched steps, not read yet
+    fed: int = 0  # prompt (and replayed) tokens sent to the decode state since admission
+    decoding: bool = False  # caught up: each step feeds its newest token and emits at least one more
+    in_flight: int = 0  # dispatched steps that emit for it, not read yet
+    bound: int = 0  # the most tokens those steps can emit
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     replay_until: int = 0  # positions below this that are outputs are fed again after a preemption
     finished: bool = False
+    rounds: int = 0  # speculative rounds read, and the tokens they emitted
+    round_tokens: int = 0
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -71,14 +83,20 @@ class _Sequence:
     def token(self, position: int) -> int:
         return self.prompt[position] if position < len(self.prompt) else self.outputs[position - len(self.prompt)]
 
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per speculative round (0 before any)."""
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
 
 @dataclasses.dataclass
 class _Plan:
-    """One step: its host batch, the sequence of each slot whose sample is kept, the device's outputs."""
+    """One step: its host batch, the sequence of each slot whose output is kept, the device's outputs."""
 
     batch: StepBatch
     sequences: dict[int, _Sequence]  # slot -> sequence
-    sampled: Sampled | None = None
+    bounds: dict[int, int]  # slot -> the most tokens the step can emit for it
+    emitted: Emitted | None = None
 
 
 class Scheduler:
@@ -137,9 +155,9 @@ class Scheduler:
             self._lock.notify()
 
     def warm_up(self) -> None:
-        """Compile every step shape (the decode width and the prefill width); then accept requests."""
+        """Compile every step shape (`Engine.widths`); then accept requests."""
         start = time.perf_counter()
-        self.core.warm_up((self.core.chunk, 1))
+        self.core.warm_up()
         logger.info("warm-up compiled and ran every step shape in %.1f s", time.perf_counter() - start)
         self.ready = True
 
@@ -178,6 +196,8 @@ class Scheduler:
                 preemptions=self._counters["preemptions"],
                 generated_tokens=self._counters["generated"],
                 prompt_tokens=self._counters["prompt"],
+                speculative_rounds=self._counters["rounds"],
+                speculative_tokens=self._counters["round_tokens"],
             )
 
     # --- the scheduler thread ---
@@ -195,7 +215,7 @@ class Scheduler:
             try:
                 plan = self._plan()
                 if plan is not None:
-                    plan.sampled = self.core.step(plan.batch)
+                    plan.emitted = self.core.step(plan.batch)
                 if pending is not None:
                     self._read(pending)  # overlaps the step just dispatched
                 pending = plan
@@ -220,48 +240,64 @@ class Scheduler:
         """Admit, allocate pages (preempting if needed) and build the next step's batch."""
         self._admit()
         core, budget = self.core, self.prefill_budget
-        pieces: dict[int, tuple[_Sequence, list[int], bool]] = {}  # slot -> (sequence, host tokens, feedback)
+        capacity = min(core.pages_per_replica, core.max_pages)  # pages one sequence can hold
+        pieces: dict[int, tuple[_Sequence, list[int], int, bool]] = {}  # slot -> (sequence, tokens, width, speculate)
         for slot in self._by_priority():
             sequence = self._slots[slot]
-            newest = sequence.known + sequence.in_flight - 1  # position of its latest token
-            if sequence.fed == newest and sequence.fed >= sequence.replay_until:  # decoding
-                if len(sequence.outputs) + sequence.in_flight < sequence.request.options.max_tokens:
-                    feedback = sequence.in_flight > 0  # its latest token is still on the device
-                    pieces[slot] = (sequence, [] if feedback else [sequence.token(newest)], feedback)
+            options = sequence.request.options
+            if sequence.decoding:
+                wanted = options.max_tokens - len(sequence.outputs) - sequence.in_flight  # at least this many more
+                if wanted > 0:
+                    held = sequence.known + sequence.bound - 1  # the most the state holds once in-flight steps land
+                    speculate = (
+                        core.speculative and options.speculative and wanted > 1
+                        and pages_for(held + core.gamma + 1) <= capacity
+                    )  # fmt: skip
+                    piece = [] if sequence.in_flight else [sequence.token(sequence.known - 1)]  # else on device
+                    pieces[slot] = (sequence, piece, core.gamma + 1 if speculate else 1, speculate)
             elif sequence.fed < sequence.known and budget > 0:  # the prompt, or outputs fed again
                 boundary = len(sequence.prompt) if sequence.fed < len(sequence.prompt) else sequence.known
                 end = min(boundary, sequence.fed + core.chunk, sequence.fed + budget)
-                pieces[slot] = (sequence, [sequence.token(p) for p in range(sequence.fed, end)], False)
+                piece = [sequence.token(p) for p in range(sequence.fed, end)]
+                pieces[slot] = (sequence, piece, len(piece), False)
                 budget -= end - sequence.fed
-        for slot, (sequence, piece, _) in list(pieces.items()):
+        for slot, (sequence, _, span, _) in list(pieces.items()):
             if self._slots[slot] is sequence:
-                self._grow(sequence, sequence.fed + max(len(piece), 1))
+                start = sequence.known + sequence.bound - 1 if sequence.decoding else sequence.fed
+                self._grow(sequence, start + span)
         pieces = {slot: piece for slot, piece in pieces.items() if self._slots[slot] is piece[0]}  # not preempted
         if not pieces:
             return None
         slots = core.slots
-        width = core.chunk if any(len(piece) > 1 for _, piece, _ in pieces.values()) else 1
+        prefill = any(not sequence.decoding for sequence, *_ in pieces.values())
+        width = core.width(prefill, any(speculate for *_, speculate in pieces.values()))
         tokens = np.zeros((slots, width), np.int32)
         counts = np.zeros(slots, np.int32)
-        reset, is_prompt, emit, feedback, replay = (np.zeros(slots, bool) for _ in range(5))
+        reset, is_prompt, emit, feedback, replay, speculate = (np.zeros(slots, bool) for _ in range(6))
         table = np.zeros((slots, core.max_pages), np.int32)
         sampling = [None] * slots
         kept: dict[int, _Sequence] = {}
-        for slot, (sequence, piece, from_device) in pieces.items():
+        bounds: dict[int, int] = {}
+        for slot, (sequence, piece, span, speculating) in pieces.items():
             tokens[slot, : len(piece)] = piece
-            counts[slot], feedback[slot], reset[slot] = max(len(piece), 1), from_device, sequence.fed == 0
-            is_prompt[slot] = sequence.fed < len(sequence.prompt)
-            replay[slot] = not is_prompt[slot] and sequence.fed < sequence.replay_until
-            sequence.fed += counts[slot]
             table[slot, : len(sequence.pages)] = sequence.pages
             sampling[slot] = sequence.request.options
-            if sequence.fed == sequence.known + sequence.in_flight:  # caught up: the sample is its next token
+            if sequence.decoding:
+                counts[slot], feedback[slot], speculate[slot] = 1, not piece, speculating
+            else:
+                counts[slot], reset[slot] = len(piece), sequence.fed == 0
+                is_prompt[slot] = sequence.fed < len(sequence.prompt)
+                replay[slot] = not is_prompt[slot] and sequence.fed < sequence.replay_until
+                sequence.fed += len(piece)
+                sequence.decoding = sequence.fed == sequence.known  # caught up: the sample is its next token
+            if sequence.decoding:
                 emit[slot] = True
+                kept[slot], bounds[slot] = sequence, span if speculating else 1
                 sequence.in_flight += 1
-                kept[slot] = sequence
+                sequence.bound += bounds[slot]
         batch = host_batch(tokens, counts, sampling, table, reset=reset, is_prompt=is_prompt, emit=emit,
-                           feedback=feedback, replay=replay)  # fmt: skip
-        return _Plan(batch, kept)
+                           feedback=feedback, replay=replay, speculate=speculate)  # fmt: skip
+        return _Plan(batch, kept, bounds)
 
     def _by_priority(self) -> list[int]:
         """Occupied slots, earliest admitted first."""
@@ -303,7 +339,7 @@ class Scheduler:
 
     def _preempt(self, sequence: _Sequence) -> None:
         self._release(sequence)
-        sequence.fed = 0
+        sequence.fed, sequence.decoding = 0, False
         self._waiting.append(sequence)
         self._counters["preemptions"] += 1
         logger.info("preempted %s (%d tokens) to free pages", sequence.request.id, sequence.known)
@@ -316,28 +352,44 @@ class Scheduler:
         sequence.slot, sequence.pages = None, []
 
     def _read(self, plan: _Plan) -> None:
-        """Read a step's tokens and hand each kept one to its stream, finishing sequences that stop."""
-        sampled = self.core.fetch(plan.sampled)
+        """Read a step's tokens and hand each sequence's to its stream, finishing sequences that stop."""
+        emitted = self.core.fetch(plan.emitted)
         for slot, sequence in plan.sequences.items():
             sequence.in_flight -= 1
+            sequence.bound -= plan.bounds[slot]
             if sequence.finished:
                 continue  # stopped while this step was in flight
-            token = int(sampled.tokens[slot])
-            sequence.outputs.append(token)
-            self._counters["generated"] += 1
+            count = int(emitted.count[slot])
+            if plan.batch.speculate[slot]:
+                sequence.rounds += 1
+                sequence.round_tokens += count
+                self._counters["rounds"] += 1
+                self._counters["round_tokens"] += count
             options = sequence.request.options
+            reason, taken = None, 0
+            for token in emitted.tokens[slot, :count].tolist():
+                sequence.outputs.append(token)
+                taken += 1
+                if token in options.stop_token_ids or (token in self.eos and not options.ignore_eos):
+                    reason = "stop"
+                elif len(sequence.outputs) >= options.max_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            self._counters["generated"] += taken
             logprobs, top = (), ()
             if options.logprobs is not None:
                 n = options.logprobs
-                pairs = zip(sampled.top_ids[slot, :n], sampled.top_logprobs[slot, :n], strict=True)
-                logprobs = (float(sampled.logprobs[slot]),)
-                top = (tuple(TopLogprob(int(i), float(p)) for i, p in pairs),)
-            reason = None
-            if token in options.stop_token_ids or (token in self.eos and not options.ignore_eos):
-                reason = "stop"
-            elif len(sequence.outputs) >= options.max_tokens:
-                reason = "length"
-            self._deliver(sequence, Delta((token,), logprobs, top, reason, len(sequence.prompt), len(sequence.outputs)))
+                logprobs = tuple(float(x) for x in emitted.logprobs[slot, :taken])
+                top = tuple(
+                    tuple(TopLogprob(int(i), float(p)) for i, p in zip(ids[:n], values[:n], strict=True))
+                    for ids, values in zip(
+                        emitted.top_ids[slot, :taken], emitted.top_logprobs[slot, :taken], strict=True
+                    )
+                )
+            tokens = tuple(sequence.outputs[-taken:])
+            self._deliver(sequence, Delta(tokens, logprobs, top, reason, len(sequence.prompt), len(sequence.outputs),
+                                          acceptance_length=sequence.acceptance_length))  # fmt: skip
             if reason is not None:
                 self._finish(sequence, reason, delivered=True)
 
@@ -350,7 +402,8 @@ class Scheduler:
             self._ids.pop(sequence.request.id, None)
             self._lock.notify_all()
         if not delivered:
-            self._deliver(sequence, Delta((), (), (), reason, len(sequence.prompt), len(sequence.outputs), error))
+            self._deliver(sequence, Delta((), (), (), reason, len(sequence.prompt), len(sequence.outputs), error,
+                                          sequence.acceptance_length))  # fmt: skip
 
     def _deliver(self, sequence: _Sequence, delta: Delta) -> None:
         try:

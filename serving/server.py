@@ -120,6 +120,7 @@ def options_from_request(request: pb.GenerateRequest, seed: int) -> Options:
         stop=tuple(stop.stop),
         ignore_eos=stop.ignore_eos,
         logprobs=value(request, "logprobs", None),
+        speculative=value(request, "speculative", defaults.speculative),
     )
 
 
@@ -349,6 +350,9 @@ class InklingServicer(pb_grpc.InklingServicer):
             if finish:
                 response.usage.prompt_tokens = len(request.prompt_token_ids)
                 response.usage.completion_tokens = completion
+                response.usage.acceptance_length = delta.acceptance_length
+                if delta.acceptance_length:
+                    self.metrics.acceptance_length.observe(delta.acceptance_length)
                 response.matched_stop = (text.matched if text is not None else None) or ""
                 if completion > 1:
                     self.metrics.time_per_output_token.observe((now - first_token_at) / (completion - 1))

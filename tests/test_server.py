@@ -71,6 +71,8 @@ class Stats:
     preemptions: int
     generated_tokens: int
     prompt_tokens: int
+    speculative_rounds: int
+    speculative_tokens: int
 
 
 @dataclasses.dataclass
@@ -152,7 +154,7 @@ class FakeScheduler:
             )
             return Stats(
                 len(self._waiting), len(self._running), used, NUM_PAGES, self.preemptions,
-                self.generated_tokens, self.prompt_tokens,
+                self.generated_tokens, self.prompt_tokens, 0, 0,
             )  # fmt: skip
 
     @property

@@ -42,13 +42,13 @@ class Driver:
         self.page_table = jnp.arange(SLOTS * MAX_PAGES, dtype=jnp.int32).reshape(SLOTS, MAX_PAGES)
 
     def run(self, chunks, reset=(), emit=(), prompt=(), sampling=None, num_top=0):
-        """chunks: {slot: token list (at most width)}; returns the step's Sampled."""
+        """chunks: {slot: token list (at most width)}; returns the step's Emitted (one token per slot)."""
         tokens = np.zeros((SLOTS, self.width), np.int32)
         counts = np.zeros(SLOTS, np.int32)
         for slot, chunk in chunks.items():
             tokens[slot, : len(chunk)] = chunk
             counts[slot] = len(chunk)
-        groups = {"reset": reset, "emit": emit, "is_prompt": prompt, "feedback": (), "replay": ()}
+        groups = {"reset": reset, "emit": emit, "is_prompt": prompt, "feedback": (), "replay": (), "speculate": ()}
         flags = {name: jnp.asarray([s in group for s in range(SLOTS)]) for name, group in groups.items()}
         batch = StepBatch(jnp.asarray(tokens), jnp.asarray(counts), page_table=self.page_table,
                           sampling=sampling or SamplingParams.neutral(SLOTS), **flags)  # fmt: skip
@@ -71,8 +71,8 @@ def prefill(driver, slot, ids, sizes, vocab):
     for size in sizes:
         out = driver.run({slot: ids[seen : seen + size]}, reset={slot} if first else (), prompt={slot}, num_top=vocab)
         seen, first = seen + size, False
-        order = np.argsort(np.asarray(out.top_ids[slot]))
-        results.append((seen - 1, np.asarray(out.top_logprobs[slot])[order]))
+        order = np.argsort(np.asarray(out.top_ids[slot, 0]))
+        results.append((seen - 1, np.asarray(out.top_logprobs[slot, 0])[order]))
     return results
 
 
@@ -90,9 +90,9 @@ def test_greedy_decode_matches_the_reference_generation(model, reference):
     prompt, want = reference["greedy_prompt"].tolist(), reference["greedy_ids"].tolist()
     out = driver.run({0: prompt[:8]}, reset={0}, prompt={0})
     out = driver.run({0: prompt[8:]}, prompt={0}, emit={0})
-    tokens = [int(out.tokens[0])]
+    tokens = [int(out.tokens[0, 0])]
     while len(tokens) < len(want):
-        tokens.append(int(driver.run({0: tokens[-1:]}, emit={0}).tokens[0]))
+        tokens.append(int(driver.run({0: tokens[-1:]}, emit={0}).tokens[0, 0]))
     assert tokens == want  # 9 + 16 tokens cross the window (8), the relative extent (12) and the tau floor (10)
 
 
@@ -112,10 +112,10 @@ def _sampled_continuation(model, reference, slot, neighbours, seed):
                sampling=params)  # fmt: skip
     out = driver.run({slot: ours[8:], **{s: t[5:13] for s, t in others.items()}}, prompt={slot, *others},
                      emit={slot}, sampling=params)  # fmt: skip
-    tokens = [int(out.tokens[slot])]
+    tokens = [int(out.tokens[slot, 0])]
     for i in range(10):
         chunks = {slot: tokens[-1:], **{s: t[13 + i : 14 + i] for s, t in others.items()}}
-        tokens.append(int(driver.run(chunks, emit={slot, *others}, sampling=params).tokens[slot]))
+        tokens.append(int(driver.run(chunks, emit={slot, *others}, sampling=params).tokens[slot, 0]))
     return tokens
 
 
@@ -152,7 +152,7 @@ def test_the_state_is_updated_in_place(model):
     graphdef, params = nnx.split(model)
     slots, width = 2, 4
     state = init_state(model.config, CacheLayout(slots, 512, 8, width), jnp.float32)
-    flags = (jnp.zeros(slots, bool) for _ in range(5))
+    flags = (jnp.zeros(slots, bool) for _ in range(6))
     batch = StepBatch(jnp.zeros((slots, width), jnp.int32), jnp.ones(slots, jnp.int32), *flags,
                       jnp.zeros((slots, 8), jnp.int32), SamplingParams.neutral(slots))  # fmt: skip
     memory = step.lower(graphdef, params, state, batch, jnp.zeros(slots, jnp.int32)).compile().memory_analysis()

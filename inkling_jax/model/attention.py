@@ -63,8 +63,9 @@ def read_pages(pages: jax.Array, layer: int, chunk: Chunk) -> tuple[jax.Array, j
 
 def write_draft_context(kv: KVCache, k: jax.Array, v: jax.Array, chunk: Chunk) -> KVCache:
     """kv with the draft's context K, V [draft layers, S, C, Hkv, D] (`Draft.context_kv` of the chunk's
-    positions) stored for each slot's first counts[s] positions. Only committed positions may enter the
-    pool, so a speculative step writes with counts = its accepted tokens + 1 and never rolls it back."""
+    positions) stored for each slot's first counts[s] positions. A verify pass writes all its positions:
+    the draft reads only positions before its anchor, which are committed, and the next round overwrites
+    the rejected ones (as with the target's K/V, nothing is rolled back)."""
     draft_k, draft_v = kv.draft_k, kv.draft_v
     for layer in range(k.shape[0]):
         draft_k = write_pages(draft_k, layer, k[layer], chunk)

@@ -5,8 +5,8 @@ One round at anchor position s (the last sampled token, not yet run through the 
 - context features: c_t = RMSNorm(fc([H^(l1)_t; ...; H^(lm)_t])) from the target's layer outputs at the
   configured layers, for committed positions t < s (`context_features`);
 - every draft layer projects c_t into its own context K/V (`context_kv`). They depend only on c_t and t,
-  so the engine computes them once per committed position and keeps them (in the full-attention page
-  pool); uncommitted positions never get any, so nothing is rolled back;
+  so the engine computes them once per position fed and keeps them (in the full-attention page pool);
+  a block reads only positions before its anchor, all committed, so rejected ones need no rollback;
 - the block [E(anchor), E(mask), ..., E(mask)] at positions s .. s+gamma-1 runs through the draft
   layers, attending to the context positions < s and to the whole block in both directions
   (`block_hidden` -> h [S, gamma, d]); slot k predicts position s+k+1 (the anchor slot predicts);

@@ -190,19 +190,21 @@ class CausalLM(nnx.Module):
         return logits[..., : self.config.unpadded_vocab_size]
 
     def step(
-        self, token_ids: jax.Array, kv: KVCache, chunk: Chunk, windows: bool = False
+        self, token_ids: jax.Array, kv: KVCache, chunk: Chunk, windows: bool = False, at: jax.Array | None = None
     ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, ConvWindows]:
         """Continue every slot's sequence by its chunk: token_ids [S, C] (the first counts[s] real) ->
         float32 logits [S, vocab] at each slot's last real token, and the updated cache.
 
-        With `windows`, also every layer's convolution windows of the chunk (`ConvWindows`), from which
-        `inkling_jax.cache.commit_conv` keeps the states of any prefix (a speculative verify pass).
+        at [S, K]: indices into the chunk to read logits at instead ([S, K, vocab]; a speculative verify
+        pass reads all of its positions). With `windows`, also every layer's convolution windows of the
+        chunk (`ConvWindows`), from which `inkling_jax.cache.commit_conv` keeps the states of any prefix.
         With a draft and a draft pool in the cache, the chunk's positions also enter the draft's context."""
         if windows:
             kv = record_windows(kv, chunk.width)
         hidden, kv = self._continue(token_ids, kv, chunk)
-        last = jnp.maximum(chunk.counts - 1, 0)
-        logits = self.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+        index = jnp.maximum(chunk.counts - 1, 0)[:, None] if at is None else at  # [S, K]
+        logits = self.logits(jnp.take_along_axis(hidden, index[..., None], axis=1))
+        logits = logits[:, 0] if at is None else logits
         if not windows:
             return logits, kv
         return logits, dataclasses.replace(kv, windows=None), kv.windows
