@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--logprobs", type=int, help="print the chosen and top-N log-probabilities to stderr")
     parser.add_argument("--parse-special-tokens", action="store_true", help="special-token strings in the prompt")
     parser.add_argument("--keep-special-tokens", action="store_true", help="show special tokens in the text")
+    parser.add_argument("--no-speculative", action="store_true", help="decode plainly on a speculating server")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
     args = parser.parse_args(argv)
     if not args.info and (args.prompt is None) == (args.token_ids is None):
@@ -80,6 +81,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     request.stop.ignore_eos = args.ignore_eos
     if args.logprobs is not None:
         request.logprobs = args.logprobs
+    if args.no_speculative:
+        request.speculative = False
     return request
 
 
@@ -101,9 +104,11 @@ def generate(stub: pb_grpc.InklingStub, request: pb.GenerateRequest, timeout: fl
             sys.stdout.write("\n")
             reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
             matched = f", stop string {response.matched_stop!r}" if response.matched_stop else ""
+            usage = response.usage
+            accepted = f", acceptance length {usage.acceptance_length:.2f}" if usage.acceptance_length else ""
             print(
-                f"[{reason}{matched}; prompt {response.usage.prompt_tokens} tokens, "
-                f"completion {response.usage.completion_tokens} tokens]",
+                f"[{reason}{matched}; prompt {usage.prompt_tokens} tokens, "
+                f"completion {usage.completion_tokens} tokens{accepted}]",
                 file=sys.stderr,
             )
 

@@ -15,6 +15,7 @@ written to out/tiny-checkpoint first if it is not there.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -88,8 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def default_checkpoint() -> Path:
     """The embedded synthetic checkpoint, written (atomically) as `make run` writes it when it is missing or
-    predates synthetic tokenizers."""
-    if not all((DEFAULT_CHECKPOINT / name).is_file() for name in ("config.json", "tokenizer.json")):
+    predates synthetic tokenizers or the current configs/tiny.json (e.g. its DSpark draft)."""
+    if not _default_is_current():
         log.info("writing the synthetic checkpoint %s from %s", DEFAULT_CHECKPOINT, DEFAULT_CONFIG)
         DEFAULT_CHECKPOINT.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=".tiny-checkpoint-", dir=DEFAULT_CHECKPOINT.parent))
@@ -100,6 +101,15 @@ def default_checkpoint() -> Path:
         finally:
             shutil.rmtree(partial, ignore_errors=True)
     return DEFAULT_CHECKPOINT
+
+
+def _default_is_current() -> bool:
+    if not all((DEFAULT_CHECKPOINT / name).is_file() for name in ("config.json", "tokenizer.json")):
+        return False
+    written, wanted = (
+        json.loads(Path(path).read_text()) for path in (DEFAULT_CHECKPOINT / "config.json", DEFAULT_CONFIG)
+    )
+    return all(written.get(key) == value for key, value in wanted.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -217,7 +217,9 @@ class FakeScheduler:
             top = tuple(
                 tuple(TopLogprob((token + k) % 500, -float(k)) for k in range(options.logprobs)) for token in tokens
             )
-        return Delta(tuple(tokens), logprobs, top, finish, completion_tokens=sequence.generated, **usage)
+        accepted = 1.5 if options.speculative else 0.0  # as if every round emitted 1.5 tokens
+        return Delta(tuple(tokens), logprobs, top, finish, completion_tokens=sequence.generated,
+                     acceptance_length=accepted, **usage)  # fmt: skip
 
 
 def echo(prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
@@ -321,6 +323,10 @@ def test_token_ids_stream_ends_with_finish_reason_and_usage(start):
     last = responses[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (5, 9)
+    assert last.usage.acceptance_length == 1.5  # speculation is on unless the request opts out
+    opted_out = request(prompt, max_tokens=3)
+    opted_out.speculative = False
+    assert list(running.stub.Generate(opted_out))[-1].usage.acceptance_length == 0.0
 
 
 def test_text_stream_eos_and_special_tokens(start, tokenizer):
@@ -598,12 +604,14 @@ def test_metrics_endpoint(start):
         "inkling_time_to_first_token_seconds_bucket", "inkling_time_per_output_token_seconds_count",
         "inkling_requests_waiting", "inkling_requests_running", "inkling_kv_pages_used", "inkling_kv_pages_total",
         "inkling_kv_cache_usage_ratio", "inkling_preemptions_total", "inkling_prompt_tokens_total",
-        "inkling_generation_tokens_total", "inkling_generation_tokens_per_second",
+        "inkling_generation_tokens_total", "inkling_generation_tokens_per_second", "inkling_speculative_rounds_total",
+        "inkling_speculative_tokens_total", "inkling_speculative_acceptance_length_bucket",
     ):  # fmt: skip
         assert f"\n{name}" in page, name
     assert 'inkling_requests_finished_total{finish_reason="length"} 1.0' in page
     assert 'inkling_requests_refused_total{code="invalid_argument"} 1.0' in page
     assert "inkling_generation_tokens_total 5.0" in page and "inkling_kv_pages_total 64.0" in page
+    assert "inkling_speculative_acceptance_length_count 1.0" in page
 
 
 # --- the client CLI
@@ -811,6 +819,11 @@ def test_main_serves_then_drains_on_sigterm(monkeypatch, checkpoint, text_config
 def test_main_refuses_bad_input_with_exit_2(tmp_path, capsys):
     assert server_main.main(["--checkpoint", str(tmp_path), "--port", "0"]) == 2
     assert "no config.json" in capsys.readouterr().err.splitlines()[-1]
+    config = json.loads(CONFIG.read_text())
+    del config["dspark_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert server_main.main(["--checkpoint", str(tmp_path), "--port", "0", "--speculative", "dspark"]) == 2
+    assert "has no DSpark draft" in capsys.readouterr().err.splitlines()[-1]
     with pytest.raises(SystemExit) as exited:
         server_main.main(["--port", "70000"])
     assert exited.value.code == 2

@@ -18,6 +18,7 @@ from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.engine import Engine, host_batch
 from inkling_jax.generate import Request, generate
+from inkling_jax.generate import main as generate_main
 from inkling_jax.model.draft import NoDraftError
 from inkling_jax.sharding import make_mesh
 from inkling_jax.speculative import SpeculationError, vocab_probs
@@ -247,3 +248,11 @@ def test_the_scheduler_speculates_through_preemption(model):
         if options.temperature == 0 or not options.speculative:
             assert got == plain[request.id], request.id
         assert (last[request.id].acceptance_length >= 1.0) == options.speculative
+
+
+def test_generate_cli_names_a_checkpoint_without_draft(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt_token_ids": [1, 2]}\n')
+    plain = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text" / "hf"
+    code = generate_main(["--checkpoint", str(plain), "--input", str(tmp_path / "in.jsonl"),
+                          "--output", str(tmp_path / "out.jsonl"), "--speculative", "dspark"])  # fmt: skip
+    assert code == 2 and "has no DSpark draft" in capsys.readouterr().err
