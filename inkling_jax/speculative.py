@@ -132,7 +132,7 @@ def propose(
         token, q = sample_draft(base[:, k] + bias, params, generated + k, greedy)
         return (state, token), (token, q)
 
-    _, (drafts, q) = jax.lax.scan(slot, (draft.initial_state(anchors.shape[0]), anchors), jnp.arange(gamma))
+    _, (drafts, q) = jax.lax.scan(slot, (draft.initial_state(h), anchors), jnp.arange(gamma))
     return drafts.T, jnp.swapaxes(q, 0, 1)
 
 

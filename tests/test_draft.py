@@ -102,7 +102,7 @@ def test_shapes(model):
     h = model.dspark.block_hidden(anchors, jnp.array([9, 5]), k, v, positions, model.model.embed_tokens)
     assert h.shape == (2, GAMMA, HIDDEN) and h.dtype == jnp.float32
     assert model.logits(h).shape == (2, GAMMA, VOCAB)
-    state, bias = model.dspark.rnn_step(model.dspark.initial_state(2), anchors, h[:, 0])
+    state, bias = model.dspark.rnn_step(model.dspark.initial_state(h), anchors, h[:, 0])
     assert state.shape == (2, RANK) and bias.shape == (2, VOCAB)
     assert model.dspark.block_biases(anchors, jnp.ones((2, GAMMA), jnp.int32), h).shape == (2, GAMMA, VOCAB)
     confidence = model.dspark.confidence(h[:, 0], anchors)
@@ -229,7 +229,8 @@ def test_rnn_state_starts_at_zero_in_every_block(model):
     second = model.dspark.block_biases(anchor, jnp.array([[40, 41, 42, 43]]), h)
     np.testing.assert_array_equal(first[:, 0], second[:, 0])
     assert not np.allclose(first[:, 1], second[:, 1])
-    state = model.dspark.initial_state(1)
+    state = model.dspark.initial_state(h)
+    assert state.shape == (1, RANK) and state.dtype == jnp.float32
     np.testing.assert_array_equal(state, 0.0)
     for k, prev in enumerate([12, 1, 2, 3]):  # block_biases == the sequential steps from a zero state
         state, bias = model.dspark.rnn_step(state, jnp.array([prev]), h[:, k])

@@ -169,18 +169,6 @@ def plain_outputs(model):
     return generate(model, requests(), 3, 8)
 
 
-@pytest.mark.parametrize("mode", ["dspark", "dspark-greedy"])
-def test_greedy_and_opted_out_requests_match_plain_decoding(model, plain_outputs, mode):
-    """Greedy requests emit plain greedy decoding; sampled requests that opt out sample from the same
-    noise as without speculation, next to speculating ones."""
-    for request, got, want in zip(requests(), generate(model, requests(), 3, 8, speculative=mode), plain_outputs,
-                                  strict=True):  # fmt: skip
-        if request.temperature == 0 or not request.speculative:
-            assert got["token_ids"] == want["token_ids"]
-        assert ("acceptance_length" in got) == (request.speculative and len(got["token_ids"]) > 1)
-        assert 1.0 <= got.get("acceptance_length", 1.0) <= GAMMA + 1
-
-
 def test_bad_speculation_settings_are_named(model):
     mesh = make_mesh("tp1", model.config)
     with pytest.raises(SpeculationError, match="chunk 4 is narrower than a verify pass"):
@@ -256,3 +244,17 @@ def test_generate_cli_names_a_checkpoint_without_draft(tmp_path, capsys):
     code = generate_main(["--checkpoint", str(plain), "--input", str(tmp_path / "in.jsonl"),
                           "--output", str(tmp_path / "out.jsonl"), "--speculative", "dspark"])  # fmt: skip
     assert code == 2 and "has no DSpark draft" in capsys.readouterr().err
+
+
+def test_greedy_and_opted_out_requests_match_plain_decoding_on_a_mesh(model, plain_outputs):
+    """Through `generate` on dp2tp2 (vocabulary, heads and experts split over `model`, slots and pages, the
+    draft pool too, over `data`) with greedy drafting: greedy requests emit plain greedy decoding (one
+    device, no speculation); sampled requests that opt out sample from the same noise as without
+    speculation, next to speculating ones. (The scheduler test covers sampled drafting on one device.)"""
+    mesh = make_mesh("dp2tp2", model.config)
+    speculated = generate(model, requests(), 3, 8, mesh=mesh, speculative="dspark-greedy")
+    for request, got, want in zip(requests(), speculated, plain_outputs, strict=True):
+        if request.temperature == 0 or not request.speculative:
+            assert got["token_ids"] == want["token_ids"]
+        assert ("acceptance_length" in got) == (request.speculative and len(got["token_ids"]) > 1)
+        assert 1.0 <= got.get("acceptance_length", 1.0) <= GAMMA + 1

@@ -262,9 +262,10 @@ class Draft(nnx.Module):
             x = layer(x, positions, context_k[i], context_v[i], visible)
         return self.norm(x)
 
-    def initial_state(self, slots: int) -> jax.Array:
-        """The RNN head's state at the start of every block: zeros [S, r] fp32."""
-        return jnp.zeros((slots, self.config.markov_rank), jnp.float32)
+    def initial_state(self, h: jax.Array) -> jax.Array:
+        """The RNN head's state at the start of every block: zeros [S, r] fp32 for the block's hidden
+        states h [S, gamma, d] (made from h, so under shard_map it varies over the same axes)."""
+        return jnp.broadcast_to(jnp.zeros_like(h[:, 0, :1], jnp.float32), (h.shape[0], self.config.markov_rank))
 
     def rnn_step(self, state: jax.Array, prev_token: jax.Array, h_k: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Slot k of the sequential head: state [S, r] (s_{k-1}), prev_token [S] (x_{k-1}; the anchor at
@@ -280,7 +281,7 @@ class Draft(nnx.Module):
         def step(state: jax.Array, inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             return self.rnn_step(state, *inputs)
 
-        _, biases = jax.lax.scan(step, self.initial_state(anchor_ids.shape[0]), (previous.T, jnp.swapaxes(h, 0, 1)))
+        _, biases = jax.lax.scan(step, self.initial_state(h), (previous.T, jnp.swapaxes(h, 0, 1)))
         return jnp.swapaxes(biases, 0, 1)
 
     def confidence(self, h_k: jax.Array, prev_token: jax.Array) -> jax.Array:
