@@ -21,10 +21,12 @@ def run(tmp_path: Path, lines: list, *options: str) -> tuple[int, list[dict]]:
     return code, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 
-def test_batched_requests_match_running_alone(tmp_path):
+def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path):
     prompt, greedy = REFERENCE["greedy_prompt"].tolist(), REFERENCE["greedy_ids"].tolist()
     rng = np.random.default_rng(0)
-    requests = [{"id": "greedy", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0}]
+    requests = [{"id": "greedy", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0},
+                {"id": "stop", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0,
+                 "stop_token_ids": [greedy[3]]}]  # fmt: skip
     for i in range(4):
         requests.append({"id": i, "prompt_token_ids": rng.integers(0, 500, int(rng.integers(1, 15))).tolist(),
                          "max_tokens": int(rng.integers(1, 9)), "temperature": 0.8, "top_p": 0.9, "top_k": 50,
@@ -33,18 +35,12 @@ def test_batched_requests_match_running_alone(tmp_path):
     assert code == 0
     assert [r["id"] for r in batched] == [r["id"] for r in requests]
     assert batched[0] == {"id": "greedy", "token_ids": greedy, "finish_reason": "length"}
-    code, alone = run(tmp_path, requests[1:], "--max-num-seqs", "1", "--chunk", "8")  # one slot: one at a time
-    assert code == 0 and alone == batched[1:]
-    for request, result in zip(requests[1:], batched[1:], strict=True):
+    stopped = greedy[: greedy.index(greedy[3]) + 1]
+    assert batched[1] == {"id": "stop", "token_ids": stopped, "finish_reason": "stop"}
+    code, alone = run(tmp_path, requests[2:], "--max-num-seqs", "1", "--chunk", "8")  # one slot: one at a time
+    assert code == 0 and alone == batched[2:]
+    for request, result in zip(requests[2:], batched[2:], strict=True):
         assert len(result["token_ids"]) == request["max_tokens"]
-
-
-def test_stop_tokens_end_a_request(tmp_path):
-    prompt, greedy = REFERENCE["greedy_prompt"].tolist(), REFERENCE["greedy_ids"].tolist()
-    request = {"id": 1, "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0, "stop_token_ids": [greedy[3]]}
-    code, (result,) = run(tmp_path, [request])
-    assert code == 0
-    assert result == {"id": 1, "token_ids": greedy[: greedy.index(greedy[3]) + 1], "finish_reason": "stop"}
 
 
 @pytest.mark.parametrize(

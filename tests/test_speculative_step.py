@@ -35,7 +35,7 @@ CONFIG = {
     "moe_intermediate_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_layers_per_attn_res_block": 2,
     "eos_token_id": 3, "max_position_embeddings": 256,
 }  # fmt: skip
-GAMMA = 4
+GAMMA = 3
 DRAFT = {"num_hidden_layers": 1, "block_size": GAMMA, "target_layer_ids": [0, 1], "mask_token_id": 5,
          "markov_rank": 6, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 24}  # fmt: skip
 SHARPEN = 15.0  # LM-head scale: random weights give near-uniform logits; this gives a peaked, varied law
@@ -171,7 +171,7 @@ def plain_outputs(model):
 
 def test_bad_speculation_settings_are_named(model):
     mesh = make_mesh("tp1", model.config)
-    with pytest.raises(SpeculationError, match="chunk 4 is narrower than a verify pass"):
+    with pytest.raises(SpeculationError, match="chunk 3 is narrower than a verify pass"):
         Engine(model, CacheLayout(2, 2, 1, GAMMA), mesh, speculative="dspark")
     with pytest.raises(SpeculationError, match="one of none, dspark, dspark-greedy"):
         Engine(model, CacheLayout(2, 2, 1, 8), mesh, speculative="eagle")
