@@ -1,0 +1,114 @@
+"""The ragged paged attention oracle equals whole-sequence relative attention: every sequence's keys
+scattered into random pages (full layers) or its ring (sliding layers), queries as decode (1), verify
+(γ + 1), prefill chunks and idle slots in one batch, with and without a window, extents shorter and
+longer than the context, GQA. The kernels (issue 8) are tested against this oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.relative_attention import relative_attention
+
+PAGE, HEADS, KV_HEADS, DIM, D_REL = 8, 4, 2, 16, 4
+WIDTH = 8  # the step's query width C
+
+
+def random_case(seed: int, kv_lens: list[int], query_lens: list[int], extent: int) -> dict:
+    rng = np.random.default_rng(seed)
+    slots, longest = len(kv_lens), max(kv_lens)
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.normal(size=shape).astype(np.float32)
+
+    return {
+        "q": normal(slots, longest, HEADS, DIM), "k": normal(slots, longest, KV_HEADS, DIM),
+        "v": normal(slots, longest, KV_HEADS, DIM), "rel": normal(slots, longest, HEADS, D_REL),
+        "sinks": normal(slots, longest, HEADS), "rel_proj": normal(D_REL, extent),
+        "kv_lens": np.asarray(kv_lens, np.int32), "query_lens": np.asarray(query_lens, np.int32), "rng": rng,
+    }  # fmt: skip
+
+
+def whole_sequences(case: dict, window: int | None) -> np.ndarray:
+    """[S, longest, Hq, D]: every position's output from a whole-sequence pass (the truth)."""
+    positions = jnp.broadcast_to(jnp.arange(case["q"].shape[1], dtype=jnp.int32), case["q"].shape[:2])
+    return np.asarray(relative_attention(
+        case["q"], case["k"], case["v"], case["rel"], case["rel_proj"], case["sinks"], positions, positions,
+        scale=DIM**-0.5, window=window,
+    ))  # fmt: skip
+
+
+def step_inputs(case: dict) -> dict:
+    """The step's queries [S, C, ...]: each slot's last query_lens[s] positions, padded with noise."""
+    rng, slots = case["rng"], len(case["kv_lens"])
+    out = {}
+    for name in ("q", "rel", "sinks"):
+        full = case[name]
+        step = rng.normal(size=(slots, WIDTH, *full.shape[2:])).astype(np.float32)
+        for s, (length, count) in enumerate(zip(case["kv_lens"], case["query_lens"], strict=True)):
+            step[s, :count] = full[s, length - count : length]
+        out[name] = step
+    return out
+
+
+def paged(case: dict, num_pages: int, max_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(k pages, v pages [P, page, Hkv, D], page table [S, max pages]): random distinct pages, noise elsewhere."""
+    rng, slots = case["rng"], len(case["kv_lens"])
+    k_pages = rng.normal(size=(num_pages, PAGE, KV_HEADS, DIM)).astype(np.float32)
+    v_pages = rng.normal(size=(num_pages, PAGE, KV_HEADS, DIM)).astype(np.float32)
+    table = rng.permutation(num_pages)[: slots * max_pages].reshape(slots, max_pages).astype(np.int32)
+    for s, length in enumerate(case["kv_lens"]):
+        for p in range(length):
+            k_pages[table[s, p // PAGE], p % PAGE] = case["k"][s, p]
+            v_pages[table[s, p // PAGE], p % PAGE] = case["v"][s, p]
+    return k_pages, v_pages, table
+
+
+def rings(case: dict, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's last `size` keys at slot position % size (noise where nothing was written)."""
+    rng, slots = case["rng"], len(case["kv_lens"])
+    k_ring = rng.normal(size=(slots, size, KV_HEADS, DIM)).astype(np.float32)
+    v_ring = rng.normal(size=(slots, size, KV_HEADS, DIM)).astype(np.float32)
+    for s, length in enumerate(case["kv_lens"]):
+        for p in range(max(0, length - size), length):
+            k_ring[s, p % size], v_ring[s, p % size] = case["k"][s, p], case["v"][s, p]
+    return k_ring, v_ring
+
+
+def check(case: dict, got: jax.Array, window: int | None) -> None:
+    truth = whole_sequences(case, window)
+    got = np.asarray(got)
+    for s, (length, count) in enumerate(zip(case["kv_lens"], case["query_lens"], strict=True)):
+        np.testing.assert_allclose(got[s, :count], truth[s, length - count : length], rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(got[s, count:], 0.0)
+
+
+# decode, verify (γ + 1 = 8), a prefill chunk, a first chunk, an idle slot, a chunk of 3
+MIXED = ([37, 29, 61, 8, 1, 20], [1, 8, 8, 8, 0, 3])
+
+
+@pytest.mark.parametrize("extent", [5, 64])
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_layout_equals_whole_sequences(extent, window):
+    case = random_case(extent + (window or 0), *MIXED, extent)
+    k_pages, v_pages, table = paged(case, num_pages=64, max_pages=8)
+    step = step_inputs(case)
+    got = jax.jit(ragged_paged_attention, static_argnames=("scale", "window"))(
+        step["q"], k_pages, v_pages, case["kv_lens"], case["query_lens"], step["rel"], case["rel_proj"],
+        step["sinks"], page_table=table, scale=DIM**-0.5, window=window,
+    )  # fmt: skip
+    check(case, got, window)
+
+
+@pytest.mark.parametrize("extent", [5, 64])
+def test_ring_layout_equals_whole_sequences(extent):
+    window = 6
+    case = random_case(extent, *MIXED, extent)
+    k_ring, v_ring = rings(case, size=window + WIDTH)  # a ring of window + chunk, as the decode state keeps
+    step = step_inputs(case)
+    got = ragged_paged_attention(
+        step["q"], k_ring, v_ring, case["kv_lens"], case["query_lens"], step["rel"], case["rel_proj"],
+        step["sinks"], page_table=None, scale=DIM**-0.5, window=window,
+    )  # fmt: skip
+    check(case, got, window)
