@@ -18,6 +18,7 @@ from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
 from pallas_kernels.numerics import round_to
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.relative_attention import relative_attention
 
 
@@ -88,15 +89,6 @@ def write_ring(rings: jax.Array, layer: int, values: jax.Array, chunk: Chunk) ->
     slots = jnp.broadcast_to(jnp.arange(rings.shape[1])[:, None], chunk.positions.shape)
     index = jnp.where(chunk.valid, chunk.positions % size, size)
     return rings.at[layer, slots, index].set(values.astype(rings.dtype), mode="drop")
-
-
-def ring_positions(size: int, chunk: Chunk) -> jax.Array:
-    """[S, R] position each ring entry holds after the chunk is written (entries never written: far
-    in the future, so no query sees them)."""
-    last = chunk.lengths + chunk.counts - 1
-    entry = jnp.arange(size, dtype=jnp.int32)[None, :]
-    held = last[:, None] - (last[:, None] - entry) % size
-    return jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max // 2)
 
 
 class RelativeLogits(nnx.Module):
@@ -183,8 +175,11 @@ class Attention(nnx.Module):
             q = round_to(q.astype(jnp.float32) * tau, dtype)
             rel = round_to(rel.astype(jnp.float32) * tau, dtype)
 
-        kv_positions = positions
-        if kv is not None:
+        proj, sinks = self.rel_logits_proj.proj[...], self.sink_proj(q_in)
+        scale, window = self.head_dim**-0.5, config.sliding_window_size if self.sliding else None
+        if kv is None:
+            out = relative_attention(q, k, v, rel, proj, sinks, positions, positions, scale=scale, window=window)
+        else:
             kind = self.kind_index
             copies = (kv.sliding_k if self.sliding else kv.full_k).shape[3] // self.num_kv_heads
             if copies > 1:  # more devices than KV heads: each device's cache keeps the head its queries read
@@ -195,22 +190,19 @@ class Attention(nnx.Module):
                     sliding_k=write_ring(kv.sliding_k, kind, k, chunk),
                     sliding_v=write_ring(kv.sliding_v, kind, v, chunk),
                 )
-                k, v = kv.sliding_k[kind], kv.sliding_v[kind]
-                kv_positions = ring_positions(k.shape[1], chunk)
+                k, v, page_table = kv.sliding_k[kind], kv.sliding_v[kind], None
             else:
                 kv = dataclasses.replace(
                     kv, full_k=write_pages(kv.full_k, kind, k, chunk), full_v=write_pages(kv.full_v, kind, v, chunk)
                 )
-                k, kv_positions = read_pages(kv.full_k, kind, chunk)
-                v, _ = read_pages(kv.full_v, kind, chunk)
+                k, v, page_table = kv.full_k[kind], kv.full_v[kind], chunk.page_table
             kv = advance_conv(
                 advance_conv(kv, "k", self.layer, k_pre, chunk.counts), "v", self.layer, v_pre, chunk.counts
             )
-        out = relative_attention(
-            q, k.astype(dtype), v.astype(dtype), rel, self.rel_logits_proj.proj[...], self.sink_proj(q_in),
-            positions, kv_positions,
-            scale=self.head_dim**-0.5, window=config.sliding_window_size if self.sliding else None,
-        )  # fmt: skip
+            out = ragged_paged_attention(
+                q, k, v, chunk.lengths + chunk.counts, chunk.counts, rel, proj, sinks,
+                page_table=page_table, scale=scale, window=window,
+            )  # fmt: skip
         gate = jax.nn.sigmoid(self.gate_proj(q_in).astype(jnp.float32))
         out = round_to(out.reshape(batch, length, -1).astype(jnp.float32) * gate, dtype)
         return self.o_proj(out), kv
