@@ -71,7 +71,7 @@ class Engine:
         layout = dataclasses.replace(replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas)
         with jax.set_mesh(mesh):
             self.graphdef, self.params = nnx.split(shard_model(model, mesh))
-            draft = None if model.dspark is None else model.dspark.config
+            draft = model.dspark.config if self.speculative else None  # its context pool only when speculating
             make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft)
             shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
             self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
@@ -107,7 +107,7 @@ class Engine:
             replica = layout_for_budget(
                 model.config, budget_bytes, max_num_seqs=max_num_seqs, max_context=max_context, max_chunk=chunk,
                 dtype=model.model.embed_tokens.weight.dtype, tp=mesh.shape[MODEL],
-                draft=None if model.dspark is None else model.dspark.config,
+                draft=require_draft(model) if speculative != "none" else None,
             )  # fmt: skip
         return cls(model, replica, mesh, num_top, speculative)
 

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import DecodeState, commit_conv
 from inkling_jax.model.attention import Chunk
-from inkling_jax.sampling import SamplingParams, sample
+from inkling_jax.sampling import Sampled, SamplingParams, sample
 from inkling_jax.sharding import DATA, replica_specs
 from inkling_jax.speculative import propose, verify
 
@@ -70,6 +70,14 @@ class Emitted:
     top_ids: jax.Array  # [S, K, n] int32, the n most likely tokens at each position
     top_logprobs: jax.Array  # [S, K, n] float32
     last: jax.Array  # [S] int32: the token the slot's next step starts from (its feedback)
+
+
+def _one_token(sampled: Sampled, emit: jax.Array) -> Emitted:
+    """A plain step's output: each slot's one sampled token, kept where `emit` is set."""
+    return Emitted(
+        sampled.tokens[:, None], emit.astype(jnp.int32), sampled.logprobs[:, None], sampled.top_ids[:, None],
+        sampled.top_logprobs[:, None], sampled.tokens,
+    )  # fmt: skip
 
 
 def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
@@ -169,29 +177,21 @@ def _step(
         chunk = dataclasses.replace(fed, counts=jnp.where(spec, gamma + 1, batch.counts))
         at = jnp.where(spec[:, None], jnp.arange(gamma + 1), jnp.maximum(batch.counts - 1, 0)[:, None])  # [S, K]
         logits, kv, windows = model.step(token_ids, state.kv, chunk, windows=True, at=at)
-        plain = sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top)
+        plain = _one_token(sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top), emit)
         num_drafts = jnp.where(spec, gamma, 0)
         rounds = verify(logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top)
-        count = jnp.where(spec, rounds.num_accepted + 1, emit.astype(jnp.int32))
-        committed = jnp.where(spec, count, batch.counts)
-        kv = commit_conv(kv, windows, committed)
-        padding = jnp.full_like(rounds.tokens[:, 1:], vocab)
-        emitted = Emitted(
-            tokens=jnp.where(spec[:, None], rounds.tokens, jnp.concatenate([plain.tokens[:, None], padding], 1)),
-            count=count,
-            logprobs=jnp.where(spec[:, None], rounds.logprobs, plain.logprobs[:, None]),
-            top_ids=jnp.where(spec[:, None, None], rounds.top_ids, plain.top_ids[:, None]),
-            top_logprobs=jnp.where(spec[:, None, None], rounds.top_logprobs, plain.top_logprobs[:, None]),
-            last=jnp.where(spec, rounds.tokens[jnp.arange(count.shape[0]), rounds.num_accepted], plain.tokens),
+        last = jnp.take_along_axis(rounds.tokens, rounds.num_accepted[:, None], axis=1)[:, 0]
+        speculated = Emitted(rounds.tokens, rounds.num_accepted + 1, rounds.logprobs, rounds.top_ids,
+                             rounds.top_logprobs, last)  # fmt: skip
+        emitted = jax.tree.map(  # plain's [S, 1] entries broadcast: past its count they are padding
+            lambda ours, theirs: jnp.where(spec.reshape(-1, *(1,) * (ours.ndim - 1)), ours, theirs), speculated, plain
         )
+        committed = jnp.where(spec, emitted.count, batch.counts)
+        kv = commit_conv(kv, windows, committed)
         lengths = state.lengths + committed
     else:
         logits, kv = model.step(token_ids, state.kv, fed)
-        plain = sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top)
-        emitted = Emitted(
-            plain.tokens[:, None], emit.astype(jnp.int32), plain.logprobs[:, None], plain.top_ids[:, None],
-            plain.top_logprobs[:, None], plain.tokens,
-        )  # fmt: skip
+        emitted = _one_token(sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top), emit)
         lengths = state.lengths + batch.counts
 
     kept = jnp.where(jnp.arange(emitted.tokens.shape[1])[None, :] < emitted.count[:, None], emitted.tokens, vocab)

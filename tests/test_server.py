@@ -38,6 +38,7 @@ from serving import main as server_main
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 from serving.requests import Code, Delta, EngineRequest, Rejected, TopLogprob
+from serving.scheduler import Stats
 from serving.server import SERVICE_NAME, Server, serve
 from serving.text_stream import StopStringMatcher, TextStream
 
@@ -60,19 +61,6 @@ class FakeEngine:
     num_pages: int = NUM_PAGES
     page_size: int = PAGE_SIZE
     dtype: str = "float32"
-
-
-@dataclasses.dataclass(frozen=True)
-class Stats:
-    waiting: int
-    running: int
-    pages_used: int
-    pages_total: int
-    preemptions: int
-    generated_tokens: int
-    prompt_tokens: int
-    speculative_rounds: int
-    speculative_tokens: int
 
 
 @dataclasses.dataclass

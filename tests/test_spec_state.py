@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from test_draft import TINY
 
 from inkling_jax.cache import (
     CONV_STREAMS,
@@ -113,14 +114,6 @@ def test_step_without_windows_is_unchanged(target):
         np.testing.assert_array_equal(want, got)
 
 
-TINY = {
-    "model_type": "inkling2_text", "vocab_size": 64, "unpadded_vocab_size": 60, "hidden_size": 16,
-    "num_hidden_layers": 3, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "swa_num_attention_heads": 2,
-    "swa_num_key_value_heads": 2, "swa_head_dim": 4, "sliding_window_size": 4, "d_rel": 2, "rel_extent": 5,
-    "moe_intermediate_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_layers_per_attn_res_block": 2,
-    "eos_token_id": 3,
-}  # fmt: skip
 DRAFT = {"num_hidden_layers": 2, "block_size": 4, "target_layer_ids": [0, 2], "mask_token_id": 5, "markov_rank": 6,
          "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 24}  # fmt: skip
 
