@@ -10,7 +10,7 @@ Per sequence (DESIGN.md):
   post-MLP convolutions), in the activation dtype, which is exactly what the convolutions read. Unlike
   K/V they do not roll back by length: a speculative verify pass records each layer's window (history
   then the chunk's inputs, `ConvWindows`) and `commit_conv` keeps the accepted prefix;
-- with a DSpark draft, the draft's context K/V of every position fed, in the same pages as the
+- when speculating with a DSpark draft, the draft's context K/V of every position fed, in the same pages as the
   full-attention layers (like K/V, rejected positions past the committed length are never read);
 - for sampling: each sequence's generated-token counts, its prompt's token set and its count of
   generated tokens.
