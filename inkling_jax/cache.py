@@ -178,15 +178,15 @@ class ConvWindows:
 class KVCache:
     """The layers' state, stacked by layer kind; each layer updates its part in place."""
 
-    full_k: jax.Array  # [full layers, num_pages, page, kv_heads, head_dim]
+    full_k: jax.Array  # [full layers, num_pages, kv_heads, page, head_dim] (head-major pages, as kernels read them)
     full_v: jax.Array
-    sliding_k: jax.Array  # [sliding layers, S, ring, kv_heads, head_dim]; token p at ring slot p % ring
+    sliding_k: jax.Array  # [sliding layers, S, kv_heads, ring, head_dim]; token p at ring slot p % ring
     sliding_v: jax.Array
     conv_k: jax.Array  # [layers, S, K - 1, kv channels], oldest first
     conv_v: jax.Array
     conv_attention: jax.Array  # [layers, S, K - 1, hidden]
     conv_mlp: jax.Array
-    draft_k: jax.Array | None = None  # [draft layers, num_pages, page, draft kv_heads, draft head_dim]; None: no draft
+    draft_k: jax.Array | None = None  # [draft layers, num_pages, draft kv_heads, page, draft head_dim]; None: no draft
     draft_v: jax.Array | None = None
     windows: ConvWindows | None = None  # only inside a pass that records them (`record_windows`), never kept
 
@@ -266,17 +266,17 @@ def init_state(
         return jnp.zeros(shape, dtype)
 
     kv = KVCache(
-        full_k=zeros(full_layers, layout.num_pages, layout.page_size, full_heads, full_dim),
-        full_v=zeros(full_layers, layout.num_pages, layout.page_size, full_heads, full_dim),
-        sliding_k=zeros(sliding_layers, slots, ring, swa_heads, swa_dim),
-        sliding_v=zeros(sliding_layers, slots, ring, swa_heads, swa_dim),
+        full_k=zeros(full_layers, layout.num_pages, full_heads, layout.page_size, full_dim),
+        full_v=zeros(full_layers, layout.num_pages, full_heads, layout.page_size, full_dim),
+        sliding_k=zeros(sliding_layers, slots, swa_heads, ring, swa_dim),
+        sliding_v=zeros(sliding_layers, slots, swa_heads, ring, swa_dim),
         conv_k=zeros(text.num_hidden_layers, slots, taps, kv_channels),
         conv_v=zeros(text.num_hidden_layers, slots, taps, kv_channels),
         conv_attention=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
         conv_mlp=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
     )
     if draft is not None:
-        pool = (draft.num_hidden_layers, layout.num_pages, layout.page_size, draft.num_key_value_heads, draft.head_dim)
+        pool = (draft.num_hidden_layers, layout.num_pages, draft.num_key_value_heads, layout.page_size, draft.head_dim)
         kv = dataclasses.replace(kv, draft_k=zeros(*pool), draft_v=zeros(*pool))
     return DecodeState(
         kv=kv,

@@ -105,11 +105,13 @@ def state_specs(state: DecodeState, text: TextConfig, tp: int) -> DecodeState:
     heads_axis = {"full_k": MODEL, "full_v": MODEL, "sliding_k": MODEL, "sliding_v": MODEL}
     heads_axis |= {"conv_k": conv_axis, "conv_v": conv_axis}
     if state.kv.draft_k is not None:
-        draft_axis = MODEL if state.kv.draft_k.shape[3] % tp == 0 else None  # [layers, pages, page, heads, dim]
+        draft_axis = MODEL if state.kv.draft_k.shape[2] % tp == 0 else None  # [layers, pages, heads, page, dim]
         heads_axis |= {"draft_k": draft_axis, "draft_v": draft_axis}
 
     def kv_spec(name: str, spec: PartitionSpec | None) -> PartitionSpec | None:
-        return PartitionSpec(*spec, None, heads_axis[name]) if name in heads_axis else spec
+        if name in ("conv_k", "conv_v"):
+            return PartitionSpec(*spec, None, heads_axis[name])
+        return PartitionSpec(*spec, heads_axis[name]) if name in heads_axis else spec
 
     specs = replica_specs(state)
     kv = KVCache(**{f.name: kv_spec(f.name, getattr(specs.kv, f.name)) for f in dataclasses.fields(KVCache)})

@@ -46,8 +46,8 @@ def test_layout_fills_the_budget_and_the_state_matches_it():
     assert state.nbytes <= budget
     page_bytes = 1 * 128 * 2 * 2 * 8 * 4  # one full layer, K and V, 2 heads of 8, fp32
     assert budget - state.nbytes < page_bytes + state.page_table.nbytes + state.lengths.nbytes * 2
-    assert state.kv.sliding_k.shape == (2, 4, 8 + 16, 2, 8)
-    assert state.kv.full_k.shape == (1, layout.num_pages, 128, 2, 8)
+    assert state.kv.sliding_k.shape == (2, 4, 2, 8 + 16, 8)
+    assert state.kv.full_k.shape == (1, layout.num_pages, 2, 128, 8)
     assert state.kv.conv_attention.shape == (3, 4, 3, 16)
 
 

@@ -164,7 +164,7 @@ def test_context_kv_stored_per_committed_chunk_equals_one_pass(model):
     c, positions = _context(model, 12)
     k, v = model.dspark.context_kv(c, positions)
     page_size, pages_per_seq = 4, 4
-    pool = jnp.full((LAYERS, 2 * pages_per_seq, page_size, KV_HEADS, HEAD_DIM), 9.0)  # garbage everywhere
+    pool = jnp.full((LAYERS, 2 * pages_per_seq, KV_HEADS, page_size, HEAD_DIM), 9.0)  # garbage everywhere
     pools = [pool, pool]
     page_table = jnp.arange(2 * pages_per_seq, dtype=jnp.int32).reshape(2, pages_per_seq)[::-1]
     for start, stop in ((0, 5), (5, 7), (7, 9)):  # three commits of 5, 2 and 2 positions

@@ -53,26 +53,26 @@ def step_inputs(case: dict) -> dict:
 
 
 def paged(case: dict, num_pages: int, max_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(k pages, v pages [P, page, Hkv, D], page table [S, max pages]): random distinct pages, noise elsewhere."""
+    """(k pages, v pages [P, Hkv, page, D], page table [S, max pages]): random distinct pages, noise elsewhere."""
     rng, slots = case["rng"], len(case["kv_lens"])
-    k_pages = rng.normal(size=(num_pages, PAGE, KV_HEADS, DIM)).astype(np.float32)
-    v_pages = rng.normal(size=(num_pages, PAGE, KV_HEADS, DIM)).astype(np.float32)
+    k_pages = rng.normal(size=(num_pages, KV_HEADS, PAGE, DIM)).astype(np.float32)
+    v_pages = rng.normal(size=(num_pages, KV_HEADS, PAGE, DIM)).astype(np.float32)
     table = rng.permutation(num_pages)[: slots * max_pages].reshape(slots, max_pages).astype(np.int32)
     for s, length in enumerate(case["kv_lens"]):
         for p in range(length):
-            k_pages[table[s, p // PAGE], p % PAGE] = case["k"][s, p]
-            v_pages[table[s, p // PAGE], p % PAGE] = case["v"][s, p]
+            k_pages[table[s, p // PAGE], :, p % PAGE] = case["k"][s, p]
+            v_pages[table[s, p // PAGE], :, p % PAGE] = case["v"][s, p]
     return k_pages, v_pages, table
 
 
 def rings(case: dict, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each sequence's last `size` keys at slot position % size (noise where nothing was written)."""
+    """Each sequence's last `size` keys [S, Hkv, size, D] at slot position % size (noise where nothing was written)."""
     rng, slots = case["rng"], len(case["kv_lens"])
-    k_ring = rng.normal(size=(slots, size, KV_HEADS, DIM)).astype(np.float32)
-    v_ring = rng.normal(size=(slots, size, KV_HEADS, DIM)).astype(np.float32)
+    k_ring = rng.normal(size=(slots, KV_HEADS, size, DIM)).astype(np.float32)
+    v_ring = rng.normal(size=(slots, KV_HEADS, size, DIM)).astype(np.float32)
     for s, length in enumerate(case["kv_lens"]):
         for p in range(max(0, length - size), length):
-            k_ring[s, p % size], v_ring[s, p % size] = case["k"][s, p], case["v"][s, p]
+            k_ring[s, :, p % size], v_ring[s, :, p % size] = case["k"][s, p], case["v"][s, p]
     return k_ring, v_ring
 
 

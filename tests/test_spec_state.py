@@ -131,7 +131,7 @@ def test_draft_pool_shape_sizes_and_sharding(drafted):
     text, draft = config.text, config.draft
     layout = CacheLayout(max_num_seqs=2, num_pages=6, max_pages_per_seq=3, max_chunk=8)
     state = init_state(text, layout, jnp.float32, draft=draft)
-    assert state.kv.draft_k.shape == state.kv.draft_v.shape == (2, 6, 128, 2, 8)
+    assert state.kv.draft_k.shape == state.kv.draft_v.shape == (2, 6, 2, 128, 8)
     plain = init_state(text, layout, jnp.float32)
     assert plain.kv.draft_k is None and state.nbytes - plain.nbytes == 2 * 2 * 6 * 128 * 2 * 8 * 4
 
@@ -144,8 +144,8 @@ def test_draft_pool_shape_sizes_and_sharding(drafted):
     assert with_draft.num_pages < layout_for_budget(text, budget, **sizes).num_pages
     assert init_state(text, with_draft, jnp.float32, draft=draft).nbytes <= budget
 
-    assert state_specs(state, text, 2).kv.draft_k == P(None, DATA, None, MODEL)  # by page, then 2 heads split 2 ways
-    assert state_specs(state, text, 4).kv.draft_v == P(None, DATA, None, None)  # heads whole on every device
+    assert state_specs(state, text, 2).kv.draft_k == P(None, DATA, MODEL)  # by page, then 2 heads split 2 ways
+    assert state_specs(state, text, 4).kv.draft_v == P(None, DATA, None)  # heads whole on every device
     assert state_specs(plain, text, 2).kv.draft_k is None
 
 

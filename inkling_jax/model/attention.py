@@ -7,16 +7,19 @@ tau = 1 + alpha * log(max((pos + 1) / n_floor, 1)). The output is gated by sigmo
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import KVCache, advance_conv
 from inkling_jax.config import TextConfig
 from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
+from inkling_jax.sharding import MODEL
 from pallas_kernels.numerics import round_to
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.relative_attention import relative_attention
@@ -45,18 +48,18 @@ class Chunk:
 
 
 def write_pages(pages: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:
-    """pages [layers, P, page, H, D] with each real token's values [S, C, H, D] stored at its position in
+    """pages [layers, P, H, page, D] with each real token's values [S, C, H, D] stored at its position in
     `layer`'s pages (an in-place update of the donated state)."""
-    page_size = pages.shape[2]
+    page_size = pages.shape[3]
     positions = chunk.positions
     page = jnp.take_along_axis(chunk.page_table, positions // page_size, axis=1, mode="clip")
     page = jnp.where(chunk.valid, page, pages.shape[1])  # padding writes nowhere
-    return pages.at[layer, page, positions % page_size].set(values.astype(pages.dtype), mode="drop")
+    return pages.at[layer, page, :, positions % page_size].set(values.astype(pages.dtype), mode="drop")
 
 
 def read_pages(pages: jax.Array, layer: int, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
     """Each slot's keys of `layer` in position order [S, L, H, D] and their positions [S, L]."""
-    view = pages[layer][chunk.page_table]  # [S, max pages, page, H, D]
+    view = jnp.swapaxes(pages[layer][chunk.page_table], 2, 3)  # [S, max pages, page, H, D]
     slots, num_pages, page_size = view.shape[:3]
     positions = jnp.broadcast_to(jnp.arange(num_pages * page_size, dtype=jnp.int32), (slots, num_pages * page_size))
     return view.reshape(slots, num_pages * page_size, *view.shape[3:]), positions
@@ -84,11 +87,46 @@ def read_draft_context(kv: KVCache, chunk: Chunk) -> tuple[jax.Array, jax.Array,
 
 
 def write_ring(rings: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:
-    """rings [layers, S, R, H, D] with each real token's values at slot position % R of `layer`."""
-    size = rings.shape[2]
+    """rings [layers, S, H, R, D] with each real token's values at slot position % R of `layer`."""
+    size = rings.shape[3]
     slots = jnp.broadcast_to(jnp.arange(rings.shape[1])[:, None], chunk.positions.shape)
     index = jnp.where(chunk.valid, chunk.positions % size, size)
-    return rings.at[layer, slots, index].set(values.astype(rings.dtype), mode="drop")
+    return rings.at[layer, slots, :, index].set(values.astype(rings.dtype), mode="drop")
+
+
+def cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_lens: jax.Array,
+    query_lens: jax.Array,
+    rel: jax.Array,
+    rel_proj: jax.Array,
+    sinks: jax.Array,
+    *,
+    page_table: jax.Array | None,
+    scale: float,
+    window: int | None,
+) -> jax.Array:
+    """`ragged_paged_attention` (the platform's kernel) over this device's heads: q, rel, sinks split by
+    query head and the cache by KV head on the mesh's `model` axis (heads never meet in attention)."""
+    attend = functools.partial(ragged_paged_attention, scale=scale, window=window)
+    mesh = jax.sharding.get_abstract_mesh()
+    if MODEL not in mesh.axis_names or mesh.shape[MODEL] == 1:
+        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table)
+    heads, kv_heads = P(None, None, MODEL), P(None, MODEL)
+    tables = () if page_table is None else (page_table,)
+
+    def local(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, *tables):
+        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=(*tables, None)[0])
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(heads, kv_heads, kv_heads, P(), P(), heads, P(), heads, *(P() for _ in tables)),
+        out_specs=heads,
+        axis_names={MODEL},
+    )(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, *tables)
 
 
 class RelativeLogits(nnx.Module):
@@ -181,7 +219,7 @@ class Attention(nnx.Module):
             out = relative_attention(q, k, v, rel, proj, sinks, positions, positions, scale=scale, window=window)
         else:
             kind = self.kind_index
-            copies = (kv.sliding_k if self.sliding else kv.full_k).shape[3] // self.num_kv_heads
+            copies = (kv.sliding_k if self.sliding else kv.full_k).shape[2] // self.num_kv_heads
             if copies > 1:  # more devices than KV heads: each device's cache keeps the head its queries read
                 k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
             if self.sliding:
@@ -199,7 +237,7 @@ class Attention(nnx.Module):
             kv = advance_conv(
                 advance_conv(kv, "k", self.layer, k_pre, chunk.counts), "v", self.layer, v_pre, chunk.counts
             )
-            out = ragged_paged_attention(
+            out = cached_attention(
                 q, k, v, chunk.lengths + chunk.counts, chunk.counts, rel, proj, sinks,
                 page_table=page_table, scale=scale, window=window,
             )  # fmt: skip

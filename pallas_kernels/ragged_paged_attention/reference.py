@@ -23,9 +23,9 @@ def query_positions(kv_lens: jax.Array, query_lens: jax.Array, width: int) -> ja
 
 
 def paged_keys(pages: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """pages [P, page, Hkv, D], page_table [S, max pages] -> each sequence's keys in position order
+    """pages [P, Hkv, page, D], page_table [S, max pages] -> each sequence's keys in position order
     [S, max pages * page, Hkv, D] and their positions [S, max pages * page]."""
-    view = pages[page_table]
+    view = jnp.swapaxes(pages[page_table], 2, 3)  # [S, max pages, page, Hkv, D]
     slots, num_pages, page_size = view.shape[:3]
     positions = jnp.broadcast_to(jnp.arange(num_pages * page_size, dtype=jnp.int32), (slots, num_pages * page_size))
     return view.reshape(slots, num_pages * page_size, *view.shape[3:]), positions
@@ -56,7 +56,8 @@ def ragged_paged_attention(
     """Attention output [S, C, Hq, D] in q's dtype (zeros at padding queries).
 
     q [S, C, Hq, D] (clipped and tau-scaled by the caller); with a page_table [S, max pages]: k, v the
-    page pool [P, page, Hkv, D]; without one: k, v the rings [S, R, Hkv, D]. kv_lens [S], query_lens [S]
+    page pool [P, Hkv, page, D]; without one: k, v the rings [S, Hkv, R, D] (head-major, so that a
+    kernel reads one head's page or ring slice as one contiguous block). kv_lens [S], query_lens [S]
     int32 (query_lens <= C, kv_lens >= query_lens); rel [S, C, Hq, d_rel]; rel_proj [d_rel, extent];
     sinks [S, C, Hq]; window: keys closer than this, or None for all.
     """
@@ -64,6 +65,7 @@ def ragged_paged_attention(
     if page_table is not None:
         (k, kv_positions), (v, _) = paged_keys(k, page_table), paged_keys(v, page_table)
     else:
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         kv_positions = ring_positions(k.shape[1], kv_lens)
     out = relative_attention(
         q, k.astype(q.dtype), v.astype(q.dtype), rel, rel_proj, sinks, positions, kv_positions,

@@ -1,0 +1,160 @@
+"""Ragged paged relative-bias attention at Inkling 2 Small's shapes (48 query / 8 KV heads of 128, 128-token
+pages in random order, d_rel 16, extent 1024, bf16): the platform's kernel, the pure-jnp reference under
+XLA, and cuDNN's fused attention (`jax.nn.dot_product_attention`, contiguous K/V, no bias, no sink: the
+vendor's floor for the same reads and FLOPs, not the same op).
+
+    python -m bench.ragged_paged_attention [--batches 1 8 64] [--contexts 1024 8192 65536]
+        [--chunks 512 1024 2048 4096] [--repeats 20] [--skip-reference-above 1000000000] [--out FILE.json]
+
+Decode: one query per sequence at the end of `context` keys of a full-attention layer; reported as the KV
+bytes it must read per second (2 * batch * context * 8 heads * 128 * 2 bytes / time) against the H200's
+measured 4.3 TB/s copy bandwidth. Prefill: one sequence's chunk of C new tokens at the start of its prompt
+(causal, C(C+1)/2 visible pairs); reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the
+~800 TFLOP/s bf16 GEMM rate. Times are device time from CUPTI (every kernel the call launches, including
+the bias frame and layout prep around ours and the page gather in the reference), median of `repeats`.
+Each kernel result is checked against the reference where the reference runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention import implementation
+
+HEADS, KV_HEADS, DIM, PAGE, D_REL, EXTENT = 48, 8, 128, 128, 16, 1024
+COPY_TB_S, BF16_TFLOP_S = 4.3, 800.0
+
+
+def device_ms(fn, *args, repeats: int) -> float:
+    """Median device time of fn(*args) in ms (CUPTI on GPU; wall clock after a sync elsewhere)."""
+    jax.block_until_ready(fn(*args))
+    if jax.default_backend() == "gpu":
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times = profiler.measure(fn, iterations=repeats)(*args)
+        return statistics.median(times)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def case(batch: int, context: int, width: int, seed: int) -> dict:
+    """Random bf16 inputs: `batch` sequences of `context` keys in a shuffled page pool, `width` queries each."""
+    keys = jax.random.split(jax.random.key(seed), 7)
+    pages_per_seq = -(-context // PAGE)
+    num_pages = batch * pages_per_seq
+    table = jax.random.permutation(keys[0], num_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
+
+    def normal(key, *shape):
+        return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+
+    return {
+        "q": normal(keys[1], batch, width, HEADS, DIM) * 0.3,
+        "k": normal(keys[2], num_pages, KV_HEADS, PAGE, DIM),
+        "v": normal(keys[3], num_pages, KV_HEADS, PAGE, DIM),
+        "kv_lens": jnp.full((batch,), context, jnp.int32),
+        "query_lens": jnp.full((batch,), width, jnp.int32),
+        "rel": normal(keys[4], batch, width, HEADS, D_REL),
+        "rel_proj": normal(keys[5], D_REL, EXTENT) * 0.1,
+        "sinks": normal(keys[6], batch, width, HEADS),
+        "page_table": table,
+    }
+
+
+def contiguous(inputs: dict) -> tuple[jax.Array, jax.Array]:
+    """Each sequence's K, V [B, context, Hkv, D] in position order (what cuDNN reads)."""
+
+    def gather(pages):
+        view = jnp.swapaxes(pages[inputs["page_table"]], 2, 3)  # [B, pages, page, Hkv, D]
+        return view.reshape(view.shape[0], -1, KV_HEADS, DIM)
+
+    return gather(inputs["k"]), gather(inputs["v"])
+
+
+def run_case(inputs: dict, *, kernel: str, repeats: int, with_reference: bool, causal_chunk: bool) -> dict:
+    """Times of the kernel, the reference and cuDNN on one case, and the kernel's largest error."""
+    args = [inputs[name] for name in ("q", "k", "v", "kv_lens", "query_lens", "rel", "rel_proj", "sinks")]
+    row = {}
+    results = {}
+    for name in dict.fromkeys([kernel, "reference"] if with_reference else [kernel]):
+        attend = implementation(name)
+        fn = jax.jit(lambda *a, table, attend=attend: attend(*a, page_table=table, scale=DIM**-0.5, window=None))
+        results[name] = fn(*args, table=inputs["page_table"])
+        row[f"{name}_ms"] = device_ms(lambda *a, fn=fn: fn(*a, table=inputs["page_table"]), *args, repeats=repeats)
+    if with_reference and kernel != "reference":
+        error = jnp.abs(results[kernel].astype(jnp.float32) - results["reference"].astype(jnp.float32)).max()
+        row["max_abs_error"] = float(error)
+    if jax.default_backend() == "gpu":
+        k, v = contiguous(inputs)
+        cudnn = jax.jit(
+            lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, scale=DIM**-0.5, is_causal=causal_chunk, implementation="cudnn"
+            )
+        )
+        row["cudnn_ms"] = device_ms(cudnn, inputs["q"], k, v, repeats=repeats)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 65536])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--skip-reference-above", type=int, default=1 << 30, help="run the reference only up to this many KV bytes"
+    )
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    kernel = {"gpu": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "reference")
+    report = {
+        "command": "python -m bench.ragged_paged_attention " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": jax.devices()[0].device_kind,
+        "kernel": kernel,
+        "decode": [],
+        "prefill": [],
+    }
+    for batch in args.batches:
+        for context in args.contexts:
+            kv_bytes = 2 * batch * context * KV_HEADS * DIM * 2
+            inputs = case(batch, context, 1, seed=batch * 7 + context)
+            row = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+            row |= run_case(
+                inputs, kernel=kernel, repeats=args.repeats, with_reference=kv_bytes <= args.skip_reference_above,
+                causal_chunk=False,
+            )  # fmt: skip
+            for name in (kernel, "reference", "cudnn"):
+                if f"{name}_ms" in row:
+                    row[f"{name}_tb_s"] = kv_bytes / row[f"{name}_ms"] / 1e9
+                    row[f"{name}_pct_of_copy"] = 100 * row[f"{name}_tb_s"] / COPY_TB_S
+            report["decode"].append(row)
+            print(json.dumps(row), flush=True)
+            del inputs
+    for chunk in args.chunks:
+        flops = 4 * DIM * HEADS * chunk * (chunk + 1) // 2
+        inputs = case(1, chunk, chunk, seed=chunk)
+        row = {"chunk": chunk, "flops": flops}
+        row |= run_case(inputs, kernel=kernel, repeats=args.repeats, with_reference=True, causal_chunk=True)
+        for name in (kernel, "reference", "cudnn"):
+            if f"{name}_ms" in row:
+                row[f"{name}_tflop_s"] = flops / row[f"{name}_ms"] / 1e9
+                row[f"{name}_pct_of_bf16"] = 100 * row[f"{name}_tflop_s"] / BF16_TFLOP_S
+        report["prefill"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""What the kernels share: query rows grouped by KV head, the KV blocks each sequence visits, and the
+relative bias laid out in the frame of those blocks.
+
+A kernel works on one sequence s and one KV head at a time. Its rows are the G = Hq / Hkv query heads
+that read that KV head, for each of the C step positions (row = g * C + c, query position
+kv_lens[s] - query_lens[s] + c). It walks KV blocks of `block` keys: pages of the pool through the page
+table (a page is one block), or consecutive slices of the sequence's ring. It visits only blocks
+[lo, hi): nothing right of the last key, and on windowed layers nothing left of the first key the
+earliest query can see.
+
+The bias is built here, outside the kernels, as one more operand indexed like the keys: for each row,
+the bias of each key slot in a frame of `frame_blocks` blocks starting at block `bias_first[s]` (the
+ring itself for sliding layers). Blocks outside the frame carry no bias (they lie beyond the extent).
+Building it costs Hq * C * frame positions per sequence, linear in the chunk and the extent, never in
+the context, and keeps gathers out of the kernels (TPUs do them badly; Mosaic GPU has none).
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention.reference import query_positions, ring_positions
+from pallas_kernels.relative_attention.reference import relative_bias
+
+
+def group_rows(x: jax.Array, kv_heads: int) -> jax.Array:
+    """[S, C, Hq, ...] -> [S, Hkv, G * C, ...] with row g * C + c holding query head kv * G + g at step c."""
+    slots, width, heads = x.shape[:3]
+    x = x.reshape(slots, width, kv_heads, heads // kv_heads, *x.shape[3:])
+    x = jnp.moveaxis(x, 1, 3)  # [S, Hkv, G, C, ...]
+    return x.reshape(slots, kv_heads, heads // kv_heads * width, *x.shape[4:])
+
+
+def ungroup_rows(x: jax.Array, width: int) -> jax.Array:
+    """Inverse of `group_rows`: [S, Hkv, G * C, ...] -> [S, C, Hq, ...]."""
+    slots, kv_heads, rows = x.shape[:3]
+    x = x.reshape(slots, kv_heads, rows // width, width, *x.shape[3:])
+    x = jnp.moveaxis(x, 3, 1)  # [S, C, Hkv, G, ...]
+    return x.reshape(slots, width, kv_heads * (rows // width), *x.shape[4:])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-sequence block ranges (int32 [S] each) and the static sizes a kernel is compiled for."""
+
+    lo: jax.Array  # first KV block visited
+    hi: jax.Array  # one past the last KV block visited (lo == hi: nothing to visit)
+    bias_first: jax.Array  # the KV block the bias frame starts at
+    block: int = dataclasses.field(metadata={"static": True})  # keys per block
+    steps: int = dataclasses.field(metadata={"static": True})  # the most blocks any sequence visits
+    frame_blocks: int = dataclasses.field(metadata={"static": True})  # blocks in the bias frame
+
+
+def ring_block(ring: int, page: int) -> int:
+    """The largest block of at most `page` keys that tiles a ring of `ring` slots."""
+    return next(b for b in range(min(page, ring), 0, -1) if ring % b == 0)
+
+
+def spanned(keys: int, block: int) -> int:
+    """The most blocks `keys` consecutive positions can touch, wherever they start."""
+    return (keys + block - 2) // block + 1
+
+
+def plan_blocks(
+    kv_lens: jax.Array,
+    query_lens: jax.Array,
+    *,
+    width: int,
+    block: int,
+    capacity: int,
+    extent: int,
+    window: int | None,
+    ring: bool,
+) -> Plan:
+    """The blocks each sequence visits. capacity: key slots a sequence can address (max pages * page for
+    the pool, the ring size for rings); width: the step's query width C."""
+    total = capacity // block
+    if ring:  # the ring holds the last `capacity` keys; unwritten slots are never visited
+        zeros = jnp.zeros_like(kv_lens)
+        hi = (jnp.minimum(kv_lens, capacity) + block - 1) // block
+        return Plan(zeros, hi, zeros, block=block, steps=total, frame_blocks=total)
+    first_query = kv_lens - query_lens
+    hi = (kv_lens + block - 1) // block
+    lo = jnp.zeros_like(hi)
+    steps = total
+    if window is not None:
+        lo = jnp.minimum(jnp.maximum(first_query - window + 1, 0) // block, hi)
+        steps = min(total, spanned(width + window - 1, block))
+    bias_first = jnp.maximum(first_query - extent + 1, 0) // block
+    frame_blocks = min(total, spanned(width + extent - 1, block))
+    return Plan(lo, hi, bias_first, block=block, steps=steps, frame_blocks=frame_blocks)
+
+
+def frame_bias(
+    rel: jax.Array, rel_proj: jax.Array, kv_lens: jax.Array, query_lens: jax.Array, plan: Plan, *, ring: bool
+) -> jax.Array:
+    """The bias [S, Hq, C, frame] of every query at every key slot of its frame, in the activation dtype
+    (as the reference rounds it). rel [S, C, Hq, d_rel]; rel_proj [d_rel, extent]."""
+    width, frame = rel.shape[1], plan.frame_blocks * plan.block
+    if ring:
+        kv_positions = ring_positions(frame, kv_lens)
+    else:
+        kv_positions = plan.bias_first[:, None] * plan.block + jnp.arange(frame, dtype=jnp.int32)[None, :]
+    return relative_bias(rel, rel_proj, query_positions(kv_lens, query_lens, width), kv_positions)
+
+
+Kernel = Callable[..., jax.Array]
+
+
+def attend(
+    kernel: Kernel,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_lens: jax.Array,
+    query_lens: jax.Array,
+    rel: jax.Array,
+    rel_proj: jax.Array,
+    sinks: jax.Array,
+    *,
+    page_table: jax.Array | None,
+    scale: float,
+    window: int | None,
+) -> jax.Array:
+    """The reference's signature and result ([S, C, Hq, D], zeros at padding queries) through a kernel
+    that works on grouped rows:
+
+        kernel(q [S, Hkv, R, D], k, v, bias [S, Hkv, R, frame], sinks [S, Hkv, R] fp32, kv_lens, query_lens,
+               page_table | None, plan, *, scale, window, width) -> [S, Hkv, R, D]
+
+    with k, v as the reference takes them (pool [P, Hkv, page, D] or rings [S, Hkv, ring, D]), read in
+    whatever dtype the cache keeps.
+    """
+    slots, width, heads, _ = q.shape
+    kv_heads, ring = k.shape[1], page_table is None
+    if ring:
+        capacity = k.shape[2]
+        block = ring_block(capacity, 128)
+    else:
+        block = k.shape[2]
+        capacity = page_table.shape[1] * block
+    plan = plan_blocks(
+        kv_lens, query_lens, width=width, block=block, capacity=capacity, extent=rel_proj.shape[1], window=window,
+        ring=ring,
+    )  # fmt: skip
+    bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, ring=ring)  # [S, Hq, C, frame]
+    bias = bias.reshape(slots, kv_heads, heads // kv_heads * width, -1)
+    out = kernel(
+        group_rows(q, kv_heads), k, v, bias,
+        group_rows(sinks.astype(jnp.float32), kv_heads), kv_lens, query_lens, page_table, plan,
+        scale=scale, window=window, width=width,
+    )  # fmt: skip
+    out = ungroup_rows(out, width)
+    real = jnp.arange(width)[None, :] < query_lens[:, None]
+    return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))

@@ -1,0 +1,85 @@
+"""The Mosaic TPU kernel against whole-sequence attention, in Pallas' TPU interpret mode with race detection
+(same cases as the oracle's harness: pages in random order, rings, decode/verify/prefill/idle in one batch,
+windows, extents shorter and longer than the context, GQA; fp32 and bf16), and lowered for TPU with
+jax.export at the production shapes (the interpreter does not check Mosaic's layout rules)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+from jax.experimental.pallas import tpu as pltpu
+from test_ragged_paged_attention import DIM, MIXED, WIDTH, check, paged, random_case, rings, step_inputs
+
+from pallas_kernels.ragged_paged_attention import reference, tpu
+
+
+def interpreted(**inputs) -> np.ndarray:
+    """The kernel's output in interpret mode, failing on any race between its DMAs and compute."""
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait", uninitialized_memory="nan")
+    try:
+        with pltpu.force_tpu_interpret_mode(params):
+            out = np.asarray(tpu.ragged_paged_attention(**inputs, scale=DIM**-0.5))
+    finally:
+        races = interpret_pallas_call.races
+        pltpu.reset_tpu_interpret_mode_state()
+    assert races is not None and not races.races_found
+    return out
+
+
+def inputs(case: dict, k: np.ndarray, v: np.ndarray, table: np.ndarray | None, window: int | None) -> dict:
+    step = step_inputs(case)
+    return dict(
+        q=step["q"], k=k, v=v, kv_lens=case["kv_lens"], query_lens=case["query_lens"], rel=step["rel"],
+        rel_proj=case["rel_proj"], sinks=step["sinks"], page_table=table, window=window,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("extent", "window"), [(5, None), (64, None), (5, 6), (64, 12)])
+def test_paged_layout(extent, window):
+    case = random_case(100 + extent + (window or 0), *MIXED, extent)
+    k_pages, v_pages, table = paged(case, num_pages=64, max_pages=8)
+    check(case, interpreted(**inputs(case, k_pages, v_pages, table, window)), window)
+
+
+@pytest.mark.parametrize(("window", "lengths"), [(6, MIXED), (130, ([300, 137, 9, 140], [1, 8, 8, 0]))])
+def test_ring_layout(window, lengths):
+    """Rings of one block (window 6 + chunk 8) and of two blocks of 69 slots, wrapped more than once."""
+    case = random_case(window, *lengths, extent=window)
+    k_ring, v_ring = rings(case, size=window + WIDTH)
+    check(case, interpreted(**inputs(case, k_ring, v_ring, None, window)), window)
+
+
+def test_bf16_matches_the_reference():
+    """In bf16 the kernel rounds where the oracle does, up to the online softmax's order of operations."""
+    case = random_case(7, *MIXED, extent=24)
+    k_pages, v_pages, table = paged(case, num_pages=64, max_pages=8)
+    args = inputs(case, k_pages, v_pages, table, None)
+    for name in ("q", "k", "v", "rel", "rel_proj", "sinks"):
+        args[name] = jnp.asarray(args[name], jnp.bfloat16)
+    want = np.asarray(reference.ragged_paged_attention(**args, scale=DIM**-0.5), np.float32)
+    got = interpreted(**args).astype(np.float32)
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("width", "ring"), [(1, False), (8, False), (512, False), (1, True), (512, True)])
+def test_lowers_for_tpu_at_production_shapes(width, ring):
+    """48 query / 8 KV heads of 128, 128-token pages, extent and window 1024, bf16."""
+    slots, heads, kv_heads, dim, page = 4, 48, 8, 128, 128
+    kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((slots, width, heads, dim), jnp.bfloat16), spec(kv_shape, jnp.bfloat16), spec(kv_shape, jnp.bfloat16),
+        spec((slots,), jnp.int32), spec((slots,), jnp.int32), spec((slots, width, heads, 16), jnp.bfloat16),
+        spec((16, 1024), jnp.bfloat16), spec((slots, width, heads), jnp.bfloat16),
+    )  # fmt: skip
+    table = None if ring else spec((slots, 32), jnp.int32)
+
+    def attention(*args, table):
+        window = 1024 if ring else None
+        return tpu.ragged_paged_attention(*args, page_table=table, scale=dim**-0.5, window=window)
+
+    lowered = export.export(jax.jit(attention), platforms=["tpu"])(*args, table=table)
+    assert "tpu_custom_call" in lowered.mlir_module()
