@@ -39,13 +39,13 @@ def whole_sequences(case: dict, window: int | None) -> np.ndarray:
     ))  # fmt: skip
 
 
-def step_inputs(case: dict) -> dict:
+def step_inputs(case: dict, width: int = WIDTH) -> dict:
     """The step's queries [S, C, ...]: each slot's last query_lens[s] positions, padded with noise."""
     rng, slots = case["rng"], len(case["kv_lens"])
     out = {}
     for name in ("q", "rel", "sinks"):
         full = case[name]
-        step = rng.normal(size=(slots, WIDTH, *full.shape[2:])).astype(np.float32)
+        step = rng.normal(size=(slots, width, *full.shape[2:])).astype(np.float32)
         for s, (length, count) in enumerate(zip(case["kv_lens"], case["query_lens"], strict=True)):
             step[s, :count] = full[s, length - count : length]
         out[name] = step

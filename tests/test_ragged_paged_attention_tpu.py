@@ -28,8 +28,10 @@ def interpreted(**inputs) -> np.ndarray:
     return out
 
 
-def inputs(case: dict, k: np.ndarray, v: np.ndarray, table: np.ndarray | None, window: int | None) -> dict:
-    step = step_inputs(case)
+def inputs(
+    case: dict, k: np.ndarray, v: np.ndarray, table: np.ndarray | None, window: int | None, width: int = WIDTH
+) -> dict:
+    step = step_inputs(case, width)
     return dict(
         q=step["q"], k=k, v=v, kv_lens=case["kv_lens"], query_lens=case["query_lens"], rel=step["rel"],
         rel_proj=case["rel_proj"], sinks=step["sinks"], page_table=table, window=window,
@@ -41,6 +43,15 @@ def test_paged_layout(extent, window):
     case = random_case(100 + extent + (window or 0), *MIXED, extent)
     k_pages, v_pages, table = paged(case, num_pages=64, max_pages=8)
     check(case, interpreted(**inputs(case, k_pages, v_pages, table, window)), window)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_wide_chunks_in_row_tiles_over_many_steps(window):
+    """Chunks of 128 queries (two row tiles per sequence, each with its own causal horizon) against 38
+    pages, visited 8 per step."""
+    case = random_case(11 + (window or 0), [300, 150, 128], [128, 128, 3], extent=64)
+    k_pages, v_pages, table = paged(case, num_pages=128, max_pages=40)
+    check(case, interpreted(**inputs(case, k_pages, v_pages, table, window, width=128)), window)
 
 
 @pytest.mark.parametrize(("window", "lengths"), [(6, MIXED), (130, ([300, 137, 9, 140], [1, 8, 8, 0]))])
@@ -66,7 +77,7 @@ def test_bf16_matches_the_reference():
 
 @pytest.mark.parametrize(("width", "ring"), [(1, False), (8, False), (512, False), (1, True), (512, True)])
 def test_lowers_for_tpu_at_production_shapes(width, ring):
-    """48 query / 8 KV heads of 128, 128-token pages, extent and window 1024, bf16."""
+    """48 query / 8 KV heads of 128, 128-token pages, extent and window 1024, bf16, for TPU v7x."""
     slots, heads, kv_heads, dim, page = 4, 48, 8, 128, 128
     kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
     spec = jax.ShapeDtypeStruct
@@ -81,5 +92,7 @@ def test_lowers_for_tpu_at_production_shapes(width, ring):
         window = 1024 if ring else None
         return tpu.ragged_paged_attention(*args, page_table=table, scale=dim**-0.5, window=window)
 
-    lowered = export.export(jax.jit(attention), platforms=["tpu"])(*args, table=table)
+    v7x = jax.sharding.AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=v7x)):
+        lowered = export.export(jax.jit(attention), platforms=["tpu"])(*args, table=table)
     assert "tpu_custom_call" in lowered.mlir_module()

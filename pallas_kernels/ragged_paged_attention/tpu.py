@@ -1,12 +1,14 @@
 """Mosaic TPU kernel of the ragged paged relative-bias attention.
 
-Grid (sequence, KV head, block step): each program holds one sequence's rows for one KV head (the G query
-heads that read it, at every step position) and walks that sequence's KV blocks lo .. hi - 1, one page
-(or ring slice) per step, with an online softmax in VMEM. The page of each step comes from the page
-table through scalar prefetch; steps past hi map to the block already loaded, so Pallas fetches
-nothing for them, and their compute is skipped: windowed layers never read pages left of the window
-and short sequences never read past their end. The bias comes in the frame of the blocks
-(`blocks.frame_bias`), fetched only for blocks within the extent.
+Grid (sequence, row tile, step). A program holds one tile of a sequence's query rows for every KV head
+and walks the KV blocks that tile can see, `per_step` pages (or ring slices) of all KV heads per step,
+with an online softmax in VMEM. Each of the step's pages is its own pipelined operand whose index map
+reads the page table (scalar prefetch), so Pallas double-buffers them across steps and sequences; a
+step's fetch is large enough (~4 MiB at 8 KV heads) to hide the per-step cost. Pages past a tile's last
+visible block map to the block already held, so nothing is fetched or computed for them: windowed layers
+never read left of the window, prefill tiles never read right of their causal horizon, short sequences
+never read past their end. The bias comes in the frame of the blocks (`blocks.frame_bias`) and is
+added only to blocks within the extent.
 """
 
 import functools
@@ -18,30 +20,47 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.blocks import Plan, attend
 
+STEP_BYTES = 4 << 20  # K and V bytes fetched per grid step
+MAX_PER_STEP = 8  # pages per step (each one pipelined operand per K, V and bias)
+TILE_ROWS = 128  # query rows per program once a chunk is at least this wide
+
 
 def _rounded(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """fp32 x rounded to the activation dtype and back (the reference rounds scores there)."""
     return x if dtype == jnp.float32 else x.astype(dtype).astype(jnp.float32)
 
 
-def _key_positions(block: jax.Array, kv_len: jax.Array, shape: tuple[int, int], ring: int | None) -> jax.Array:
-    """[R, B] positions of the keys in logical block `block` (ring slots never written: past every query)."""
-    slot = block * shape[1] + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    if ring is None:
-        return slot
-    last = kv_len - 1
-    held = last - jax.lax.rem(last - slot + ring, ring)
-    return jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max // 2)
+def _tile_blocks(s, tile, kv_lens, query_lens, *, width, tile_rows, block, window, ring):
+    """The blocks [lo, hi) the query rows of `tile` can see: causal horizon of its last step position,
+    window of its first (on a ring: every slot written so far)."""
+    if ring is not None:
+        return 0, (jnp.minimum(kv_lens[s], ring) + block - 1) // block
+    first_query = kv_lens[s] - query_lens[s]
+    start = (tile * tile_rows) % width
+    stop = jnp.minimum(start + tile_rows, width) - 1
+    hi = jnp.minimum((kv_lens[s] + block - 1) // block, (first_query + stop) // block + 1)
+    lo = jnp.zeros_like(hi)
+    if window is not None:
+        lo = jnp.minimum(jnp.maximum(first_query + start - window + 1, 0) // block, hi)
+    return lo, hi
 
 
-def _attend_block(
-    kv_lens_ref, query_lens_ref, lo_ref, hi_ref, bias_first_ref, *refs,
-    scale: float, window: int | None, width: int, steps: int, frame_blocks: int, ring: int | None, paged: bool,
+def _attend_step(
+    kv_lens_ref, query_lens_ref, bias_first_ref, *refs,
+    scale: float, window: int | None, width: int, tile_rows: int, block: int, per_step: int, steps: int,
+    frame_blocks: int, ring: int | None,
 ) -> None:  # fmt: skip
-    if paged:
+    if ring is None:
         refs = refs[1:]  # the page table is only read by the index maps
-    q_ref, k_ref, v_ref, bias_ref, sinks_ref, out_ref, m_ref, l_ref, acc_ref = refs
-    s, step = pl.program_id(0), pl.program_id(2)
+    q_ref, sinks_ref = refs[:2]
+    k_refs, v_refs, bias_refs = (refs[2 + i * per_step : 2 + (i + 1) * per_step] for i in range(3))
+    out_ref, m_ref, l_ref, acc_ref = refs[2 + 3 * per_step :]
+    s, tile, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_len = kv_lens_ref[s]
+    lo, hi = _tile_blocks(
+        s, tile, kv_lens_ref, query_lens_ref, width=width, tile_rows=tile_rows, block=block, window=window, ring=ring
+    )
+    first = lo + step * per_step
 
     @pl.when(step == 0)
     def _():
@@ -49,36 +68,55 @@ def _attend_block(
         l_ref[...] = jnp.ones_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    block = lo_ref[s] + step
-
-    @pl.when(block < hi_ref[s])
+    @pl.when(first < hi)
     def _():
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]  # [R, D], [B, D], [B, D]
-        dtype = q.dtype
-        scores = jax.lax.dot_general(q, k.astype(dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        scores = _rounded(scores * scale, dtype)  # [R, B]
-        framed = block - bias_first_ref[s]
-        in_frame = (framed >= 0) & (framed < frame_blocks)
-        scores = jnp.where(in_frame, _rounded(scores + bias_ref[...].astype(jnp.float32), dtype), scores)
+        rows = q_ref.shape[1]
+        shape = (rows, block)
+        row = tile * tile_rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        query_pos = kv_len - query_lens_ref[s] + jax.lax.rem(row, width)
+        visible, in_frame = [], []
+        for m in range(per_step):
+            index = first + m
+            slot = index * block + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+            if ring is None:
+                key_pos = slot
+            else:  # ring slot -> the position it holds; slots never written lie past every query
+                held = kv_len - 1 - jax.lax.rem(kv_len - 1 - slot + ring, ring)
+                key_pos = jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max // 2)
+            distance = query_pos - key_pos
+            seen = (distance >= 0) & (index < hi)
+            if window is not None:
+                seen &= distance < window
+            visible.append(seen)
+            framed = index - bias_first_ref[s]
+            in_frame.append((framed >= 0) & (framed < frame_blocks))
 
-        kv_len = kv_lens_ref[s]
-        rows = jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0)
-        query_pos = kv_len - query_lens_ref[s] + jax.lax.rem(rows, width)
-        distance = query_pos - _key_positions(block, kv_len, scores.shape, ring)
-        visible = distance >= 0
-        if window is not None:
-            visible &= distance < window
-        scores = jnp.where(visible, scores, -jnp.inf)
-
-        m_prev = m_ref[...]  # [R, 1]
-        m_next = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
-        weights = jnp.exp(scores - m_next)
-        decay = jnp.exp(m_prev - m_next)
-        l_ref[...] = decay * l_ref[...] + weights.sum(axis=1, keepdims=True)
-        acc_ref[...] = decay * acc_ref[...] + jax.lax.dot_general(
-            weights.astype(dtype), v.astype(dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        m_ref[...] = m_next
+        contract, f32 = (((1,), (0,)), ((), ())), jnp.float32  # [rows, block] x [block, D]
+        for h in range(q_ref.shape[0]):
+            q = q_ref[h]  # [rows, D]
+            dtype = q.dtype
+            scores = []
+            for m in range(per_step):
+                k = k_refs[m][h].astype(dtype)  # [block, D]
+                logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                logits = _rounded(logits * scale, dtype)
+                biased = _rounded(logits + bias_refs[m][h].astype(jnp.float32), dtype)
+                logits = jnp.where(in_frame[m], biased, logits)
+                scores.append(jnp.where(visible[m], logits, -jnp.inf))
+            scores = jnp.concatenate(scores, axis=1)  # [rows, per_step * block]
+            m_prev = m_ref[h]  # [rows, 1]
+            m_next = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
+            weights = jnp.exp(scores - m_next)
+            decay = jnp.exp(m_prev - m_next)
+            l_ref[h] = decay * l_ref[h] + weights.sum(axis=1, keepdims=True)
+            weights = weights.astype(dtype)
+            values = [v_refs[m][h].astype(dtype) for m in range(per_step)]  # [block, D] each
+            update = sum(
+                jax.lax.dot_general(weights[:, m * block : (m + 1) * block], vm, contract, preferred_element_type=f32)
+                for m, vm in enumerate(values)
+            )
+            acc_ref[h] = decay * acc_ref[h] + update
+            m_ref[h] = m_next
 
     @pl.when(step == steps - 1)
     def _():
@@ -103,59 +141,72 @@ def kernel(
     """`blocks.attend`'s kernel on TPU: q [S, Hkv, R, D] -> [S, Hkv, R, D]."""
     slots, kv_heads, rows, head_dim = q.shape
     block, paged = plan.block, page_table is not None
+    tile_rows = TILE_ROWS if width % TILE_ROWS == 0 else rows  # a tile's rows share one query head
+    page_bytes = 2 * kv_heads * block * head_dim * k.dtype.itemsize
+    per_step = max(1, min(MAX_PER_STEP, plan.steps, STEP_BYTES // page_bytes))
+    steps = -(-plan.steps // per_step)
+    ring = None if paged else k.shape[2]
+    tile_blocks = functools.partial(
+        _tile_blocks, width=width, tile_rows=tile_rows, block=block, window=window, ring=ring
+    )
+
+    def visited(s, tile, step, m, kv_lens, query_lens):  # logical block of page m, held at the last one seen
+        lo, hi = tile_blocks(s, tile, kv_lens, query_lens)
+        return jnp.maximum(jnp.minimum(lo + step * per_step + m, hi - 1), 0)
+
+    def kv_index(m):
+        if paged:
+            max_pages = page_table.shape[1]
+
+            def index(s, tile, step, kv_lens, query_lens, bias_first, table):
+                logical = jnp.minimum(visited(s, tile, step, m, kv_lens, query_lens), max_pages - 1)
+                return table[s * max_pages + logical], 0, 0, 0
+
+            return index
+
+        def ring_index(s, tile, step, kv_lens, query_lens, bias_first):
+            return s, 0, visited(s, tile, step, m, kv_lens, query_lens), 0
+
+        return ring_index
+
+    def bias_index(m):
+        def index(s, tile, step, kv_lens, query_lens, bias_first, *table):
+            framed = visited(s, tile, step, m, kv_lens, query_lens) - bias_first[s]
+            return s, 0, tile, jnp.clip(framed, 0, plan.frame_blocks - 1)
+
+        return index
+
+    def row_index(s, tile, step, *scalars):
+        return s, 0, tile, 0
+
     squeezed = pl.Squeezed()
-
-    def visited(s, step, lo, hi):  # the logical block of this step, held at the last one past hi
-        return jnp.maximum(jnp.minimum(lo[s] + step, hi[s] - 1), 0)
-
-    if paged:
-        max_pages = page_table.shape[1]
-
-        def kv_index(s, h, step, kv_lens, query_lens, lo, hi, bias_first, table):
-            return table[s * max_pages + jnp.minimum(visited(s, step, lo, hi), max_pages - 1)], h, 0, 0
-    else:
-
-        def kv_index(s, h, step, kv_lens, query_lens, lo, hi, bias_first):
-            return s, h, visited(s, step, lo, hi), 0
-
-    def bias_index(s, h, step, kv_lens, query_lens, lo, hi, bias_first, *table):
-        framed = visited(s, step, lo, hi) - bias_first[s]
-        return s, h, 0, jnp.clip(framed, 0, plan.frame_blocks - 1)
-
-    def row_index(s, h, step, *scalars):
-        return s, h, 0, 0
-
-    rows_spec = pl.BlockSpec((squeezed, squeezed, rows, head_dim), row_index)
-    kv_spec = pl.BlockSpec((squeezed, squeezed, block, head_dim), kv_index)
-    scalars = [kv_lens, query_lens, plan.lo, plan.hi, plan.bias_first]
+    kv_specs = [pl.BlockSpec((squeezed, kv_heads, block, head_dim), kv_index(m)) for m in range(per_step)]
+    bias_specs = [pl.BlockSpec((squeezed, kv_heads, tile_rows, block), bias_index(m)) for m in range(per_step)]
+    rows_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, head_dim), row_index)
+    sinks_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, 1), row_index)
+    scalars = [kv_lens, query_lens, plan.bias_first]
     if paged:
         scalars.append(page_table.reshape(-1))
     body = functools.partial(
-        _attend_block, scale=scale, window=window, width=width, steps=plan.steps, frame_blocks=plan.frame_blocks,
-        ring=None if paged else k.shape[2], paged=paged,
+        _attend_step, scale=scale, window=window, width=width, tile_rows=tile_rows, block=block, per_step=per_step,
+        steps=steps, frame_blocks=plan.frame_blocks, ring=ring,
     )  # fmt: skip
     return pl.pallas_call(
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
-            grid=(slots, kv_heads, plan.steps),
-            in_specs=[
-                rows_spec,
-                kv_spec,
-                kv_spec,
-                pl.BlockSpec((squeezed, squeezed, rows, block), bias_index),
-                pl.BlockSpec((squeezed, squeezed, rows, 1), row_index),
-            ],
+            grid=(slots, rows // tile_rows, steps),
+            in_specs=[rows_spec, sinks_spec, *kv_specs, *kv_specs, *bias_specs],
             out_specs=rows_spec,
             scratch_shapes=[
-                pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, head_dim), jnp.float32),
+                pltpu.VMEM((kv_heads, tile_rows, 1), jnp.float32),
+                pltpu.VMEM((kv_heads, tile_rows, 1), jnp.float32),
+                pltpu.VMEM((kv_heads, tile_rows, head_dim), jnp.float32),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-    )(*scalars, q, k, v, bias, sinks[..., None])
+    )(*scalars, q, sinks[..., None], *(k,) * per_step, *(v,) * per_step, *(bias,) * per_step)
 
 
 ragged_paged_attention = functools.partial(attend, kernel)
