@@ -12,6 +12,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
 from test_ragged_paged_attention import DIM, MIXED, WIDTH, check, paged, random_case, rings, step_inputs
 
+import pallas_kernels.ragged_paged_attention as ragged_paged_attention
 from pallas_kernels.ragged_paged_attention import reference, tpu
 
 
@@ -96,3 +97,32 @@ def test_lowers_for_tpu_at_production_shapes(width, ring):
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=v7x)):
         lowered = export.export(jax.jit(attention), platforms=["tpu"])(*args, table=table)
     assert "tpu_custom_call" in lowered.mlir_module()
+
+
+def test_the_engine_step_through_the_kernel(monkeypatch):
+    """The tiny parity model's chunked prefill and decode with every cached attention layer (pool and ring)
+    running the TPU kernel in interpret mode: the same log-probabilities as a whole-sequence forward."""
+    from test_step import FIXTURE, Driver, full_logprobs, prefill
+
+    from inkling_jax.checkpoint import load_causal_lm
+
+    calls = []
+
+    def tpu_backend(backend: str = "auto"):
+        calls.append(backend)
+        return tpu.ragged_paged_attention
+
+    model = load_causal_lm(FIXTURE / "hf", jnp.float32)[1]
+    ids = np.load(FIXTURE / "reference.npz")["input_ids"].tolist()[:20]
+    want = full_logprobs(model, ids)
+    monkeypatch.setattr(ragged_paged_attention, "implementation", tpu_backend)
+    jax.clear_caches()  # the step may be cached from another test's trace with the reference
+    try:
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+            got = prefill(Driver(model), 1, ids, [3, 8, 1, 7, 1], len(want[0]))
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+        jax.clear_caches()
+    assert calls  # traced through the kernel, not a cached reference step
+    for position, logprobs in got:
+        np.testing.assert_allclose(logprobs, want[position], rtol=1e-4, atol=1e-4 * np.abs(want[position]).max())
