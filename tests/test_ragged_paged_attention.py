@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import blocks, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import query_positions, ring_positions
 from pallas_kernels.relative_attention import relative_attention
+from pallas_kernels.relative_attention.reference import relative_bias
 
 PAGE, HEADS, KV_HEADS, DIM, D_REL = 8, 4, 2, 16, 4
 WIDTH = 8  # the step's query width C
@@ -112,3 +114,32 @@ def test_ring_layout_equals_whole_sequences(extent):
         step["sinks"], page_table=None, scale=DIM**-0.5, window=window,
     )  # fmt: skip
     check(case, got, window)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize(("width", "extent", "block"), [(8, 24, 8), (1, 1024, 128), (64, 100, 16), (8, 6, 14)])
+def test_the_kernels_bias_frame_is_the_gathered_bias(ring, width, extent, block):
+    """`blocks.frame_bias` (a band built by padding and re-pitching rows, no gather) equals the oracle's
+    gathered bias at every key slot a query can see: positions past a pool frame's start, ring slots
+    holding the last ring-size positions (wrapped up to three times)."""
+    rng = np.random.default_rng(width + extent)
+    capacity = extent + width if ring else 8 * extent
+    block = blocks.ring_block(capacity, block) if ring else block
+    kv_lens = rng.integers(0, 3 * capacity if ring else capacity, 6).astype(np.int32)
+    query_lens = np.minimum(rng.integers(0, width + 1, 6), kv_lens).astype(np.int32)
+    rel = rng.normal(size=(6, width, 3, D_REL)).astype(np.float32)
+    rel_proj = rng.normal(size=(D_REL, extent)).astype(np.float32)
+    plan = blocks.plan_blocks(
+        kv_lens, query_lens, width=width, block=block, capacity=capacity, extent=extent, window=None, ring=ring
+    )
+    got = blocks.frame_bias(rel, rel_proj, kv_lens, query_lens, plan, ring=ring)
+    frame = plan.frame_blocks * plan.block
+    if ring:
+        keys = ring_positions(frame, kv_lens)
+    else:
+        keys = plan.bias_first[:, None] * plan.block + jnp.arange(frame)[None, :]
+    queries = query_positions(kv_lens, query_lens, width)
+    want = relative_bias(rel, rel_proj, queries, keys)
+    seen = (queries[:, None, :, None] >= keys[:, None, None, :]) & (keys[:, None, None, :] >= 0)
+    assert seen.sum() > 100
+    np.testing.assert_array_equal(np.where(seen, got, 0.0), np.where(seen, want, 0.0))

@@ -21,8 +21,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.reference import query_positions, ring_positions
-from pallas_kernels.relative_attention.reference import relative_bias
+from pallas_kernels.numerics import einsum, round_to
 
 
 def group_rows(x: jax.Array, kv_heads: int) -> jax.Array:
@@ -94,17 +93,42 @@ def plan_blocks(
     return Plan(lo, hi, bias_first, block=block, steps=steps, frame_blocks=frame_blocks)
 
 
+def banded(profiles: jax.Array, start: jax.Array, frame: int, *, most: int) -> jax.Array:
+    """The Toeplitz band [S, H, C, frame] whose (c, f) entry is the profile of row c at distance
+    start[s] + c - f (zero outside [0, extent)), from profiles [S, H, C, extent] with distances reversed
+    (column t: distance extent - 1 - t); 0 <= start <= most (static).
+
+    No gather: each row is padded, and reading the rows back with a pitch one shorter than written
+    shifts row c right by c (a reshape); a per-sequence slice then picks the frame.
+    """
+    slots, heads, width, extent = profiles.shape
+    left, right = max(most - extent + 1, 0), max(frame, width)
+    pitch = left + extent + right
+    rows = jnp.pad(profiles, ((0, 0), (0, 0), (0, 0), (left, right))).reshape(slots, heads, width * pitch)
+    sheared = rows[..., : width * (pitch - 1)].reshape(slots, heads, width, pitch - 1)  # row c shifted by c
+    offset = left + extent - 1 - start  # the column of frame position 0
+    return jax.vmap(lambda x, o: jax.lax.dynamic_slice_in_dim(x, o, frame, axis=-1))(sheared, offset)
+
+
 def frame_bias(
     rel: jax.Array, rel_proj: jax.Array, kv_lens: jax.Array, query_lens: jax.Array, plan: Plan, *, ring: bool
 ) -> jax.Array:
     """The bias [S, Hq, C, frame] of every query at every key slot of its frame, in the activation dtype
-    (as the reference rounds it). rel [S, C, Hq, d_rel]; rel_proj [d_rel, extent]."""
-    width, frame = rel.shape[1], plan.frame_blocks * plan.block
-    if ring:
-        kv_positions = ring_positions(frame, kv_lens)
-    else:
-        kv_positions = plan.bias_first[:, None] * plan.block + jnp.arange(frame, dtype=jnp.int32)[None, :]
-    return relative_bias(rel, rel_proj, query_positions(kv_lens, query_lens, width), kv_positions)
+    (as the reference rounds it; see `relative_attention.reference.relative_bias`). rel [S, C, Hq, d_rel];
+    rel_proj [d_rel, extent]. Pool frames are positions bias_first * block onward; a ring's frame is its
+    slots, which hold the last `ring` positions rotated (slot p % ring), so its band is built over those
+    positions in order and rotated the same way."""
+    extent, frame = rel_proj.shape[1], plan.frame_blocks * plan.block
+    profiles = einsum("bthr,re->bhte", rel, round_to(rel_proj[:, ::-1], rel.dtype))  # [S, Hq, C, extent]
+    first_query = kv_lens - query_lens
+    if not ring:
+        start = first_query - plan.bias_first * plan.block
+        return banded(profiles, start, frame, most=extent + plan.block - 2)
+    oldest = kv_lens - frame  # the position the ring's oldest slot holds once full
+    in_order = banded(profiles, first_query - oldest, frame, most=frame)
+    rotation = jnp.remainder(-oldest, frame)  # slot i holds in-order position (i - oldest) % frame
+    doubled = jnp.concatenate([in_order, in_order], axis=-1)
+    return jax.vmap(lambda x, r: jax.lax.dynamic_slice_in_dim(x, r, frame, axis=-1))(doubled, rotation)
 
 
 Kernel = Callable[..., jax.Array]
