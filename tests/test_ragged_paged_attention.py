@@ -143,3 +143,12 @@ def test_the_kernels_bias_frame_is_the_gathered_bias(ring, width, extent, block)
     seen = (queries[:, None, :, None] >= keys[:, None, None, :]) & (keys[:, None, None, :] >= 0)
     assert seen.sum() > 100
     np.testing.assert_array_equal(np.where(seen, got, 0.0), np.where(seen, want, 0.0))
+
+
+def test_the_entry_point_names_an_unknown_backend():
+    case = random_case(1, [5], [1], extent=5)
+    k_pages, v_pages, table = paged(case, num_pages=2, max_pages=1)
+    step = step_inputs(case)
+    args = (step["q"], k_pages, v_pages, case["kv_lens"], case["query_lens"], step["rel"], case["rel_proj"])
+    with pytest.raises(ValueError, match="'triton' is not one of auto, reference, tpu, gpu"):
+        ragged_paged_attention(*args, step["sinks"], page_table=table, scale=1.0, window=None, backend="triton")

@@ -1,7 +1,8 @@
 """Ragged paged relative-bias attention (decode, chunked prefill and speculative verify in one call): the
 entry point the model calls. `backend` picks the implementation: "tpu" (Mosaic TPU), "gpu" (Mosaic GPU),
 "reference" (pure jnp), or "auto": the kernel of the platform the computation runs on, the reference
-elsewhere (CPU)."""
+elsewhere (CPU) and for inputs the GPU kernel does not take (fp32, head dims or blocks not multiples of
+64: the tiny test models)."""
 
 import importlib
 from collections.abc import Callable
@@ -9,16 +10,27 @@ from collections.abc import Callable
 import jax
 
 from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention.blocks import kv_block
 
 BACKENDS = ("auto", "reference", "tpu", "gpu")
 
 
-def implementation(backend: str = "auto") -> Callable[..., jax.Array]:
-    """The function behind `backend`, all with the reference's signature."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        backend = jax.default_backend() if jax.default_backend() in ("tpu", "gpu") else "reference"
+def automatic(q: jax.Array, k: jax.Array, page_table: jax.Array | None) -> str:
+    """The backend "auto" means for these inputs on this platform."""
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "tpu"
+    if platform == "gpu":
+        from pallas_kernels.ragged_paged_attention import gpu  # Mosaic GPU is imported only where it runs
+
+        return "gpu" if gpu.supports(q.dtype, q.shape[-1], kv_block(k, page_table)) else "reference"
+    return "reference"
+
+
+def implementation(backend: str) -> Callable[..., jax.Array]:
+    """The function behind `backend` ("auto" resolved), all with the reference's signature."""
+    if backend not in BACKENDS or backend == "auto":
+        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS[1:])}")
     if backend == "reference":
         return reference.ragged_paged_attention
     return importlib.import_module(f"pallas_kernels.ragged_paged_attention.{backend}").ragged_paged_attention
@@ -40,9 +52,12 @@ def ragged_paged_attention(
     backend: str = "auto",
 ) -> jax.Array:
     """`reference.ragged_paged_attention`'s contract (shapes and semantics there), computed by `backend`."""
-    return implementation(backend)(
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    chosen = automatic(q, k, page_table) if backend == "auto" else backend
+    return implementation(chosen)(
         q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, scale=scale, window=window
     )
 
 
-__all__ = ["BACKENDS", "implementation", "ragged_paged_attention"]
+__all__ = ["BACKENDS", "automatic", "implementation", "ragged_paged_attention"]

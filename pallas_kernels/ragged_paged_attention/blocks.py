@@ -58,6 +58,12 @@ def ring_block(ring: int, page: int) -> int:
     return next(b for b in range(min(page, ring), 0, -1) if ring % b == 0)
 
 
+def kv_block(k: jax.Array, page_table: jax.Array | None) -> int:
+    """Keys per block for the pool (its page size) or the rings [S, Hkv, ring, D] (the largest divisor of
+    the ring up to 128)."""
+    return k.shape[2] if page_table is not None else ring_block(k.shape[2], 128)
+
+
 def spanned(keys: int, block: int) -> int:
     """The most blocks `keys` consecutive positions can touch, wherever they start."""
     return (keys + block - 2) // block + 1
@@ -159,13 +165,8 @@ def attend(
     whatever dtype the cache keeps.
     """
     slots, width, heads, _ = q.shape
-    kv_heads, ring = k.shape[1], page_table is None
-    if ring:
-        capacity = k.shape[2]
-        block = ring_block(capacity, 128)
-    else:
-        block = k.shape[2]
-        capacity = page_table.shape[1] * block
+    kv_heads, ring, block = k.shape[1], page_table is None, kv_block(k, page_table)
+    capacity = k.shape[2] if ring else page_table.shape[1] * block
     plan = plan_blocks(
         kv_lens, query_lens, width=width, block=block, capacity=capacity, extent=rel_proj.shape[1], window=window,
         ring=ring,
