@@ -1,0 +1,370 @@
+"""Ragged paged relative-bias attention on Hopper (sm90) through Mosaic GPU: the kernel `attend` drives.
+
+A CTA works on one (sequence, KV head), one tile of grouped query rows and one contiguous share of the
+KV blocks that tile sees. Three warpgroups: one only issues TMA copies (each block's K, V and, inside
+the bias frame, the tile's bias slice, into a ring of SMEM stages that the readers release); two
+compute. With more than 64 rows (prefill) the compute warpgroups take 64 rows each (the wgmma M tile)
+and read every block; with at most 64 (decode, verify) they share the rows and alternate 64-key halves of
+the blocks (four smaller SMEM stages instead of two), each keeping its own softmax. Compute is
+FlashAttention's: S = Q K^T on wgmma, rounded to the activation dtype where the reference rounds it
+(after the product, the scale and the bias), the visibility mask only on blocks that straddle a boundary,
+an online softmax that starts from the sink logit (running max = sink, sum = 1, acc = 0), then P V on wgmma.
+
+Decoding has few (sequence, head) pairs, too few CTAs for 132 SMs: the KV blocks are then split over
+several CTAs (flash-decoding). Every partial softmax writes its normalised output, running max and sum,
+and plain jnp combines them; only the first counts the sink. Prefill tiles rows over CTAs instead, each
+tile walking only the blocks its queries can see (causal and window bounds per tile).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.ragged_paged_attention.blocks import Plan, attend
+
+LANES = 64  # rows per compute warpgroup: the wgmma M tile
+SMS = 132  # H200 multiprocessors
+SMEM_BYTES = 232448  # per-block shared memory limit on sm90
+LOG2E = math.log2(math.e)
+TRANSFORMS_16BIT = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _round(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """fp32 x rounded to `dtype` and back."""
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Smallest and largest step position c = r % width among the real rows of each tile [tiles] (static)."""
+    c = np.arange(padded) % width
+    real = np.arange(padded) < rows
+    c_min = np.where(real, c, width).reshape(-1, tile).min(axis=1)
+    c_max = np.where(real, c, -1).reshape(-1, tile).max(axis=1)
+    return c_min.astype(np.int32), c_max.astype(np.int32)
+
+
+def _work(
+    kv_lens: jax.Array, query_lens: jax.Array, plan: Plan, c_min: np.ndarray, c_max: np.ndarray, *,
+    splits: int, window: int | None, ring: bool,
+) -> jax.Array:  # fmt: skip
+    """[S, tiles, splits, 4] int32: each CTA's KV blocks [lo, hi) and its tile's smallest and largest real
+    query position (tiles of padding queries get nothing to visit)."""
+    first = (kv_lens - query_lens)[:, None]  # [S, 1]
+    q_min = first + c_min[None, :]  # [S, tiles]
+    q_max = first + jnp.minimum(c_max[None, :], query_lens[:, None] - 1)
+    lo, hi = jnp.broadcast_to(plan.lo[:, None], q_min.shape), jnp.broadcast_to(plan.hi[:, None], q_min.shape)
+    if not ring:  # pool blocks are in position order: clip to what the tile's queries can see
+        hi = jnp.minimum(hi, q_max // plan.block + 1)
+        if window is not None:
+            lo = jnp.maximum(lo, (q_min - window + 1) // plan.block)
+    hi = jnp.where(c_min[None, :] < query_lens[:, None], hi, lo)
+    lo = jnp.minimum(lo, hi)
+    share = (hi - lo + splits - 1) // splits
+    start = jnp.minimum(lo[..., None] + share[..., None] * jnp.arange(splits), hi[..., None])  # [S, tiles, splits]
+    stop = jnp.minimum(start + share[..., None], hi[..., None])
+    bounds = [jnp.broadcast_to(x[..., None], start.shape) for x in (q_min, q_max)]
+    return jnp.stack([start, stop, *bounds], axis=-1).astype(jnp.int32)
+
+
+def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None) -> tuple[bool, int]:
+    """(whether the two compute warpgroups share the KV blocks rather than the rows, KV splits).
+
+    With at most 64 rows (decode, verify) both warpgroups take the same rows and alternate KV blocks, each
+    keeping its own partial softmax; with more they take 64 rows each. Splits make enough CTAs for the SMs.
+    """
+    kv_parallel = rows <= LANES
+    if splits is None:
+        ctas = slots * kv_heads * -(-rows // (2 * LANES))
+        splits = max(1, min(SMS // ctas, steps // 4)) if ctas < SMS else 1
+    return kv_parallel, splits
+
+
+def _stages(tile: int, keys: int, dim: int, itemsize: int) -> int:
+    """How many K / V / bias stages of `keys` keys fit in SMEM next to the query tiles (an even number of at
+    least two)."""
+    fixed = 2 * LANES * dim * itemsize + 3 * 1024  # q or output tiles; sinks, max and sum; barriers
+    stage = (2 * keys * dim + tile * keys) * itemsize
+    stages = min(4, (SMEM_BYTES - fixed) // stage) // 2 * 2
+    if stages < 2:
+        raise NotImplementedError(f"{keys} keys x head dim {dim} leave no room for two SMEM stages")
+    return stages
+
+
+def supports(dtype: jnp.dtype, head_dim: int, block: int) -> bool:
+    """Whether the kernel takes activations of `dtype`, this head dim and KV blocks of `block` keys (else
+    `kernel` raises NotImplementedError): bf16 or f16, both multiples of 64, two SMEM stages of K and V."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return False
+    if head_dim % 64 or block % 64 or head_dim > 256:
+        return False
+    try:
+        _stages(2 * LANES, block, head_dim, jnp.dtype(dtype).itemsize)
+        _stages(LANES, _step_keys(True, block, None), head_dim, jnp.dtype(dtype).itemsize)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _step_keys(kv_parallel: bool, block: int, step_keys: int | None) -> int:
+    """Keys per pipeline step: a whole block when the warpgroups share the rows; 64 (the block in two or
+    more steps, each warpgroup with twice as many smaller stages in flight) when they share the blocks."""
+    if step_keys is None:
+        step_keys = LANES if kv_parallel else block
+    if block % step_keys or step_keys % 64:
+        raise ValueError(f"step of {step_keys} keys must be a multiple of 64 dividing the block {block}")
+    return step_keys
+
+
+def _attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
+    query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
+    width: int, splits: int | None = None, step_keys: int | None = None, interpret: bool = False,
+) -> jax.Array:  # fmt: skip
+    """`kernel` with the KV split count (None: chosen for the SMs) and the keys per pipeline step (None: see
+    `_step_keys`) open, and the CPU interpreter on demand."""
+    slots, kv_heads, rows, dim = q.shape
+    dtype, block, frame_blocks = q.dtype, plan.block, plan.frame_blocks
+    ring = page_table is None
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise NotImplementedError(f"the Mosaic GPU kernel takes bf16 or f16 activations, got {dtype}")
+    if dim % 64 or block % 64:
+        raise NotImplementedError(f"head dim {dim} and block {block} must be multiples of 64")
+    k, v = k.astype(dtype), v.astype(dtype)  # a no-op unless the cache keeps another dtype
+    ring_size = k.shape[2]
+
+    kv_parallel, splits = _config(slots, kv_heads, rows, plan.steps, splits)
+    tile = LANES if kv_parallel else 2 * LANES  # rows per CTA
+    partials = splits * (2 if kv_parallel else 1)  # partial softmaxes per row, combined after the kernel
+    padded = -(-rows // tile) * tile
+    tiles = padded // tile
+    keys = _step_keys(kv_parallel, block, step_keys)
+    sub = block // keys  # pipeline steps per KV block
+    stages = _stages(tile, keys, dim, jnp.dtype(dtype).itemsize)
+    # Bias rows copied per tile: a single tile (at most 64 rows) copies only its real rows, rounded up to the
+    # 8-row SMEM tiling; the rest of its SMEM slot is never written and feeds only padding rows.
+    bias_rows = -(-rows // 8) * 8 if tiles == 1 else tile
+    c_min, c_max = _row_bounds(rows, padded, tile, width)
+    work = _work(kv_lens, query_lens, plan, c_min, c_max, splits=splits, window=window, ring=ring)
+    seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, plan.bias_first], axis=-1).astype(jnp.int32)  # [S, 3]
+    pad = ((0, 0), (0, 0), (0, padded - rows))
+    q = jnp.pad(q, (*pad, (0, 0)))  # [S, Hkv, Rp, D]
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, (bias_rows if tiles == 1 else padded) - rows), (0, 0)))
+    sinks = jnp.pad(sinks, pad) * LOG2E  # [S, Hkv, Rp], in the log2 domain the kernel works in
+
+    def body(*refs):
+        if ring:
+            work_ref, seq_ref, q_ref, k_ref, v_ref, bias_ref, sink_ref, *refs = refs
+        else:
+            work_ref, seq_ref, q_ref, k_ref, v_ref, bias_ref, sink_ref, table_ref, *refs = refs
+        outs, smem_refs, barriers = refs[:-2], refs[-2], refs[-1]
+        q_smem, sink_smem, stat_smem, k_smem, v_smem, b_smem, p_smem = smem_refs
+        k_bar, v_bar, b_bar, q_bar, free_bar = barriers
+        split, sh = lax.axis_index("split"), lax.axis_index("sh")
+        tile_idx = tiles - 1 - lax.axis_index("tile")  # the tiles with the most blocks start first
+        s, h = sh // kv_heads, sh % kv_heads
+        lo, hi, q_min, q_max = (work_ref[s, tile_idx, split, i] for i in range(4))
+        first_q, last, bias_first = (seq_ref[s, i] for i in range(3))
+        wg = lax.axis_index("wg")
+
+        def in_frame(j):
+            return (j >= bias_first) & (j < bias_first + frame_blocks)
+
+        @pl.when(wg == 2)
+        def _copies():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(step, page):
+                j, off, slot = lo + step // sub, step % sub * keys, step % stages
+                if ring:
+                    src_k, src_v = (ref.at[s, h, pl.ds(j * block + off, keys)] for ref in (k_ref, v_ref))
+                else:  # the next step's page number is read now, so that its latency hides behind the waits
+                    src_k, src_v = (ref.at[page, h, pl.ds(off, keys)] for ref in (k_ref, v_ref))
+                    page = table_ref[s, jnp.minimum(lo + (step + 1) // sub, hi - 1)]
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(free_bar.at[slot])
+
+                plgpu.copy_gmem_to_smem(src_k, k_smem.at[slot], k_bar.at[slot])
+
+                @pl.when(in_frame(j))
+                def _():
+                    cols = pl.ds((j - bias_first) * block + off, keys)
+                    src = bias_ref.at[s, h, pl.ds(tile_idx * tile, bias_rows), cols]
+                    plgpu.copy_gmem_to_smem(src, b_smem.at[slot, pl.ds(0, bias_rows)], b_bar.at[slot])
+
+                plgpu.copy_gmem_to_smem(src_v, v_smem.at[slot], v_bar.at[slot])
+                return page
+
+            steps = (hi - lo) * sub
+            first_page = 0 if ring else table_ref[s, jnp.minimum(lo, table_ref.shape[1] - 1)]
+            lax.fori_loop(0, steps, issue, first_page)
+
+            @pl.loop(jnp.maximum(steps - stages, 0), steps)
+            def _drain(step):  # see the last stages released, so that every barrier phase is observed
+                plgpu.barrier_wait(free_bar.at[step % stages])
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            row0 = tile_idx * tile + (0 if kv_parallel else wg * LANES)
+            rows_here = pl.ds(row0, LANES)
+            my_bias = pl.ds(0 if kv_parallel else wg * LANES, LANES)  # this warpgroup's rows of the bias slot
+            part = split * 2 + wg if kv_parallel else split  # which partial softmax this warpgroup keeps
+            first, stride = (wg, 2) if kv_parallel else (0, 1)  # the steps this warpgroup visits
+            count = ((hi - lo) * sub - first + stride - 1) // stride
+            plgpu.copy_gmem_to_smem(q_ref.at[s, h, rows_here], q_smem.at[wg], q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(sink_ref.at[s, h, rows_here], sink_smem.at[wg], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            row = plgpu.Layout.WGMMA.reduce(1)
+            m = plgpu.load(sink_smem.at[wg], layout=row)  # running max (log2 domain)
+            l_init = jnp.where(part == 0, 1.0, 0.0).astype(jnp.float32)  # the sink, counted once
+            total = plgpu.layout_cast(jnp.full((LANES,), l_init, jnp.float32), row)
+            acc = plgpu.layout_cast(jnp.zeros((LANES, dim), jnp.float32), plgpu.Layout.WGMMA)
+
+            def visit(i, carry):
+                acc, m, total = carry
+                step = first + i * stride
+                j, slot = lo + step // sub, step % stages
+                key0 = j * block + step % sub * keys  # the step's first key slot
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                logits = pl.run_scoped(qk, plgpu.ACC((LANES, keys), jnp.float32))
+                logits = _round(_round(logits, dtype) * scale, dtype)  # as the reference rounds q.k, then its scaling
+
+                def add_bias(x):
+                    plgpu.barrier_wait(b_bar.at[slot])
+                    return _round(x + b_smem.at[slot, my_bias][...].astype(jnp.float32), dtype)
+
+                logits = lax.cond(in_frame(j), add_bias, lambda x: x, logits)
+                logits = lax.cond(_straddles(key0), functools.partial(mask, key0), lambda x: x, logits) * LOG2E
+
+                m_new = jnp.maximum(m, logits.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                total = total * alpha + p.sum(axis=1)
+                probs = p.astype(dtype)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if interpret:  # the interpreter's wgmma reads its left operand from SMEM only
+                    p_smem.at[wg][...] = probs
+                    plgpu.commit_smem()
+                    probs = p_smem.at[wg]
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+                    return acc_ref[...]
+
+                values = pl.run_scoped(pv, plgpu.ACC((LANES, dim), jnp.float32))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + values
+                plgpu.barrier_arrive(free_bar.at[slot])
+                return acc, m_new, total
+
+            def _straddles(key0):
+                """Whether some key of the step from slot key0 is hidden from some query of the tile (else no mask)."""
+                if ring:
+                    return jnp.bool_(True)
+                hidden = key0 + keys - 1 > q_min
+                if window is not None:
+                    hidden |= q_max - key0 >= window
+                return hidden
+
+            def mask(key0, x):
+                r = plgpu.broadcasted_iota(jnp.int32, (LANES, keys), 0, layout=plgpu.Layout.WGMMA)
+                t = plgpu.broadcasted_iota(jnp.int32, (LANES, keys), 1, layout=plgpu.Layout.WGMMA)
+                query = first_q + lax.rem(row0 + r, width)
+                if ring:  # slot key0 + t holds position start + t, one lap back past the last key
+                    start = last - lax.rem(last - key0, ring_size)
+                    pos = start + t
+                    pos = jnp.where(pos > last, pos - ring_size, pos)
+                else:
+                    pos = key0 + t
+                visible = pos <= query
+                if ring:
+                    visible &= pos >= 0
+                if window is not None:
+                    visible &= query - pos < window
+                return jnp.where(visible, x, -jnp.inf)
+
+            acc, m, total = lax.fori_loop(0, count, visit, (acc, m, total))
+            # a partial with neither keys nor the sink has total = acc = 0: any divisor keeps it 0
+            out = acc / lax.broadcast_in_dim(jnp.maximum(total, 1e-30), acc.shape, [0])
+            q_smem.at[wg][...] = out.astype(dtype)
+            if partials > 1:
+                stat_smem.at[wg, 0][...] = m
+                stat_smem.at[wg, 1][...] = total
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], outs[0].at[part, s, h, rows_here])
+            if partials > 1:
+                plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], outs[1].at[part, s, h, rows_here])
+                plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], outs[2].at[part, s, h, rows_here])
+            plgpu.wait_smem_to_gmem(0)
+
+    shape = (partials, slots, kv_heads, padded)
+    out_type = [jax.ShapeDtypeStruct((*shape, dim), dtype)]  # each partial's own normalised output
+    if partials > 1:
+        out_type += [jax.ShapeDtypeStruct(shape, jnp.float32)] * 2  # its running max (log2 domain) and sum
+    smem = (
+        plgpu.SMEM((2, LANES, dim), dtype, transforms=TRANSFORMS_16BIT),  # q, then the output
+        plgpu.SMEM((2, LANES), jnp.float32),  # sinks
+        plgpu.SMEM((2, 2, LANES), jnp.float32),  # running max and sum
+        plgpu.SMEM((stages, keys, dim), dtype, transforms=TRANSFORMS_16BIT),  # K
+        plgpu.SMEM((stages, keys, dim), dtype, transforms=TRANSFORMS_16BIT),  # V
+        plgpu.SMEM((stages, tile, keys), dtype, transforms=TRANSFORMS_16BIT),  # bias
+        plgpu.SMEM((2, LANES, keys), dtype, transforms=TRANSFORMS_16BIT) if interpret else None,  # P
+    )
+    # With shared KV blocks each stage has one reader (its steps' warpgroup); with shared rows, two.
+    readers = 1 if kv_parallel else 2
+    barriers = (
+        plgpu.Barrier(num_barriers=stages),  # K landed
+        plgpu.Barrier(num_barriers=stages),  # V landed
+        plgpu.Barrier(num_barriers=stages),  # bias landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # q and sinks landed
+        plgpu.Barrier(num_arrivals=readers, num_barriers=stages),  # stage read
+    )
+
+    def entry(*refs):
+        pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, barriers, collective_axes="wg")
+
+    operands = [work, seq, q, k, v, bias, sinks] + ([] if ring else [page_table])
+    results = plgpu.kernel(
+        entry,
+        out_type=tuple(out_type),
+        grid=(splits, tiles, slots * kv_heads),
+        grid_names=("split", "tile", "sh"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # rows reduce in-warp
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*operands)
+    out = results[0][0]
+    if partials > 1:
+        outs, m, total = (x[:, :, :, :rows] for x in results)  # [P, S, Hkv, R, (D)]
+        weight = jnp.exp2(m - m.max(axis=0)) * total
+        out = (weight[..., None] * outs.astype(jnp.float32)).sum(axis=0) / weight.sum(axis=0)[..., None]
+    return out[:, :, :rows].astype(dtype)
+
+
+def kernel(
+    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
+    query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
+    width: int,
+) -> jax.Array:  # fmt: skip
+    """[S, Hkv, R, D] attention of grouped query rows q [S, Hkv, R, D] over the pool or the rings (see `attend`)."""
+    interpret = jax.default_backend() == "cpu"
+    return _attention(
+        q, k, v, bias, sinks, kv_lens, query_lens, page_table, plan, scale=scale, window=window, width=width,
+        interpret=interpret,
+    )  # fmt: skip
+
+
+ragged_paged_attention = functools.partial(attend, kernel)

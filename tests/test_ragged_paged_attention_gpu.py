@@ -1,0 +1,115 @@
+"""The Mosaic GPU ragged paged attention kernel equals the pure-jnp reference on the same inputs: mixed
+batches (decode, verify, prefill chunks, an idle slot), the page pool in random page order and the
+sliding rings, with and without a window, bias extents shorter and longer than the context, GQA with
+the production tiling (page 128, head dim 128, 6 query heads per KV head), with and without splitting
+the KV blocks over CTAs. On an H200 the kernel is compiled and every case runs; on CPU it runs in Mosaic GPU's
+interpreter, slowly, so there a subset runs (one KV head; each layout, mode and split choice still covered).
+"""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import gpu
+from pallas_kernels.ragged_paged_attention.blocks import attend
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention as reference
+
+CPU = jax.default_backend() == "cpu"
+PAGE, DIM, KV_HEADS, GROUPS, D_REL = 128, 128, 1 if CPU else 2, 6, 8
+HEADS = KV_HEADS * GROUPS
+
+# (kv_lens, query_lens, width C): decode, verify (γ + 1 = 8), a first chunk, a later chunk, an idle slot
+MIXED = ([450, 300, 40, 600, 257] if CPU else [700, 300, 40, 1000, 513], [1, 8, 40, 64, 0], 64)
+DECODE = ([600 if CPU else 1000, 129, 5], [1, 1, 1], 1)
+VERIFY = ([500, 77, 600 if CPU else 1000, 9], [8, 8, 3, 0], 8)  # at most 64 rows: the warpgroups share the rows
+
+
+def inputs(seed: int, kv_lens: list[int], query_lens: list[int], width: int, extent: int, ring: int | None) -> dict:
+    """Random bf16 step inputs; K / V as a pool of pages in random order (ring None) or rings of `ring` slots."""
+    rng = np.random.default_rng(seed)
+    slots = len(kv_lens)
+
+    def normal(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+
+    def grid(*shape: int) -> jax.Array:
+        """Nonzero multiples of 1/4 in [-1, 1]: q.k is exact in fp32 whatever the summation order, so the
+        kernel and the reference round the same logits (a one-ulp flip of a bf16 logit moves a peaked
+        softmax by more than any tolerance)."""
+        return jnp.asarray(rng.choice([-1, 1], size=shape) * rng.integers(1, 5, size=shape) / 4, jnp.bfloat16)
+
+    case = {
+        "q": grid(slots, width, HEADS, DIM), "rel": normal(slots, width, HEADS, D_REL),
+        "rel_proj": normal(D_REL, extent), "sinks": normal(slots, width, HEADS),
+        "kv_lens": jnp.asarray(kv_lens, jnp.int32), "query_lens": jnp.asarray(query_lens, jnp.int32),
+    }  # fmt: skip
+    if ring is None:
+        max_pages = -(-max(kv_lens) // PAGE) + 1
+        num_pages = slots * max_pages + 3
+        case["page_table"] = jnp.asarray(rng.permutation(num_pages)[: slots * max_pages].reshape(slots, max_pages))
+        shape = (num_pages, KV_HEADS, PAGE, DIM)
+    else:
+        case["page_table"] = None
+        shape = (slots, KV_HEADS, ring, DIM)
+    case["k"], case["v"] = grid(*shape), normal(*shape)
+    return case
+
+
+def run(fn, case: dict, window: int | None) -> np.ndarray:
+    args = [case[name] for name in ("q", "k", "v", "kv_lens", "query_lens", "rel", "rel_proj", "sinks")]
+    out = fn(*args, page_table=case["page_table"], scale=DIM**-0.5, window=window)
+    return np.asarray(out.astype(jnp.float32))
+
+
+def compare(case: dict, window: int | None, splits: int | None) -> None:
+    kernel = functools.partial(gpu._attention, splits=splits, interpret=jax.default_backend() == "cpu")
+    got = run(jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window")), case, window)
+    want = run(reference, case, window)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def cases(*full: list, cpu: list[tuple]) -> list[tuple]:
+    """Every combination of the `full` parameter lists on GPU; only the `cpu` combinations in the interpreter."""
+    return cpu if CPU else list(itertools.product(*full))
+
+
+WINDOW_EXTENTS = [(None, 64), (None, 2048), (200, 256)]
+
+
+@pytest.mark.parametrize(
+    ("window", "extent", "splits"),
+    [(*we, sp) for we, sp in cases(WINDOW_EXTENTS, [None, 1], cpu=[((None, 2048), None), ((200, 256), 1)])],
+)
+def test_pool_mixed_batch(window, extent, splits):
+    compare(inputs(17 + (window or 0) + extent, *MIXED, extent, ring=None), window, splits)
+
+
+@pytest.mark.parametrize("splits", [None] if CPU else [None, 1])
+def test_ring_mixed_batch(splits):
+    window = 200
+    case = inputs(5, *MIXED, extent=window, ring=384)  # at least window + C slots, a multiple of the block
+    compare(case, window, splits)
+
+
+@pytest.mark.parametrize(("batch", "splits"), cases([DECODE, VERIFY], [None, 1], cpu=[(VERIFY, None)]))
+def test_pool_decode_and_verify(batch, splits):
+    compare(inputs(3 + batch[2], *batch, extent=1024, ring=None), None, splits)
+
+
+def test_public_entry_point():  # on CPU also the interpreter's decode case
+    case = inputs(11, *DECODE, extent=64, ring=None)
+    got = run(jax.jit(gpu.ragged_paged_attention, static_argnames=("scale", "window")), case, None)
+    np.testing.assert_allclose(got, run(reference, case, None), rtol=2e-2, atol=2e-2)
+
+
+def test_supports():
+    assert gpu.supports(jnp.bfloat16, 128, 128) and gpu.supports(jnp.float16, 64, 64)
+    assert not gpu.supports(jnp.float32, 128, 128)  # tiny f32 test models take the reference
+    assert not gpu.supports(jnp.bfloat16, 96, 128) and not gpu.supports(jnp.bfloat16, 128, 16)
+    with pytest.raises(NotImplementedError):
+        compare(dict(inputs(1, *DECODE, extent=64, ring=None), q=jnp.zeros((3, 1, HEADS, DIM), jnp.float32)), None, 1)
