@@ -117,24 +117,36 @@ def banded(profiles: jax.Array, start: jax.Array, frame: int, *, most: int) -> j
 
 
 def frame_bias(
-    rel: jax.Array, rel_proj: jax.Array, kv_lens: jax.Array, query_lens: jax.Array, plan: Plan, *, ring: bool
+    rel: jax.Array,
+    rel_proj: jax.Array,
+    kv_lens: jax.Array,
+    query_lens: jax.Array,
+    plan: Plan,
+    *,
+    width: int,
+    ring: bool,
 ) -> jax.Array:
-    """The bias [S, Hq, C, frame] of every query at every key slot of its frame, in the activation dtype
-    (as the reference rounds it; see `relative_attention.reference.relative_bias`). rel [S, C, Hq, d_rel];
-    rel_proj [d_rel, extent]. Pool frames are positions bias_first * block onward; a ring's frame is its
-    slots, which hold the last `ring` positions rotated (slot p % ring), so its band is built over those
-    positions in order and rotated the same way."""
+    """The bias [S, Hkv, R, frame] of every query row at every key slot of its frame, in the activation
+    dtype (as the reference rounds it; see `relative_attention.reference.relative_bias`), for kernels that
+    read it as an operand. rel [S, Hkv, R, d_rel] (grouped rows, C = width); rel_proj [d_rel, extent].
+    Pool frames are positions bias_first * block onward; a ring's frame is its slots, which hold the last
+    `ring` positions rotated (slot p % ring), so its band is built over those positions in order and
+    rotated the same way."""
+    slots, kv_heads, rows, _ = rel.shape
     extent, frame = rel_proj.shape[1], plan.frame_blocks * plan.block
-    profiles = einsum("bthr,re->bhte", rel, round_to(rel_proj[:, ::-1], rel.dtype))  # [S, Hq, C, extent]
+    # the reference's contraction, so that the rounded profiles are its own: [S, Hq, C, extent]
+    profiles = einsum("bthr,re->bhte", ungroup_rows(rel, width), round_to(rel_proj[:, ::-1], rel.dtype))
     first_query = kv_lens - query_lens
-    if not ring:
+    if ring:
+        oldest = kv_lens - frame  # the position the ring's oldest slot holds once full
+        in_order = banded(profiles, first_query - oldest, frame, most=frame)
+        rotation = jnp.remainder(-oldest, frame)  # slot i holds in-order position (i - oldest) % frame
+        doubled = jnp.concatenate([in_order, in_order], axis=-1)
+        bias = jax.vmap(lambda x, r: jax.lax.dynamic_slice_in_dim(x, r, frame, axis=-1))(doubled, rotation)
+    else:
         start = first_query - plan.bias_first * plan.block
-        return banded(profiles, start, frame, most=extent + plan.block - 2)
-    oldest = kv_lens - frame  # the position the ring's oldest slot holds once full
-    in_order = banded(profiles, first_query - oldest, frame, most=frame)
-    rotation = jnp.remainder(-oldest, frame)  # slot i holds in-order position (i - oldest) % frame
-    doubled = jnp.concatenate([in_order, in_order], axis=-1)
-    return jax.vmap(lambda x, r: jax.lax.dynamic_slice_in_dim(x, r, frame, axis=-1))(doubled, rotation)
+        bias = banded(profiles, start, frame, most=extent + plan.block - 2)
+    return bias.reshape(slots, kv_heads, rows, frame)
 
 
 Kernel = Callable[..., jax.Array]
@@ -158,23 +170,21 @@ def attend(
     """The reference's signature and result ([S, C, Hq, D], zeros at padding queries) through a kernel
     that works on grouped rows:
 
-        kernel(q [S, Hkv, R, D], k, v, bias [S, Hkv, R, frame], sinks [S, Hkv, R] fp32, kv_lens, query_lens,
-               page_table | None, plan, *, scale, window, width) -> [S, Hkv, R, D]
+        kernel(q [S, Hkv, R, D], k, v, rel [S, Hkv, R, d_rel], rel_proj [d_rel, extent], sinks [S, Hkv, R] fp32,
+               kv_lens, query_lens, page_table | None, plan, *, scale, window, width) -> [S, Hkv, R, D]
 
     with k, v as the reference takes them (pool [P, Hkv, page, D] or rings [S, Hkv, ring, D]), read in
-    whatever dtype the cache keeps.
+    whatever dtype the cache keeps. A kernel builds the bias as it reads best (`frame_bias`, or in-kernel).
     """
-    slots, width, heads, _ = q.shape
-    kv_heads, ring, block = k.shape[1], page_table is None, kv_block(k, page_table)
+    width, kv_heads = q.shape[1], k.shape[1]
+    ring, block = page_table is None, kv_block(k, page_table)
     capacity = k.shape[2] if ring else page_table.shape[1] * block
     plan = plan_blocks(
         kv_lens, query_lens, width=width, block=block, capacity=capacity, extent=rel_proj.shape[1], window=window,
         ring=ring,
     )  # fmt: skip
-    bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, ring=ring)  # [S, Hq, C, frame]
-    bias = bias.reshape(slots, kv_heads, heads // kv_heads * width, -1)
     out = kernel(
-        group_rows(q, kv_heads), k, v, bias,
+        group_rows(q, kv_heads), k, v, group_rows(rel, kv_heads), rel_proj,
         group_rows(sinks.astype(jnp.float32), kv_heads), kv_lens, query_lens, page_table, plan,
         scale=scale, window=window, width=width,
     )  # fmt: skip

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention.blocks import Plan, attend
+from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, frame_bias
 
 LANES = 64  # rows per compute warpgroup: the wgmma M tile
 SMS = 132  # H200 multiprocessors
@@ -122,7 +122,7 @@ def _step_keys(kv_parallel: bool, block: int, step_keys: int | None) -> int:
 
 
 def _attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
+    q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
     query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
     width: int, splits: int | None = None, step_keys: int | None = None, interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
@@ -137,6 +137,7 @@ def _attention(
         raise NotImplementedError(f"head dim {dim} and block {block} must be multiples of 64")
     k, v = k.astype(dtype), v.astype(dtype)  # a no-op unless the cache keeps another dtype
     ring_size = k.shape[2]
+    bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, width=width, ring=ring)  # [S, Hkv, R, frame]
 
     kv_parallel, splits = _config(slots, kv_heads, rows, plan.steps, splits)
     tile = LANES if kv_parallel else 2 * LANES  # rows per CTA
@@ -355,15 +356,15 @@ def _attention(
 
 
 def kernel(
-    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
+    q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
     query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
     width: int,
 ) -> jax.Array:  # fmt: skip
     """[S, Hkv, R, D] attention of grouped query rows q [S, Hkv, R, D] over the pool or the rings (see `attend`)."""
     interpret = jax.default_backend() == "cpu"
     return _attention(
-        q, k, v, bias, sinks, kv_lens, query_lens, page_table, plan, scale=scale, window=window, width=width,
-        interpret=interpret,
+        q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, plan, scale=scale, window=window,
+        width=width, interpret=interpret,
     )  # fmt: skip
 
 

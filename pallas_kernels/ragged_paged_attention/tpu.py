@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention.blocks import Plan, attend
+from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, frame_bias
 
 STEP_BYTES = 4 << 20  # K and V bytes fetched per grid step
 MAX_PER_STEP = 8  # pages per step (each one pipelined operand per K, V and bias)
@@ -127,7 +127,8 @@ def kernel(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    bias: jax.Array,
+    rel: jax.Array,
+    rel_proj: jax.Array,
     sinks: jax.Array,
     kv_lens: jax.Array,
     query_lens: jax.Array,
@@ -141,6 +142,7 @@ def kernel(
     """`blocks.attend`'s kernel on TPU: q [S, Hkv, R, D] -> [S, Hkv, R, D]."""
     slots, kv_heads, rows, head_dim = q.shape
     block, paged = plan.block, page_table is not None
+    bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, width=width, ring=not paged)
     tile_rows = TILE_ROWS if width % TILE_ROWS == 0 else rows  # a tile's rows share one query head
     page_bytes = 2 * kv_heads * block * head_dim * k.dtype.itemsize
     per_step = max(1, min(MAX_PER_STEP, plan.steps, STEP_BYTES // page_bytes))
