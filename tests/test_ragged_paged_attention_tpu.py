@@ -46,6 +46,19 @@ def test_paged_layout(extent, window):
     check(case, interpreted(**inputs(case, k_pages, v_pages, table, window)), window)
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_decode_only_steps(ring):
+    """A step of width 1 (every row of a KV head at one position): bias rows rotated alike."""
+    window = 9 if ring else None
+    case = random_case(5, [37, 29, 61, 1, 140], [1, 1, 1, 1, 0], extent=9 if ring else 24)
+    if ring:
+        k, v = rings(case, size=window + 1)
+        table = None
+    else:
+        k, v, table = paged(case, num_pages=128, max_pages=20)
+    check(case, interpreted(**inputs(case, k, v, table, window, width=1)), window)
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_wide_chunks_in_row_tiles_over_many_steps(window):
     """Chunks of 128 queries (two row tiles per sequence, each with its own causal horizon) against 38

@@ -7,8 +7,12 @@ reads the page table (scalar prefetch), so Pallas double-buffers them across ste
 step's fetch is large enough (~4 MiB at 8 KV heads) to hide the per-step cost. Pages past a tile's last
 visible block map to the block already held, so nothing is fetched or computed for them: windowed layers
 never read left of the window, prefill tiles never read right of their causal horizon, short sequences
-never read past their end. The bias comes in the frame of the blocks (`blocks.frame_bias`) and is
-added only to blocks within the extent.
+never read past their end.
+
+The bias is computed in the kernel, only for blocks within the extent: rows whose step positions run
+consecutively see a block's keys at distances D + i - t (row i, key t), so their bias is one small
+matmul of their relative states with a window of the reversed, zero-padded profile table (VMEM-resident),
+sheared by a strided lane rotation (row i rotated by one more than row i - 1).
 """
 
 import functools
@@ -18,16 +22,55 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, frame_bias
+from pallas_kernels.numerics import round_to
+from pallas_kernels.ragged_paged_attention.blocks import Plan, attend
 
 STEP_BYTES = 4 << 20  # K and V bytes fetched per grid step
 MAX_PER_STEP = 8  # pages per step (each one pipelined operand per K, V and bias)
 TILE_ROWS = 128  # query rows per program once a chunk is at least this wide
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _rounded(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """fp32 x rounded to the activation dtype and back (the reference rounds scores there)."""
     return x if dtype == jnp.float32 else x.astype(dtype).astype(jnp.float32)
+
+
+def _runs(tile_rows: int, width: int) -> list[tuple[int, int, bool]]:
+    """(first row, rows, whether the step position advances by one per row) of a tile's runs of rows whose
+    positions are consecutive: the whole tile when it lies in one query head, else one run per query head
+    (rows g * C + c); decode rows (C = 1) all share one position."""
+    if width == 1:
+        return [(0, tile_rows, False)]
+    if tile_rows <= width:
+        return [(0, tile_rows, True)]
+    return [(g * width, width, True) for g in range(tile_rows // width)]
+
+
+def _block_bias(
+    rel: jax.Array, table_ref, distance: jax.Array, *, runs: list, block: int, extent: int, pad: int, span: int
+) -> jax.Array:
+    """[rows, block] fp32 bias of a block whose key t sits at distance `distance` + i - t from row i of each
+    run (+ 0 for runs that do not advance); rel [rows, d_rel]; table_ref [d_rel, pad + extent + span]:
+    column u holds the profile at distance extent - 1 + pad - u (zeros outside the extent)."""
+    advancing = runs[0][2]
+    last_row = runs[0][1] - 1 if advancing else 0
+    start = extent - 1 + pad - distance - last_row  # the column row `last_row`, key 0 reads
+    aligned = jnp.clip(start // 128 * 128, 0, table_ref.shape[1] - span)
+    columns = table_ref[:, pl.ds(pl.multiple_of(aligned, 128), span)]  # [d_rel, span]
+    profiles = jax.lax.dot_general(rel, columns, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    profiles = _rounded(profiles, rel.dtype)  # [rows, span], as the reference rounds rel . P
+    shift = jax.lax.rem(span - (start - aligned + last_row) % span, span)  # row i reads column t + offset - i
+    sheared = [
+        pltpu.roll(profiles[first : first + count], shift, 1, stride=1, stride_axis=0)
+        if advancing
+        else pltpu.roll(profiles[first : first + count], shift, 1)
+        for first, count, _ in runs
+    ]
+    return jnp.concatenate(sheared, axis=0)[:, :block] if len(sheared) > 1 else sheared[0][:, :block]
 
 
 def _tile_blocks(s, tile, kv_lens, query_lens, *, width, tile_rows, block, window, ring):
@@ -46,17 +89,18 @@ def _tile_blocks(s, tile, kv_lens, query_lens, *, width, tile_rows, block, windo
 
 
 def _attend_step(
-    kv_lens_ref, query_lens_ref, bias_first_ref, *refs,
+    kv_lens_ref, query_lens_ref, *refs,
     scale: float, window: int | None, width: int, tile_rows: int, block: int, per_step: int, steps: int,
-    frame_blocks: int, ring: int | None,
+    extent: int, pad: int, span: int, ring: int | None,
 ) -> None:  # fmt: skip
     if ring is None:
         refs = refs[1:]  # the page table is only read by the index maps
-    q_ref, sinks_ref = refs[:2]
-    k_refs, v_refs, bias_refs = (refs[2 + i * per_step : 2 + (i + 1) * per_step] for i in range(3))
-    out_ref, m_ref, l_ref, acc_ref = refs[2 + 3 * per_step :]
+    q_ref, sinks_ref, rel_ref, table_ref = refs[:4]
+    k_refs, v_refs = refs[4 : 4 + per_step], refs[4 + per_step : 4 + 2 * per_step]
+    out_ref, m_ref, l_ref, acc_ref = refs[4 + 2 * per_step :]
     s, tile, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_len = kv_lens_ref[s]
+    first_query = kv_len - query_lens_ref[s]
     lo, hi = _tile_blocks(
         s, tile, kv_lens_ref, query_lens_ref, width=width, tile_rows=tile_rows, block=block, window=window, ring=ring
     )
@@ -72,36 +116,52 @@ def _attend_step(
     def _():
         rows = q_ref.shape[1]
         shape = (rows, block)
+        runs = _runs(rows, width)
         row = tile * tile_rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        query_pos = kv_len - query_lens_ref[s] + jax.lax.rem(row, width)
-        visible, in_frame = [], []
+        query_pos = first_query + jax.lax.rem(row, width)
+        run_start = first_query + (tile * tile_rows) % width  # position of each run's first row
+        last_row = runs[0][1] - 1 if runs[0][2] else 0
+        bias = functools.partial(_block_bias, runs=runs, block=block, extent=extent, pad=pad, span=span)
+
+        def in_band(base):  # does any distance of a block starting at position `base` fall in [0, extent)?
+            return (run_start - base + last_row >= 0) & (run_start - base - (block - 1) <= extent - 1)
+
+        visible, bases = [], []
         for m in range(per_step):
             index = first + m
             slot = index * block + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
             if ring is None:
-                key_pos = slot
-            else:  # ring slot -> the position it holds; slots never written lie past every query
-                held = kv_len - 1 - jax.lax.rem(kv_len - 1 - slot + ring, ring)
+                key_pos, page_bases = slot, [index * block]
+            else:  # ring slot -> the position it holds (two generations around the newest slot)
+                newest = jax.lax.rem(kv_len - 1 + ring, ring)
+                newer = kv_len - 1 - newest + index * block  # the position slot index * block holds if newer
+                held = jnp.where(slot <= newest, newer, newer - ring) + (slot - index * block)
                 key_pos = jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max // 2)
+                page_bases = [newer, newer - ring]
             distance = query_pos - key_pos
             seen = (distance >= 0) & (index < hi)
             if window is not None:
                 seen &= distance < window
             visible.append(seen)
-            framed = index - bias_first_ref[s]
-            in_frame.append((framed >= 0) & (framed < frame_blocks))
+            bases.append(page_bases)
 
         contract, f32 = (((1,), (0,)), ((), ())), jnp.float32  # [rows, block] x [block, D]
         for h in range(q_ref.shape[0]):
-            q = q_ref[h]  # [rows, D]
+            q, rel = q_ref[h], rel_ref[h]  # [rows, D], [rows, d_rel]
             dtype = q.dtype
             scores = []
             for m in range(per_step):
                 k = k_refs[m][h].astype(dtype)  # [block, D]
                 logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 logits = _rounded(logits * scale, dtype)
-                biased = _rounded(logits + bias_refs[m][h].astype(jnp.float32), dtype)
-                logits = jnp.where(in_frame[m], biased, logits)
+                for g, base in enumerate(bases[m]):
+                    here = in_band(base)
+                    if ring is not None:  # each generation's bias only on its own slots
+                        newest = jax.lax.rem(kv_len - 1 + ring, ring)
+                        slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + (first + m) * block
+                        here = here & ((slot <= newest) == (g == 0))
+                    biased = _rounded(logits + bias(rel, table_ref, run_start - base), dtype)
+                    logits = jnp.where(here, biased, logits)
                 scores.append(jnp.where(visible[m], logits, -jnp.inf))
             scores = jnp.concatenate(scores, axis=1)  # [rows, per_step * block]
             m_prev = m_ref[h]  # [rows, 1]
@@ -142,7 +202,6 @@ def kernel(
     """`blocks.attend`'s kernel on TPU: q [S, Hkv, R, D] -> [S, Hkv, R, D]."""
     slots, kv_heads, rows, head_dim = q.shape
     block, paged = plan.block, page_table is not None
-    bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, width=width, ring=not paged)
     tile_rows = TILE_ROWS if width % TILE_ROWS == 0 else rows  # a tile's rows share one query head
     page_bytes = 2 * kv_heads * block * head_dim * k.dtype.itemsize
     per_step = max(1, min(MAX_PER_STEP, plan.steps, STEP_BYTES // page_bytes))
@@ -151,6 +210,9 @@ def kernel(
     tile_blocks = functools.partial(
         _tile_blocks, width=width, tile_rows=tile_rows, block=block, window=window, ring=ring
     )
+    run = _runs(tile_rows, width)[0][1] if width > 1 else 1
+    pad, span = _round_up(block + run, 128), _round_up(128 + run + block, 128)
+    table = jnp.pad(round_to(rel_proj[:, ::-1], rel.dtype), ((0, 0), (pad, span)))  # [d_rel, pad + extent + span]
 
     def visited(s, tile, step, m, kv_lens, query_lens):  # logical block of page m, held at the last one seen
         lo, hi = tile_blocks(s, tile, kv_lens, query_lens)
@@ -160,45 +222,39 @@ def kernel(
         if paged:
             max_pages = page_table.shape[1]
 
-            def index(s, tile, step, kv_lens, query_lens, bias_first, table):
+            def index(s, tile, step, kv_lens, query_lens, table):
                 logical = jnp.minimum(visited(s, tile, step, m, kv_lens, query_lens), max_pages - 1)
                 return table[s * max_pages + logical], 0, 0, 0
 
             return index
 
-        def ring_index(s, tile, step, kv_lens, query_lens, bias_first):
+        def ring_index(s, tile, step, kv_lens, query_lens):
             return s, 0, visited(s, tile, step, m, kv_lens, query_lens), 0
 
         return ring_index
-
-    def bias_index(m):
-        def index(s, tile, step, kv_lens, query_lens, bias_first, *table):
-            framed = visited(s, tile, step, m, kv_lens, query_lens) - bias_first[s]
-            return s, 0, tile, jnp.clip(framed, 0, plan.frame_blocks - 1)
-
-        return index
 
     def row_index(s, tile, step, *scalars):
         return s, 0, tile, 0
 
     squeezed = pl.Squeezed()
     kv_specs = [pl.BlockSpec((squeezed, kv_heads, block, head_dim), kv_index(m)) for m in range(per_step)]
-    bias_specs = [pl.BlockSpec((squeezed, kv_heads, tile_rows, block), bias_index(m)) for m in range(per_step)]
     rows_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, head_dim), row_index)
     sinks_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, 1), row_index)
-    scalars = [kv_lens, query_lens, plan.bias_first]
+    rel_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, rel.shape[-1]), row_index)
+    table_spec = pl.BlockSpec(table.shape, lambda *_: (0, 0))
+    scalars = [kv_lens, query_lens]
     if paged:
         scalars.append(page_table.reshape(-1))
     body = functools.partial(
         _attend_step, scale=scale, window=window, width=width, tile_rows=tile_rows, block=block, per_step=per_step,
-        steps=steps, frame_blocks=plan.frame_blocks, ring=ring,
+        steps=steps, extent=rel_proj.shape[1], pad=pad, span=span, ring=ring,
     )  # fmt: skip
     return pl.pallas_call(
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(slots, rows // tile_rows, steps),
-            in_specs=[rows_spec, sinks_spec, *kv_specs, *kv_specs, *bias_specs],
+            in_specs=[rows_spec, sinks_spec, rel_spec, table_spec, *kv_specs, *kv_specs],
             out_specs=rows_spec,
             scratch_shapes=[
                 pltpu.VMEM((kv_heads, tile_rows, 1), jnp.float32),
@@ -208,7 +264,7 @@ def kernel(
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-    )(*scalars, q, sinks[..., None], *(k,) * per_step, *(v,) * per_step, *(bias,) * per_step)
+    )(*scalars, q, sinks[..., None], rel, table, *(k,) * per_step, *(v,) * per_step)
 
 
 ragged_paged_attention = functools.partial(attend, kernel)
