@@ -2,7 +2,8 @@
 batches (decode, verify, prefill chunks, an idle slot), the page pool in random page order and the
 sliding rings, with and without a window, bias extents shorter and longer than the context, GQA with
 the production tiling (page 128, head dim 128, 6 query heads per KV head), with and without splitting
-the KV blocks over CTAs. On an H200 the kernel is compiled and every case runs; on CPU it runs in Mosaic GPU's
+the KV blocks over CTAs, the bias from the frame (decode, verify, rings) and built in the kernel (prefill over
+the pool). On an H200 the kernel is compiled and every case runs; on CPU it runs in Mosaic GPU's
 interpreter, slowly, so there a subset runs (one KV head; each layout, mode and split choice still covered).
 """
 
@@ -24,6 +25,9 @@ HEADS = KV_HEADS * GROUPS
 
 # (kv_lens, query_lens, width C): decode, verify (γ + 1 = 8), a first chunk, a later chunk, an idle slot
 MIXED = ([450, 300, 40, 600, 257] if CPU else [700, 300, 40, 1000, 513], [1, 8, 40, 64, 0], 64)
+# A prefill step of C = 128 (with C % 64 == 0 and more than 64 rows the bias is built in the kernel; here the second
+# warpgroup's rows start mid-chunk): a first chunk and a later, partial one (in the interpreter only the latter).
+PREFILL = ([300], [100], 128) if CPU else ([128, 1000], [128, 100], 128)
 DECODE = ([600 if CPU else 1000, 129, 5], [1, 1, 1], 1)
 VERIFY = ([500, 77, 600 if CPU else 1000, 9], [8, 8, 3, 0], 8)  # at most 64 rows: the warpgroups share the rows
 
@@ -65,8 +69,8 @@ def run(fn, case: dict, window: int | None) -> np.ndarray:
     return np.asarray(out.astype(jnp.float32))
 
 
-def compare(case: dict, window: int | None, splits: int | None) -> None:
-    kernel = functools.partial(gpu._attention, splits=splits, interpret=jax.default_backend() == "cpu")
+def compare(case: dict, window: int | None, splits: int | None, **options) -> None:
+    kernel = functools.partial(gpu._attention, splits=splits, interpret=jax.default_backend() == "cpu", **options)
     got = run(jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window")), case, window)
     want = run(reference, case, window)
     assert np.isfinite(got).all()
@@ -83,10 +87,15 @@ WINDOW_EXTENTS = [(None, 64), (None, 2048), (200, 256)]
 
 @pytest.mark.parametrize(
     ("window", "extent", "splits"),
-    [(*we, sp) for we, sp in cases(WINDOW_EXTENTS, [None, 1], cpu=[((None, 2048), None), ((200, 256), 1)])],
+    [(*we, sp) for we, sp in cases(WINDOW_EXTENTS, [None, 1], cpu=[((None, 2048), None)])],  # and test_pool_prefill
 )
 def test_pool_mixed_batch(window, extent, splits):
     compare(inputs(17 + (window or 0) + extent, *MIXED, extent, ring=None), window, splits)
+
+
+@pytest.mark.parametrize(("window", "extent"), [(200, 256)] if CPU else WINDOW_EXTENTS)
+def test_pool_prefill(window, extent):  # on CPU also the interpreter's window over the mixed batch's path
+    compare(inputs(29 + extent, *PREFILL, extent, ring=None), window, None)
 
 
 @pytest.mark.parametrize("splits", [None] if CPU else [None, 1])
@@ -105,6 +114,14 @@ def test_public_entry_point():  # on CPU also the interpreter's decode case
     case = inputs(11, *DECODE, extent=64, ring=None)
     got = run(jax.jit(gpu.ragged_paged_attention, static_argnames=("scale", "window")), case, None)
     np.testing.assert_allclose(got, run(reference, case, None), rtol=2e-2, atol=2e-2)
+
+
+def test_bias_in_kernel_only_for_prefill():
+    for batch in (DECODE, VERIFY):  # at most 64 rows: the frame
+        with pytest.raises(ValueError, match="in the kernel"):
+            compare(inputs(1, *batch, extent=64, ring=None), None, None, in_kernel=True)
+    with pytest.raises(ValueError, match="in the kernel"):  # C % 64 != 0
+        compare(inputs(1, [100], [96], 96, extent=64, ring=None), None, None, in_kernel=True)
 
 
 def test_supports():

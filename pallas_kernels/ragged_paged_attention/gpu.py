@@ -10,6 +10,16 @@ FlashAttention's: S = Q K^T on wgmma, rounded to the activation dtype where the 
 (after the product, the scale and the bias), the visibility mask only on blocks that straddle a boundary,
 an online softmax that starts from the sink logit (running max = sink, sum = 1, acc = 0), then P V on wgmma.
 
+The bias: decode and verify tiles (and the rings) copy tiles of `blocks.frame_bias`, built in XLA. Prefill
+tiles over the pool (C a multiple of 64) build theirs in the kernel, since the frame would cost Hq * C *
+(extent + C) values written through several XLA passes, twice the kernel. A warpgroup's 64 rows are one query
+head at consecutive positions, so against a step of B keys from position p0 its distances are D0 + r - t
+(D0 = its first query position - p0): the bias tile is a shear of Qw = rel rows [64, d_rel] @ the B + 64
+profile columns at distances D0 + 63 ... D0 - B, a small wgmma on a window of a zero-padded, reversed copy
+of rel_proj (TMA'd per step, one step ahead). Qw goes to an untiled SMEM buffer of row pitch W and comes
+back through a view of pitch W - 1, which shifts row r by r: bias[r, t] = Qw[r, t - r + 63]. That kernel lowers
+with Mosaic GPU's lane-level semantics: the warpgroup-level layout inference fails on the reshaped view.
+
 Decoding has few (sequence, head) pairs, too few CTAs for 132 SMs: the KV blocks are then split over
 several CTAs (flash-decoding). Every partial softmax writes its normalised output, running max and sum,
 and plain jnp combines them; only the first counts the sink. Prefill tiles rows over CTAs instead, each
@@ -26,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.numerics import round_to
 from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, frame_bias
 
 LANES = 64  # rows per compute warpgroup: the wgmma M tile
@@ -33,6 +44,32 @@ SMS = 132  # H200 multiprocessors
 SMEM_BYTES = 232448  # per-block shared memory limit on sm90
 LOG2E = math.log2(math.e)
 TRANSFORMS_16BIT = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+ALIGN = 8  # rows per SMEM tile of the profile window: its TMA starts on a multiple of this
+
+
+def _transforms(cols: int) -> tuple:
+    """SMEM tiling and swizzle of a 16-bit operand whose minor dimension holds `cols` (16, 32 or 64) elements."""
+    return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
+
+
+def _rel_width(d_rel: int) -> int | None:
+    """The contraction of the in-kernel bias wgmma: d_rel padded with zeros to 16, 32 or 64 (None: too wide)."""
+    return next((w for w in (16, 32, 64) if d_rel <= w), None)
+
+
+def _profile_tables(rel_proj: jax.Array, dtype: jnp.dtype, keys: int, width: int) -> tuple[jax.Array, int]:
+    """[ALIGN, L, width] copies of the profile table T (row i of copy d is T[i + d]) and the distance Z of row 0.
+
+    Row j of T holds rel_proj at distance Z - j, rounded to the activation dtype as the reference rounds it,
+    and zeros at distances outside [0, extent); Z leaves room for every window a warpgroup reads (distances
+    D0 + 63 ... D0 - keys for D0 in [-63, extent + keys - 2], its steps that see some profile). The ALIGN
+    copies let each window start on a tile row."""
+    d_rel, extent = rel_proj.shape
+    z = extent + keys + LANES - 3
+    rows = -(-(z + keys + LANES) // ALIGN) * ALIGN  # the last window ends before z + keys + LANES
+    proj = round_to(rel_proj, dtype)[:, ::-1].T  # [extent, d_rel], row i: distance extent - 1 - i
+    table = jnp.pad(proj, ((z - extent + 1, rows + ALIGN - z - 1), (0, width - d_rel)))
+    return jnp.stack([table[d : d + rows] for d in range(ALIGN)]), z
 
 
 def _round(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -85,10 +122,10 @@ def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None
     return kv_parallel, splits
 
 
-def _stages(tile: int, keys: int, dim: int, itemsize: int) -> int:
-    """How many K / V / bias stages of `keys` keys fit in SMEM next to the query tiles (an even number of at
-    least two)."""
-    fixed = 2 * LANES * dim * itemsize + 3 * 1024  # q or output tiles; sinks, max and sum; barriers
+def _stages(tile: int, keys: int, dim: int, itemsize: int, *, extra: int = 0) -> int:
+    """How many K / V / bias stages of `keys` keys fit in SMEM next to the query tiles and `extra` bytes (an even
+    number of at least two). tile: rows of bias per stage (0: the bias is built in the kernel)."""
+    fixed = 2 * LANES * dim * itemsize + 3 * 1024 + extra  # q or output tiles; sinks, max and sum; barriers
     stage = (2 * keys * dim + tile * keys) * itemsize
     stages = min(4, (SMEM_BYTES - fixed) // stage) // 2 * 2
     if stages < 2:
@@ -124,12 +161,15 @@ def _step_keys(kv_parallel: bool, block: int, step_keys: int | None) -> int:
 def _attention(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
     query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
-    width: int, splits: int | None = None, step_keys: int | None = None, interpret: bool = False,
+    width: int, splits: int | None = None, step_keys: int | None = None, in_kernel: bool | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
-    """`kernel` with the KV split count (None: chosen for the SMs) and the keys per pipeline step (None: see
-    `_step_keys`) open, and the CPU interpreter on demand."""
+    """`kernel` with the KV split count (None: chosen for the SMs), the keys per pipeline step (None: see
+    `_step_keys`) and the bias (True: built in the kernel, False: the frame, None: in the kernel where it can
+    be) open, and the CPU interpreter on demand."""
     slots, kv_heads, rows, dim = q.shape
     dtype, block, frame_blocks = q.dtype, plan.block, plan.frame_blocks
+    itemsize = jnp.dtype(dtype).itemsize
     ring = page_table is None
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise NotImplementedError(f"the Mosaic GPU kernel takes bf16 or f16 activations, got {dtype}")
@@ -137,7 +177,6 @@ def _attention(
         raise NotImplementedError(f"head dim {dim} and block {block} must be multiples of 64")
     k, v = k.astype(dtype), v.astype(dtype)  # a no-op unless the cache keeps another dtype
     ring_size = k.shape[2]
-    bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, width=width, ring=ring)  # [S, Hkv, R, frame]
 
     kv_parallel, splits = _config(slots, kv_heads, rows, plan.steps, splits)
     tile = LANES if kv_parallel else 2 * LANES  # rows per CTA
@@ -146,26 +185,51 @@ def _attention(
     tiles = padded // tile
     keys = _step_keys(kv_parallel, block, step_keys)
     sub = block // keys  # pipeline steps per KV block
-    stages = _stages(tile, keys, dim, jnp.dtype(dtype).itemsize)
-    # Bias rows copied per tile: a single tile (at most 64 rows) copies only its real rows, rounded up to the
-    # 8-row SMEM tiling; the rest of its SMEM slot is never written and feeds only padding rows.
-    bias_rows = -(-rows // 8) * 8 if tiles == 1 else tile
+    # The in-kernel bias: each compute warpgroup's profile window [keys + 64, d_rel] and its Qw buffer of
+    # pitch W (even, so that the stores pair up; W / 2 = 4 mod 32 spreads a warp's 8 rows over the banks).
+    d_rel = _rel_width(rel.shape[-1])
+    span = keys + LANES  # profile columns per window: distances D0 + 63 ... D0 - keys
+    pitch = span + 8
+    extra = 2 * (span * (d_rel or 0) + LANES * pitch) * itemsize
+    eligible = not ring and not kv_parallel and width % LANES == 0 and span <= 256 and d_rel is not None
+    if eligible and rel.dtype == dtype:
+        try:
+            _stages(0, keys, dim, itemsize, extra=extra)
+        except NotImplementedError:  # no room for the windows and Qw buffers next to two stages
+            eligible = False
+    else:
+        eligible = False
+    if in_kernel is None:
+        in_kernel = eligible
+    elif in_kernel and not eligible:
+        raise ValueError("the bias can be built in the kernel only for prefill tiles over the pool, C % 64 == 0")
+    stages = _stages(0, keys, dim, itemsize, extra=extra) if in_kernel else _stages(tile, keys, dim, itemsize)
     c_min, c_max = _row_bounds(rows, padded, tile, width)
     work = _work(kv_lens, query_lens, plan, c_min, c_max, splits=splits, window=window, ring=ring)
     seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, plan.bias_first], axis=-1).astype(jnp.int32)  # [S, 3]
     pad = ((0, 0), (0, 0), (0, padded - rows))
     q = jnp.pad(q, (*pad, (0, 0)))  # [S, Hkv, Rp, D]
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, (bias_rows if tiles == 1 else padded) - rows), (0, 0)))
     sinks = jnp.pad(sinks, pad) * LOG2E  # [S, Hkv, Rp], in the log2 domain the kernel works in
+    if in_kernel:
+        extent = rel_proj.shape[1]
+        tables, z = _profile_tables(rel_proj, dtype, keys, d_rel)  # [ALIGN, L, d_rel]
+        rel = jnp.pad(rel, (*pad, (0, d_rel - rel.shape[-1])))  # [S, Hkv, Rp, d_rel]
+        bias_operands = [tables, rel]
+        bias_rows = 0
+    else:
+        bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, width=width, ring=ring)  # [S, Hkv, R, frame]
+        # Bias rows copied per tile: a single tile (at most 64 rows) copies only its real rows, rounded up to
+        # the 8-row SMEM tiling; the rest of its SMEM slot is never written and feeds only padding rows.
+        bias_rows = -(-rows // 8) * 8 if tiles == 1 else tile
+        bias_operands = [jnp.pad(bias, ((0, 0), (0, 0), (0, (bias_rows if tiles == 1 else padded) - rows), (0, 0)))]
 
     def body(*refs):
-        if ring:
-            work_ref, seq_ref, q_ref, k_ref, v_ref, bias_ref, sink_ref, *refs = refs
-        else:
-            work_ref, seq_ref, q_ref, k_ref, v_ref, bias_ref, sink_ref, table_ref, *refs = refs
+        work_ref, seq_ref, q_ref, k_ref, v_ref, *refs = refs
+        bias_refs, (sink_ref, *refs) = refs[: len(bias_operands)], refs[len(bias_operands) :]
+        table_ref = None if ring else refs.pop(0)
         outs, smem_refs, barriers = refs[:-2], refs[-2], refs[-1]
-        q_smem, sink_smem, stat_smem, k_smem, v_smem, b_smem, p_smem = smem_refs
-        k_bar, v_bar, b_bar, q_bar, free_bar = barriers
+        q_smem, sink_smem, stat_smem, k_smem, v_smem, b_smem, p_smem, w_smem, qw_smem, rel_smem = smem_refs
+        k_bar, v_bar, b_bar, q_bar, free_bar, w_bar = barriers
         split, sh = lax.axis_index("split"), lax.axis_index("sh")
         tile_idx = tiles - 1 - lax.axis_index("tile")  # the tiles with the most blocks start first
         s, h = sh // kv_heads, sh % kv_heads
@@ -194,11 +258,13 @@ def _attention(
 
                 plgpu.copy_gmem_to_smem(src_k, k_smem.at[slot], k_bar.at[slot])
 
-                @pl.when(in_frame(j))
-                def _():
-                    cols = pl.ds((j - bias_first) * block + off, keys)
-                    src = bias_ref.at[s, h, pl.ds(tile_idx * tile, bias_rows), cols]
-                    plgpu.copy_gmem_to_smem(src, b_smem.at[slot, pl.ds(0, bias_rows)], b_bar.at[slot])
+                if not in_kernel:
+
+                    @pl.when(in_frame(j))
+                    def _():
+                        cols = pl.ds((j - bias_first) * block + off, keys)
+                        src = bias_refs[0].at[s, h, pl.ds(tile_idx * tile, bias_rows), cols]
+                        plgpu.copy_gmem_to_smem(src, b_smem.at[slot, pl.ds(0, bias_rows)], b_bar.at[slot])
 
                 plgpu.copy_gmem_to_smem(src_v, v_smem.at[slot], v_bar.at[slot])
                 return page
@@ -222,6 +288,32 @@ def _attention(
             count = ((hi - lo) * sub - first + stride - 1) // stride
             plgpu.copy_gmem_to_smem(q_ref.at[s, h, rows_here], q_smem.at[wg], q_bar.at[wg])
             plgpu.copy_gmem_to_smem(sink_ref.at[s, h, rows_here], sink_smem.at[wg], q_bar.at[wg])
+            if in_kernel:
+                table_win, rel_rows = bias_refs
+                # the warpgroup's rows are one query head at positions first_q + c0 + r (C % 64 == 0)
+                position0 = first_q + lax.rem(row0, width)
+
+                def profiled(key0):  # whether some distance D0 + r - t of the step lies in [0, extent)
+                    d0 = position0 - key0
+                    return (d0 >= 1 - LANES) & (d0 <= extent + keys - 2)
+
+                def fetch(key0):  # the step's profile window: table rows j0 ... j0 + span - 1
+                    j0 = z - (position0 - key0) - (LANES - 1)
+                    shift = lax.rem(j0, ALIGN)
+                    src = table_win.at[shift, pl.ds(pl.multiple_of(j0 - shift, ALIGN), span)]
+                    plgpu.copy_gmem_to_smem(src, w_smem.at[wg], w_bar.at[wg])
+
+                key_first = lo * block + first * keys
+
+                @pl.when((count > 0) & profiled(key_first))
+                def _():
+                    fetch(key_first)
+
+                if interpret:  # the interpreter's wgmma reads its left operand from SMEM only
+                    plgpu.copy_gmem_to_smem(rel_rows.at[s, h, rows_here], rel_smem.at[wg], q_bar.at[wg])
+                    rel_here = rel_smem.at[wg]
+                else:
+                    rel_here = plgpu.load(rel_rows.at[s, h, rows_here], layout=plgpu.Layout.WGMMA, optimized=False)
             plgpu.barrier_wait(q_bar.at[wg])
             row = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.load(sink_smem.at[wg], layout=row)  # running max (log2 domain)
@@ -229,25 +321,72 @@ def _attention(
             total = plgpu.layout_cast(jnp.full((LANES,), l_init, jnp.float32), row)
             acc = plgpu.layout_cast(jnp.zeros((LANES, dim), jnp.float32), plgpu.Layout.WGMMA)
 
+            def scores(slot, meanwhile=lambda: None):
+                """The step's q.k, rounded as the reference rounds it (after the product, then the scale), and
+                what `meanwhile` returns (run while the wgmma does)."""
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    other = meanwhile()
+                    return acc_ref[...], other
+
+                logits, other = pl.run_scoped(qk, plgpu.ACC((LANES, keys), jnp.float32))
+                return _round(_round(logits, dtype) * scale, dtype), other
+
+            def sheared(key0, slot):
+                """q.k plus the in-kernel bias of a step whose window has been fetched; fetches the next one."""
+                plgpu.barrier_wait(w_bar.at[wg])
+
+                def profiles(acc_ref):
+                    plgpu.wgmma(acc_ref, rel_here, w_smem.at[wg].transpose((1, 0)))
+                    return acc_ref[...]
+
+                qw = pl.run_scoped(profiles, plgpu.ACC((LANES, span), jnp.float32)).astype(dtype)
+                prefetch(key0)  # the window has been read
+                if interpret:  # the interpreter takes no reshaped refs: the same shear on the value
+                    flat = jnp.pad(qw, ((0, 0), (0, pitch - span))).reshape(-1)
+                    bias = flat[LANES - 1 : LANES - 1 + LANES * (pitch - 1)].reshape(LANES, pitch - 1)[:, :keys]
+                    logits, _ = scores(slot)
+                else:
+                    qw_smem.at[wg, pl.ds(0, LANES * pitch)].reshape(LANES, pitch).at[:, pl.ds(0, span)][...] = qw
+                    view = qw_smem.at[wg, pl.ds(LANES - 1, LANES * (pitch - 1))].reshape(LANES, pitch - 1)
+
+                    def shear():  # rows start at odd and even elements alike: one element per load, then pairs
+                        tile = view.at[:, pl.ds(0, keys)]
+                        bias = plgpu.load(tile, layout=plgpu.Layout._WGMMA_ACC_32BIT, optimized=False)
+                        return plgpu.layout_cast(bias, plgpu.Layout.WGMMA)
+
+                    logits, bias = scores(slot, shear)
+                return _round(logits + bias.astype(jnp.float32), dtype)
+
+            def prefetch(key0):
+                nxt = key0 + stride * keys
+
+                @pl.when((nxt < hi * block) & profiled(nxt))
+                def _():
+                    fetch(nxt)
+
             def visit(i, carry):
                 acc, m, total = carry
                 step = first + i * stride
                 j, slot = lo + step // sub, step % stages
                 key0 = j * block + step % sub * keys  # the step's first key slot
-                plgpu.barrier_wait(k_bar.at[slot])
+                if in_kernel:
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
+                    def unbiased(key0):
+                        prefetch(key0)
+                        return scores(slot)[0]
 
-                logits = pl.run_scoped(qk, plgpu.ACC((LANES, keys), jnp.float32))
-                logits = _round(_round(logits, dtype) * scale, dtype)  # as the reference rounds q.k, then its scaling
+                    logits = lax.cond(profiled(key0), sheared, lambda k0, _: unbiased(k0), key0, slot)
+                else:
+                    logits, _ = scores(slot)
 
-                def add_bias(x):
-                    plgpu.barrier_wait(b_bar.at[slot])
-                    return _round(x + b_smem.at[slot, my_bias][...].astype(jnp.float32), dtype)
+                    def add_bias(x):
+                        plgpu.barrier_wait(b_bar.at[slot])
+                        return _round(x + b_smem.at[slot, my_bias][...].astype(jnp.float32), dtype)
 
-                logits = lax.cond(in_frame(j), add_bias, lambda x: x, logits)
+                    logits = lax.cond(in_frame(j), add_bias, lambda x: x, logits)
                 logits = lax.cond(_straddles(key0), functools.partial(mask, key0), lambda x: x, logits) * LOG2E
 
                 m_new = jnp.maximum(m, logits.max(axis=1))
@@ -320,23 +459,29 @@ def _attention(
         plgpu.SMEM((2, 2, LANES), jnp.float32),  # running max and sum
         plgpu.SMEM((stages, keys, dim), dtype, transforms=TRANSFORMS_16BIT),  # K
         plgpu.SMEM((stages, keys, dim), dtype, transforms=TRANSFORMS_16BIT),  # V
-        plgpu.SMEM((stages, tile, keys), dtype, transforms=TRANSFORMS_16BIT),  # bias
+        None if in_kernel else plgpu.SMEM((stages, tile, keys), dtype, transforms=TRANSFORMS_16BIT),  # bias
         plgpu.SMEM((2, LANES, keys), dtype, transforms=TRANSFORMS_16BIT) if interpret else None,  # P
+        plgpu.SMEM((2, span, d_rel), dtype, transforms=_transforms(d_rel)) if in_kernel else None,  # windows
+        plgpu.SMEM((2, LANES * pitch), dtype) if in_kernel and not interpret else None,  # Qw
+        plgpu.SMEM((2, LANES, d_rel), dtype, transforms=_transforms(d_rel)) if in_kernel and interpret else None,
     )
     # With shared KV blocks each stage has one reader (its steps' warpgroup); with shared rows, two.
     readers = 1 if kv_parallel else 2
     barriers = (
         plgpu.Barrier(num_barriers=stages),  # K landed
         plgpu.Barrier(num_barriers=stages),  # V landed
-        plgpu.Barrier(num_barriers=stages),  # bias landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # q and sinks landed
+        None if in_kernel else plgpu.Barrier(num_barriers=stages),  # bias landed
+        plgpu.Barrier(num_arrivals=3 if in_kernel and interpret else 2, num_barriers=2),  # q, sinks (rel) landed
         plgpu.Barrier(num_arrivals=readers, num_barriers=stages),  # stage read
+        plgpu.Barrier(num_barriers=2) if in_kernel else None,  # profile window landed
     )
 
     def entry(*refs):
         pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, barriers, collective_axes="wg")
 
-    operands = [work, seq, q, k, v, bias, sinks] + ([] if ring else [page_table])
+    # The in-kernel bias reads its shear through a reshaped SMEM view, which only the lane-level lowering takes.
+    semantics = plgpu.LoweringSemantics.Lane if in_kernel else plgpu.LoweringSemantics.Warpgroup
+    operands = [work, seq, q, k, v, *bias_operands, sinks] + ([] if ring else [page_table])
     results = plgpu.kernel(
         entry,
         out_type=tuple(out_type),
@@ -344,7 +489,9 @@ def _attention(
         grid_names=("split", "tile", "sh"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # rows reduce in-warp
+        compiler_params=plgpu.CompilerParams(  # rows reduce in-warp
+            approx_math=True, reduction_scratch_bytes=0, lowering_semantics=semantics
+        ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*operands)
     out = results[0][0]
