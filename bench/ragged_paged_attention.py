@@ -11,8 +11,8 @@ bytes it must read per second (2 * batch * context * 8 heads * 128 * 2 bytes / t
 measured 4.3 TB/s copy bandwidth. Prefill: one sequence's chunk of C new tokens at the start of its prompt
 (causal, C(C+1)/2 visible pairs); reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the
 ~800 TFLOP/s bf16 GEMM rate. Times are device time from CUPTI (every kernel the call launches, including
-the bias frame and layout prep around ours and the page gather in the reference; `kernel_only`: the
-longest single kernel of ours, the attention itself), median of `repeats`.
+the layout prep (and for decode the bias frame) around ours and the page gather in the reference;
+`kernel_only`: the longest single kernel of ours, the attention itself), median of `repeats`.
 Each kernel result is checked against the reference where the reference runs.
 """
 

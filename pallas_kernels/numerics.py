@@ -23,6 +23,12 @@ def round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+def round_through(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """fp32 x rounded to `dtype` and back to fp32 by two casts: how kernels round where the reference does
+    (inside Pallas kernels the casts really round)."""
+    return x if jnp.dtype(dtype) == jnp.float32 else x.astype(dtype).astype(jnp.float32)
+
+
 def _operands(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     # XLA:CPU has no bf16 x bf16 -> f32 dot; widened operands give the same exact products there.
     if jax.default_backend() == "cpu":

@@ -1,7 +1,8 @@
 """The ragged paged attention oracle equals whole-sequence relative attention: every sequence's keys
 scattered into random pages (full layers) or its ring (sliding layers), queries as decode (1), verify
 (γ + 1), prefill chunks and idle slots in one batch, with and without a window, extents shorter and
-longer than the context, GQA. The kernels (issue 8) are tested against this oracle."""
+longer than the context, GQA; and the helpers the kernels share (`blocks`). The kernels' own tests
+(tests/test_ragged_paged_attention_{tpu,gpu}.py) check them against this oracle."""
 
 import jax
 import jax.numpy as jnp

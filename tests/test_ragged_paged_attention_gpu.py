@@ -95,7 +95,7 @@ def test_pool_mixed_batch(window, extent, splits):
 
 @pytest.mark.parametrize(("window", "extent"), [(200, 256)] if CPU else WINDOW_EXTENTS)
 def test_pool_prefill(window, extent):  # on CPU also the interpreter's window over the mixed batch's path
-    compare(inputs(29 + extent, *PREFILL, extent, ring=None), window, None)
+    compare(inputs(29 + extent, *PREFILL, extent, ring=None), window, None, in_kernel=True)
 
 
 @pytest.mark.parametrize("splits", [None] if CPU else [None, 1])

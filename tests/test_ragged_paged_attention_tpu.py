@@ -139,3 +139,40 @@ def test_the_engine_step_through_the_kernel(monkeypatch):
     assert calls  # traced through the kernel, not a cached reference step
     for position, logprobs in got:
         np.testing.assert_allclose(logprobs, want[position], rtol=1e-4, atol=1e-4 * np.abs(want[position]).max())
+
+
+def test_the_kernel_runs_on_each_devices_heads_under_tensor_parallelism(monkeypatch):
+    """The model's cached attention on a 2-device `model` mesh: every device runs the kernel (interpret mode)
+    on its own query and KV heads, and the whole equals whole-sequence attention."""
+    from inkling_jax.model.attention import cached_attention
+    from inkling_jax.sharding import MODEL
+
+    calls = []
+    monkeypatch.setattr(
+        ragged_paged_attention, "implementation", lambda backend: calls.append(backend) or tpu.ragged_paged_attention
+    )
+    case = random_case(21, *MIXED, extent=24)
+    k_pages, v_pages, table = paged(case, num_pages=64, max_pages=8)
+    args = inputs(case, k_pages, v_pages, table, None)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
+    attention = jax.jit(cached_attention, static_argnames=("scale", "window"))
+    params = pltpu.InterpretParams(detect_races=True)
+    try:
+        with jax.set_mesh(mesh), pltpu.force_tpu_interpret_mode(params):
+            got = np.asarray(attention(**args, scale=DIM**-0.5))
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    assert calls
+    check(case, got, None)
+
+
+def test_auto_takes_the_reference_for_blocks_mosaic_cannot_tile(monkeypatch):
+    """On TPU, a ring of window 1024 + chunk 100 slots has no block of whole sublane tiles (its largest divisor
+    up to 128 is 4): "auto" falls back to the reference rather than failing to compile."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    q = jnp.zeros((1, 1, 48, 128), jnp.bfloat16)
+    ring = jnp.zeros((1, 8, 1024 + 100, 128), jnp.bfloat16)
+    pool = jnp.zeros((4, 8, 128, 128), jnp.bfloat16)
+    assert ragged_paged_attention.automatic(q, ring, None) == "reference"
+    assert ragged_paged_attention.automatic(q, jnp.zeros((1, 8, 1024 + 512, 128), jnp.bfloat16), None) == "tpu"
+    assert ragged_paged_attention.automatic(q, pool, jnp.zeros((1, 4), jnp.int32)) == "tpu"

@@ -22,6 +22,7 @@ from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvoluti
 from inkling_jax.sharding import MODEL
 from pallas_kernels.numerics import round_to
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import paged_keys
 from pallas_kernels.relative_attention import relative_attention
 
 
@@ -59,10 +60,7 @@ def write_pages(pages: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -
 
 def read_pages(pages: jax.Array, layer: int, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
     """Each slot's keys of `layer` in position order [S, L, H, D] and their positions [S, L]."""
-    view = jnp.swapaxes(pages[layer][chunk.page_table], 2, 3)  # [S, max pages, page, H, D]
-    slots, num_pages, page_size = view.shape[:3]
-    positions = jnp.broadcast_to(jnp.arange(num_pages * page_size, dtype=jnp.int32), (slots, num_pages * page_size))
-    return view.reshape(slots, num_pages * page_size, *view.shape[3:]), positions
+    return paged_keys(pages[layer], chunk.page_table)
 
 
 def write_draft_context(kv: KVCache, k: jax.Array, v: jax.Array, chunk: Chunk) -> KVCache:
@@ -118,7 +116,7 @@ def cached_attention(
     tables = () if page_table is None else (page_table,)
 
     def local(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, *tables):
-        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=(*tables, None)[0])
+        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=tables[0] if tables else None)
 
     return jax.shard_map(
         local,
@@ -126,6 +124,7 @@ def cached_attention(
         in_specs=(heads, kv_heads, kv_heads, P(), P(), heads, P(), heads, *(P() for _ in tables)),
         out_specs=heads,
         axis_names={MODEL},
+        check_vma=False,  # Pallas kernels' outputs carry no varying-axes type
     )(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, *tables)
 
 

@@ -1,36 +1,37 @@
 """Ragged paged relative-bias attention (decode, chunked prefill and speculative verify in one call): the
 entry point the model calls. `backend` picks the implementation: "tpu" (Mosaic TPU), "gpu" (Mosaic GPU),
 "reference" (pure jnp), or "auto": the kernel of the platform the computation runs on, the reference
-elsewhere (CPU) and for inputs the GPU kernel does not take (fp32, head dims or blocks not multiples of
-64: the tiny test models)."""
+elsewhere (CPU) and for inputs a kernel does not take (on GPU fp32, head dims or blocks not multiples of
+64: the tiny test models; on TPU rings without a block of whole sublane tiles)."""
 
 import importlib
 from collections.abc import Callable
 
 import jax
 
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import reference, tpu
 from pallas_kernels.ragged_paged_attention.blocks import kv_block
 
 BACKENDS = ("auto", "reference", "tpu", "gpu")
 
 
 def automatic(q: jax.Array, k: jax.Array, page_table: jax.Array | None) -> str:
-    """The backend "auto" means for these inputs on this platform."""
-    platform = jax.default_backend()
+    """The backend "auto" means for these inputs on this platform: its kernel where the kernel takes their
+    dtype and tiling, else the reference."""
+    platform, block = jax.default_backend(), kv_block(k, page_table)
     if platform == "tpu":
-        return "tpu"
+        return "tpu" if tpu.supports(k.dtype, block) else "reference"
     if platform == "gpu":
         from pallas_kernels.ragged_paged_attention import gpu  # Mosaic GPU is imported only where it runs
 
-        return "gpu" if gpu.supports(q.dtype, q.shape[-1], kv_block(k, page_table)) else "reference"
+        return "gpu" if gpu.supports(q.dtype, q.shape[-1], block) else "reference"
     return "reference"
 
 
 def implementation(backend: str) -> Callable[..., jax.Array]:
-    """The function behind `backend` ("auto" resolved), all with the reference's signature."""
-    if backend not in BACKENDS or backend == "auto":
-        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS[1:])}")
+    """The function behind a backend other than "auto", all with the reference's signature."""
+    if backend not in BACKENDS[1:]:
+        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "reference":
         return reference.ragged_paged_attention
     return importlib.import_module(f"pallas_kernels.ragged_paged_attention.{backend}").ragged_paged_attention
@@ -52,8 +53,6 @@ def ragged_paged_attention(
     backend: str = "auto",
 ) -> jax.Array:
     """`reference.ragged_paged_attention`'s contract (shapes and semantics there), computed by `backend`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
     chosen = automatic(q, k, page_table) if backend == "auto" else backend
     return implementation(chosen)(
         q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, scale=scale, window=window

@@ -1,5 +1,5 @@
-"""What the kernels share: query rows grouped by KV head, the KV blocks each sequence visits, and the
-relative bias laid out in the frame of those blocks.
+"""What the kernels share: query rows grouped by KV head, the KV blocks each sequence visits, and (for the
+kernels that read it as an operand) the relative bias laid out in the frame of those blocks.
 
 A kernel works on one sequence s and one KV head at a time. Its rows are the G = Hq / Hkv query heads
 that read that KV head, for each of the C step positions (row = g * C + c, query position
@@ -8,11 +8,12 @@ table (a page is one block), or consecutive slices of the sequence's ring. It vi
 [lo, hi): nothing right of the last key, and on windowed layers nothing left of the first key the
 earliest query can see.
 
-The bias is built here, outside the kernels, as one more operand indexed like the keys: for each row,
-the bias of each key slot in a frame of `frame_blocks` blocks starting at block `bias_first[s]` (the
-ring itself for sliding layers). Blocks outside the frame carry no bias (they lie beyond the extent).
-Building it costs Hq * C * frame positions per sequence, linear in the chunk and the extent, never in
-the context, and keeps gathers out of the kernels (TPUs do them badly; Mosaic GPU has none).
+The TPU kernel, and the GPU kernel on prefill tiles, compute the bias themselves from the relative states
+and the profile table. The GPU's decode and verify tiles (and rings) read it as one more operand indexed
+like the keys, built here (`frame_bias`): for each row, the bias of each key slot in a frame of
+`frame_blocks` blocks starting at block `bias_first[s]` (the ring itself for sliding layers); blocks
+outside the frame carry no bias (they lie beyond the extent). It costs Hq * C * frame values per
+sequence: small for a few queries, the reason prefill builds its bias in the kernel.
 """
 
 import dataclasses

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.numerics import round_to
+from pallas_kernels.numerics import round_through, round_to
 from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, frame_bias
 
 LANES = 64  # rows per compute warpgroup: the wgmma M tile
@@ -70,11 +70,6 @@ def _profile_tables(rel_proj: jax.Array, dtype: jnp.dtype, keys: int, width: int
     proj = round_to(rel_proj, dtype)[:, ::-1].T  # [extent, d_rel], row i: distance extent - 1 - i
     table = jnp.pad(proj, ((z - extent + 1, rows + ALIGN - z - 1), (0, width - d_rel)))
     return jnp.stack([table[d : d + rows] for d in range(ALIGN)]), z
-
-
-def _round(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """fp32 x rounded to `dtype` and back."""
-    return x.astype(dtype).astype(jnp.float32)
 
 
 def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -332,7 +327,7 @@ def _attention(
                     return acc_ref[...], other
 
                 logits, other = pl.run_scoped(qk, plgpu.ACC((LANES, keys), jnp.float32))
-                return _round(_round(logits, dtype) * scale, dtype), other
+                return round_through(round_through(logits, dtype) * scale, dtype), other
 
             def sheared(key0, slot):
                 """q.k plus the in-kernel bias of a step whose window has been fetched; fetches the next one."""
@@ -358,7 +353,7 @@ def _attention(
                         return plgpu.layout_cast(bias, plgpu.Layout.WGMMA)
 
                     logits, bias = scores(slot, shear)
-                return _round(logits + bias.astype(jnp.float32), dtype)
+                return round_through(logits + bias.astype(jnp.float32), dtype)
 
             def prefetch(key0):
                 nxt = key0 + stride * keys
@@ -384,7 +379,7 @@ def _attention(
 
                     def add_bias(x):
                         plgpu.barrier_wait(b_bar.at[slot])
-                        return _round(x + b_smem.at[slot, my_bias][...].astype(jnp.float32), dtype)
+                        return round_through(x + b_smem.at[slot, my_bias][...].astype(jnp.float32), dtype)
 
                     logits = lax.cond(in_frame(j), add_bias, lambda x: x, logits)
                 logits = lax.cond(_straddles(key0), functools.partial(mask, key0), lambda x: x, logits) * LOG2E

@@ -22,21 +22,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.numerics import round_to
+from pallas_kernels.numerics import round_through, round_to
 from pallas_kernels.ragged_paged_attention.blocks import Plan, attend
 
 STEP_BYTES = 4 << 20  # K and V bytes fetched per grid step
-MAX_PER_STEP = 8  # pages per step (each one pipelined operand per K, V and bias)
+MAX_PER_STEP = 8  # pages per step (each one pipelined operand of K and of V)
 TILE_ROWS = 128  # query rows per program once a chunk is at least this wide
+
+
+def supports(dtype: jnp.dtype, block: int) -> bool:
+    """Whether Mosaic TPU tiles K/V blocks of `block` keys in `dtype`: whole sublane tiles (8 rows of 32-bit
+    values, 16 of 16-bit). Rings whose size (window + chunk) has no such divisor up to 128 do not."""
+    return block % (32 // jnp.dtype(dtype).itemsize) == 0
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _rounded(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """fp32 x rounded to the activation dtype and back (the reference rounds scores there)."""
-    return x if dtype == jnp.float32 else x.astype(dtype).astype(jnp.float32)
 
 
 def _runs(tile_rows: int, width: int) -> list[tuple[int, int, bool]]:
@@ -62,7 +63,7 @@ def _block_bias(
     aligned = jnp.clip(start // 128 * 128, 0, table_ref.shape[1] - span)
     columns = table_ref[:, pl.ds(pl.multiple_of(aligned, 128), span)]  # [d_rel, span]
     profiles = jax.lax.dot_general(rel, columns, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    profiles = _rounded(profiles, rel.dtype)  # [rows, span], as the reference rounds rel . P
+    profiles = round_through(profiles, rel.dtype)  # [rows, span], as the reference rounds rel . P
     shift = jax.lax.rem(span - (start - aligned + last_row) % span, span)  # row i reads column t + offset - i
     sheared = [
         pltpu.roll(profiles[first : first + count], shift, 1, stride=1, stride_axis=0)
@@ -74,14 +75,16 @@ def _block_bias(
 
 
 def _tile_blocks(s, tile, kv_lens, query_lens, *, width, tile_rows, block, window, ring):
-    """The blocks [lo, hi) the query rows of `tile` can see: causal horizon of its last step position,
-    window of its first (on a ring: every slot written so far)."""
-    if ring is not None:
-        return 0, (jnp.minimum(kv_lens[s], ring) + block - 1) // block
-    first_query = kv_lens[s] - query_lens[s]
+    """The blocks [lo, hi) the real query rows of `tile` can see: causal horizon of its last real step
+    position, window of its first (on a ring: every slot written so far); none for a tile of padding."""
+    count = query_lens[s]
     start = (tile * tile_rows) % width
-    stop = jnp.minimum(start + tile_rows, width) - 1
+    if ring is not None:
+        return 0, jnp.where(start < count, (jnp.minimum(kv_lens[s], ring) + block - 1) // block, 0)
+    first_query = kv_lens[s] - count
+    stop = jnp.minimum(jnp.minimum(start + tile_rows, width), count) - 1
     hi = jnp.minimum((kv_lens[s] + block - 1) // block, (first_query + stop) // block + 1)
+    hi = jnp.where(start < count, hi, 0)
     lo = jnp.zeros_like(hi)
     if window is not None:
         lo = jnp.minimum(jnp.maximum(first_query + start - window + 1, 0) // block, hi)
@@ -153,14 +156,14 @@ def _attend_step(
             for m in range(per_step):
                 k = k_refs[m][h].astype(dtype)  # [block, D]
                 logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                logits = _rounded(logits * scale, dtype)
+                logits = round_through(round_through(logits, dtype) * scale, dtype)  # as the reference rounds
                 for g, base in enumerate(bases[m]):
                     here = in_band(base)
                     if ring is not None:  # each generation's bias only on its own slots
                         newest = jax.lax.rem(kv_len - 1 + ring, ring)
                         slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + (first + m) * block
                         here = here & ((slot <= newest) == (g == 0))
-                    biased = _rounded(logits + bias(rel, table_ref, run_start - base), dtype)
+                    biased = round_through(logits + bias(rel, table_ref, run_start - base), dtype)
                     logits = jnp.where(here, biased, logits)
                 scores.append(jnp.where(visible[m], logits, -jnp.inf))
             scores = jnp.concatenate(scores, axis=1)  # [rows, per_step * block]
