@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import implementation
+from pallas_kernels.ragged_paged_attention.reference import paged_keys
 
 HEADS, KV_HEADS, DIM, PAGE, D_REL, EXTENT = 48, 8, 128, 128, 16, 1024
 COPY_TB_S, BF16_TFLOP_S = 4.3, 800.0
@@ -78,12 +79,7 @@ def case(batch: int, context: int, width: int, seed: int) -> dict:
 
 def contiguous(inputs: dict) -> tuple[jax.Array, jax.Array]:
     """Each sequence's K, V [B, context, Hkv, D] in position order (what cuDNN reads)."""
-
-    def gather(pages):
-        view = jnp.swapaxes(pages[inputs["page_table"]], 2, 3)  # [B, pages, page, Hkv, D]
-        return view.reshape(view.shape[0], -1, KV_HEADS, DIM)
-
-    return gather(inputs["k"]), gather(inputs["v"])
+    return paged_keys(inputs["k"], inputs["page_table"])[0], paged_keys(inputs["v"], inputs["page_table"])[0]
 
 
 def run_case(inputs: dict, *, kernel: str, repeats: int, with_reference: bool, causal_chunk: bool) -> dict:

@@ -102,16 +102,15 @@ def state_specs(state: DecodeState, text: TextConfig, tp: int) -> DecodeState:
     the projections that fill them, the draft's context K/V by head while tp divides its KV heads (else
     whole on every device), everything else replicated."""
     conv_axis = logical_rules(text, tp)["kv_heads"]
-    heads_axis = {"full_k": MODEL, "full_v": MODEL, "sliding_k": MODEL, "sliding_v": MODEL}
-    heads_axis |= {"conv_k": conv_axis, "conv_v": conv_axis}
+    # the dims after (layer, slot or page): K/V [heads, ...]; conv states [taps, channels]
+    trailing = {name: (MODEL,) for name in ("full_k", "full_v", "sliding_k", "sliding_v")}
+    trailing |= {"conv_k": (None, conv_axis), "conv_v": (None, conv_axis)}
     if state.kv.draft_k is not None:
         draft_axis = MODEL if state.kv.draft_k.shape[2] % tp == 0 else None  # [layers, pages, heads, page, dim]
-        heads_axis |= {"draft_k": draft_axis, "draft_v": draft_axis}
+        trailing |= {"draft_k": (draft_axis,), "draft_v": (draft_axis,)}
 
     def kv_spec(name: str, spec: PartitionSpec | None) -> PartitionSpec | None:
-        if name in ("conv_k", "conv_v"):
-            return PartitionSpec(*spec, None, heads_axis[name])
-        return PartitionSpec(*spec, heads_axis[name]) if name in heads_axis else spec
+        return PartitionSpec(*spec, *trailing[name]) if name in trailing else spec
 
     specs = replica_specs(state)
     kv = KVCache(**{f.name: kv_spec(f.name, getattr(specs.kv, f.name)) for f in dataclasses.fields(KVCache)})

@@ -128,5 +128,5 @@ def test_supports():
     assert gpu.supports(jnp.bfloat16, 128, 128) and gpu.supports(jnp.float16, 64, 64)
     assert not gpu.supports(jnp.float32, 128, 128)  # tiny f32 test models take the reference
     assert not gpu.supports(jnp.bfloat16, 96, 128) and not gpu.supports(jnp.bfloat16, 128, 16)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="bf16 or f16 activations .* got float32, head dim 128"):
         compare(dict(inputs(1, *DECODE, extent=64, ring=None), q=jnp.zeros((3, 1, HEADS, DIM), jnp.float32)), None, 1)

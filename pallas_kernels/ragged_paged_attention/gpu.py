@@ -118,29 +118,23 @@ def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None
 
 
 def _stages(tile: int, keys: int, dim: int, itemsize: int, *, extra: int = 0) -> int:
-    """How many K / V / bias stages of `keys` keys fit in SMEM next to the query tiles and `extra` bytes (an even
-    number of at least two). tile: rows of bias per stage (0: the bias is built in the kernel)."""
+    """How many K / V / bias stages of `keys` keys fit in SMEM next to the query tiles and `extra` bytes: an
+    even number up to four, 0 when two do not fit. tile: rows of bias per stage (0: built in the kernel)."""
     fixed = 2 * LANES * dim * itemsize + 3 * 1024 + extra  # q or output tiles; sinks, max and sum; barriers
     stage = (2 * keys * dim + tile * keys) * itemsize
     stages = min(4, (SMEM_BYTES - fixed) // stage) // 2 * 2
-    if stages < 2:
-        raise NotImplementedError(f"{keys} keys x head dim {dim} leave no room for two SMEM stages")
-    return stages
+    return stages if stages >= 2 else 0
 
 
 def supports(dtype: jnp.dtype, head_dim: int, block: int) -> bool:
     """Whether the kernel takes activations of `dtype`, this head dim and KV blocks of `block` keys (else
-    `kernel` raises NotImplementedError): bf16 or f16, both multiples of 64, two SMEM stages of K and V."""
+    `kernel` raises ValueError): bf16 or f16, both multiples of 64, two SMEM stages of K and V."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return False
     if head_dim % 64 or block % 64 or head_dim > 256:
         return False
-    try:
-        _stages(2 * LANES, block, head_dim, jnp.dtype(dtype).itemsize)
-        _stages(LANES, _step_keys(True, block, None), head_dim, jnp.dtype(dtype).itemsize)
-    except NotImplementedError:
-        return False
-    return True
+    itemsize, decode_keys = jnp.dtype(dtype).itemsize, _step_keys(True, block, None)
+    return bool(_stages(2 * LANES, block, head_dim, itemsize) and _stages(LANES, decode_keys, head_dim, itemsize))
 
 
 def _step_keys(kv_parallel: bool, block: int, step_keys: int | None) -> int:
@@ -166,10 +160,11 @@ def _attention(
     dtype, block, frame_blocks = q.dtype, plan.block, plan.frame_blocks
     itemsize = jnp.dtype(dtype).itemsize
     ring = page_table is None
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise NotImplementedError(f"the Mosaic GPU kernel takes bf16 or f16 activations, got {dtype}")
-    if dim % 64 or block % 64:
-        raise NotImplementedError(f"head dim {dim} and block {block} must be multiples of 64")
+    if not supports(dtype, dim, block):
+        raise ValueError(
+            "the Mosaic GPU kernel takes bf16 or f16 activations and head dims (at most 256) and KV blocks that are"
+            f" multiples of 64; got {jnp.dtype(dtype).name}, head dim {dim}, block {block}"
+        )
     k, v = k.astype(dtype), v.astype(dtype)  # a no-op unless the cache keeps another dtype
     ring_size = k.shape[2]
 
@@ -186,14 +181,10 @@ def _attention(
     span = keys + LANES  # profile columns per window: distances D0 + 63 ... D0 - keys
     pitch = span + 8
     extra = 2 * (span * (d_rel or 0) + LANES * pitch) * itemsize
-    eligible = not ring and not kv_parallel and width % LANES == 0 and span <= 256 and d_rel is not None
-    if eligible and rel.dtype == dtype:
-        try:
-            _stages(0, keys, dim, itemsize, extra=extra)
-        except NotImplementedError:  # no room for the windows and Qw buffers next to two stages
-            eligible = False
-    else:
-        eligible = False
+    eligible = (  # prefill tiles over the pool, with room for the windows and Qw buffers next to two stages
+        not ring and not kv_parallel and width % LANES == 0 and span <= 256 and d_rel is not None
+        and rel.dtype == dtype and _stages(0, keys, dim, itemsize, extra=extra) > 0
+    )  # fmt: skip
     if in_kernel is None:
         in_kernel = eligible
     elif in_kernel and not eligible:

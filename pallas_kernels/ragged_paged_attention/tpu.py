@@ -129,24 +129,27 @@ def _attend_step(
         def in_band(base):  # does any distance of a block starting at position `base` fall in [0, extent)?
             return (run_start - base + last_row >= 0) & (run_start - base - (block - 1) <= extent - 1)
 
-        visible, bases = [], []
+        visible, biases = [], []  # per page: its visible keys; (block start, where its bias applies) pairs
         for m in range(per_step):
             index = first + m
             slot = index * block + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
             if ring is None:
-                key_pos, page_bases = slot, [index * block]
+                key_pos, page_biases = slot, [(index * block, in_band(index * block))]
             else:  # ring slot -> the position it holds (two generations around the newest slot)
                 newest = jax.lax.rem(kv_len - 1 + ring, ring)
                 newer = kv_len - 1 - newest + index * block  # the position slot index * block holds if newer
                 held = jnp.where(slot <= newest, newer, newer - ring) + (slot - index * block)
                 key_pos = jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max // 2)
-                page_bases = [newer, newer - ring]
+                page_biases = [  # each generation's bias only on its own slots
+                    (newer, in_band(newer) & (slot <= newest)),
+                    (newer - ring, in_band(newer - ring) & (slot > newest)),
+                ]
             distance = query_pos - key_pos
             seen = (distance >= 0) & (index < hi)
             if window is not None:
                 seen &= distance < window
             visible.append(seen)
-            bases.append(page_bases)
+            biases.append(page_biases)
 
         contract, f32 = (((1,), (0,)), ((), ())), jnp.float32  # [rows, block] x [block, D]
         for h in range(q_ref.shape[0]):
@@ -157,12 +160,7 @@ def _attend_step(
                 k = k_refs[m][h].astype(dtype)  # [block, D]
                 logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 logits = round_through(round_through(logits, dtype) * scale, dtype)  # as the reference rounds
-                for g, base in enumerate(bases[m]):
-                    here = in_band(base)
-                    if ring is not None:  # each generation's bias only on its own slots
-                        newest = jax.lax.rem(kv_len - 1 + ring, ring)
-                        slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + (first + m) * block
-                        here = here & ((slot <= newest) == (g == 0))
+                for base, here in biases[m]:
                     biased = round_through(logits + bias(rel, table_ref, run_start - base), dtype)
                     logits = jnp.where(here, biased, logits)
                 scores.append(jnp.where(visible[m], logits, -jnp.inf))
