@@ -135,8 +135,9 @@ def frame_bias(
     rotated the same way."""
     slots, kv_heads, rows, _ = rel.shape
     extent, frame = rel_proj.shape[1], plan.frame_blocks * plan.block
-    # the reference's contraction, so that the rounded profiles are its own: [S, Hq, C, extent]
-    profiles = einsum("bthr,re->bhte", ungroup_rows(rel, width), round_to(rel_proj[:, ::-1], rel.dtype))
+    # the reference's contraction, so that the rounded profiles are its own: [S, Hq, C, extent], distances
+    # reversed on the product (which XLA fuses into the band's padding), not on rel_proj (a kernel of its own)
+    profiles = einsum("bthr,re->bhte", ungroup_rows(rel, width), round_to(rel_proj, rel.dtype))[..., ::-1]
     first_query = kv_lens - query_lens
     if ring:
         oldest = kv_lens - frame  # the position the ring's oldest slot holds once full
@@ -151,6 +152,31 @@ def frame_bias(
 
 
 Kernel = Callable[..., jax.Array]
+
+
+def zero_padding(out: jax.Array, query_lens: jax.Array) -> jax.Array:
+    """out [S, C, ...] with zeros at each sequence's padding queries (c >= query_lens[s])."""
+    real = jnp.arange(out.shape[1])[None, :] < query_lens[:, None]
+    return jnp.where(real.reshape(*real.shape, *(1,) * (out.ndim - 2)), out, jnp.zeros((), out.dtype))
+
+
+def on_grouped_rows(kernel: Kernel) -> Kernel:
+    """A kernel of `attend`'s contract from one that works on rows grouped per KV head:
+
+    kernel(q [S, Hkv, R, D], k, v, rel [S, Hkv, R, d_rel], rel_proj, sinks [S, Hkv, R] fp32, kv_lens,
+           query_lens, page_table | None, plan, *, scale, window, width) -> [S, Hkv, R, D]
+    """
+
+    def grouped(q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, plan, *, scale, window):
+        width, kv_heads = q.shape[1], k.shape[1]
+        q, rel, sinks = (group_rows(x, kv_heads) for x in (q, rel, sinks))
+        out = kernel(
+            q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, plan, scale=scale, window=window,
+            width=width,
+        )  # fmt: skip
+        return zero_padding(ungroup_rows(out, width), query_lens)
+
+    return grouped
 
 
 def attend(
@@ -169,26 +195,23 @@ def attend(
     window: int | None,
 ) -> jax.Array:
     """The reference's signature and result ([S, C, Hq, D], zeros at padding queries) through a kernel
-    that works on grouped rows:
+    given the blocks each sequence visits:
 
-        kernel(q [S, Hkv, R, D], k, v, rel [S, Hkv, R, d_rel], rel_proj [d_rel, extent], sinks [S, Hkv, R] fp32,
-               kv_lens, query_lens, page_table | None, plan, *, scale, window, width) -> [S, Hkv, R, D]
+        kernel(q [S, C, Hq, D], k, v, rel [S, C, Hq, d_rel], rel_proj [d_rel, extent], sinks [S, C, Hq] fp32,
+               kv_lens, query_lens, page_table | None, plan, *, scale, window) -> [S, C, Hq, D]
 
     with k, v as the reference takes them (pool [P, Hkv, page, D] or rings [S, Hkv, ring, D]), read in
-    whatever dtype the cache keeps. A kernel builds the bias as it reads best (`frame_bias`, or in-kernel).
+    whatever dtype the cache keeps, and zeros at padding queries. A kernel lays out the rows
+    (`on_grouped_rows`) and builds the bias (`frame_bias`, or in-kernel) as it reads best.
     """
-    width, kv_heads = q.shape[1], k.shape[1]
+    width = q.shape[1]
     ring, block = page_table is None, kv_block(k, page_table)
     capacity = k.shape[2] if ring else page_table.shape[1] * block
     plan = plan_blocks(
         kv_lens, query_lens, width=width, block=block, capacity=capacity, extent=rel_proj.shape[1], window=window,
         ring=ring,
     )  # fmt: skip
-    out = kernel(
-        group_rows(q, kv_heads), k, v, group_rows(rel, kv_heads), rel_proj,
-        group_rows(sinks.astype(jnp.float32), kv_heads), kv_lens, query_lens, page_table, plan,
-        scale=scale, window=window, width=width,
+    return kernel(
+        q, k, v, rel, rel_proj, sinks.astype(jnp.float32), kv_lens, query_lens, page_table, plan, scale=scale,
+        window=window,
     )  # fmt: skip
-    out = ungroup_rows(out, width)
-    real = jnp.arange(width)[None, :] < query_lens[:, None]
-    return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))

@@ -3,12 +3,15 @@
 A CTA works on one (sequence, KV head), one tile of grouped query rows and one contiguous share of the
 KV blocks that tile sees. Three warpgroups: one only issues TMA copies (each block's K, V and, inside
 the bias frame, the tile's bias slice, into a ring of SMEM stages that the readers release); two
-compute. With more than 64 rows (prefill) the compute warpgroups take 64 rows each (the wgmma M tile)
-and read every block; with at most 64 (decode, verify) they share the rows and alternate 64-key halves of
-the blocks (four smaller SMEM stages instead of two), each keeping its own softmax. Compute is
-FlashAttention's: S = Q K^T on wgmma, rounded to the activation dtype where the reference rounds it
-(after the product, the scale and the bias), the visibility mask only on blocks that straddle a boundary,
-an online softmax that starts from the sink logit (running max = sink, sum = 1, acc = 0), then P V on wgmma.
+compute. With more than 64 rows (prefill) the compute warpgroups take 64 rows each (the wgmma M tile),
+read every block and take turns (FlashAttention-3's ping-pong: one's softmax runs while the other's wgmmas
+do); with C % 64 == 0 their q and output tiles are strided TMA boxes of the [S, C, Hq, D] arrays, one query
+head at 64 consecutive steps. With at most 64 rows (decode, verify) they share the rows and alternate 64-key
+halves of the blocks (four smaller SMEM stages instead of two), each keeping its own softmax. Compute is
+FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as it is read), rounded to the activation
+dtype where the reference rounds it (after the product, the scale and the bias), the visibility mask only on
+blocks that straddle a boundary, an online softmax that starts from the sink logit (running max = sink, sum =
+1, acc = 0), then P V on wgmma.
 
 The bias: decode and verify tiles (and the rings) copy tiles of `blocks.frame_bias`, built in XLA. Prefill
 tiles over the pool (C a multiple of 64) build theirs in the kernel, since the frame would cost Hq * C *
@@ -37,7 +40,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.numerics import round_through, round_to
-from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, frame_bias
+from pallas_kernels.ragged_paged_attention.blocks import (
+    Plan,
+    attend,
+    frame_bias,
+    group_rows,
+    ungroup_rows,
+    zero_padding,
+)
 
 LANES = 64  # rows per compute warpgroup: the wgmma M tile
 SMS = 132  # H200 multiprocessors
@@ -150,13 +160,15 @@ def _step_keys(kv_parallel: bool, block: int, step_keys: int | None) -> int:
 def _attention(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
     query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
-    width: int, splits: int | None = None, step_keys: int | None = None, in_kernel: bool | None = None,
+    splits: int | None = None, step_keys: int | None = None, in_kernel: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """`kernel` with the KV split count (None: chosen for the SMs), the keys per pipeline step (None: see
     `_step_keys`) and the bias (True: built in the kernel, False: the frame, None: in the kernel where it can
     be) open, and the CPU interpreter on demand."""
-    slots, kv_heads, rows, dim = q.shape
+    slots, width, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    groups, rows = heads // kv_heads, heads // kv_heads * width
     dtype, block, frame_blocks = q.dtype, plan.block, plan.frame_blocks
     itemsize = jnp.dtype(dtype).itemsize
     ring = page_table is None
@@ -169,10 +181,14 @@ def _attention(
     ring_size = k.shape[2]
 
     kv_parallel, splits = _config(slots, kv_heads, rows, plan.steps, splits)
+    ping_pong = not kv_parallel  # warpgroups with their own rows visit the same steps: they can take turns
     tile = LANES if kv_parallel else 2 * LANES  # rows per CTA
     partials = splits * (2 if kv_parallel else 1)  # partial softmaxes per row, combined after the kernel
     padded = -(-rows // tile) * tile
     tiles = padded // tile
+    # Whole tiles of one query head (C % 64 == 0): q and the output move straight between the [S, C, Hq, D]
+    # arrays and SMEM (a strided TMA box), without a grouped copy of either.
+    direct = not kv_parallel and width % LANES == 0 and padded == rows
     keys = _step_keys(kv_parallel, block, step_keys)
     sub = block // keys  # pipeline steps per KV block
     # The in-kernel bias: each compute warpgroup's profile window [keys + 64, d_rel] and its Qw buffer of
@@ -193,9 +209,13 @@ def _attention(
     c_min, c_max = _row_bounds(rows, padded, tile, width)
     work = _work(kv_lens, query_lens, plan, c_min, c_max, splits=splits, window=window, ring=ring)
     seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, plan.bias_first], axis=-1).astype(jnp.int32)  # [S, 3]
+    # one table of scalars (one XLA fusion fewer per call): the CTA's work, then its sequence's positions
+    work = jnp.concatenate([work, jnp.broadcast_to(seq[:, None, None, :], (*work.shape[:3], 3))], axis=-1)
     pad = ((0, 0), (0, 0), (0, padded - rows))
-    q = jnp.pad(q, (*pad, (0, 0)))  # [S, Hkv, Rp, D]
-    sinks = jnp.pad(sinks, pad) * LOG2E  # [S, Hkv, Rp], in the log2 domain the kernel works in
+    rel = group_rows(rel, kv_heads)  # [S, Hkv, R, d_rel]
+    sinks = jnp.pad(group_rows(sinks, kv_heads), pad) * LOG2E  # [S, Hkv, Rp], in the kernel's log2 domain
+    if not direct:
+        q = jnp.pad(group_rows(q, kv_heads), (*pad, (0, 0)))  # [S, Hkv, Rp, D]
     if in_kernel:
         extent = rel_proj.shape[1]
         tables, z = _profile_tables(rel_proj, dtype, keys, d_rel)  # [ALIGN, L, d_rel]
@@ -210,17 +230,16 @@ def _attention(
         bias_operands = [jnp.pad(bias, ((0, 0), (0, 0), (0, (bias_rows if tiles == 1 else padded) - rows), (0, 0)))]
 
     def body(*refs):
-        work_ref, seq_ref, q_ref, k_ref, v_ref, *refs = refs
+        work_ref, q_ref, k_ref, v_ref, *refs = refs
         bias_refs, (sink_ref, *refs) = refs[: len(bias_operands)], refs[len(bias_operands) :]
         table_ref = None if ring else refs.pop(0)
         outs, smem_refs, barriers = refs[:-2], refs[-2], refs[-1]
         q_smem, sink_smem, stat_smem, k_smem, v_smem, b_smem, p_smem, w_smem, qw_smem, rel_smem = smem_refs
-        k_bar, v_bar, b_bar, q_bar, free_bar, w_bar = barriers
+        k_bar, v_bar, b_bar, q_bar, k_free, v_free, w_bar, turn_bar = barriers
         split, sh = lax.axis_index("split"), lax.axis_index("sh")
         tile_idx = tiles - 1 - lax.axis_index("tile")  # the tiles with the most blocks start first
         s, h = sh // kv_heads, sh % kv_heads
-        lo, hi, q_min, q_max = (work_ref[s, tile_idx, split, i] for i in range(4))
-        first_q, last, bias_first = (seq_ref[s, i] for i in range(3))
+        lo, hi, q_min, q_max, first_q, last, bias_first = (work_ref[s, tile_idx, split, i] for i in range(7))
         wg = lax.axis_index("wg")
 
         def in_frame(j):
@@ -240,9 +259,13 @@ def _attention(
 
                 @pl.when(step >= stages)
                 def _():
-                    plgpu.barrier_wait(free_bar.at[slot])
+                    plgpu.barrier_wait(k_free.at[slot])
 
                 plgpu.copy_gmem_to_smem(src_k, k_smem.at[slot], k_bar.at[slot])
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
 
                 if not in_kernel:
 
@@ -261,7 +284,8 @@ def _attention(
 
             @pl.loop(jnp.maximum(steps - stages, 0), steps)
             def _drain(step):  # see the last stages released, so that every barrier phase is observed
-                plgpu.barrier_wait(free_bar.at[step % stages])
+                plgpu.barrier_wait(k_free.at[step % stages])
+                plgpu.barrier_wait(v_free.at[step % stages])
 
         @pl.when(wg < 2)
         def _compute():
@@ -272,7 +296,11 @@ def _attention(
             part = split * 2 + wg if kv_parallel else split  # which partial softmax this warpgroup keeps
             first, stride = (wg, 2) if kv_parallel else (0, 1)  # the steps this warpgroup visits
             count = ((hi - lo) * sub - first + stride - 1) // stride
-            plgpu.copy_gmem_to_smem(q_ref.at[s, h, rows_here], q_smem.at[wg], q_bar.at[wg])
+            if direct:  # the warpgroup's rows: query head h * G + g at steps c0 ... c0 + 63
+                q_here = (s, pl.ds(lax.rem(row0, width), LANES), h * groups + row0 // width)
+            else:
+                q_here = (s, h, rows_here)
+            plgpu.copy_gmem_to_smem(q_ref.at[q_here], q_smem.at[wg], q_bar.at[wg])
             plgpu.copy_gmem_to_smem(sink_ref.at[s, h, rows_here], sink_smem.at[wg], q_bar.at[wg])
             if in_kernel:
                 table_win, rel_rows = bias_refs
@@ -307,18 +335,26 @@ def _attention(
             total = plgpu.layout_cast(jnp.full((LANES,), l_init, jnp.float32), row)
             acc = plgpu.layout_cast(jnp.zeros((LANES, dim), jnp.float32), plgpu.Layout.WGMMA)
 
+            def take_turn():
+                """Meet the other warpgroup: with ping-pong turns, one's softmax runs while the other's wgmmas do."""
+                plgpu.barrier_arrive(turn_bar)
+                plgpu.barrier_wait(turn_bar)
+
             def scores(slot, meanwhile=lambda: None):
-                """The step's q.k, rounded as the reference rounds it (after the product, then the scale), and
-                what `meanwhile` returns (run while the wgmma does)."""
+                """The step's q.k in the activation dtype, rounded as the reference rounds it (after the product,
+                then the scale), and what `meanwhile` returns (run while the wgmma does); releases the K stage."""
                 plgpu.barrier_wait(k_bar.at[slot])
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
                     other = meanwhile()
+                    if ping_pong:
+                        take_turn()
                     return acc_ref[...], other
 
                 logits, other = pl.run_scoped(qk, plgpu.ACC((LANES, keys), jnp.float32))
-                return round_through(round_through(logits, dtype) * scale, dtype), other
+                plgpu.barrier_arrive(k_free.at[slot])
+                return (round_through(logits, dtype) * scale).astype(dtype), other
 
             def sheared(key0, slot):
                 """q.k plus the in-kernel bias of a step whose window has been fetched; fetches the next one."""
@@ -344,7 +380,7 @@ def _attention(
                         return plgpu.layout_cast(bias, plgpu.Layout.WGMMA)
 
                     logits, bias = scores(slot, shear)
-                return round_through(logits + bias.astype(jnp.float32), dtype)
+                return logits + bias  # in the activation dtype: one rounding, as the reference's sum
 
             def prefetch(key0):
                 nxt = key0 + stride * keys
@@ -370,17 +406,24 @@ def _attention(
 
                     def add_bias(x):
                         plgpu.barrier_wait(b_bar.at[slot])
-                        return round_through(x + b_smem.at[slot, my_bias][...].astype(jnp.float32), dtype)
+                        return x + b_smem.at[slot, my_bias][...]
 
                     logits = lax.cond(in_frame(j), add_bias, lambda x: x, logits)
-                logits = lax.cond(_straddles(key0), functools.partial(mask, key0), lambda x: x, logits) * LOG2E
+                logits = logits.astype(jnp.float32)
+                logits = lax.cond(_straddles(key0), functools.partial(mask, key0), lambda x: x, logits)
 
-                m_new = jnp.maximum(m, logits.max(axis=1))
+                # the log2 domain, with the scaling folded into the exponent's FMA
+                m_new = jnp.maximum(m, logits.max(axis=1) * LOG2E)
                 alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                p = jnp.exp2(logits * LOG2E - lax.broadcast_in_dim(m_new, logits.shape, [0]))
                 total = total * alpha + p.sum(axis=1)
                 probs = p.astype(dtype)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if ping_pong:
+                    plgpu.barrier_arrive(turn_bar)
                 plgpu.barrier_wait(v_bar.at[slot])
+                if ping_pong:
+                    plgpu.barrier_wait(turn_bar)
                 if interpret:  # the interpreter's wgmma reads its left operand from SMEM only
                     p_smem.at[wg][...] = probs
                     plgpu.commit_smem()
@@ -390,9 +433,8 @@ def _attention(
                     plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
                     return acc_ref[...]
 
-                values = pl.run_scoped(pv, plgpu.ACC((LANES, dim), jnp.float32))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + values
-                plgpu.barrier_arrive(free_bar.at[slot])
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((LANES, dim), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, total
 
             def _straddles(key0):
@@ -421,22 +463,30 @@ def _attention(
                     visible &= query - pos < window
                 return jnp.where(visible, x, -jnp.inf)
 
+            if ping_pong:  # the second warpgroup starts a turn behind, the first ends one behind
+                pl.when(wg == 1)(take_turn)
             acc, m, total = lax.fori_loop(0, count, visit, (acc, m, total))
+            if ping_pong:
+                pl.when(wg == 0)(take_turn)
             # a partial with neither keys nor the sink has total = acc = 0: any divisor keeps it 0
             out = acc / lax.broadcast_in_dim(jnp.maximum(total, 1e-30), acc.shape, [0])
+            if direct:  # zeros at padding queries, as `attend` returns them
+                r = plgpu.broadcasted_iota(jnp.int32, out.shape, 0, layout=plgpu.Layout.WGMMA)
+                out = jnp.where(lax.rem(row0, width) + r < last + 1 - first_q, out, 0.0)
             q_smem.at[wg][...] = out.astype(dtype)
             if partials > 1:
                 stat_smem.at[wg, 0][...] = m
                 stat_smem.at[wg, 1][...] = total
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], outs[0].at[part, s, h, rows_here])
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], outs[0].at[part].at[q_here])
             if partials > 1:
                 plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], outs[1].at[part, s, h, rows_here])
                 plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], outs[2].at[part, s, h, rows_here])
             plgpu.wait_smem_to_gmem(0)
 
     shape = (partials, slots, kv_heads, padded)
-    out_type = [jax.ShapeDtypeStruct((*shape, dim), dtype)]  # each partial's own normalised output
+    out_shape = (partials, *q.shape) if direct else (*shape, dim)
+    out_type = [jax.ShapeDtypeStruct(out_shape, dtype)]  # each partial's own normalised output
     if partials > 1:
         out_type += [jax.ShapeDtypeStruct(shape, jnp.float32)] * 2  # its running max (log2 domain) and sum
     smem = (
@@ -458,8 +508,10 @@ def _attention(
         plgpu.Barrier(num_barriers=stages),  # V landed
         None if in_kernel else plgpu.Barrier(num_barriers=stages),  # bias landed
         plgpu.Barrier(num_arrivals=3 if in_kernel and interpret else 2, num_barriers=2),  # q, sinks (rel) landed
-        plgpu.Barrier(num_arrivals=readers, num_barriers=stages),  # stage read
+        plgpu.Barrier(num_arrivals=readers, num_barriers=stages),  # K stage read
+        plgpu.Barrier(num_arrivals=readers, num_barriers=stages),  # V (and bias) stage read
         plgpu.Barrier(num_barriers=2) if in_kernel else None,  # profile window landed
+        plgpu.Barrier(num_arrivals=2) if ping_pong else None,  # the compute warpgroups' turns
     )
 
     def entry(*refs):
@@ -467,7 +519,7 @@ def _attention(
 
     # The in-kernel bias reads its shear through a reshaped SMEM view, which only the lane-level lowering takes.
     semantics = plgpu.LoweringSemantics.Lane if in_kernel else plgpu.LoweringSemantics.Warpgroup
-    operands = [work, seq, q, k, v, *bias_operands, sinks] + ([] if ring else [page_table])
+    operands = [work, q, k, v, *bias_operands, sinks] + ([] if ring else [page_table])
     results = plgpu.kernel(
         entry,
         out_type=tuple(out_type),
@@ -480,24 +532,28 @@ def _attention(
         ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*operands)
-    out = results[0][0]
-    if partials > 1:
-        outs, m, total = (x[:, :, :, :rows] for x in results)  # [P, S, Hkv, R, (D)]
+    outs = results[0] if direct else results[0][:, :, :, :rows]
+    if partials > 1:  # each partial's weight: its sum, at the largest running max of the row
+        m, total = (x[:, :, :, :rows] for x in results[1:])  # [P, S, Hkv, R]
         weight = jnp.exp2(m - m.max(axis=0)) * total
+        if direct:
+            weight = ungroup_rows(weight.reshape(-1, *weight.shape[2:]), width).reshape(partials, *q.shape[:3])
         out = (weight[..., None] * outs.astype(jnp.float32)).sum(axis=0) / weight.sum(axis=0)[..., None]
-    return out[:, :, :rows].astype(dtype)
+    else:
+        out = outs[0]
+    out = out.astype(dtype)
+    return out if direct else zero_padding(ungroup_rows(out, width), query_lens)
 
 
 def kernel(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
     query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
-    width: int,
 ) -> jax.Array:  # fmt: skip
-    """[S, Hkv, R, D] attention of grouped query rows q [S, Hkv, R, D] over the pool or the rings (see `attend`)."""
+    """[S, C, Hq, D] attention of the queries q [S, C, Hq, D] over the pool or the rings (see `attend`)."""
     interpret = jax.default_backend() == "cpu"
     return _attention(
         q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, plan, scale=scale, window=window,
-        width=width, interpret=interpret,
+        interpret=interpret,
     )  # fmt: skip
 
 

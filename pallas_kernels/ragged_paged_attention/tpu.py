@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.numerics import round_through, round_to
-from pallas_kernels.ragged_paged_attention.blocks import Plan, attend
+from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, on_grouped_rows
 
 STEP_BYTES = 4 << 20  # K and V bytes fetched per grid step
 MAX_PER_STEP = 8  # pages per step (each one pipelined operand of K and of V)
@@ -200,7 +200,7 @@ def kernel(
     window: int | None,
     width: int,
 ) -> jax.Array:
-    """`blocks.attend`'s kernel on TPU: q [S, Hkv, R, D] -> [S, Hkv, R, D]."""
+    """The TPU kernel on rows grouped per KV head (`blocks.on_grouped_rows`): q [S, Hkv, R, D] -> [S, Hkv, R, D]."""
     slots, kv_heads, rows, head_dim = q.shape
     block, paged = plan.block, page_table is not None
     tile_rows = TILE_ROWS if width % TILE_ROWS == 0 else rows  # a tile's rows share one query head
@@ -268,4 +268,4 @@ def kernel(
     )(*scalars, q, sinks[..., None], rel, table, *(k,) * per_step, *(v,) * per_step)
 
 
-ragged_paged_attention = functools.partial(attend, kernel)
+ragged_paged_attention = functools.partial(attend, on_grouped_rows(kernel))
