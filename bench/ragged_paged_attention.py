@@ -4,13 +4,16 @@ XLA, and cuDNN's fused attention (`jax.nn.dot_product_attention`, contiguous K/V
 vendor's floor for the same reads and FLOPs, not the same op).
 
     python -m bench.ragged_paged_attention [--batches 1 8 64] [--contexts 1024 8192 65536]
-        [--chunks 512 1024 2048 4096] [--repeats 20] [--skip-reference-above 1000000000] [--out FILE.json]
+        [--chunks 512 1024 2048 4096] [--prefixes 0 16384] [--repeats 20]
+        [--skip-reference-above 1000000000] [--out FILE.json]
 
 Decode: one query per sequence at the end of `context` keys of a full-attention layer; reported as the KV
 bytes it must read per second (2 * batch * context * 8 heads * 128 * 2 bytes / time) against the H200's
-measured 4.3 TB/s copy bandwidth. Prefill: one sequence's chunk of C new tokens at the start of its prompt
-(causal, C(C+1)/2 visible pairs); reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the
-~800 TFLOP/s bf16 GEMM rate. Times are device time from CUPTI (every kernel the call launches, including
+measured 4.3 TB/s copy bandwidth. Prefill: one sequence's chunk of C new tokens after `prefix` keys (0: the
+start of its prompt; chunked prefill of a long prompt: a later chunk), causal, C * prefix + C(C+1)/2 visible
+pairs; reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the ~800 TFLOP/s bf16 GEMM rate
+(cuDNN after a prefix: its whole C x (prefix + C) rectangle, since its causal mask is not the chunk's).
+Times are device time from CUPTI (every kernel the call launches, including
 the layout prep (and for decode the bias frame) around ours and the page gather in the reference;
 `kernel_only`: the longest single kernel of ours, the attention itself), median of `repeats`.
 Each kernel result is checked against the reference where the reference runs.
@@ -114,9 +117,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 65536])
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument(
+        "--prefixes", type=int, nargs="+", default=[0, 16384], help="keys before each prefill chunk (0: a fresh prompt)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument(
-        "--skip-reference-above", type=int, default=1 << 30, help="run the reference only up to this many KV bytes"
+        "--skip-reference-above",
+        type=int,
+        default=1 << 30,
+        help="run the reference only up to this many bytes (decode: KV; prefill: its fp32 logits)",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -150,16 +159,24 @@ def main(argv: list[str] | None = None) -> None:
                     row[f"{name}_pct_of_copy"] = 100 * row[f"{name}_tb_s"] / COPY_TB_S
             record("decode", row)
             del inputs
-    for chunk in args.chunks:
-        flops = 4 * DIM * HEADS * chunk * (chunk + 1) // 2
-        inputs = case(1, chunk, chunk, seed=chunk)
-        row = {"chunk": chunk, "flops": flops}
-        row |= run_case(inputs, kernel=kernel, repeats=args.repeats, with_reference=True, causal_chunk=True)
-        for name in (kernel, "kernel_only", "reference", "cudnn"):
-            if f"{name}_ms" in row:
-                row[f"{name}_tflop_s"] = flops / row[f"{name}_ms"] / 1e9
-                row[f"{name}_pct_of_bf16"] = 100 * row[f"{name}_tflop_s"] / BF16_TFLOP_S
-        record("prefill", row)
+    for prefix in args.prefixes:
+        for chunk in args.chunks:
+            pairs = chunk * prefix + chunk * (chunk + 1) // 2
+            flops = 4 * DIM * HEADS * pairs
+            inputs = case(1, prefix + chunk, chunk, seed=chunk + prefix)
+            row = {"chunk": chunk, "prefix": prefix, "flops": flops}
+            logits_bytes = 4 * HEADS * chunk * (prefix + chunk)
+            row |= run_case(
+                inputs, kernel=kernel, repeats=args.repeats, with_reference=logits_bytes <= args.skip_reference_above,
+                causal_chunk=prefix == 0,
+            )  # fmt: skip
+            for name in (kernel, "kernel_only", "reference", "cudnn"):
+                if f"{name}_ms" in row:
+                    # cuDNN after a prefix sees the whole chunk x context rectangle (no causal mask inside the chunk)
+                    work = 4 * DIM * HEADS * chunk * (prefix + chunk) if name == "cudnn" and prefix else flops
+                    row[f"{name}_tflop_s"] = work / row[f"{name}_ms"] / 1e9
+                    row[f"{name}_pct_of_bf16"] = 100 * row[f"{name}_tflop_s"] / BF16_TFLOP_S
+            record("prefill", row)
 
 
 if __name__ == "__main__":
