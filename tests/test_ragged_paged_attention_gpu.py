@@ -105,21 +105,27 @@ def test_ring_mixed_batch(splits):
     compare(case, window, splits)
 
 
-@pytest.mark.parametrize(("batch", "splits"), cases([DECODE, VERIFY], [None, 1], cpu=[(VERIFY, None)]))
-def test_pool_decode_and_verify(batch, splits):
-    compare(inputs(3 + batch[2], *batch, extent=1024, ring=None), None, splits)
+# decode with its bias built in the kernel (None) or read from the frame (False); verify always reads the frame
+DECODE_AND_VERIFY = [
+    *itertools.product([DECODE], [None, 1], [None, False]),
+    *itertools.product([VERIFY], [None, 1], [None]),
+]
 
 
-def test_public_entry_point():  # on CPU also the interpreter's decode case
+@pytest.mark.parametrize(("batch", "splits", "in_kernel"), [(VERIFY, None, None)] if CPU else DECODE_AND_VERIFY)
+def test_pool_decode_and_verify(batch, splits, in_kernel):
+    compare(inputs(3 + batch[2], *batch, extent=1024, ring=None), None, splits, in_kernel=in_kernel)
+
+
+def test_public_entry_point():  # on CPU also the interpreter's decode case (its bias built in the kernel)
     case = inputs(11, *DECODE, extent=64, ring=None)
     got = run(jax.jit(gpu.ragged_paged_attention, static_argnames=("scale", "window")), case, None)
     np.testing.assert_allclose(got, run(reference, case, None), rtol=2e-2, atol=2e-2)
 
 
-def test_bias_in_kernel_only_for_prefill():
-    for batch in (DECODE, VERIFY):  # at most 64 rows: the frame
-        with pytest.raises(ValueError, match="in the kernel"):
-            compare(inputs(1, *batch, extent=64, ring=None), None, None, in_kernel=True)
+def test_bias_in_kernel_only_for_decode_and_prefill():
+    with pytest.raises(ValueError, match="in the kernel"):  # verify rows sit at several positions: the frame
+        compare(inputs(1, *VERIFY, extent=64, ring=None), None, None, in_kernel=True)
     with pytest.raises(ValueError, match="in the kernel"):  # C % 64 != 0
         compare(inputs(1, [100], [96], 96, extent=64, ring=None), None, None, in_kernel=True)
 

@@ -13,9 +13,12 @@ dtype where the reference rounds it (after the product, the scale and the bias),
 blocks that straddle a boundary, an online softmax that starts from the sink logit (running max = sink, sum =
 1, acc = 0), then P V on wgmma.
 
-The bias: decode and verify tiles (and the rings) copy tiles of `blocks.frame_bias`, built in XLA. Prefill
-tiles over the pool (C a multiple of 64) build theirs in the kernel, since the frame would cost Hq * C *
-(extent + C) values written through several XLA passes, twice the kernel. A warpgroup's 64 rows are one query
+The bias: verify tiles (and the rings, and prefill chunks of other widths) copy tiles of `blocks.frame_bias`,
+built in XLA. Decode and prefill tiles over the pool build theirs in the kernel: for prefill (C a multiple of
+64) the frame would cost Hq * C * (extent + C) values written through several XLA passes, twice the kernel;
+for decode it is two small XLA kernels per call, ~6 us at batch 8. A decode tile's rows (the query heads at
+one position) see key t of a step at distance D0 - t: their bias is one small wgmma of the relative states
+with a window of `keys` rows of a reversed, zero-padded copy of rel_proj. A warpgroup's 64 rows are one query
 head at consecutive positions, so against a step of B keys from position p0 its distances are D0 + r - t
 (D0 = its first query position - p0): the bias tile is a shear of Qw = rel rows [64, d_rel] @ the B + 64
 profile columns at distances D0 + 63 ... D0 - B, a small wgmma on a window of a zero-padded, reversed copy
@@ -191,20 +194,25 @@ def _attention(
     direct = not kv_parallel and width % LANES == 0 and padded == rows
     keys = _step_keys(kv_parallel, block, step_keys)
     sub = block // keys  # pipeline steps per KV block
-    # The in-kernel bias: each compute warpgroup's profile window [keys + 64, d_rel] and its Qw buffer of
-    # pitch W (even, so that the stores pair up; W / 2 = 4 mod 32 spreads a warp's 8 rows over the banks).
+    # The in-kernel bias: each compute warpgroup's profile window [span, d_rel], the distances D0 + lead ...
+    # D0 - span + lead + 1 of a step from its first row's, and for prefill (sheared) its Qw buffer of pitch W
+    # (even, so that the stores pair up; W / 2 = 4 mod 32 spreads a warp's 8 rows over the banks). Decode rows
+    # all sit at one position: their bias is the window's product itself.
     d_rel = _rel_width(rel.shape[-1])
-    span = keys + LANES  # profile columns per window: distances D0 + 63 ... D0 - keys
+    sheared = not kv_parallel
+    lead, span = (LANES - 1, keys + LANES) if sheared else (0, keys)
     pitch = span + 8
-    extra = 2 * (span * (d_rel or 0) + LANES * pitch) * itemsize
-    eligible = (  # prefill tiles over the pool, with room for the windows and Qw buffers next to two stages
-        not ring and not kv_parallel and width % LANES == 0 and span <= 256 and d_rel is not None
+    extra = 2 * (span * (d_rel or 0) + (LANES * pitch if sheared else 0)) * itemsize
+    eligible = (  # decode or prefill tiles over the pool, with room for the windows and Qw buffers
+        not ring and (width % LANES == 0 if sheared else width == 1) and span <= 256 and d_rel is not None
         and rel.dtype == dtype and _stages(0, keys, dim, itemsize, extra=extra) > 0
     )  # fmt: skip
     if in_kernel is None:
         in_kernel = eligible
     elif in_kernel and not eligible:
-        raise ValueError("the bias can be built in the kernel only for prefill tiles over the pool, C % 64 == 0")
+        raise ValueError(
+            "the bias can be built in the kernel only over the pool, for decode (C = 1) or prefill (C % 64 == 0)"
+        )
     stages = _stages(0, keys, dim, itemsize, extra=extra) if in_kernel else _stages(tile, keys, dim, itemsize)
     c_min, c_max = _row_bounds(rows, padded, tile, width)
     work = _work(kv_lens, query_lens, plan, c_min, c_max, splits=splits, window=window, ring=ring)
@@ -304,15 +312,16 @@ def _attention(
             plgpu.copy_gmem_to_smem(sink_ref.at[s, h, rows_here], sink_smem.at[wg], q_bar.at[wg])
             if in_kernel:
                 table_win, rel_rows = bias_refs
-                # the warpgroup's rows are one query head at positions first_q + c0 + r (C % 64 == 0)
+                # the warpgroup's rows: one query head at positions first_q + c0 + r (prefill, C % 64 == 0), or
+                # the query heads at the one decode position
                 position0 = first_q + lax.rem(row0, width)
 
-                def profiled(key0):  # whether some distance D0 + r - t of the step lies in [0, extent)
+                def profiled(key0):  # whether some distance of the step (D0 + r - t, or D0 - t) lies in [0, extent)
                     d0 = position0 - key0
-                    return (d0 >= 1 - LANES) & (d0 <= extent + keys - 2)
+                    return (d0 >= -lead) & (d0 <= extent + keys - 2)
 
                 def fetch(key0):  # the step's profile window: table rows j0 ... j0 + span - 1
-                    j0 = z - (position0 - key0) - (LANES - 1)
+                    j0 = z - (position0 - key0) - lead
                     shift = lax.rem(j0, ALIGN)
                     src = table_win.at[shift, pl.ds(pl.multiple_of(j0 - shift, ALIGN), span)]
                     plgpu.copy_gmem_to_smem(src, w_smem.at[wg], w_bar.at[wg])
@@ -356,7 +365,7 @@ def _attention(
                 plgpu.barrier_arrive(k_free.at[slot])
                 return (round_through(logits, dtype) * scale).astype(dtype), other
 
-            def sheared(key0, slot):
+            def biased(key0, slot):
                 """q.k plus the in-kernel bias of a step whose window has been fetched; fetches the next one."""
                 plgpu.barrier_wait(w_bar.at[wg])
 
@@ -366,7 +375,10 @@ def _attention(
 
                 qw = pl.run_scoped(profiles, plgpu.ACC((LANES, span), jnp.float32)).astype(dtype)
                 prefetch(key0)  # the window has been read
-                if interpret:  # the interpreter takes no reshaped refs: the same shear on the value
+                if not sheared:
+                    bias = qw
+                    logits, _ = scores(slot)
+                elif interpret:  # the interpreter takes no reshaped refs: the same shear on the value
                     flat = jnp.pad(qw, ((0, 0), (0, pitch - span))).reshape(-1)
                     bias = flat[LANES - 1 : LANES - 1 + LANES * (pitch - 1)].reshape(LANES, pitch - 1)[:, :keys]
                     logits, _ = scores(slot)
@@ -400,7 +412,7 @@ def _attention(
                         prefetch(key0)
                         return scores(slot)[0]
 
-                    logits = lax.cond(profiled(key0), sheared, lambda k0, _: unbiased(k0), key0, slot)
+                    logits = lax.cond(profiled(key0), biased, lambda k0, _: unbiased(k0), key0, slot)
                 else:
                     logits, _ = scores(slot)
 
@@ -498,7 +510,7 @@ def _attention(
         None if in_kernel else plgpu.SMEM((stages, tile, keys), dtype, transforms=TRANSFORMS_16BIT),  # bias
         plgpu.SMEM((2, LANES, keys), dtype, transforms=TRANSFORMS_16BIT) if interpret else None,  # P
         plgpu.SMEM((2, span, d_rel), dtype, transforms=_transforms(d_rel)) if in_kernel else None,  # windows
-        plgpu.SMEM((2, LANES * pitch), dtype) if in_kernel and not interpret else None,  # Qw
+        plgpu.SMEM((2, LANES * pitch), dtype) if in_kernel and sheared and not interpret else None,  # Qw
         plgpu.SMEM((2, LANES, d_rel), dtype, transforms=_transforms(d_rel)) if in_kernel and interpret else None,
     )
     # With shared KV blocks each stage has one reader (its steps' warpgroup); with shared rows, two.
@@ -517,7 +529,8 @@ def _attention(
     def entry(*refs):
         pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, barriers, collective_axes="wg")
 
-    # The in-kernel bias reads its shear through a reshaped SMEM view, which only the lane-level lowering takes.
+    # The prefill bias reads its shear through a reshaped SMEM view, which only the lane-level lowering takes; the
+    # decode bias is lowered the same way (its profile wgmma's register operand as the prefill's).
     semantics = plgpu.LoweringSemantics.Lane if in_kernel else plgpu.LoweringSemantics.Warpgroup
     operands = [work, q, k, v, *bias_operands, sinks] + ([] if ring else [page_table])
     results = plgpu.kernel(
