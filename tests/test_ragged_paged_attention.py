@@ -148,6 +148,34 @@ def test_the_kernels_bias_frame_is_the_gathered_bias(ring, width, extent, block)
     np.testing.assert_array_equal(np.where(seen, got, 0.0), np.where(seen, want, 0.0))
 
 
+@pytest.mark.parametrize(("window", "ring"), [(None, None), (5, None), (None, 24), (7, 24)])
+def test_visible_blocks_cover_every_visible_key_and_no_more(window, ring):
+    """The blocks a tile of steps c_first ... c_last visits hold every key its real queries see; on the pool its
+    first and last block each hold one (no block is walked in vain), and a tile of padding visits none."""
+    rng = np.random.default_rng(3 + (window or 0) + (ring or 0))
+    block, width = 4, 9
+    kv_lens = rng.integers(1, 60, 400)
+    query_lens = np.minimum(rng.integers(0, width + 1, 400), kv_lens)
+    c_first = rng.integers(0, width, 400)
+    c_last = np.minimum(c_first + rng.integers(0, 4, 400), width - 1)
+    lo, hi = blocks.visible_blocks(
+        jnp.asarray(kv_lens), jnp.asarray(query_lens), jnp.asarray(c_first), jnp.asarray(c_last), block=block,
+        window=window, ring=ring,
+    )  # fmt: skip
+    for kv, ql, c0, c1, a, b in zip(kv_lens, query_lens, c_first, c_last, np.asarray(lo), np.asarray(hi), strict=True):
+        queries = [kv - ql + c for c in range(c0, min(c1, ql - 1) + 1)]
+        seen = {p for q in queries for p in range(q + 1) if window is None or q - p < window}
+        if ring is not None:
+            seen = {p for p in seen if p > kv - 1 - ring}  # what the ring still holds, at slot p % ring
+        held = {(p % ring if ring else p) // block for p in seen}
+        assert held <= set(range(a, b)), (kv, ql, c0, c1, a, b)
+        if not queries:
+            assert a == b == 0
+        elif ring is None:
+            assert {a, b - 1} <= held
+    assert (np.asarray(hi) > np.asarray(lo)).sum() > 150  # tiles with real queries
+
+
 def test_the_entry_point_names_an_unknown_backend():
     case = random_case(1, [5], [1], extent=5)
     k_pages, v_pages, table = paged(case, num_pages=2, max_pages=1)

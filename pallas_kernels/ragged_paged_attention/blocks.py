@@ -4,9 +4,9 @@ kernels that read it as an operand) the relative bias laid out in the frame of t
 A kernel works on one sequence s and one KV head at a time. Its rows are the G = Hq / Hkv query heads
 that read that KV head, for each of the C step positions (row = g * C + c, query position
 kv_lens[s] - query_lens[s] + c). It walks KV blocks of `block` keys: pages of the pool through the page
-table (a page is one block), or consecutive slices of the sequence's ring. It visits only blocks
-[lo, hi): nothing right of the last key, and on windowed layers nothing left of the first key the
-earliest query can see.
+table (a page is one block), or consecutive slices of the sequence's ring. A tile of rows visits only the
+blocks its real queries can see (`visible_blocks`): nothing right of the last one's causal horizon, and on
+windowed layers nothing left of the first key the earliest one can see.
 
 The TPU kernel, and the GPU kernel on prefill tiles, compute the bias themselves from the relative states
 and the profile table. The GPU's decode and verify tiles (and rings) read it as one more operand indexed
@@ -44,10 +44,8 @@ def ungroup_rows(x: jax.Array, width: int) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Per-sequence block ranges (int32 [S] each) and the static sizes a kernel is compiled for."""
+    """Where each sequence's bias frame starts (int32 [S]) and the static sizes a kernel is compiled for."""
 
-    lo: jax.Array  # first KV block visited
-    hi: jax.Array  # one past the last KV block visited (lo == hi: nothing to visit)
     bias_first: jax.Array  # the KV block the bias frame starts at
     block: int = dataclasses.field(metadata={"static": True})  # keys per block
     steps: int = dataclasses.field(metadata={"static": True})  # the most blocks any sequence visits
@@ -70,6 +68,32 @@ def spanned(keys: int, block: int) -> int:
     return (keys + block - 2) // block + 1
 
 
+def visible_blocks(
+    kv_lens: jax.Array,
+    query_lens: jax.Array,
+    c_first: jax.Array | int,
+    c_last: jax.Array | int,
+    *,
+    block: int,
+    window: int | None,
+    ring: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """The KV blocks [lo, hi) that a sequence's queries at steps c_first ... c_last (those below query_lens)
+    can see: up to the causal horizon of the last, from the window's edge of the first; on a ring of `ring`
+    slots (None: the pool, blocks in position order) every slot written so far. lo == hi == 0 when none of
+    them is a real query. Elementwise: arrays, or the scalars a kernel's index map reads."""
+    real = c_first < query_lens
+    if ring is not None:
+        lo = jnp.zeros_like(kv_lens)
+        hi = (jnp.minimum(kv_lens, ring) + block - 1) // block
+    else:
+        first_query = kv_lens - query_lens
+        hi = (first_query + jnp.minimum(c_last, query_lens - 1)) // block + 1
+        lo = jnp.zeros_like(hi) if window is None else jnp.maximum(first_query + c_first - window + 1, 0) // block
+    hi = jnp.where(real, hi, 0)
+    return jnp.minimum(lo, hi), hi
+
+
 def plan_blocks(
     kv_lens: jax.Array,
     query_lens: jax.Array,
@@ -81,23 +105,16 @@ def plan_blocks(
     window: int | None,
     ring: bool,
 ) -> Plan:
-    """The blocks each sequence visits. capacity: key slots a sequence can address (max pages * page for
-    the pool, the ring size for rings); width: the step's query width C."""
+    """The bias frame and the most blocks any sequence visits (`visible_blocks` says which). capacity: key
+    slots a sequence can address (max pages * page for the pool, the ring size for rings); width: the step's
+    query width C."""
     total = capacity // block
-    if ring:  # the ring holds the last `capacity` keys; unwritten slots are never visited
-        zeros = jnp.zeros_like(kv_lens)
-        hi = (jnp.minimum(kv_lens, capacity) + block - 1) // block
-        return Plan(zeros, hi, zeros, block=block, steps=total, frame_blocks=total)
-    first_query = kv_lens - query_lens
-    hi = (kv_lens + block - 1) // block
-    lo = jnp.zeros_like(hi)
-    steps = total
-    if window is not None:
-        lo = jnp.minimum(jnp.maximum(first_query - window + 1, 0) // block, hi)
-        steps = min(total, spanned(width + window - 1, block))
-    bias_first = jnp.maximum(first_query - extent + 1, 0) // block
+    if ring:  # the ring holds the last `capacity` keys; its frame is the ring
+        return Plan(jnp.zeros_like(kv_lens), block=block, steps=total, frame_blocks=total)
+    steps = total if window is None else min(total, spanned(width + window - 1, block))
+    bias_first = jnp.maximum(kv_lens - query_lens - extent + 1, 0) // block
     frame_blocks = min(total, spanned(width + extent - 1, block))
-    return Plan(lo, hi, bias_first, block=block, steps=steps, frame_blocks=frame_blocks)
+    return Plan(bias_first, block=block, steps=steps, frame_blocks=frame_blocks)
 
 
 def banded(profiles: jax.Array, start: jax.Array, frame: int, *, most: int) -> jax.Array:

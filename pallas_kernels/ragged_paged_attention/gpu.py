@@ -49,6 +49,7 @@ from pallas_kernels.ragged_paged_attention.blocks import (
     frame_bias,
     group_rows,
     ungroup_rows,
+    visible_blocks,
     zero_padding,
 )
 
@@ -95,21 +96,15 @@ def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarr
 
 
 def _work(
-    kv_lens: jax.Array, query_lens: jax.Array, plan: Plan, c_min: np.ndarray, c_max: np.ndarray, *,
-    splits: int, window: int | None, ring: bool,
+    kv_lens: jax.Array, query_lens: jax.Array, c_min: np.ndarray, c_max: np.ndarray, *, block: int,
+    splits: int, window: int | None, ring: int | None,
 ) -> jax.Array:  # fmt: skip
     """[S, tiles, splits, 4] int32: each CTA's KV blocks [lo, hi) and its tile's smallest and largest real
     query position (tiles of padding queries get nothing to visit)."""
-    first = (kv_lens - query_lens)[:, None]  # [S, 1]
-    q_min = first + c_min[None, :]  # [S, tiles]
-    q_max = first + jnp.minimum(c_max[None, :], query_lens[:, None] - 1)
-    lo, hi = jnp.broadcast_to(plan.lo[:, None], q_min.shape), jnp.broadcast_to(plan.hi[:, None], q_min.shape)
-    if not ring:  # pool blocks are in position order: clip to what the tile's queries can see
-        hi = jnp.minimum(hi, q_max // plan.block + 1)
-        if window is not None:
-            lo = jnp.maximum(lo, (q_min - window + 1) // plan.block)
-    hi = jnp.where(c_min[None, :] < query_lens[:, None], hi, lo)
-    lo = jnp.minimum(lo, hi)
+    kv_lens, query_lens = kv_lens[:, None], query_lens[:, None]  # [S, 1]
+    q_min = kv_lens - query_lens + c_min  # [S, tiles]
+    q_max = kv_lens - query_lens + jnp.minimum(c_max, query_lens - 1)
+    lo, hi = visible_blocks(kv_lens, query_lens, c_min, c_max, block=block, window=window, ring=ring)
     share = (hi - lo + splits - 1) // splits
     start = jnp.minimum(lo[..., None] + share[..., None] * jnp.arange(splits), hi[..., None])  # [S, tiles, splits]
     stop = jnp.minimum(start + share[..., None], hi[..., None])
@@ -215,7 +210,9 @@ def _attention(
         )
     stages = _stages(0, keys, dim, itemsize, extra=extra) if in_kernel else _stages(tile, keys, dim, itemsize)
     c_min, c_max = _row_bounds(rows, padded, tile, width)
-    work = _work(kv_lens, query_lens, plan, c_min, c_max, splits=splits, window=window, ring=ring)
+    work = _work(
+        kv_lens, query_lens, c_min, c_max, block=block, splits=splits, window=window, ring=ring_size if ring else None
+    )
     seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, plan.bias_first], axis=-1).astype(jnp.int32)  # [S, 3]
     # one table of scalars (one XLA fusion fewer per call): the CTA's work, then its sequence's positions
     work = jnp.concatenate([work, jnp.broadcast_to(seq[:, None, None, :], (*work.shape[:3], 3))], axis=-1)

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.numerics import round_through, round_to
-from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, on_grouped_rows
+from pallas_kernels.ragged_paged_attention.blocks import Plan, attend, on_grouped_rows, visible_blocks
 
 STEP_BYTES = 4 << 20  # K and V bytes fetched per grid step
 MAX_PER_STEP = 8  # pages per step (each one pipelined operand of K and of V)
@@ -75,20 +75,10 @@ def _block_bias(
 
 
 def _tile_blocks(s, tile, kv_lens, query_lens, *, width, tile_rows, block, window, ring):
-    """The blocks [lo, hi) the real query rows of `tile` can see: causal horizon of its last real step
-    position, window of its first (on a ring: every slot written so far); none for a tile of padding."""
-    count = query_lens[s]
+    """The blocks [lo, hi) the real query rows of `tile` (one query head at consecutive steps) can see."""
     start = (tile * tile_rows) % width
-    if ring is not None:
-        return 0, jnp.where(start < count, (jnp.minimum(kv_lens[s], ring) + block - 1) // block, 0)
-    first_query = kv_lens[s] - count
-    stop = jnp.minimum(jnp.minimum(start + tile_rows, width), count) - 1
-    hi = jnp.minimum((kv_lens[s] + block - 1) // block, (first_query + stop) // block + 1)
-    hi = jnp.where(start < count, hi, 0)
-    lo = jnp.zeros_like(hi)
-    if window is not None:
-        lo = jnp.minimum(jnp.maximum(first_query + start - window + 1, 0) // block, hi)
-    return lo, hi
+    last = jnp.minimum(start + tile_rows, width) - 1
+    return visible_blocks(kv_lens[s], query_lens[s], start, last, block=block, window=window, ring=ring)
 
 
 def _attend_step(
