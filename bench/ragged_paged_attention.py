@@ -14,7 +14,7 @@ start of its prompt; chunked prefill of a long prompt: a later chunk), causal, C
 pairs; reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the ~800 TFLOP/s bf16 GEMM rate
 (cuDNN after a prefix: its whole C x (prefix + C) rectangle, since its causal mask is not the chunk's).
 Times are device time from CUPTI (every kernel the call launches, including
-the layout prep (and for decode the bias frame) around ours and the page gather in the reference;
+the layout prep around ours and the page gather in the reference;
 `kernel_only`: the longest single kernel of ours, the attention itself), median of `repeats`.
 Each kernel result is checked against the reference where the reference runs.
 """

@@ -8,12 +8,12 @@ table (a page is one block), or consecutive slices of the sequence's ring. A til
 blocks its real queries can see (`visible_blocks`): nothing right of the last one's causal horizon, and on
 windowed layers nothing left of the first key the earliest one can see.
 
-The TPU kernel, and the GPU kernel on prefill tiles, compute the bias themselves from the relative states
-and the profile table. The GPU's decode and verify tiles (and rings) read it as one more operand indexed
-like the keys, built here (`frame_bias`): for each row, the bias of each key slot in a frame of
-`frame_blocks` blocks starting at block `bias_first[s]` (the ring itself for sliding layers); blocks
-outside the frame carry no bias (they lie beyond the extent). It costs Hq * C * frame values per
-sequence: small for a few queries, the reason prefill builds its bias in the kernel.
+The TPU kernel, and the GPU kernel on decode and prefill tiles over the pool, compute the bias themselves
+from the relative states and the profile table. The GPU's verify tiles, rings and chunks of other widths
+read it as one more operand indexed like the keys, built here (`frame_bias`): for each row, the bias of
+each key slot in a frame of `frame_blocks` blocks starting at block `bias_first[s]` (the ring itself for
+sliding layers); blocks outside the frame carry no bias (they lie beyond the extent). It costs Hq * C *
+frame values per sequence: small for a few queries, the reason prefill builds its bias in the kernel.
 """
 
 import dataclasses
@@ -212,7 +212,7 @@ def attend(
     window: int | None,
 ) -> jax.Array:
     """The reference's signature and result ([S, C, Hq, D], zeros at padding queries) through a kernel
-    given the blocks each sequence visits:
+    given the bias frame and the static sizes (`Plan`):
 
         kernel(q [S, C, Hq, D], k, v, rel [S, C, Hq, d_rel], rel_proj [d_rel, extent], sinks [S, C, Hq] fp32,
                kv_lens, query_lens, page_table | None, plan, *, scale, window) -> [S, C, Hq, D]

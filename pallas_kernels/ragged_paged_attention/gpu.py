@@ -5,9 +5,10 @@ KV blocks that tile sees. Three warpgroups: one only issues TMA copies (each blo
 the bias frame, the tile's bias slice, into a ring of SMEM stages that the readers release); two
 compute. With more than 64 rows (prefill) the compute warpgroups take 64 rows each (the wgmma M tile),
 read every block and take turns (FlashAttention-3's ping-pong: one's softmax runs while the other's wgmmas
-do); with C % 64 == 0 their q and output tiles are strided TMA boxes of the [S, C, Hq, D] arrays, one query
-head at 64 consecutive steps. With at most 64 rows (decode, verify) they share the rows and alternate 64-key
-halves of the blocks (four smaller SMEM stages instead of two), each keeping its own softmax. Compute is
+do); with C % 64 == 0 (and G * C % 128 == 0) each one's q and output tiles are strided TMA boxes of the
+[S, C, Hq, D] arrays, one query head at 64 consecutive steps. With at most 64 rows (decode, verify) they
+share the rows and alternate 64-key halves of the blocks (four smaller SMEM stages instead of two), each
+keeping its own softmax. Compute is
 FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as it is read), rounded to the activation
 dtype where the reference rounds it (after the product, the scale and the bias), the visibility mask only on
 blocks that straddle a boundary, an online softmax that starts from the sink logit (running max = sink, sum =
@@ -18,8 +19,8 @@ built in XLA. Decode and prefill tiles over the pool build theirs in the kernel:
 64) the frame would cost Hq * C * (extent + C) values written through several XLA passes, twice the kernel;
 for decode it is two small XLA kernels per call, ~6 us at batch 8. A decode tile's rows (the query heads at
 one position) see key t of a step at distance D0 - t: their bias is one small wgmma of the relative states
-with a window of `keys` rows of a reversed, zero-padded copy of rel_proj. A warpgroup's 64 rows are one query
-head at consecutive positions, so against a step of B keys from position p0 its distances are D0 + r - t
+with a window of `keys` rows of a reversed, zero-padded copy of rel_proj. A prefill warpgroup's 64 rows are one
+query head at consecutive positions, so against a step of B keys from position p0 its distances are D0 + r - t
 (D0 = its first query position - p0): the bias tile is a shear of Qw = rel rows [64, d_rel] @ the B + 64
 profile columns at distances D0 + 63 ... D0 - B, a small wgmma on a window of a zero-padded, reversed copy
 of rel_proj (TMA'd per step, one step ahead). Qw goes to an untiled SMEM buffer of row pitch W and comes
@@ -28,8 +29,9 @@ with Mosaic GPU's lane-level semantics: the warpgroup-level layout inference fai
 
 Decoding has few (sequence, head) pairs, too few CTAs for 132 SMs: the KV blocks are then split over
 several CTAs (flash-decoding). Every partial softmax writes its normalised output, running max and sum,
-and plain jnp combines them; only the first counts the sink. Prefill tiles rows over CTAs instead, each
-tile walking only the blocks its queries can see (causal and window bounds per tile).
+and plain jnp combines them; only the first counts the sink. Prefill tiles rows over CTAs instead (and
+splits too where there are few), each tile walking only the blocks its queries can see (causal and window
+bounds per tile, `blocks.visible_blocks`).
 """
 
 import functools
@@ -75,9 +77,10 @@ def _profile_tables(rel_proj: jax.Array, dtype: jnp.dtype, keys: int, width: int
     """[ALIGN, L, width] copies of the profile table T (row i of copy d is T[i + d]) and the distance Z of row 0.
 
     Row j of T holds rel_proj at distance Z - j, rounded to the activation dtype as the reference rounds it,
-    and zeros at distances outside [0, extent); Z leaves room for every window a warpgroup reads (distances
-    D0 + 63 ... D0 - keys for D0 in [-63, extent + keys - 2], its steps that see some profile). The ALIGN
-    copies let each window start on a tile row."""
+    and zeros at distances outside [0, extent); Z leaves room for every window a warpgroup reads: prefill's
+    distances D0 + 63 ... D0 - keys for D0 in [-63, extent + keys - 2], its steps that see some profile, and
+    decode's D0 ... D0 - keys + 1 for D0 in [0, extent + keys - 2], within those. The ALIGN copies let each
+    window start on a tile row."""
     d_rel, extent = rel_proj.shape
     z = extent + keys + LANES - 3
     rows = -(-(z + keys + LANES) // ALIGN) * ALIGN  # the last window ends before z + keys + LANES
@@ -184,8 +187,8 @@ def _attention(
     partials = splits * (2 if kv_parallel else 1)  # partial softmaxes per row, combined after the kernel
     padded = -(-rows // tile) * tile
     tiles = padded // tile
-    # Whole tiles of one query head (C % 64 == 0): q and the output move straight between the [S, C, Hq, D]
-    # arrays and SMEM (a strided TMA box), without a grouped copy of either.
+    # Each warpgroup's 64 rows one query head (C % 64 == 0), no padding rows: q and the output move straight
+    # between the [S, C, Hq, D] arrays and SMEM (a strided TMA box), without a grouped copy of either.
     direct = not kv_parallel and width % LANES == 0 and padded == rows
     keys = _step_keys(kv_parallel, block, step_keys)
     sub = block // keys  # pipeline steps per KV block
@@ -552,7 +555,9 @@ def _attention(
     else:
         out = outs[0]
     out = out.astype(dtype)
-    return out if direct else zero_padding(ungroup_rows(out, width), query_lens)
+    if direct and partials == 1:  # the kernel wrote zeros at padding queries; a combine may not keep them
+        return out
+    return zero_padding(out if direct else ungroup_rows(out, width), query_lens)
 
 
 def kernel(
