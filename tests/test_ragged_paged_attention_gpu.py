@@ -5,6 +5,8 @@ the production tiling (page 128, head dim 128, 6 query heads per KV head), with 
 the KV blocks over CTAs, the bias from the frame (decode, verify, rings) and built in the kernel (prefill over
 the pool). On an H200 the kernel is compiled and every case runs; on CPU it runs in Mosaic GPU's
 interpreter, slowly, so there a subset runs (one KV head; each layout, mode and split choice still covered).
+The interpreter runs under conftest's 8 host devices: outside pytest with the default single CPU device its
+warpgroup threads were seen to stall on a barrier (XLA_FLAGS=--xla_force_host_platform_device_count=8 avoids it).
 """
 
 import functools
