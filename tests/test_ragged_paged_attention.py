@@ -133,9 +133,8 @@ def test_the_kernels_bias_frame_is_the_gathered_bias(ring, width, extent, block)
     plan = blocks.plan_blocks(
         kv_lens, query_lens, width=width, block=block, capacity=capacity, extent=extent, window=None, ring=ring
     )
-    rows = blocks.group_rows(jnp.asarray(rel), kv_heads=1)  # three query heads reading one KV head
-    got = blocks.frame_bias(rows, rel_proj, kv_lens, query_lens, plan, width=width, ring=ring)
-    got = got.reshape(6, 3, width, -1)  # back to [S, Hq, C, frame]
+    got = blocks.frame_bias(jnp.asarray(rel), rel_proj, kv_lens, query_lens, plan, kv_heads=1, ring=ring)
+    got = got.reshape(6, 3, width, -1)  # three query heads reading one KV head: back to [S, Hq, C, frame]
     frame = plan.frame_blocks * plan.block
     if ring:
         keys = ring_positions(frame, kv_lens)

@@ -141,20 +141,20 @@ def frame_bias(
     query_lens: jax.Array,
     plan: Plan,
     *,
-    width: int,
+    kv_heads: int,
     ring: bool,
 ) -> jax.Array:
-    """The bias [S, Hkv, R, frame] of every query row at every key slot of its frame, in the activation
-    dtype (as the reference rounds it; see `relative_attention.reference.relative_bias`), for kernels that
-    read it as an operand. rel [S, Hkv, R, d_rel] (grouped rows, C = width); rel_proj [d_rel, extent].
+    """The bias [S, Hkv, R, frame] of every grouped query row at every key slot of its frame, in the
+    activation dtype (as the reference rounds it; see `relative_attention.reference.relative_bias`), for
+    kernels that read it as an operand. rel [S, C, Hq, d_rel]; rel_proj [d_rel, extent].
     Pool frames are positions bias_first * block onward; a ring's frame is its slots, which hold the last
     `ring` positions rotated (slot p % ring), so its band is built over those positions in order and
     rotated the same way."""
-    slots, kv_heads, rows, _ = rel.shape
+    slots, width, heads, _ = rel.shape
     extent, frame = rel_proj.shape[1], plan.frame_blocks * plan.block
     # the reference's contraction, so that the rounded profiles are its own: [S, Hq, C, extent], distances
     # reversed on the product (which XLA fuses into the band's padding), not on rel_proj (a kernel of its own)
-    profiles = einsum("bthr,re->bhte", ungroup_rows(rel, width), round_to(rel_proj, rel.dtype))[..., ::-1]
+    profiles = einsum("bthr,re->bhte", rel, round_to(rel_proj, rel.dtype))[..., ::-1]
     first_query = kv_lens - query_lens
     if ring:
         oldest = kv_lens - frame  # the position the ring's oldest slot holds once full
@@ -165,7 +165,7 @@ def frame_bias(
     else:
         start = first_query - plan.bias_first * plan.block
         bias = banded(profiles, start, frame, most=extent + plan.block - 2)
-    return bias.reshape(slots, kv_heads, rows, frame)
+    return bias.reshape(slots, kv_heads, heads // kv_heads * width, frame)  # head kv * G + g: row g * C + c
 
 
 Kernel = Callable[..., jax.Array]

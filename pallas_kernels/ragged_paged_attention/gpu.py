@@ -8,11 +8,10 @@ read every block and take turns (FlashAttention-3's ping-pong: one's softmax run
 do); with C % 64 == 0 (and G * C % 128 == 0) each one's q and output tiles are strided TMA boxes of the
 [S, C, Hq, D] arrays, one query head at 64 consecutive steps. With at most 64 rows (decode, verify) they
 share the rows and alternate 64-key halves of the blocks (four smaller SMEM stages instead of two), each
-keeping its own softmax. Compute is
-FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as it is read), rounded to the activation
-dtype where the reference rounds it (after the product, the scale and the bias), the visibility mask only on
-blocks that straddle a boundary, an online softmax that starts from the sink logit (running max = sink, sum =
-1, acc = 0), then P V on wgmma.
+keeping its own softmax. Compute is FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as
+it is read), rounded to the activation dtype where the reference rounds it (after the product, the scale and
+the bias), the visibility mask only on blocks that straddle a boundary, an online softmax that starts from
+the sink logit (running max = sink, sum = 1, acc = 0), then P V on wgmma.
 
 The bias: verify tiles (and the rings, and prefill chunks of other widths) copy tiles of `blocks.frame_bias`,
 built in XLA. Decode and prefill tiles over the pool build theirs in the kernel: for prefill (C a multiple of
@@ -99,11 +98,13 @@ def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarr
 
 
 def _work(
-    kv_lens: jax.Array, query_lens: jax.Array, c_min: np.ndarray, c_max: np.ndarray, *, block: int,
-    splits: int, window: int | None, ring: int | None,
+    kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, c_min: np.ndarray, c_max: np.ndarray, *,
+    block: int, splits: int, window: int | None, ring: int | None,
 ) -> jax.Array:  # fmt: skip
-    """[S, tiles, splits, 4] int32: each CTA's KV blocks [lo, hi) and its tile's smallest and largest real
-    query position (tiles of padding queries get nothing to visit)."""
+    """[S, tiles, splits, 7] int32, the kernel's one table of scalars: each CTA's KV blocks [lo, hi), its
+    tile's smallest and largest real query position (tiles of padding queries get nothing to visit), then
+    its sequence's first query position, last key position and bias frame start."""
+    seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, bias_first], axis=-1)  # [S, 3]
     kv_lens, query_lens = kv_lens[:, None], query_lens[:, None]  # [S, 1]
     q_min = kv_lens - query_lens + c_min  # [S, tiles]
     q_max = kv_lens - query_lens + jnp.minimum(c_max, query_lens - 1)
@@ -111,7 +112,7 @@ def _work(
     share = (hi - lo + splits - 1) // splits
     start = jnp.minimum(lo[..., None] + share[..., None] * jnp.arange(splits), hi[..., None])  # [S, tiles, splits]
     stop = jnp.minimum(start + share[..., None], hi[..., None])
-    bounds = [jnp.broadcast_to(x[..., None], start.shape) for x in (q_min, q_max)]
+    bounds = [jnp.broadcast_to(x[..., None], start.shape) for x in (q_min, q_max, *(seq[:, None, i] for i in range(3)))]
     return jnp.stack([start, stop, *bounds], axis=-1).astype(jnp.int32)
 
 
@@ -214,24 +215,21 @@ def _attention(
     stages = _stages(0, keys, dim, itemsize, extra=extra) if in_kernel else _stages(tile, keys, dim, itemsize)
     c_min, c_max = _row_bounds(rows, padded, tile, width)
     work = _work(
-        kv_lens, query_lens, c_min, c_max, block=block, splits=splits, window=window, ring=ring_size if ring else None
-    )
-    seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, plan.bias_first], axis=-1).astype(jnp.int32)  # [S, 3]
-    # one table of scalars (one XLA fusion fewer per call): the CTA's work, then its sequence's positions
-    work = jnp.concatenate([work, jnp.broadcast_to(seq[:, None, None, :], (*work.shape[:3], 3))], axis=-1)
+        kv_lens, query_lens, plan.bias_first, c_min, c_max, block=block, splits=splits, window=window,
+        ring=ring_size if ring else None,
+    )  # fmt: skip
     pad = ((0, 0), (0, 0), (0, padded - rows))
-    rel = group_rows(rel, kv_heads)  # [S, Hkv, R, d_rel]
     sinks = jnp.pad(group_rows(sinks, kv_heads), pad) * LOG2E  # [S, Hkv, Rp], in the kernel's log2 domain
     if not direct:
         q = jnp.pad(group_rows(q, kv_heads), (*pad, (0, 0)))  # [S, Hkv, Rp, D]
     if in_kernel:
         extent = rel_proj.shape[1]
         tables, z = _profile_tables(rel_proj, dtype, keys, d_rel)  # [ALIGN, L, d_rel]
-        rel = jnp.pad(rel, (*pad, (0, d_rel - rel.shape[-1])))  # [S, Hkv, Rp, d_rel]
+        rel = jnp.pad(group_rows(rel, kv_heads), (*pad, (0, d_rel - rel.shape[-1])))  # [S, Hkv, Rp, d_rel]
         bias_operands = [tables, rel]
         bias_rows = 0
     else:
-        bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, width=width, ring=ring)  # [S, Hkv, R, frame]
+        bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, kv_heads=kv_heads, ring=ring)  # [S, Hkv, R, F]
         # Bias rows copied per tile: a single tile (at most 64 rows) copies only its real rows, rounded up to
         # the 8-row SMEM tiling; the rest of its SMEM slot is never written and feeds only padding rows.
         bias_rows = -(-rows // 8) * 8 if tiles == 1 else tile
