@@ -9,7 +9,9 @@ vendor's floor for the same reads and FLOPs, not the same op).
 
 Decode: one query per sequence at the end of `context` keys of a full-attention layer; reported as the KV
 bytes it must read per second (2 * batch * context * 8 heads * 128 * 2 bytes / time) against the H200's
-measured 4.3 TB/s copy bandwidth. Prefill: one sequence's chunk of C new tokens after `prefix` keys (0: the
+measured 4.3 TB/s copy bandwidth, beside `xla_read`: XLA reducing those same bytes (the K and V pools) to
+their maxima, what one memory-bound kernel reaches at that size (launch and tail included).
+Prefill: one sequence's chunk of C new tokens after `prefix` keys (0: the
 start of its prompt; chunked prefill of a long prompt: a later chunk), causal, C * prefix + C(C+1)/2 visible
 pairs; reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the ~800 TFLOP/s bf16 GEMM rate
 (cuDNN after a prefix: its whole C x (prefix + C) rectangle, since its causal mask is not the chunk's).
@@ -153,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
                 inputs, kernel=kernel, repeats=args.repeats, with_reference=kv_bytes <= args.skip_reference_above,
                 causal_chunk=False,
             )  # fmt: skip
-            for name in (kernel, "kernel_only", "reference", "cudnn"):
+            if jax.default_backend() == "gpu":
+                read = jax.jit(lambda k, v: (k.max(), v.max()))
+                row["xla_read_ms"] = device_ms(read, inputs["k"], inputs["v"], repeats=args.repeats)[0]
+            for name in (kernel, "kernel_only", "reference", "cudnn", "xla_read"):
                 if f"{name}_ms" in row:
                     row[f"{name}_tb_s"] = kv_bytes / row[f"{name}_ms"] / 1e9
                     row[f"{name}_pct_of_copy"] = 100 * row[f"{name}_tb_s"] / COPY_TB_S

@@ -34,7 +34,9 @@ DECODE = ([600 if CPU else 1000, 129, 5], [1, 1, 1], 1)
 VERIFY = ([500, 77, 600 if CPU else 1000, 9], [8, 8, 3, 0], 8)  # at most 64 rows: the warpgroups share the rows
 
 
-def inputs(seed: int, kv_lens: list[int], query_lens: list[int], width: int, extent: int, ring: int | None) -> dict:
+def inputs(
+    seed: int, kv_lens: list[int], query_lens: list[int], width: int, extent: int, ring: int | None, d_rel: int = D_REL
+) -> dict:
     """Random bf16 step inputs; K / V as a pool of pages in random order (ring None) or rings of `ring` slots."""
     rng = np.random.default_rng(seed)
     slots = len(kv_lens)
@@ -49,8 +51,8 @@ def inputs(seed: int, kv_lens: list[int], query_lens: list[int], width: int, ext
         return jnp.asarray(rng.choice([-1, 1], size=shape) * rng.integers(1, 5, size=shape) / 4, jnp.bfloat16)
 
     case = {
-        "q": grid(slots, width, HEADS, DIM), "rel": normal(slots, width, HEADS, D_REL),
-        "rel_proj": normal(D_REL, extent), "sinks": normal(slots, width, HEADS),
+        "q": grid(slots, width, HEADS, DIM), "rel": normal(slots, width, HEADS, d_rel),
+        "rel_proj": normal(d_rel, extent), "sinks": normal(slots, width, HEADS),
         "kv_lens": jnp.asarray(kv_lens, jnp.int32), "query_lens": jnp.asarray(query_lens, jnp.int32),
     }  # fmt: skip
     if ring is None:
@@ -117,6 +119,11 @@ DECODE_AND_VERIFY = [
 @pytest.mark.parametrize(("batch", "splits", "in_kernel"), [(VERIFY, None, None)] if CPU else DECODE_AND_VERIFY)
 def test_pool_decode_and_verify(batch, splits, in_kernel):
     compare(inputs(3 + batch[2], *batch, extent=1024, ring=None), None, splits, in_kernel=in_kernel)
+
+
+@pytest.mark.parametrize("splits", [None] if CPU else [None, 1])
+def test_decode_rows_read_in_place(splits):  # d_rel 16 and S * Hq % 8 == 0: q and rel read from [S * Hq] boxes
+    compare(inputs(7, [600 if CPU else 1000, 129, 5, 300], [1] * 4, 1, extent=1024, ring=None, d_rel=16), None, splits)
 
 
 def test_public_entry_point():  # on CPU also the interpreter's decode case (its bias built in the kernel)

@@ -186,7 +186,7 @@ def on_grouped_rows(kernel: Kernel) -> Kernel:
 
     def grouped(q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, plan, *, scale, window):
         width, kv_heads = q.shape[1], k.shape[1]
-        q, rel, sinks = (group_rows(x, kv_heads) for x in (q, rel, sinks))
+        q, rel, sinks = (group_rows(x, kv_heads) for x in (q, rel, sinks.astype(jnp.float32)))
         out = kernel(
             q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, plan, scale=scale, window=window,
             width=width,
@@ -214,11 +214,12 @@ def attend(
     """The reference's signature and result ([S, C, Hq, D], zeros at padding queries) through a kernel
     given the bias frame and the static sizes (`Plan`):
 
-        kernel(q [S, C, Hq, D], k, v, rel [S, C, Hq, d_rel], rel_proj [d_rel, extent], sinks [S, C, Hq] fp32,
+        kernel(q [S, C, Hq, D], k, v, rel [S, C, Hq, d_rel], rel_proj [d_rel, extent], sinks [S, C, Hq],
                kv_lens, query_lens, page_table | None, plan, *, scale, window) -> [S, C, Hq, D]
 
     with k, v as the reference takes them (pool [P, Hkv, page, D] or rings [S, Hkv, ring, D]), read in
-    whatever dtype the cache keeps, and zeros at padding queries. A kernel lays out the rows
+    whatever dtype the cache keeps, the sink logits in theirs (each one's fp32 value joins the softmax), and
+    zeros at padding queries. A kernel lays out the rows
     (`on_grouped_rows`) and builds the bias (`frame_bias`, or in-kernel) as it reads best.
     """
     width = q.shape[1]
@@ -229,6 +230,5 @@ def attend(
         ring=ring,
     )  # fmt: skip
     return kernel(
-        q, k, v, rel, rel_proj, sinks.astype(jnp.float32), kv_lens, query_lens, page_table, plan, scale=scale,
-        window=window,
+        q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, plan, scale=scale, window=window,
     )  # fmt: skip
