@@ -7,18 +7,16 @@ vendor's floor for the same reads and FLOPs, not the same op).
         [--chunks 512 1024 2048 4096] [--prefixes 0 16384] [--repeats 20]
         [--skip-reference-above 1000000000] [--out FILE.json]
 
-Decode: one query per sequence at the end of `context` keys of a full-attention layer; reported as the KV
-bytes it must read per second (2 * batch * context * 8 heads * 128 * 2 bytes / time) against the H200's
-measured 4.3 TB/s copy bandwidth, beside `xla_read`: XLA reducing those same bytes (the K and V pools) to
-their maxima, what one memory-bound kernel reaches at that size (launch and tail included).
-Prefill: one sequence's chunk of C new tokens after `prefix` keys (0: the
-start of its prompt; chunked prefill of a long prompt: a later chunk), causal, C * prefix + C(C+1)/2 visible
-pairs; reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the ~800 TFLOP/s bf16 GEMM rate
-(cuDNN after a prefix: its whole C x (prefix + C) rectangle, since its causal mask is not the chunk's).
-Times are device time from CUPTI (every kernel the call launches, including
-the layout prep around ours and the page gather in the reference;
-`kernel_only`: the longest single kernel of ours, the attention itself), median of `repeats`.
-Each kernel result is checked against the reference where the reference runs.
+Decode: one query per sequence at the end of `context` keys of a full-attention layer; reported as the KV bytes it
+must read per second (2 * batch * context * 8 heads * 128 * 2 bytes / time) against the H200's measured 4.3 TB/s
+copy bandwidth, beside `xla_read`: XLA reducing those same bytes (the K and V pools) to their maxima, what one
+memory-bound kernel reaches at that size (launch and tail included). Prefill: one sequence's chunk of C new tokens
+after `prefix` keys (0: the start of its prompt; chunked prefill of a long prompt: a later chunk), causal, C *
+prefix + C(C+1)/2 visible pairs; reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the ~800
+TFLOP/s bf16 GEMM rate (cuDNN after a prefix: its whole C x (prefix + C) rectangle, since its causal mask is not
+the chunk's). Times are device time from CUPTI (every kernel the call launches, including the layout prep around
+ours and the page gather in the reference; `kernel_only`: the longest single kernel of ours, the attention itself),
+median of `repeats`. Each kernel result is checked against the reference where the reference runs.
 """
 
 from __future__ import annotations

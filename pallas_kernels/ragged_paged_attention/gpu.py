@@ -1,17 +1,18 @@
 """Ragged paged relative-bias attention on Hopper (sm90) through Mosaic GPU: the kernel `attend` drives.
 
-A CTA works on one (sequence, KV head), one tile of grouped query rows and one contiguous share of the
-KV blocks that tile sees. Three warpgroups: one only issues TMA copies (each block's K, V and, inside
-the bias frame, the tile's bias slice, into a ring of SMEM stages that the readers release); two
-compute. With more than 64 rows (prefill) the compute warpgroups take 64 rows each (the wgmma M tile),
-read every block and take turns (FlashAttention-3's ping-pong: one's softmax runs while the other's wgmmas
-do); with C % 64 == 0 (and G * C % 128 == 0) each one's q and output tiles are strided TMA boxes of the
-[S, C, Hq, D] arrays, one query head at 64 consecutive steps. With at most 64 rows (decode, verify) they
-share the rows and alternate 64-key halves of the blocks (four smaller SMEM stages instead of two), each
-keeping its own softmax. Compute is FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as
-it is read), rounded to the activation dtype where the reference rounds it (after the product, the scale and
-the bias), the visibility mask only on blocks that straddle a boundary, an online softmax that starts from
-the sink logit (running max = sink, sum = 1, acc = 0), then P V on wgmma.
+A CTA works on one (sequence, KV head), one tile of grouped query rows and one contiguous share of the KV
+blocks that tile sees. Three warpgroups: one only issues TMA copies (each block's K, V and, inside the bias
+frame, the tile's bias slice, into a ring of SMEM stages that the readers release); two compute. With more
+than 64 rows (prefill) the compute warpgroups take 64 rows each (the wgmma M tile), read every block and take
+turns (FlashAttention-3's ping-pong: one's softmax runs while the other's wgmmas do); with C % 64 == 0 (and G
+* C % 128 == 0) each one's q and output tiles are strided TMA boxes of the [S, C, Hq, D] arrays, one query
+head at 64 consecutive steps. With at most 64 rows (decode, verify) they share the rows and alternate 64-key
+halves of the blocks (four smaller SMEM stages instead of two), each keeping its own softmax; a decode tile
+(the G query heads at one position) reads its q and relative-state rows in place from the [S * Hq] arrays, in
+an 8-aligned box. Compute is FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as it is
+read), rounded to the activation dtype where the reference rounds it (after the product, the scale and the
+bias), the visibility mask only on blocks that straddle a boundary, an online softmax that starts from the
+sink logit (running max = sink, sum = 1, acc = 0), then P V on wgmma.
 
 The bias: verify tiles (and the rings, and prefill chunks of other widths) copy tiles of `blocks.frame_bias`,
 built in XLA. Decode and prefill tiles over the pool build theirs in the kernel: for prefill (C a multiple of
