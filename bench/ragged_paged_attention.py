@@ -4,19 +4,20 @@ XLA, and cuDNN's fused attention (`jax.nn.dot_product_attention`, contiguous K/V
 vendor's floor for the same reads and FLOPs, not the same op).
 
     python -m bench.ragged_paged_attention [--batches 1 8 64] [--contexts 1024 8192 65536]
-        [--chunks 512 1024 2048 4096] [--prefixes 0 16384] [--repeats 20]
+        [--chunks 512 1024 2048 4096] [--prefixes 0 16384] [--repeats 20] [--layers 4]
         [--skip-reference-above 1000000000] [--out FILE.json]
 
 Decode: one query per sequence at the end of `context` keys of a full-attention layer; reported as the KV bytes it
 must read per second (2 * batch * context * 8 heads * 128 * 2 bytes / time) against the H200's measured 4.3 TB/s
 copy bandwidth, beside `xla_read`: XLA reducing those same bytes (the K and V pools) to their maxima, what one
-memory-bound kernel reaches at that size (launch and tail included). Prefill: one sequence's chunk of C new tokens
-after `prefix` keys (0: the start of its prompt; chunked prefill of a long prompt: a later chunk), causal, C *
-prefix + C(C+1)/2 visible pairs; reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the ~800
-TFLOP/s bf16 GEMM rate (cuDNN after a prefix: its whole C x (prefix + C) rectangle, since its causal mask is not
-the chunk's). Times are device time from CUPTI (every kernel the call launches, including the layout prep around
-ours and the page gather in the reference; `kernel_only`: the longest single kernel of ours, the attention itself),
-median of `repeats`. Each kernel result is checked against the reference where the reference runs.
+memory-bound kernel reaches at that size (launch and tail included), and `per_layer`: the call's time per layer in
+a step of `--layers` calls sharing the lengths and page table. Prefill: one sequence's chunk of C new tokens after
+`prefix` keys (0: the start of its prompt; chunked prefill of a long prompt: a later chunk), causal, C * prefix +
+C(C+1)/2 visible pairs; reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the ~800 TFLOP/s bf16
+GEMM rate (cuDNN after a prefix: its whole C x (prefix + C) rectangle, since its causal mask is not the chunk's).
+Times are device time from CUPTI (every kernel the call launches, including the layout prep around ours and the
+page gather in the reference; `kernel_only`: the longest single kernel of ours, the attention itself), median of
+`repeats`. Each kernel result is checked against the reference where the reference runs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pallas_kernels.ragged_paged_attention.reference import paged_keys
 
 HEADS, KV_HEADS, DIM, PAGE, D_REL, EXTENT = 48, 8, 128, 128, 16, 1024
 COPY_TB_S, BF16_TFLOP_S = 4.3, 800.0
+LAYERED_KV_BYTES = 1 << 32  # per-layer timing only up to this much KV per layer (each layer has its own pool)
 
 
 def device_ms(fn, *args, repeats: int) -> tuple[float, float]:
@@ -85,6 +87,32 @@ def contiguous(inputs: dict) -> tuple[jax.Array, jax.Array]:
     return paged_keys(inputs["k"], inputs["page_table"])[0], paged_keys(inputs["v"], inputs["page_table"])[0]
 
 
+def per_layer_ms(inputs: dict, *, kernel: str, layers: int, repeats: int) -> float:
+    """Device time per layer of `layers` calls in one jitted step, each over its own K/V pool, profile table and
+    queries, sharing the lengths and page table (as in an engine step, where XLA builds what depends only on
+    the lengths once for all layers)."""
+    attend = implementation(kernel)
+    own = ("q", "k", "v", "rel", "rel_proj", "sinks")
+
+    def fresh(x: jax.Array, key: jax.Array) -> jax.Array:
+        return (jax.random.normal(key, x.shape, jnp.float32) * jnp.std(x.astype(jnp.float32))).astype(x.dtype)
+
+    keys = jax.random.split(jax.random.key(layers), (layers - 1, len(own)))
+    stacks = [{name: inputs[name] for name in own}]
+    stacks += [{name: fresh(inputs[name], key) for name, key in zip(own, row, strict=True)} for row in keys]
+
+    @jax.jit
+    def step(stacks, kv_lens, query_lens, table):
+        return [
+            attend(x["q"], x["k"], x["v"], kv_lens, query_lens, x["rel"], x["rel_proj"], x["sinks"],
+                   page_table=table, scale=DIM**-0.5, window=None)
+            for x in stacks
+        ]  # fmt: skip
+
+    args = (stacks, inputs["kv_lens"], inputs["query_lens"], inputs["page_table"])
+    return device_ms(step, *args, repeats=repeats)[0] / layers
+
+
 def run_case(inputs: dict, *, kernel: str, repeats: int, with_reference: bool, causal_chunk: bool) -> dict:
     """Times of the kernel, the reference and cuDNN on one case, and the kernel's largest error."""
     args = [inputs[name] for name in ("q", "k", "v", "kv_lens", "query_lens", "rel", "rel_proj", "sinks")]
@@ -122,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument(
+        "--layers", type=int, default=4, help="decode: also time this many layers' calls in one step (per layer)"
+    )
+    parser.add_argument(
         "--skip-reference-above",
         type=int,
         default=1 << 30,
@@ -153,10 +184,14 @@ def main(argv: list[str] | None = None) -> None:
                 inputs, kernel=kernel, repeats=args.repeats, with_reference=kv_bytes <= args.skip_reference_above,
                 causal_chunk=False,
             )  # fmt: skip
+            if args.layers > 1 and kernel != "reference" and kv_bytes <= LAYERED_KV_BYTES:
+                row[f"{kernel}_per_layer_ms"] = per_layer_ms(
+                    inputs, kernel=kernel, layers=args.layers, repeats=args.repeats
+                )
             if jax.default_backend() == "gpu":
                 read = jax.jit(lambda k, v: (k.max(), v.max()))
                 row["xla_read_ms"] = device_ms(read, inputs["k"], inputs["v"], repeats=args.repeats)[0]
-            for name in (kernel, "kernel_only", "reference", "cudnn", "xla_read"):
+            for name in (kernel, f"{kernel}_per_layer", "kernel_only", "reference", "cudnn", "xla_read"):
                 if f"{name}_ms" in row:
                     row[f"{name}_tb_s"] = kv_bytes / row[f"{name}_ms"] / 1e9
                     row[f"{name}_pct_of_copy"] = 100 * row[f"{name}_tb_s"] / COPY_TB_S
