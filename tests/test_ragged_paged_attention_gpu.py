@@ -4,7 +4,9 @@ sliding rings, with and without a window, bias extents shorter and longer than t
 the production tiling (page 128, head dim 128, 6 query heads per KV head), with and without splitting
 the KV blocks over CTAs, the bias from the frame (decode, verify, rings) and built in the kernel (prefill over
 the pool). On an H200 the kernel is compiled and every case runs; on CPU it runs in Mosaic GPU's
-interpreter, slowly, so there a subset runs (one KV head; each layout, mode and split choice still covered).
+interpreter, slowly, so there a subset runs (one KV head; each layout, mode and split choice still covered),
+and `jax.export(..., platforms=["cuda"])` lowers the compiled kernel at the production shapes (Mosaic GPU's
+layouts and TMA boxes, which the interpreter does not check; ptxas runs only on a GPU).
 The interpreter runs under conftest's 8 host devices: outside pytest with the default single CPU device its
 warpgroup threads were seen to stall on a barrier (XLA_FLAGS=--xla_force_host_platform_device_count=8 avoids it).
 """
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from pallas_kernels.ragged_paged_attention import gpu
 from pallas_kernels.ragged_paged_attention.blocks import attend
@@ -137,6 +140,29 @@ def test_bias_in_kernel_only_for_decode_and_prefill():
         compare(inputs(1, *VERIFY, extent=64, ring=None), None, None, in_kernel=True)
     with pytest.raises(ValueError, match="in the kernel"):  # C % 64 != 0
         compare(inputs(1, [100], [96], 96, extent=64, ring=None), None, None, in_kernel=True)
+
+
+@pytest.mark.parametrize(("width", "ring"), [(1, False), (8, False), (1024, False), (1, True)])
+def test_lowers_for_cuda_at_production_shapes(width, ring):
+    """The kernel as compiled for the H200 (not the interpreter) lowers through Mosaic GPU on any machine: 48 query /
+    8 KV heads of 128, 128-token pages, d_rel 16, extent 1024, bf16; decode and prefill build their bias in the
+    kernel, verify and the rings read the frame. (What the interpreter does not check: layouts, TMA boxes.)"""
+    slots, heads, kv_heads, dim, page = 8, 48, 8, 128, 128
+    kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((slots, width, heads, dim), jnp.bfloat16), spec(kv_shape, jnp.bfloat16), spec(kv_shape, jnp.bfloat16),
+        spec((slots,), jnp.int32), spec((slots,), jnp.int32), spec((slots, width, heads, 16), jnp.bfloat16),
+        spec((16, 1024), jnp.bfloat16), spec((slots, width, heads), jnp.bfloat16),
+    )  # fmt: skip
+    table = None if ring else spec((slots, 8), jnp.int32)
+    kernel = functools.partial(gpu._attention, interpret=False)
+
+    def attention(*args, table):
+        return attend(kernel, *args, page_table=table, scale=dim**-0.5, window=1024 if ring else None)
+
+    lowered = export.export(jax.jit(attention), platforms=["cuda"])(*args, table=table)
+    assert "mosaic_gpu" in lowered.mlir_module()
 
 
 def test_supports():
