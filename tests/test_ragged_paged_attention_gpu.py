@@ -25,6 +25,7 @@ from pallas_kernels.ragged_paged_attention.blocks import attend
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention as reference
 
 CPU = jax.default_backend() == "cpu"
+gpu_decode_rows = gpu._decode_rows
 PAGE, DIM, KV_HEADS, GROUPS, D_REL = 128, 128, 1 if CPU else 2, 6, 8
 HEADS = KV_HEADS * GROUPS
 
@@ -125,8 +126,11 @@ def test_pool_decode_and_verify(batch, splits, in_kernel):
 
 
 @pytest.mark.parametrize("splits", [None] if CPU else [None, 1])
-def test_decode_rows_read_in_place(splits):  # d_rel 16 and S * Hq % 8 == 0: q and rel read from [S * Hq] boxes
+def test_decode_rows_read_in_place(splits, monkeypatch):  # d_rel 16, S * Hq % 8 == 0: q, rel from [S * Hq] boxes
+    picked = []
+    monkeypatch.setattr(gpu, "_decode_rows", lambda x, *a: picked.append(x.shape) or gpu_decode_rows(x, *a))
     compare(inputs(7, [600 if CPU else 1000, 129, 5, 300], [1] * 4, 1, extent=1024, ring=None, d_rel=16), None, splits)
+    assert picked, "the decode tiles did not read their rows in place"
 
 
 def test_public_entry_point():  # on CPU also the interpreter's decode case (its bias built in the kernel)
@@ -142,18 +146,21 @@ def test_bias_in_kernel_only_for_decode_and_prefill():
         compare(inputs(1, [100], [96], 96, extent=64, ring=None), None, None, in_kernel=True)
 
 
-@pytest.mark.parametrize(("width", "ring"), [(1, False), (8, False), (1024, False), (1, True)])
-def test_lowers_for_cuda_at_production_shapes(width, ring):
+@pytest.mark.parametrize(
+    ("width", "ring", "d_rel"), [(1, False, 16), (1, False, 8), (8, False, 16), (1024, False, 16), (1, True, 16)]
+)
+def test_lowers_for_cuda_at_production_shapes(width, ring, d_rel):
     """The kernel as compiled for the H200 (not the interpreter) lowers through Mosaic GPU on any machine: 48 query /
-    8 KV heads of 128, 128-token pages, d_rel 16, extent 1024, bf16; decode and prefill build their bias in the
-    kernel, verify and the rings read the frame. (What the interpreter does not check: layouts, TMA boxes.)"""
+    8 KV heads of 128, 128-token pages, extent 1024, bf16; decode (its rows in place with d_rel 16, from padded
+    copies with 8) and prefill build their bias in the kernel, verify and the rings read the frame. (What the
+    interpreter does not check: layouts, TMA boxes.)"""
     slots, heads, kv_heads, dim, page = 8, 48, 8, 128, 128
     kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
     spec = jax.ShapeDtypeStruct
     args = (
         spec((slots, width, heads, dim), jnp.bfloat16), spec(kv_shape, jnp.bfloat16), spec(kv_shape, jnp.bfloat16),
-        spec((slots,), jnp.int32), spec((slots,), jnp.int32), spec((slots, width, heads, 16), jnp.bfloat16),
-        spec((16, 1024), jnp.bfloat16), spec((slots, width, heads), jnp.bfloat16),
+        spec((slots,), jnp.int32), spec((slots,), jnp.int32), spec((slots, width, heads, d_rel), jnp.bfloat16),
+        spec((d_rel, 1024), jnp.bfloat16), spec((slots, width, heads), jnp.bfloat16),
     )  # fmt: skip
     table = None if ring else spec((slots, 8), jnp.int32)
     kernel = functools.partial(gpu._attention, interpret=False)

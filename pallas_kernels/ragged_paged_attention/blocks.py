@@ -217,10 +217,10 @@ def attend(
         kernel(q [S, C, Hq, D], k, v, rel [S, C, Hq, d_rel], rel_proj [d_rel, extent], sinks [S, C, Hq],
                kv_lens, query_lens, page_table | None, plan, *, scale, window) -> [S, C, Hq, D]
 
-    with k, v as the reference takes them (pool [P, Hkv, page, D] or rings [S, Hkv, ring, D]), read in
-    whatever dtype the cache keeps, the sink logits in theirs (each one's fp32 value joins the softmax), and
-    zeros at padding queries. A kernel lays out the rows
-    (`on_grouped_rows`) and builds the bias (`frame_bias`, or in-kernel) as it reads best.
+    with k, v as the reference takes them (pool [P, Hkv, page, D] or rings [S, Hkv, ring, D]), read in whatever
+    dtype the cache keeps, the sink logits in theirs (each one's fp32 value joins the softmax), and zeros at
+    padding queries. A kernel lays out the rows (`on_grouped_rows`) and builds the bias (`frame_bias`, or in the
+    kernel) as it reads best.
     """
     width = q.shape[1]
     ring, block = page_table is None, kv_block(k, page_table)

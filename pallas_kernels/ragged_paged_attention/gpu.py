@@ -9,10 +9,11 @@ turns (FlashAttention-3's ping-pong: one's softmax runs while the other's wgmmas
 head at 64 consecutive steps. With at most 64 rows (decode, verify) they share the rows and alternate 64-key
 halves of the blocks (four smaller SMEM stages instead of two), each keeping its own softmax; a decode tile
 (the G query heads at one position) reads its q and relative-state rows in place from the [S * Hq] arrays, in
-an 8-aligned box. Compute is FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as it is
-read), rounded to the activation dtype where the reference rounds it (after the product, the scale and the
-bias), the visibility mask only on blocks that straddle a boundary, an online softmax that starts from the
-sink logit (running max = sink, sum = 1, acc = 0), then P V on wgmma.
+an 8-aligned box (when S * Hq % 8 == 0 and d_rel is 16, 32 or 64; else from padded grouped copies). Compute is
+FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as it is read), rounded to the activation
+dtype where the reference rounds it (after the product, the scale and the bias), the visibility mask only on
+blocks that straddle a boundary, an online softmax that starts from the sink logit (running max = sink, sum =
+1, acc = 0), then P V on wgmma.
 
 The bias: verify tiles (and the rings, and prefill chunks of other widths) copy tiles of `blocks.frame_bias`,
 built in XLA. Decode and prefill tiles over the pool build theirs in the kernel: for prefill (C a multiple of
@@ -222,12 +223,12 @@ def _attention(
     # The in-kernel bias: each compute warpgroup's profile window [span, d_rel], the distances D0 + lead ...
     # D0 - span + lead + 1 of a step from its first row's, and for prefill (sheared) its Qw buffer of pitch W
     # (even, so that the stores pair up; W / 2 = 4 mod 32 spreads a warp's 8 rows over the banks). Decode rows
-    # all sit at one position: their bias is the window's product itself.
+    # all sit at one position: their bias is the window's product itself; their relative states may sit in SMEM.
     d_rel = _rel_width(rel.shape[-1])
     sheared = not kv_parallel
     lead, span = (LANES - 1, keys + LANES) if sheared else (0, keys)
     pitch = span + 8
-    extra = 2 * (span * (d_rel or 0) + (LANES * pitch if sheared else 0)) * itemsize
+    extra = 2 * (span * (d_rel or 0) + (LANES * pitch if sheared else LANES * (d_rel or 0))) * itemsize
     eligible = (  # decode or prefill tiles over the pool, with room for the windows and Qw buffers
         not ring and (width % LANES == 0 if sheared else width == 1) and span <= 256 and d_rel is not None
         and rel.dtype == dtype and _stages(0, keys, dim, itemsize, extra=extra) > 0
@@ -255,10 +256,8 @@ def _attention(
         ring=ring_size if ring else None,
     )  # fmt: skip
     pad = ((0, 0), (0, 0), (0, padded - rows))
-    if flat:  # [S * Hq, ...]; the interpreter clamps a slice past the end where TMA fills zeros: it gets them
-        tail = ((0, box if interpret else 0),)
-        q, rel = (jnp.pad(x.reshape(slots * heads, -1), (*tail, (0, 0))) for x in (q, rel))
-        sinks = sinks.reshape(-1)
+    if flat:  # [S * Hq, ...]; a box past the end reads zeros (TMA and the interpreter alike)
+        q, rel, sinks = q.reshape(slots * heads, dim), rel.reshape(slots * heads, d_rel), sinks.reshape(-1)
     else:
         sinks = jnp.pad(group_rows(sinks.astype(jnp.float32), kv_heads), pad)  # [S, Hkv, Rp]
         if not direct:
@@ -379,15 +378,16 @@ def _attention(
 
                 if flat:
                     plgpu.copy_gmem_to_smem(rel_rows.at[box_here], rel_smem.at[in_box], q_bar.at[wg])
-                elif interpret:
+                elif interpret:  # the interpreter's wgmma reads its left operand from SMEM only
                     plgpu.copy_gmem_to_smem(rel_rows.at[s, h, rows_here], rel_smem.at[wg], q_bar.at[wg])
+                else:  # issued before the wait, so that it overlaps q's copy
+                    rel_here = plgpu.load(rel_rows.at[s, h, rows_here], layout=plgpu.Layout.WGMMA, optimized=False)
             plgpu.barrier_wait(q_bar.at[wg])
-            if in_kernel:  # the interpreter's wgmma reads its left operand from SMEM only
+            if in_kernel and rel_in_smem:
                 if interpret:
                     rel_here = rel_smem.at[wg]
                 else:
-                    rel_src = rel_smem.at[wg] if flat else rel_rows.at[s, h, rows_here]
-                    rel_here = plgpu.load(rel_src, layout=plgpu.Layout.WGMMA, optimized=False)
+                    rel_here = plgpu.load(rel_smem.at[wg], layout=plgpu.Layout.WGMMA, optimized=False)
             row = plgpu.Layout.WGMMA.reduce(1)
             if flat:  # tile row (s * Hq + h * G) % 8 + g: query head h * G + g
                 first_row = s * heads + h * groups
@@ -437,8 +437,8 @@ def _attention(
                     bias = qw
                     logits, _ = scores(slot)
                 elif interpret:  # the interpreter takes no reshaped refs: the same shear on the value
-                    flat = jnp.pad(qw, ((0, 0), (0, pitch - span))).reshape(-1)
-                    bias = flat[LANES - 1 : LANES - 1 + LANES * (pitch - 1)].reshape(LANES, pitch - 1)[:, :keys]
+                    padded_qw = jnp.pad(qw, ((0, 0), (0, pitch - span))).reshape(-1)
+                    bias = padded_qw[LANES - 1 : LANES - 1 + LANES * (pitch - 1)].reshape(LANES, pitch - 1)[:, :keys]
                     logits, _ = scores(slot)
                 else:
                     qw_smem.at[wg, pl.ds(0, LANES * pitch)].reshape(LANES, pitch).at[:, pl.ds(0, span)][...] = qw
@@ -561,7 +561,7 @@ def _attention(
         out_type += [jax.ShapeDtypeStruct(shape, jnp.float32)] * 2  # its running max (log2 domain) and sum
     smem = (
         plgpu.SMEM((2, LANES, dim), dtype, transforms=TRANSFORMS_16BIT),  # q, then the output
-        plgpu.SMEM((2, LANES), jnp.float32),  # sinks
+        None if flat else plgpu.SMEM((2, LANES), jnp.float32),  # sinks
         plgpu.SMEM((2, 2, LANES), jnp.float32),  # running max and sum
         plgpu.SMEM((stages, keys, dim), dtype, transforms=TRANSFORMS_16BIT),  # K
         plgpu.SMEM((stages, keys, dim), dtype, transforms=TRANSFORMS_16BIT),  # V
