@@ -23,6 +23,12 @@ def round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis, in fp32 (RMSNorm without its gain)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
 def round_through(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """fp32 x rounded to `dtype` and back to fp32 by two casts: how kernels round where the reference does
     (inside Pallas kernels the casts really round)."""

@@ -1,16 +1,15 @@
 """Block attention residuals: learned queries attend over the block sources and the partial block.
 
 Sources and partial sum are RMS-normalised (no gain, eps 1e-6) and serve as both keys and values;
-the queries are the same at every position. fp32 throughout.
+the queries are the same at every position. fp32 throughout (`pallas_kernels.attn_res.reference`).
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax.model.norms import rms_normalize
 from inkling_jax.model.params import param, zeros
-from pallas_kernels.numerics import einsum
+from pallas_kernels.attn_res.reference import mix
 
 
 class BlockAttentionResidual(nnx.Module):
@@ -19,11 +18,11 @@ class BlockAttentionResidual(nnx.Module):
         axes = ("embed",) if num_queries == 1 else (None, "embed")
         self.query = param(rngs, shape, axes, jnp.float32, zeros)
 
+    def queries(self) -> jax.Array:
+        """[Q, H] fp32."""
+        query = self.query[...].astype(jnp.float32)
+        return query.reshape(-1, query.shape[-1])
+
     def __call__(self, sources: list[jax.Array], partial: jax.Array) -> list[jax.Array]:
         """sources: S arrays [B, T, H]; partial [B, T, H] -> one fp32 [B, T, H] mix per query."""
-        stacked = rms_normalize(jnp.stack([*sources, partial], axis=-2), 1e-6)  # [B, T, S+1, H]
-        hidden = stacked.shape[-1]
-        queries = self.query[...].astype(jnp.float32).reshape(-1, hidden)  # [Q, H]
-        logits = einsum("qh,btsh->btqs", queries, stacked) * hidden**-0.5
-        mixed = einsum("btqs,btsh->btqh", jax.nn.softmax(logits, axis=-1), stacked)
-        return [mixed[:, :, i] for i in range(queries.shape[0])]
+        return list(mix(sources, partial, self.queries()))

@@ -5,13 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.model.params import ones, param
-from pallas_kernels.numerics import round_to
-
-
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) over the last axis, in fp32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+from pallas_kernels.numerics import rms_normalize, round_to
 
 
 def l2_clip(x: jax.Array, threshold: float) -> jax.Array:
