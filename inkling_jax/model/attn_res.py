@@ -1,7 +1,8 @@
 """Block attention residuals: learned queries attend over the block sources and the partial block.
 
 Sources and partial sum are RMS-normalised (no gain, eps 1e-6) and serve as both keys and values;
-the queries are the same at every position. fp32 throughout (`pallas_kernels.attn_res.reference`).
+the queries are the same at every position. fp32 throughout. The module holds the queries; the mix
+itself, fused with the RMSNorm after it, is `pallas_kernels.attn_res` (see `text.mixed_norms`).
 """
 
 import jax
@@ -9,7 +10,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.model.params import param, zeros
-from pallas_kernels.attn_res.reference import mix
 
 
 class BlockAttentionResidual(nnx.Module):
@@ -22,7 +22,3 @@ class BlockAttentionResidual(nnx.Module):
         """[Q, H] fp32."""
         query = self.query[...].astype(jnp.float32)
         return query.reshape(-1, query.shape[-1])
-
-    def __call__(self, sources: list[jax.Array], partial: jax.Array) -> list[jax.Array]:
-        """sources: S arrays [B, T, H]; partial [B, T, H] -> one fp32 [B, T, H] mix per query."""
-        return list(mix(sources, partial, self.queries()))

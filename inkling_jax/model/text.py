@@ -24,7 +24,17 @@ from inkling_jax.model.moe import SparseMoeBlock
 from inkling_jax.model.norms import RMSNorm, softcap
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import ShortConvolution
+from pallas_kernels.attn_res import attn_res_norm
 from pallas_kernels.numerics import round_to
+
+
+def mixed_norms(
+    mix: BlockAttentionResidual, norms: list[RMSNorm], sources: list[jax.Array], partial: jax.Array, dtype: jnp.dtype
+) -> jax.Array:
+    """norms[q](mix_q) in `dtype` for each of the mix's queries: [Q, B, T, H], one fused kernel where the
+    platform has one (`pallas_kernels.attn_res`)."""
+    gains = jnp.stack([norm.weight[...] for norm in norms])
+    return attn_res_norm(sources, partial, mix.queries(), gains, eps=norms[0].eps, out_dtype=dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -61,17 +71,18 @@ class DecoderLayer(nnx.Module):
         """x [B, T, H] (activation dtype); sources: the closed blocks' [B, T, H] -> [B, T, H] (and the
         cache with this layer's part updated, when the tokens continue one)."""
         dtype = x.dtype
-        if hasattr(self, "attention_input"):
-            inputs = self.attention_input(sources, x)
-        else:
-            inputs = [x] * (1 if self.sliding else 3)
         if self.sliding:
-            h = round_to(self.input_layernorm(inputs[0]), dtype)
-            h, kv = self.self_attn(h, h, h, positions, kv, chunk)
+            norms = [self.input_layernorm]
         else:
-            norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
-            q_in, k_in, v_in = (round_to(norm(i), dtype) for norm, i in zip(norms, inputs, strict=True))
-            h, kv = self.self_attn(q_in, k_in, v_in, positions, kv, chunk)
+            norms = [self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm]
+        if hasattr(self, "attention_input"):
+            inputs = mixed_norms(self.attention_input, norms, sources, x, dtype)
+        else:
+            inputs = [round_to(norm(x), dtype) for norm in norms]
+        if self.sliding:
+            h, kv = self.self_attn(inputs[0], inputs[0], inputs[0], positions, kv, chunk)
+        else:
+            h, kv = self.self_attn(*inputs, positions, kv, chunk)
         attention_out = h
         h = self.post_attention_convolution(h, None if kv is None else kv.conv_attention[self.layer])
         h = h.astype(jnp.float32)
@@ -81,8 +92,7 @@ class DecoderLayer(nnx.Module):
         else:
             h = x.astype(jnp.float32) + h
         residual = h
-        h = self.mlp_input(sources, h)[0]
-        mlp_out = self.mlp(round_to(self.post_attention_layernorm(h), dtype))
+        mlp_out = self.mlp(mixed_norms(self.mlp_input, [self.post_attention_layernorm], sources, h, dtype)[0])
         h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[self.layer])
         if kv is not None:
             kv = advance_conv(kv, "attention", self.layer, attention_out, chunk.counts)
@@ -138,8 +148,7 @@ class TextModel(nnx.Module):
             if i in capture:
                 captured[i] = out
             x = out
-        x = self.final_input(sources, x)[0]
-        hidden = round_to(self.norm(x), dtype)
+        hidden = mixed_norms(self.final_input, [self.norm], sources, x, dtype)[0]
         if not capture:
             return hidden, kv
         return hidden, kv, jnp.stack([captured[i] for i in capture], axis=2)

@@ -2,10 +2,13 @@
 the entry point. `backend` picks "tpu" (Mosaic TPU), "reference" (pure jnp under XLA) or "auto": the TPU kernel
 on TPU, the reference elsewhere."""
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attn_res import reference, tpu
 
@@ -27,8 +30,21 @@ def attn_res_norm(
         raise ValueError(f"attention-residual backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
         backend = "tpu" if jax.default_backend() == "tpu" else "reference"
-    implementation = tpu.attn_res_norm if backend == "tpu" else reference.attn_res_norm
-    return implementation(sources, partial, queries, norm_weights, eps=eps, out_dtype=out_dtype)
+    if backend == "reference":
+        return reference.attn_res_norm(sources, partial, queries, norm_weights, eps=eps, out_dtype=out_dtype)
+    kernel = functools.partial(tpu.attn_res_norm, eps=eps, out_dtype=out_dtype)
+    return per_device(kernel, sources, partial, queries, norm_weights)
+
+
+def per_device(kernel: Callable[..., jax.Array], *args) -> jax.Array:
+    """kernel(*args) on every device of the current mesh, each on the whole (replicated) operands: a Pallas
+    call takes no mesh axes but manual ones, and the residual stream is replicated over the model axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shared = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind != AxisType.Manual}
+    if not shared:
+        return kernel(*args)
+    whole = jax.tree.map(lambda x: jax.reshard(x, P()), args)  # gathers a sharded operand (none in the model)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=shared, check_vma=False)(*whole)
 
 
 __all__ = ["BACKENDS", "attn_res_norm"]
