@@ -138,23 +138,6 @@ def test_the_model_through_the_tpu_kernel(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def test_tpu_kernel_on_a_mesh():
-    """Under a 2-device mesh (explicit axes, where a bare Pallas call is refused) with the tokens sharded, the
-    entry point runs the kernel on every device over the whole operands: the oracle's result, replicated."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    x = case(5, 2, 3, (16, 256), jnp.float32)
-    want = np.asarray(reference.attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16), np.float32)
-    mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
-    with jax.set_mesh(mesh):
-        x["sources"] = [jax.device_put(s, NamedSharding(mesh, P("model", None))) for s in x["sources"]]
-        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-            got = jax.jit(lambda x: attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16, backend="tpu"))(x)
-        pltpu.reset_tpu_interpret_mode_state()
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-7, atol=1e-6)
-
-
 def test_per_device_on_the_engines_mesh():
     """On the engine's kind of mesh (data x model, automatic axes) with the tokens split over `data`, a kernel
     wrapped by `per_device` sees whole operands on every device and returns the replicated whole."""
