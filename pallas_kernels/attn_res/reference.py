@@ -3,8 +3,8 @@
 Block attention residuals (arXiv 2603.15031): each token's closed block representations and the current
 block's partial sum are RMS-normalised (no gain, eps 1e-6) and serve as keys and values; a learned query
 per mix scores them (scaled by 1/sqrt(H)), a softmax over the sources weighs them, and the mix then goes
-through its sublayer's weighted RMSNorm. fp32 throughout, rounded once to the output dtype, as the model
-(`inkling_jax.model.attn_res` followed by `RMSNorm`) computes it.
+through its sublayer's weighted RMSNorm. fp32 throughout, rounded once to the output dtype, as transformers
+computes the mix and the RMSNorm one after the other.
 """
 
 from collections.abc import Sequence
