@@ -7,13 +7,17 @@ than 64 rows (prefill) the compute warpgroups take 64 rows each (the wgmma M til
 turns (FlashAttention-3's ping-pong: one's softmax runs while the other's wgmmas do); with C % 64 == 0 (and G
 * C % 128 == 0) each one's q and output tiles are strided TMA boxes of the [S, C, Hq, D] arrays, one query
 head at 64 consecutive steps. With at most 64 rows (decode, verify) they share the rows and alternate 64-key
-halves of the blocks (four smaller SMEM stages instead of two), each keeping its own softmax; a decode tile
+halves of the blocks (four smaller SMEM stages instead of two), each keeping its own softmax, merged in SMEM at
+the end (one partial per CTA); a decode tile
 (the G query heads at one position) reads its q and relative-state rows in place from the [S * Hq] arrays, in
 an 8-aligned box (when S * Hq % 8 == 0 and d_rel is 16, 32 or 64; else from padded grouped copies). Compute is
 FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as it is read), rounded to the activation
 dtype where the reference rounds it (after the product, the scale and the bias), the visibility mask only on
 blocks that straddle a boundary, an online softmax that starts from the sink logit (running max = sink, sum =
-1, acc = 0), then P V on wgmma.
+1, acc = 0), the row max taken on the rounded 16-bit logits (exact), then P V on wgmma accumulating in place,
+with the next step's K stage waited for under it (attention_mgpu's order). In-kernel prefill runs the steps
+that need neither bias nor mask (behind the causal edge and past the profile) in a loop of their own, without
+the per-step conditionals.
 
 The bias: verify tiles (and the rings, and prefill chunks of other widths) copy tiles of `blocks.frame_bias`,
 built in XLA. Decode and prefill tiles over the pool build theirs in the kernel: for prefill (C a multiple of
@@ -29,7 +33,7 @@ back through a view of pitch W - 1, which shifts row r by r: bias[r, t] = Qw[r, 
 with Mosaic GPU's lane-level semantics: the warpgroup-level layout inference fails on the reshaped view.
 
 Decoding has few (sequence, head) pairs, too few CTAs for 132 SMs: the KV blocks are then split over
-several CTAs (flash-decoding). Every partial softmax writes its normalised output, running max and sum,
+several CTAs (flash-decoding). Every CTA's partial softmax writes its normalised output, running max and sum,
 and plain jnp combines them; only the first counts the sink. Prefill tiles rows over CTAs instead (and
 splits too where there are few), each tile walking only the blocks its queries can see (causal and window
 bounds per tile, `blocks.visible_blocks`).
@@ -79,7 +83,7 @@ def _widen(x: jax.Array) -> jax.Array:
 
 
 def _decode_rows(x: jax.Array, heads: int, groups: int) -> jax.Array:
-    """Decode tiles' real rows: [P, S, Hkv, 64, ...] -> [P, S, Hkv, G, ...], query head h * G + g of sequence s
+    """Decode tiles' real rows: [P, S, Hkv, box, ...] -> [P, S, Hkv, G, ...], query head h * G + g of sequence s
     at tile row (s * Hq + h * G) % 8 + g. The offsets repeat every `period` sequences: static slices, which
     (unlike a gather) fuse into the combine that reads them."""
     parts, slots, kv_heads, tile = x.shape[:4]
@@ -147,12 +151,21 @@ def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None
     """(whether the two compute warpgroups share the KV blocks rather than the rows, KV splits).
 
     With at most 64 rows (decode, verify) both warpgroups take the same rows and alternate KV blocks, each
-    keeping its own partial softmax; with more they take 64 rows each. Splits make enough CTAs for the SMs.
+    keeping its own partial softmax; with more they take 64 rows each. Splits make enough CTAs for the SMs, and
+    with more CTAs than SMs fill the last wave (one CTA per SM: 192 CTAs would leave a quarter of two waves idle).
     """
     kv_parallel = rows <= LANES
     if splits is None:
         ctas = slots * kv_heads * -(-rows // (2 * LANES))
-        splits = max(1, min(SMS // ctas, steps // 4)) if ctas < SMS else 1
+        if ctas < SMS:
+            splits = max(1, min(SMS // ctas, steps // 4))
+        else:
+
+            def filled(n: int) -> float:  # the busy share of the SMs over the waves of ctas * n CTAs
+                return ctas * n / (-(-ctas * n // SMS) * SMS)
+
+            options = range(1, max(1, min(4, steps // 4)) + 1)
+            splits = next((n for n in options if filled(n) >= 0.9), max(options, key=filled))
     return kv_parallel, splits
 
 
@@ -212,7 +225,7 @@ def _attention(
     kv_parallel, splits = _config(slots, kv_heads, rows, plan.steps, splits)
     ping_pong = not kv_parallel  # warpgroups with their own rows visit the same steps: they can take turns
     tile = LANES if kv_parallel else 2 * LANES  # rows per CTA
-    partials = splits * (2 if kv_parallel else 1)  # partial softmaxes per row, combined after the kernel
+    partials = splits  # partial softmaxes per row, combined after the kernel
     padded = -(-rows // tile) * tile
     tiles = padded // tile
     # Each warpgroup's 64 rows one query head (C % 64 == 0), no padding rows: q and the output move straight
@@ -282,7 +295,7 @@ def _attention(
         table_ref = None if ring else refs.pop(0)
         outs, smem_refs, barriers = refs[:-2], refs[-2], refs[-1]
         q_smem, sink_smem, stat_smem, k_smem, v_smem, b_smem, p_smem, w_smem, qw_smem, rel_smem = smem_refs
-        k_bar, v_bar, b_bar, q_bar, k_free, v_free, w_bar, turn_bar = barriers
+        k_bar, v_bar, b_bar, q_bar, k_free, v_free, w_bar, turn_bar, merge_bar = barriers
         split, sh = lax.axis_index("split"), lax.axis_index("sh")
         tile_idx = tiles - 1 - lax.axis_index("tile")  # the tiles with the most blocks start first
         s, h = sh // kv_heads, sh % kv_heads
@@ -340,7 +353,6 @@ def _attention(
             row0 = tile_idx * tile + (0 if kv_parallel else wg * LANES)
             rows_here = pl.ds(row0, LANES)
             my_bias = pl.ds(0 if kv_parallel else wg * LANES, LANES)  # this warpgroup's rows of the bias slot
-            part = split * 2 + wg if kv_parallel else split  # which partial softmax this warpgroup keeps
             first, stride = (wg, 2) if kv_parallel else (0, 1)  # the steps this warpgroup visits
             count = ((hi - lo) * sub - first + stride - 1) // stride
             if direct:  # the warpgroup's rows: query head h * G + g at steps c0 ... c0 + 63
@@ -398,7 +410,8 @@ def _attention(
             else:
                 sink = plgpu.load(sink_smem.at[wg], layout=row)
             m = sink * LOG2E  # the running max, in the log2 domain
-            l_init = jnp.where(part == 0, 1.0, 0.0).astype(jnp.float32)  # the sink, counted once
+            counts_sink = (split == 0) & (wg == 0) if kv_parallel else split == 0  # once per row
+            l_init = jnp.where(counts_sink, 1.0, 0.0).astype(jnp.float32)
             total = plgpu.layout_cast(jnp.full((LANES,), l_init, jnp.float32), row)
             acc = plgpu.layout_cast(jnp.zeros((LANES, dim), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -409,8 +422,8 @@ def _attention(
 
             def scores(slot, meanwhile=lambda: None):
                 """The step's q.k in the activation dtype, rounded as the reference rounds it (after the product,
-                then the scale), and what `meanwhile` returns (run while the wgmma does); releases the K stage."""
-                plgpu.barrier_wait(k_bar.at[slot])
+                then the scale), and what `meanwhile` returns (run while the wgmma does); releases the K stage.
+                (Its K stage was waited for under the previous step's P V, or before the loop.)"""
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
@@ -459,12 +472,14 @@ def _attention(
                 def _():
                     fetch(nxt)
 
-            def visit(i, carry):
+            def visit(i, carry, plain=False):
                 acc, m, total = carry
                 step = first + i * stride
                 j, slot = lo + step // sub, step % stages
                 key0 = j * block + step % sub * keys  # the step's first key slot
-                if in_kernel:
+                if plain:  # no bias, no mask (see `_plain_steps`)
+                    logits = scores(slot)[0]
+                elif in_kernel:
 
                     def unbiased(key0):
                         prefetch(key0)
@@ -479,16 +494,20 @@ def _attention(
                         return x + b_smem.at[slot, my_bias][...]
 
                     logits = lax.cond(in_frame(j), add_bias, lambda x: x, logits)
+                if not plain:
+                    logits = lax.cond(_straddles(key0), functools.partial(mask, key0), lambda x: x, logits)
+                row_max = logits.max(axis=1).astype(jnp.float32)  # packed bf16 maxima, exact
                 logits = _widen(logits)
-                logits = lax.cond(_straddles(key0), functools.partial(mask, key0), lambda x: x, logits)
 
                 # the log2 domain, with the scaling folded into the exponent's FMA
-                m_new = jnp.maximum(m, logits.max(axis=1) * LOG2E)
+                m_new = jnp.maximum(m, row_max * LOG2E)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(logits * LOG2E - lax.broadcast_in_dim(m_new, logits.shape, [0]))
                 total = total * alpha + p.sum(axis=1)
                 probs = p.astype(dtype)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if not interpret:  # the softmax done before the turn is handed over (attention_mgpu's order)
+                    acc, total, m_new, probs = lax.optimization_barrier((acc, total, m_new, probs))
                 if ping_pong:
                     plgpu.barrier_arrive(turn_bar)
                 plgpu.barrier_wait(v_bar.at[slot])
@@ -501,9 +520,20 @@ def _attention(
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
-                    return acc_ref[...]
 
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((LANES, dim), jnp.float32))
+                    @pl.when(i + 1 < count)
+                    def _():  # the next step's keys, waited for under this matmul
+                        plgpu.barrier_wait(k_bar.at[(step + stride) % stages])
+
+                if interpret:  # the interpreter starts no accumulator from registers
+
+                    def fresh(acc_ref):
+                        pv(acc_ref)
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(fresh, plgpu.ACC((LANES, dim), jnp.float32))
+                else:  # accumulate in place: no second accumulator, no add
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, total
 
@@ -531,11 +561,49 @@ def _attention(
                     visible &= pos >= 0
                 if window is not None:
                     visible &= query - pos < window
-                return jnp.where(visible, x, -jnp.inf)
+                return jnp.where(visible, x, jnp.array(-jnp.inf, x.dtype))
+
+            @pl.when(count > 0)
+            def _():  # the first step's keys (later ones are waited for under the previous P V)
+                plgpu.barrier_wait(k_bar.at[first % stages])
 
             if ping_pong:  # the second warpgroup starts a turn behind, the first ends one behind
                 pl.when(wg == 1)(take_turn)
-            acc, m, total = lax.fori_loop(0, count, visit, (acc, m, total))
+
+            def step_key(i):
+                step = first + i * stride
+                return (lo + step // sub) * block + step % sub * keys
+
+            def _plain_steps():
+                """[a, b): the steps that need neither the bias nor the mask (in-kernel prefill: their first key
+                slots key0 = base + i * keys increase with i; the left window edge masks the first steps, the
+                causal edge and the profile the last)."""
+                base = lo * block + first * keys
+                # key0 <= last_plain: no key past any query of the tile, every distance past the profile
+                last_plain = jnp.minimum(q_min - keys + 1, position0 - extent - keys + 1)
+                b = jnp.clip(lax.div(last_plain - base + stride * keys, stride * keys), 0, count)
+                b = jnp.where(last_plain >= base, b, 0)
+                if window is None:
+                    a = jnp.int32(0)
+                else:  # key0 > q_max - window: every key inside every query's window
+                    first_in = q_max - window + 1 - base
+                    a = jnp.clip(lax.div(jnp.maximum(first_in, 0) + stride * keys - 1, stride * keys), 0, count)
+                return a, jnp.maximum(a, b)
+
+            carry = (acc, m, total)
+            if ring or kv_parallel or not in_kernel:
+                carry = lax.fori_loop(0, count, visit, carry)
+            else:
+                a, b = _plain_steps()
+                carry = lax.fori_loop(0, a, visit, carry)
+                carry = lax.fori_loop(a, b, functools.partial(visit, plain=True), carry)
+
+                @pl.when((b > a) & (b < count) & profiled(step_key(b)))
+                def _():  # the plain steps prefetched no window: the first biased step's
+                    fetch(step_key(b))
+
+                carry = lax.fori_loop(b, count, visit, carry)
+            acc, m, total = carry
             if ping_pong:
                 pl.when(wg == 0)(take_turn)
             # a partial with neither keys nor the sink has total = acc = 0: any divisor keeps it 0
@@ -543,18 +611,51 @@ def _attention(
             if direct:  # zeros at padding queries, as `attend` returns them
                 r = plgpu.broadcasted_iota(jnp.int32, out.shape, 0, layout=plgpu.Layout.WGMMA)
                 out = jnp.where(lax.rem(row0, width) + r < last + 1 - first_q, out, 0.0)
-            q_smem.at[wg][...] = out.astype(dtype)
-            if partials > 1:
-                stat_smem.at[wg, 0][...] = m
-                stat_smem.at[wg, 1][...] = total
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], outs[0].at[part].at[q_here])
-            if partials > 1:
-                plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], outs[1].at[part, s, h, rows_here])
-                plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], outs[2].at[part, s, h, rows_here])
-            plgpu.wait_smem_to_gmem(0)
 
-    shape = (partials, slots, kv_heads, padded)
+            # a decode tile's rows all sit in its first `box`: only those are written
+            kept, out_here, stat_here = (
+                (pl.ds(0, box), (s, h), (s, h)) if flat else (pl.ds(0, LANES), q_here, (s, h, rows_here))
+            )
+
+            def store(out, m, total):
+                q_smem.at[wg][...] = out.astype(dtype)
+                if partials > 1:
+                    stat_smem.at[wg, 0][...] = m
+                    stat_smem.at[wg, 1][...] = total
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem.at[wg, kept], outs[0].at[split].at[out_here])
+                if partials > 1:
+                    plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0, kept], outs[1].at[split].at[stat_here])
+                    plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1, kept], outs[2].at[split].at[stat_here])
+                plgpu.wait_smem_to_gmem(0)
+
+            if not kv_parallel:
+                store(out, m, total)
+                return
+
+            @pl.when(wg == 1)  # hand its partial (over the odd steps) to the first warpgroup
+            def _():
+                q_smem.at[1][...] = out.astype(dtype)
+                stat_smem.at[1, 0][...] = m
+                stat_smem.at[1, 1][...] = total
+                plgpu.barrier_arrive(merge_bar)
+
+            @pl.when(wg == 0)  # one partial per CTA: the two softmaxes merged as the combine would
+            def _():
+                plgpu.barrier_wait(merge_bar)
+                other = plgpu.load(q_smem.at[1], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                m1, total1 = (plgpu.load(stat_smem.at[1, i], layout=row) for i in (0, 1))
+                top = jnp.maximum(m, m1)
+                w0, w1 = jnp.exp2(m - top) * total, jnp.exp2(m1 - top) * total1
+
+                def rows_times(x, w):
+                    return x * lax.broadcast_in_dim(w, x.shape, [0])
+
+                # a CTA with neither keys nor the sink has w0 = w1 = 0: any divisor keeps it 0
+                mixed = rows_times(rows_times(out, w0) + rows_times(other, w1), 1 / jnp.maximum(w0 + w1, 1e-30))
+                store(mixed, top, w0 + w1)
+
+    shape = (partials, slots, kv_heads, box if flat else padded)
     out_shape = (partials, *q.shape) if direct else (*shape, dim)
     out_type = [jax.ShapeDtypeStruct(out_shape, dtype)]  # each partial's own normalised output
     if partials > 1:
@@ -582,6 +683,7 @@ def _attention(
         plgpu.Barrier(num_arrivals=readers, num_barriers=stages),  # V (and bias) stage read
         plgpu.Barrier(num_barriers=2) if in_kernel else None,  # profile window landed
         plgpu.Barrier(num_arrivals=2) if ping_pong else None,  # the compute warpgroups' turns
+        plgpu.Barrier(num_barriers=1) if kv_parallel else None,  # the second warpgroup's partial handed over
     )
 
     def entry(*refs):
