@@ -12,6 +12,8 @@ dequantize block by block instead.
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.layouts import TpuWeight
+from pallas_kernels.moe.routing import combine, route
 from pallas_kernels.numerics import ragged_dot, round_to
 from pallas_kernels.quantized import QuantizedArray
 
@@ -35,8 +37,8 @@ def capped_swiglu(gate: jax.Array, up: jax.Array, gate_cap: float, up_cap: float
 
 def moe_experts(
     x: jax.Array,
-    gate_up: jax.Array | QuantizedArray,
-    down: jax.Array | QuantizedArray,
+    gate_up: jax.Array | QuantizedArray | TpuWeight,
+    down: jax.Array | QuantizedArray | TpuWeight,
     experts: jax.Array,
     weights: jax.Array,
     *,
@@ -47,24 +49,16 @@ def moe_experts(
     """Weighted sum of each token's experts, [N, H] accumulated in fp32 and rounded once to `out_dtype`
     (default: x's dtype).
 
-    x [N, H]; gate_up [E, 2I, H] (gate rows then up rows); down [E, H, I], plain or quantized;
+    x [N, H]; gate_up [E, 2I, H] (gate rows then up rows); down [E, H, I], plain or quantized (or laid out for
+    the TPU kernel);
     experts [N, k] int32 expert ids (ids outside [0, E) are dropped); weights [N, k] float32 routing weights.
     """
-    num_tokens, top_k = experts.shape
+    gate_up, down = (w.checkpoint_layout() if isinstance(w, TpuWeight) else w for w in (gate_up, down))
     gate_up, down = (w.dequantize(x.dtype) if isinstance(w, QuantizedArray) else w for w in (gate_up, down))
     num_experts, two_i, _ = gate_up.shape
-    kept = (experts >= 0) & (experts < num_experts)
-    flat_experts = jnp.where(kept, experts, num_experts).reshape(-1)
-    order = jnp.argsort(flat_experts)
-    token_of = order // top_k
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-
-    rows = x[token_of]
-    gate_up_out = ragged_dot(rows, round_to(gate_up, x.dtype), group_sizes, _GROUPED)
+    routing = route(experts, weights, num_experts)
+    rows = x[routing.token_of]
+    gate_up_out = ragged_dot(rows, round_to(gate_up, x.dtype), routing.group_sizes, _GROUPED)
     hidden = capped_swiglu(gate_up_out[:, : two_i // 2], gate_up_out[:, two_i // 2 :], gate_cap, up_cap)
-    out_rows = ragged_dot(hidden, round_to(down, x.dtype), group_sizes, _GROUPED)
-
-    # dropped copies sort last, past every group, and weigh nothing
-    weighted = out_rows.astype(jnp.float32) * jnp.where(kept, weights, 0.0).reshape(-1)[order][:, None]
-    out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(weighted)
-    return round_to(out, x.dtype if out_dtype is None else out_dtype)
+    out_rows = ragged_dot(hidden, round_to(down, x.dtype), routing.group_sizes, _GROUPED)
+    return combine(out_rows, routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype)

@@ -1,0 +1,105 @@
+"""Expert weights laid out for the TPU kernel: K in sublanes, N in lanes, packed once at load.
+
+The checkpoint (and `QuantizedArray`) keeps each expert matrix [E, N, K], quantized in blocks along K: the
+layout a GPU's K-major matmul operand wants. A TPU kernel wants N in the 128 lanes so that a block's one
+scale per column broadcasts down the sublanes of its K rows for free. `for_tpu` transposes once:
+
+- plain: [E, K, N] in its own dtype.
+- MXFP8: E4M3 data [E, K, N], E8M0 scale bytes [E, K / 32, N].
+- NVFP4: the codes of each 16-row scale block b split into two planes of 8 rows (p = 0: rows 16b ... 16b + 7,
+  p = 1: rows 16b + 8 ... 16b + 15), each plane's 8 codes packed into one uint32 (row 16b + 8p + j in bits
+  4j ... 4j + 3): data [E, 2, K / 16, N]; E4M3 block scales [E, K / 16, N]; the fp32 global scale as
+  [E, 1, N]. Decoding plane p's nibble j of every word gives rows k = 16b + 8p + j for all b at once, aligned
+  with the scale rows; the kernel contracts them against the activations' K axis permuted the same way
+  (`nvfp4_order`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import block_formats
+from pallas_kernels.numerics import round_to
+from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray
+
+PLAIN = "plain"
+PLANE_ROWS = 8  # E2M1 codes per uint32 word
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TpuWeight:
+    """An expert weight [E, N, K] stored as `for_tpu` lays it out (see the module docstring)."""
+
+    data: jax.Array
+    scales: jax.Array | None
+    global_scale: jax.Array | None
+    format: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape [E, N, K] of the weight before the transpose."""
+        if self.format == NVFP4:
+            experts, _, blocks, n = self.data.shape
+            return (experts, n, blocks * block_formats.NV_BLOCK)
+        experts, k, n = self.data.shape
+        return (experts, n, k)
+
+    def checkpoint_layout(self) -> jax.Array | QuantizedArray:
+        """The weight as `for_tpu` took it ([E, N, K], plain or quantized): its inverse."""
+        if self.format == PLAIN:
+            return jnp.swapaxes(self.data, 1, 2)
+        scales = jnp.swapaxes(self.scales, 1, 2)
+        if self.format == MXFP8:
+            return QuantizedArray(jnp.swapaxes(self.data, 1, 2), scales, None, MXFP8)
+        experts, _, blocks, n = self.data.shape
+        codes = jnp.stack([nvfp4_codes(self.data, j) for j in range(PLANE_ROWS)], axis=-1)  # [E, 2, K / 16, N, 8]
+        codes = jnp.transpose(codes, (0, 3, 2, 1, 4)).reshape(experts, n, blocks * 8, 2)  # [E, N, K / 2, 2]
+        packed = (codes[..., 0] | codes[..., 1] << 4).astype(jnp.uint8)
+        return QuantizedArray(packed, scales, jnp.swapaxes(self.global_scale, 1, 2), NVFP4)
+
+    def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """[E, K, N] values, computed as `QuantizedArray.dequantize` computes them."""
+        weight = self.checkpoint_layout()
+        values = weight.dequantize(dtype) if isinstance(weight, QuantizedArray) else round_to(weight, dtype)
+        return jnp.swapaxes(values, 1, 2)
+
+
+def nvfp4_codes(words: jax.Array, j: int) -> jax.Array:
+    """The E2M1 codes in bits 4j ... 4j + 3 of uint32 words."""
+    return (words >> (4 * j)) & 0xF
+
+
+def e2m1_value(codes: jax.Array) -> jax.Array:
+    """fp32 values of E2M1 codes (uint32), from their bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives."""
+    magnitude, sign = codes & 7, codes >> 3
+    mantissa = jnp.where(magnitude >= 2, magnitude & 1, 0)
+    bits = jnp.where(magnitude == 0, 0, ((magnitude >> 1) + 126) << 23 | mantissa << 22) | sign << 31
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+def nvfp4_order(k: int, chunk: int) -> np.ndarray:
+    """The permutation of a K axis that the NVFP4 kernel contracts over: within each chunk of `chunk` rows,
+    position (p * 8 + j) * (chunk / 16) + b holds row 16b + 8p + j of the chunk."""
+    blocks = chunk // block_formats.NV_BLOCK
+    local = np.arange(chunk).reshape(blocks, 2, PLANE_ROWS).transpose(1, 2, 0).reshape(-1)
+    return (np.arange(0, k, chunk)[:, None] + local[None, :]).reshape(-1)
+
+
+def for_tpu(weight: jax.Array | QuantizedArray) -> TpuWeight:
+    """An expert weight [E, N, K] (plain or quantized) in the TPU kernel's layout. Run once, at load."""
+    if not isinstance(weight, QuantizedArray):
+        return TpuWeight(jnp.swapaxes(weight, 1, 2), None, None, PLAIN)
+    if weight.format == MXFP8:
+        return TpuWeight(jnp.swapaxes(weight.data, 1, 2), jnp.swapaxes(weight.scales, 1, 2), None, MXFP8)
+    experts, n, half = weight.data.shape
+    packed = jnp.swapaxes(weight.data, 1, 2).astype(jnp.uint32)  # [E, K / 2, N]: byte i holds rows 2i, 2i + 1
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=2).reshape(experts, half // 8, 2, PLANE_ROWS, n)
+    words = sum(codes[:, :, :, j] << (4 * j) for j in range(PLANE_ROWS))  # [E, K / 16, 2, N]
+    global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
+    planes = jnp.moveaxis(words, 2, 1).astype(jnp.uint32)
+    return TpuWeight(planes, jnp.swapaxes(weight.scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)

@@ -1,0 +1,54 @@
+"""Token copies sorted by expert, and their weighted sum back into tokens: what every expert backend shares.
+
+Each of N tokens is routed to k experts: N * k copies. Sorting them by expert makes each expert's copies one
+contiguous group, so its weights meet all its copies in one grouped matmul. A copy routed to an id outside
+[0, E) belongs to no group (under expert parallelism, another shard's expert): it sorts after every group and
+adds nothing.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.numerics import round_to
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Copy j of token n is copy n * k + j; `order` lists them by expert (stable)."""
+
+    order: jax.Array  # [N * k] int32: the copies sorted by expert
+    token_of: jax.Array  # [N * k] int32: the token of each sorted copy
+    weight_of: jax.Array  # [N * k] float32: its routing weight (0 for a dropped copy)
+    kept: jax.Array  # [N * k] bool: whether it belongs to a group
+    group_sizes: jax.Array  # [E] int32: copies per expert
+
+
+def route(experts: jax.Array, weights: jax.Array, num_experts: int) -> Routing:
+    """experts [N, k] int32 ids, weights [N, k] float32 -> the copies sorted by expert."""
+    top_k = experts.shape[1]
+    kept = (experts >= 0) & (experts < num_experts)
+    flat = jnp.where(kept, experts, num_experts).reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    return Routing(
+        order=order,
+        token_of=order // top_k,
+        weight_of=jnp.where(kept, weights, 0.0).reshape(-1)[order].astype(jnp.float32),
+        kept=kept.reshape(-1)[order],
+        group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32),
+    )
+
+
+def group_offsets(routing: Routing) -> jax.Array:
+    """[E + 1] int32: expert e's copies are sorted rows offsets[e] ... offsets[e + 1] - 1."""
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(routing.group_sizes, dtype=jnp.int32)])
+
+
+def combine(rows: jax.Array, routing: Routing, num_tokens: int, out_dtype: jnp.dtype) -> jax.Array:
+    """sum_j w[n, j] * rows[copy (n, j)] in fp32, rounded once to out_dtype: [N, H] from the sorted copies'
+    expert outputs rows [N * k, H]. A dropped copy's row is never read (whatever it holds, even NaN)."""
+    weighted = jnp.where(routing.kept[:, None], rows.astype(jnp.float32) * routing.weight_of[:, None], 0.0)
+    out = jnp.zeros((num_tokens, rows.shape[-1]), jnp.float32).at[routing.token_of].add(weighted)
+    return round_to(out, out_dtype)

@@ -1,0 +1,271 @@
+"""Routed experts on TPU (Mosaic): two grouped matmuls over the token copies sorted by expert, the expert
+weights dequantized in VMEM, CHUNK rows of K at a time, right before the MXU takes them (never in HBM).
+
+The sorted copies are cut into tiles of TM rows. A "visit" is one (tile, expert) pair whose rows meet: an
+expert's copies are contiguous, so it visits one tile, or a few when its group crosses tile boundaries, and a
+tile holding several experts' copies is visited once per expert (megablox's grouped matmul). Visits walk the
+experts in order, so a tile's visits are consecutive grid steps: its output block stays in VMEM between them
+and each visit writes only its own rows. Padding visits repeat the last one's blocks (nothing is fetched
+again) and compute nothing.
+
+- gate_up: grid (N tiles of the I columns [parallel], visits): the tile's x rows [TM, H] stay resident over
+  its visits; a step reads the expert's gate and up columns [H, TN] each (the weight bytes of the chosen
+  experts, once per column tile), accumulates both products in fp32, rounds them to the activation dtype
+  (the reference's ragged_dot output), applies the softcapped SwiGLU in fp32 and rounds again.
+- down: grid (N tiles of the H columns [parallel], visits), the same over the hidden rows [TM, I]; its rows
+  rounded to the activation dtype.
+- XLA: the weighted sum of each token's copies (`routing.combine`).
+
+Decode (a few tokens: k copies each) reads each chosen expert's weights once, as long as its copies share a
+tile (TM covers up to 256 copies). Prefill (many copies per expert) reuses each dequantized chunk over the
+TM rows of a tile.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import block_formats
+from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, e2m1_value, nvfp4_codes, nvfp4_order
+from pallas_kernels.moe.reference import softcap
+from pallas_kernels.moe.routing import Routing, combine, group_offsets, route
+from pallas_kernels.quantized import MXFP8, NVFP4
+
+CHUNK = 256  # K rows dequantized per matmul: 8 MXFP8 scale rows, 16 NVFP4 scale rows (whole (8, 128) tiles)
+MAX_TM = 256  # copies per tile
+LANE_OPTIONS = (768, 512, 384, 256, 128)  # output columns per step, the widest that divides N and fits
+WEIGHT_BUFFER = 8 << 20  # bytes of one weight operand's block, double-buffered
+VMEM_LIMIT = 48 << 20  # v7x: 64 MiB per core
+
+
+def _rows_per_tile(copies: int) -> int:
+    """TM: all the copies in one tile up to MAX_TM (a decode step reads each expert once), 16-row aligned."""
+    return min(MAX_TM, -(-copies // 16) * 16)
+
+
+def _columns_per_step(n: int, k: int, itemsize: float) -> int:
+    """TN: the widest of LANE_OPTIONS that divides N and whose [K, TN] weight block fits WEIGHT_BUFFER."""
+    fitting = [tn for tn in LANE_OPTIONS if n % tn == 0 and k * tn * itemsize <= WEIGHT_BUFFER]
+    if not fitting:
+        raise ValueError(f"the TPU expert kernel needs N ({n}) to be a multiple of 128 (and K = {k} to fit VMEM)")
+    return fitting[0]
+
+
+def _visits(offsets: jax.Array, tm: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(expert [V], tile [V], number of real visits [1]) for the (tile, expert) pairs that share rows, in
+    expert order, padded to the static bound V = `count` by repeating the last real visit."""
+    sizes = offsets[1:] - offsets[:-1]
+    first, last = offsets[:-1] // tm, (offsets[1:] - 1) // tm
+    per_expert = jnp.where(sizes > 0, last - first + 1, 0)
+    ends = jnp.cumsum(per_expert)
+    real = ends[-1]
+    v = jnp.minimum(jnp.arange(count), jnp.maximum(real - 1, 0))  # padding visits repeat the last real one
+    expert = jnp.minimum(jnp.searchsorted(ends, v, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+    tile = (first[expert] + v - (ends[expert] - per_expert[expert])).astype(jnp.int32)
+    return expert, jnp.where(real > 0, tile, 0), real.reshape(1).astype(jnp.int32)
+
+
+OPERANDS = {PLAIN: 1, MXFP8: 2, NVFP4: 3}  # arrays per weight: data, scales, global scale
+
+
+def _weight_operands(w: TpuWeight) -> list[jax.Array]:
+    return [w.data, w.scales, w.global_scale][: OPERANDS[w.format]]
+
+
+def _weight_specs(w: TpuWeight, tn: int, column_block) -> list[pl.BlockSpec]:
+    """Blocks of expert e's K x TN column tile `column_block(n)` of each operand of w."""
+
+    def at(*lead):
+        return lambda n, v, expert, tile, offsets, real: (expert[v], *lead, column_block(n))
+
+    k = w.shape[2]
+    if w.format == PLAIN:
+        return [pl.BlockSpec((None, k, tn), at(0))]
+    if w.format == MXFP8:
+        return [pl.BlockSpec((None, k, tn), at(0)), pl.BlockSpec((None, k // block_formats.MX_BLOCK, tn), at(0))]
+    blocks = k // block_formats.NV_BLOCK
+    return [
+        pl.BlockSpec((None, 2, blocks, tn), at(0, 0)),
+        pl.BlockSpec((None, blocks, tn), at(0)),
+        pl.BlockSpec((None, 1, tn), at(0)),
+    ]
+
+
+def _scale_scratch(w: TpuWeight, tn: int) -> list[pltpu.VMEM]:
+    """The block's per-(K block, column) fp32 scales, decoded once per step."""
+    if w.format == PLAIN:
+        return []
+    block = block_formats.MX_BLOCK if w.format == MXFP8 else block_formats.NV_BLOCK
+    return [pltpu.VMEM((w.shape[2] // block, tn), jnp.float32)]
+
+
+def _decode_scales(fmt: str, refs, scratch) -> None:
+    """scratch = 2^(byte - 127) (MXFP8), or fp32(block scale) * global scale (NVFP4, the reference's order)."""
+    if fmt == MXFP8:
+        scratch[...] = block_formats.e8m0_value(refs[1][...].astype(jnp.uint32))
+    elif fmt == NVFP4:
+        scratch[...] = refs[1][...].astype(jnp.float32) * refs[2][...]
+
+
+def _chunk(fmt: str, refs, scratch, c, dtype: jnp.dtype) -> jax.Array:
+    """K rows c * CHUNK ... of the weight block, [CHUNK, TN] in `dtype`: each value computed in fp32 and rounded
+    once (NVFP4 rows in `nvfp4_order`)."""
+    rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
+    if fmt == PLAIN:
+        return refs[0][rows, :].astype(dtype)
+    if fmt == MXFP8:
+        per = CHUNK // block_formats.MX_BLOCK
+        values = refs[0][rows, :].astype(jnp.float32).reshape(per, block_formats.MX_BLOCK, -1)
+        scales = scratch[pl.ds(pl.multiple_of(c * per, per), per), :]
+        return (values * scales[:, None, :]).reshape(CHUNK, -1).astype(dtype)
+    per = CHUNK // block_formats.NV_BLOCK
+    words = refs[0][:, pl.ds(pl.multiple_of(c * per, per), per), :]  # [2, CHUNK / 16, TN]
+    scales = scratch[pl.ds(pl.multiple_of(c * per, per), per), :]
+    pieces = [e2m1_value(nvfp4_codes(words[p], j)) * scales for p in range(2) for j in range(PLANE_ROWS)]
+    return jnp.concatenate(pieces, axis=0).astype(dtype)
+
+
+def _matmul(x: jax.Array, w: jax.Array, widen: bool) -> jax.Array:
+    """x [M, C] @ w [C, TN], exact products accumulated in fp32 (`widen` for the CPU interpreter, whose bf16
+    dots round)."""
+    if widen:
+        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    return lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)  # fmt: skip
+
+
+def _in_group(tile_ref, expert_ref, offsets_ref, v, tm: int) -> jax.Array:
+    """[TM, 1]: which rows of visit v's tile are copies of its expert."""
+    rows = tile_ref[v] * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+    e = expert_ref[v]
+    return (rows >= offsets_ref[e]) & (rows < offsets_ref[e + 1])
+
+
+def _gate_up_kernel(expert_ref, tile_ref, offsets_ref, real_ref, x_ref, *refs, fmt, chunks, caps, widen):
+    count = OPERANDS[fmt]
+    gate_refs, up_refs = refs[:count], refs[count : 2 * count]
+    out_ref, *scratch = refs[2 * count :]
+    v = pl.program_id(1)
+
+    @pl.when(v < real_ref[0])
+    def _():
+        gate_scales, up_scales = (scratch[0], scratch[1]) if scratch else (None, None)
+        _decode_scales(fmt, gate_refs, gate_scales)
+        _decode_scales(fmt, up_refs, up_scales)
+
+        def step(c, accs):
+            x = x_ref[:, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
+            gate = _matmul(x, _chunk(fmt, gate_refs, gate_scales, c, x.dtype), widen)
+            up = _matmul(x, _chunk(fmt, up_refs, up_scales, c, x.dtype), widen)
+            return accs[0] + gate, accs[1] + up
+
+        tm, tn = out_ref.shape
+        zeros = jnp.zeros((tm, tn), jnp.float32)
+        gate, up = lax.fori_loop(0, chunks, step, (zeros, zeros))
+        # the reference's rounding of the projection, then its SwiGLU in fp32
+        gate, up = (y.astype(out_ref.dtype).astype(jnp.float32) for y in (gate, up))
+        hidden = softcap(gate, caps[0]) * jax.nn.sigmoid(gate) * softcap(up, caps[1])
+        in_group = _in_group(tile_ref, expert_ref, offsets_ref, v, tm)
+        out_ref[...] = jnp.where(in_group, hidden.astype(out_ref.dtype), out_ref[...])
+
+
+def _down_kernel(expert_ref, tile_ref, offsets_ref, real_ref, h_ref, *refs, fmt, chunks, widen):
+    count = OPERANDS[fmt]
+    weight_refs, (out_ref, *scratch) = refs[:count], refs[count:]
+    v = pl.program_id(1)
+
+    @pl.when(v < real_ref[0])
+    def _():
+        scales = scratch[0] if scratch else None
+        _decode_scales(fmt, weight_refs, scales)
+
+        def step(c, acc):
+            h = h_ref[:, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
+            return acc + _matmul(h, _chunk(fmt, weight_refs, scales, c, h.dtype), widen)
+
+        tm, tn = out_ref.shape
+        acc = lax.fori_loop(0, chunks, step, jnp.zeros((tm, tn), jnp.float32))
+        in_group = _in_group(tile_ref, expert_ref, offsets_ref, v, tm)
+        out_ref[...] = jnp.where(in_group, acc.astype(out_ref.dtype), out_ref[...])
+
+
+def _grouped(
+    kernel, rows: jax.Array, weights: list[TpuWeight], specs, n: int, tn: int, tm: int, plan, *,
+    interpret: pltpu.InterpretParams | None, **options,
+) -> jax.Array:  # fmt: skip
+    """One grouped matmul pallas_call over the visits: rows [Mp, K] (resident per tile) -> [Mp, N]."""
+    expert, tile, offsets, real = plan
+    k = rows.shape[1]
+    grid = (n // tn, expert.shape[0])
+    row_spec = pl.BlockSpec((tm, k), lambda n, v, expert, tile, offsets, real: (tile[v], 0))
+    out_spec = pl.BlockSpec((tm, tn), lambda n, v, expert, tile, offsets, real: (tile[v], n))
+    scratch = [s for w in weights for s in _scale_scratch(w, tn)]
+    operands = [x for w in weights for x in _weight_operands(w)]
+    return pl.pallas_call(
+        functools.partial(kernel, fmt=weights[0].format, chunks=k // CHUNK, widen=interpret is not None, **options),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=grid, in_specs=[row_spec, *specs], out_specs=out_spec, scratch_shapes=scratch
+        ),
+        out_shape=jax.ShapeDtypeStruct((rows.shape[0], n), rows.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
+        ),
+        interpret=False if interpret is None else interpret,
+    )(expert, tile, offsets, real, rows, *operands)
+
+
+def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight) -> None:
+    experts, two_i, hidden = gate_up.shape
+    if down.shape != (experts, hidden, two_i // 2) or x.shape[-1] != hidden:
+        raise ValueError(
+            f"expert shapes do not match: x [..., {x.shape[-1]}], gate_up {gate_up.shape}, down {down.shape}"
+            " (want [E, 2I, H] and [E, H, I])"
+        )
+    if hidden % CHUNK or (two_i // 2) % CHUNK:
+        raise ValueError(f"the TPU expert kernel needs H ({hidden}) and I ({two_i // 2}) to be multiples of {CHUNK}")
+    if gate_up.format != down.format:
+        raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}")
+
+
+def moe_experts(
+    x: jax.Array, gate_up: TpuWeight, down: TpuWeight, experts: jax.Array, weights: jax.Array, *,
+    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None,
+    interpret: pltpu.InterpretParams | None = None,
+) -> jax.Array:  # fmt: skip
+    """`reference.moe_experts`'s contract over weights laid out by `layouts.for_tpu` (`interpret`: run the
+    kernels in Pallas' TPU interpreter with these parameters)."""
+    _check(x, gate_up, down)
+    num_experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    routing: Routing = route(experts, weights, num_experts)
+    copies = routing.order.shape[0]
+    tm = _rows_per_tile(copies)
+    tiles = -(-copies // tm)
+    offsets = group_offsets(routing)
+    expert, tile, real = _visits(offsets, tm, tiles + min(num_experts, copies) - 1)
+    plan = (expert, tile, offsets, real)
+    itemsize = {PLAIN: gate_up.data.dtype.itemsize, MXFP8: 1, NVFP4: 0.5}[gate_up.format]
+
+    def rows_in_order(rows: jax.Array, k: int) -> jax.Array:  # [Mp, K], K in the order the weight's rows are
+        rows = jnp.pad(rows, ((0, tiles * tm - copies), (0, 0)))
+        return rows[:, nvfp4_order(k, CHUNK)] if gate_up.format == NVFP4 else rows
+
+    tn = _columns_per_step(inter, hidden, itemsize)
+    gate_up_specs = [
+        *_weight_specs(gate_up, tn, lambda n: n),
+        *_weight_specs(gate_up, tn, lambda n, blocks=inter // tn: n + blocks),
+    ]
+    hidden_rows = _grouped(
+        _gate_up_kernel, rows_in_order(x[routing.token_of], hidden), [gate_up, gate_up], gate_up_specs, inter, tn,
+        tm, plan, caps=(gate_cap, up_cap), interpret=interpret,
+    )  # fmt: skip
+    th = _columns_per_step(hidden, inter, itemsize)
+    out_rows = _grouped(
+        _down_kernel, rows_in_order(hidden_rows, inter), [down], _weight_specs(down, th, lambda n: n), hidden, th,
+        tm, plan, interpret=interpret,
+    )  # fmt: skip
+    return combine(out_rows[:copies], routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype)
