@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state, layout_for_budget
 from inkling_jax.model.draft import require_draft
+from inkling_jax.model.moe import lay_out_experts_for_tpu
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.sharding import DATA, MODEL, shard_model, state_shardings
@@ -70,6 +71,8 @@ class Engine:
         )
         layout = dataclasses.replace(replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas)
         with jax.set_mesh(mesh):
+            if jax.default_backend() == "tpu":  # the expert kernels' layout, made once here
+                lay_out_experts_for_tpu(model)
             self.graphdef, self.params = nnx.split(shard_model(model, mesh))
             draft = model.dspark.config if self.speculative else None  # its context pool only when speculating
             make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft)

@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec as P
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from inkling_jax.sharding import MODEL
-from pallas_kernels.moe import moe_experts
+from pallas_kernels.moe import TpuWeight, for_tpu, moe_experts
+from pallas_kernels.moe import tpu as moe_tpu
 from pallas_kernels.numerics import einsum, round_to
-from pallas_kernels.quantized import NVFP4, QuantizedArray, quantize
+from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 
 class Router(nnx.Module):
@@ -65,26 +66,57 @@ class QuantizedWeight(nnx.Module):
         return QuantizedArray(self.data[...], self.scales[...], global_scale, self.format)
 
 
+EXPERT_AXES = {"gate_up_proj": ("experts", "expert_mlp", "embed"), "down_proj": ("experts", "embed", "expert_mlp")}
+
+
+class TpuLaidOutWeight(nnx.Module):
+    """An expert weight [E, N, K] in the TPU kernels' layout (`pallas_kernels.moe.layouts`): K before N, each
+    array split over experts as the weight it was made from."""
+
+    def __init__(self, weight: TpuWeight, axes: tuple[str, str, str]):
+        experts, n, k = axes
+        self.format = weight.format
+        data_axes = (experts, None, k, n) if weight.format == NVFP4 else (experts, k, n)
+        self.data = nnx.Param(weight.data, out_sharding=data_axes, eager_sharding=False)
+        if weight.format in (MXFP8, NVFP4):
+            self.scales = nnx.Param(weight.scales, out_sharding=(experts, k, n), eager_sharding=False)
+        if weight.format == NVFP4:
+            self.global_scale = nnx.Param(weight.global_scale, out_sharding=(experts, None, n), eager_sharding=False)
+
+    def array(self) -> TpuWeight:
+        scales = self.scales[...] if self.format in (MXFP8, NVFP4) else None
+        global_scale = self.global_scale[...] if self.format == NVFP4 else None
+        return TpuWeight(self.data[...], scales, global_scale, self.format)
+
+
 class Experts(nnx.Module):
     """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I];
-    plain arrays in the model dtype, or quantized (`format` "mxfp8" / "nvfp4")."""
+    plain arrays in the model dtype, or quantized (`format` "mxfp8" / "nvfp4"); on TPU re-laid for its kernels."""
 
     def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype, format: str | None = None):
         experts, hidden, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         std = config.initializer_range
         shapes = {"gate_up_proj": (experts, 2 * inner, hidden), "down_proj": (experts, hidden, inner)}
-        axes = {"gate_up_proj": ("experts", "expert_mlp", "embed"), "down_proj": ("experts", "embed", "expert_mlp")}
         for name, shape in shapes.items():
             if format is None:
-                setattr(self, name, param(rngs, shape, axes[name], dtype, normal(std)))
+                setattr(self, name, param(rngs, shape, EXPERT_AXES[name], dtype, normal(std)))
             else:
-                setattr(self, name, QuantizedWeight(rngs, shape, axes[name], format, std))
+                setattr(self, name, QuantizedWeight(rngs, shape, EXPERT_AXES[name], format, std))
 
-    def weights(self) -> tuple[jax.Array | QuantizedArray, jax.Array | QuantizedArray]:
+    def weights(self) -> tuple[jax.Array | QuantizedArray | TpuWeight, ...]:
         """(gate_up, down) as the MoE op takes them."""
         return tuple(
-            w.array() if isinstance(w, QuantizedWeight) else w[...] for w in (self.gate_up_proj, self.down_proj)
+            w.array() if isinstance(w, QuantizedWeight | TpuLaidOutWeight) else w[...]
+            for w in (self.gate_up_proj, self.down_proj)
         )
+
+    def lay_out_for_tpu(self) -> None:
+        """Re-lay both weights for the TPU kernels (once, at load), where the kernels take their shapes."""
+        gate_up, down = self.weights()
+        if isinstance(gate_up, TpuWeight) or not moe_tpu.supports(*gate_up.shape[1:]):
+            return
+        for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+            setattr(self, name, TpuLaidOutWeight(jax.jit(for_tpu)(weight), EXPERT_AXES[name]))
 
 
 class SparseMoeBlock(nnx.Module):
@@ -133,3 +165,11 @@ def expert_parallel(run, mesh, x, gate_up, down, experts, weights) -> jax.Array:
         axis_names={MODEL},
         check_vma=False,  # the all-gather's result is replicated; the type check cannot see it
     )(x, gate_up, down, experts, weights)
+
+
+def lay_out_experts_for_tpu(model: nnx.Module) -> nnx.Module:
+    """`model` with every MoE layer's experts in the TPU kernels' layout (see `Experts.lay_out_for_tpu`)."""
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Experts):
+            module.lay_out_for_tpu()
+    return model

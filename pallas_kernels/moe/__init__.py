@@ -1,8 +1,8 @@
 """Routed-expert computation of a dropless top-k MoE: the entry point the model calls.
 
 `backend` picks "tpu" (the Mosaic TPU kernels, over weights laid out by `layouts.for_tpu` at load),
-"reference" (pure jnp under XLA) or "auto": the TPU kernels on TPU when the weights are laid out for them,
-the reference otherwise.
+"reference" (pure jnp under XLA) or "auto": the TPU kernels on TPU when the weights are laid out for them
+(and of a shape they take), the reference otherwise.
 """
 
 import jax
@@ -25,7 +25,8 @@ def moe_experts(
         raise ValueError(f"MoE backend {backend!r} is not one of {', '.join(BACKENDS)}")
     laid_out = isinstance(gate_up, TpuWeight) and isinstance(down, TpuWeight)
     if backend == "auto":
-        backend = "tpu" if jax.default_backend() == "tpu" and laid_out else "reference"
+        on_tpu = jax.default_backend() == "tpu" and laid_out and tpu.supports(*gate_up.shape[1:])
+        backend = "tpu" if on_tpu else "reference"
     options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype}
     if backend == "reference":
         return reference.moe_experts(x, gate_up, down, experts, weights, **options)

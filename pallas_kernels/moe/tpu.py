@@ -218,6 +218,11 @@ def _grouped(
     )(expert, tile, offsets, real, rows, *operands)
 
 
+def supports(two_i: int, hidden: int) -> bool:
+    """Whether the kernels take experts of gate_up [E, 2I, H] (I and H multiples of CHUNK)."""
+    return hidden % CHUNK == 0 and two_i % (2 * CHUNK) == 0
+
+
 def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight) -> None:
     experts, two_i, hidden = gate_up.shape
     if down.shape != (experts, hidden, two_i // 2) or x.shape[-1] != hidden:
@@ -225,7 +230,7 @@ def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight) -> None:
             f"expert shapes do not match: x [..., {x.shape[-1]}], gate_up {gate_up.shape}, down {down.shape}"
             " (want [E, 2I, H] and [E, H, I])"
         )
-    if hidden % CHUNK or (two_i // 2) % CHUNK:
+    if not supports(two_i, hidden):
         raise ValueError(f"the TPU expert kernel needs H ({hidden}) and I ({two_i // 2}) to be multiples of {CHUNK}")
     if gate_up.format != down.format:
         raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}")
