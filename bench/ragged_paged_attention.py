@@ -24,39 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from bench.timing import device_ms
 from pallas_kernels.ragged_paged_attention import implementation
 from pallas_kernels.ragged_paged_attention.reference import paged_keys
 
 HEADS, KV_HEADS, DIM, PAGE, D_REL, EXTENT = 48, 8, 128, 128, 16, 1024
 COPY_TB_S, BF16_TFLOP_S = 4.3, 800.0
 LAYERED_KV_BYTES = 1 << 34  # per-layer timing only up to this much KV over all layers (each has its own pool)
-
-
-def device_ms(fn, *args, repeats: int) -> tuple[float, float]:
-    """Median device time of fn(*args) in ms, all kernels and the longest one alone (CUPTI on GPU; wall
-    clock after a sync elsewhere, both the same)."""
-    jax.block_until_ready(fn(*args))
-    if jax.default_backend() == "gpu":
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, runs = profiler.measure(fn, aggregate=False, iterations=repeats)(*args)
-        totals = [sum(ms for _, ms in kernels) for kernels in runs]
-        longest = [max(ms for _, ms in kernels) for kernels in runs]
-        return statistics.median(totals), statistics.median(longest)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), statistics.median(times)
 
 
 def case(batch: int, context: int, width: int, seed: int) -> dict:

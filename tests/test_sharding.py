@@ -74,7 +74,8 @@ def assert_mesh_matches_one_device(model, spec, ids, prompt):
     assert continuation == greedy_continuation(model, prompt, 8)
 
 
-@pytest.mark.parametrize(("name", "spec"), [("tiny_text", "tp4"), ("tiny_text_mixed", "tp2"), ("tiny_text", "dp2tp2")])
+# quantized (mixed NVFP4 / MXFP8) experts under a mesh: the wide model's cases below
+@pytest.mark.parametrize(("name", "spec"), [("tiny_text", "tp4"), ("tiny_text", "dp2tp2")])
 def test_meshes_give_the_same_logits_and_greedy_continuation(reference, name, spec):
     ids = jnp.asarray(reference["input_ids"][None], jnp.int32)
     assert_mesh_matches_one_device(load_fixture(name), spec, ids, reference["greedy_prompt"].tolist())

@@ -41,7 +41,7 @@ DRAFT = {"num_hidden_layers": 1, "block_size": GAMMA, "target_layer_ids": [0, 1]
 SHARPEN = 15.0  # LM-head scale: random weights give near-uniform logits; this gives a peaked, varied law
 ANCHOR = 7  # every sampled sequence starts from this one token
 TEMPERATURES = (0.6, 1.0)
-SLOTS, ROUNDS = 4096, 98  # 98 x 4096 / 2 = 200,704 samples per temperature
+SLOTS, ROUNDS = 4096, 49  # 49 x 4096 / 2 = 100,352 samples per temperature
 ALPHA = 1e-3  # the correct step passes at this level (fixed seeds: the test is deterministic)
 
 
@@ -98,11 +98,9 @@ def first_two(engine: Engine, rounds: int, temperatures: tuple[float, ...]) -> d
                                         emit=everyone, speculate=everyone))  # fmt: skip
         first, second = engine.fetch(first), engine.fetch(second)
         assert np.all((first.count >= 1) & (first.count <= GAMMA + 1))
-        emitted = [
-            np.concatenate([first.tokens[s, : first.count[s]], second.tokens[s, : second.count[s]]])[:2]
-            for s in range(SLOTS)
-        ]
-        samples.append(np.stack(emitted))
+        # the first step emits at least one token: the second is its next one, or the second step's first
+        then = np.where(first.count >= 2, first.tokens[:, 1], second.tokens[:, 0])
+        samples.append(np.stack([first.tokens[:, 0], then], axis=1))
     samples = np.concatenate(samples)
     temperature = np.tile(by_slot, rounds)
     return {t: samples[temperature == t] for t in temperatures}
@@ -124,7 +122,7 @@ def test_the_step_samples_the_targets_joint_law(model):
     samples = first_two(engine_for(model), ROUNDS, TEMPERATURES)
     for temperature in TEMPERATURES:
         joint = exact_joint(model, temperature)
-        assert len(samples[temperature]) >= 200_000
+        assert len(samples[temperature]) >= 100_000
         statistic, p_value, dof = chi_square(samples[temperature], joint)
         print(f"T {temperature}: chi2 = {statistic:.1f}, dof {dof}, p = {p_value:.3g}")
         assert p_value > ALPHA
