@@ -46,7 +46,9 @@ def pages_for(tokens: int) -> int:
 
 
 class Engine:
-    """The step over `mesh`; create with `Engine.create`. Use it inside `with jax.set_mesh(engine.mesh)`."""
+    """The step over `mesh`; create with `Engine.create`. Use it inside `with jax.set_mesh(engine.mesh)`. On TPU
+    it re-lays the model's experts for the expert kernels, in place: save checkpoints from a model no engine
+    has taken."""
 
     def __init__(self, model: CausalLM, replica: CacheLayout, mesh: Mesh, num_top: int = 0, speculative: str = "none"):
         """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
@@ -71,7 +73,7 @@ class Engine:
         )
         layout = dataclasses.replace(replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas)
         with jax.set_mesh(mesh):
-            if jax.default_backend() == "tpu":  # the expert kernels' layout, made once here
+            if jax.default_backend() == "tpu":  # the expert kernels' layout, made once here (in the caller's model)
                 lay_out_experts_for_tpu(model)
             self.graphdef, self.params = nnx.split(shard_model(model, mesh))
             draft = model.dspark.config if self.speculative else None  # its context pool only when speculating

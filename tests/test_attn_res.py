@@ -11,7 +11,7 @@ from jax import export
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.attn_res import attn_res_norm, reference, tpu
+from pallas_kernels.attn_res import attn_res_norm, reference, tpu, xla
 
 EPS = 1e-5
 
@@ -81,6 +81,16 @@ def test_tpu_kernel_matches_the_reference(count, queries, shape, partial_dtype):
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)  # fp32 sums in another order: 1 bf16 ulp
 
 
+@pytest.mark.parametrize(("count", "queries"), [(0, 1), (3, 3), (8, 1)])
+def test_xla_formulation_matches_the_reference(count, queries):
+    x = case(20 + count, count, queries, (2, 7, 256), jnp.float32)
+    got = np.asarray(xla.attn_res_norm(**x, eps=EPS, out_dtype=jnp.float32))
+    want = np.asarray(reference.attn_res_norm(**x, eps=EPS, out_dtype=jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    rounded = xla.attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16)
+    assert rounded.dtype == jnp.bfloat16 and rounded.shape == (queries, 2, 7, 256)
+
+
 @pytest.mark.parametrize(("tokens", "queries"), [(64, 3), (4096, 1)])
 def test_tpu_kernel_lowers_at_production_shapes(tokens, queries):
     """Hidden 4608, 8 closed blocks + the partial (fp32), bf16 out, for TPU v7x."""
@@ -102,7 +112,7 @@ def test_entry_point_picks_a_backend():
     x = case(3, 2, 1, (4, 64), jnp.float32)
     want = reference.attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16)
     np.testing.assert_array_equal(attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16), want)  # reference on CPU
-    with pytest.raises(ValueError, match="backend 'triton' is not one of auto, reference, tpu"):
+    with pytest.raises(ValueError, match="backend 'triton' is not one of auto, reference, tpu, xla"):
         attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16, backend="triton")
 
 

@@ -1,6 +1,6 @@
 """The attention-residual mix fused with the RMSNorm after it (twice per layer, and once before the final norm):
-the entry point. `backend` picks "tpu" (Mosaic TPU), "reference" (pure jnp under XLA) or "auto": the TPU kernel
-on TPU, the reference elsewhere."""
+the entry point. `backend` picks "tpu" (Mosaic TPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the
+oracle) or "auto": the TPU kernel on TPU, the XLA formulation on GPU, the oracle on CPU."""
 
 import functools
 from collections.abc import Callable, Sequence
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.attn_res import reference, tpu
+from pallas_kernels.attn_res import reference, tpu, xla
 
-BACKENDS = ("auto", "reference", "tpu")
+BACKENDS = ("auto", "reference", "tpu", "xla")
 
 
 def attn_res_norm(
@@ -29,9 +29,10 @@ def attn_res_norm(
     if backend not in BACKENDS:
         raise ValueError(f"attention-residual backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "tpu" if jax.default_backend() == "tpu" else "reference"
-    if backend == "reference":
-        return reference.attn_res_norm(sources, partial, queries, norm_weights, eps=eps, out_dtype=out_dtype)
+        backend = {"tpu": "tpu", "gpu": "xla"}.get(jax.default_backend(), "reference")
+    if backend in ("reference", "xla"):
+        module = reference if backend == "reference" else xla
+        return module.attn_res_norm(sources, partial, queries, norm_weights, eps=eps, out_dtype=out_dtype)
     kernel = functools.partial(tpu.attn_res_norm, eps=eps, out_dtype=out_dtype)
     return per_device(kernel, sources, partial, queries, norm_weights)
 

@@ -50,7 +50,8 @@ class TpuWeight:
         return (experts, n, k)
 
     def checkpoint_layout(self) -> jax.Array | QuantizedArray:
-        """The weight as `for_tpu` took it ([E, N, K], plain or quantized): its inverse."""
+        """The weight as `for_tpu` took it ([E, N, K], plain or quantized; an NVFP4 global scale comes back
+        broadcast to [E, N, 1]): its inverse."""
         if self.format == PLAIN:
             return jnp.swapaxes(self.data, 1, 2)
         scales = jnp.swapaxes(self.scales, 1, 2)

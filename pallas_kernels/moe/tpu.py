@@ -104,7 +104,9 @@ def _scale_scratch(w: TpuWeight, tn: int) -> list[pltpu.VMEM]:
 
 
 def _decode_scales(fmt: str, refs, scratch) -> None:
-    """scratch = 2^(byte - 127) (MXFP8), or fp32(block scale) * global scale (NVFP4, the reference's order)."""
+    """scratch = 2^(byte - 127) (MXFP8), or fp32(block scale) * global scale (NVFP4, the reference's order).
+    (A TPU flushes fp32 subnormals: the MXFP8 scale byte 0, 2^-127, reads as 0 there. The encoder gives it only
+    to blocks whose largest value is below 2^-117.)"""
     if fmt == MXFP8:
         scratch[...] = block_formats.e8m0_value(refs[1][...].astype(jnp.uint32))
     elif fmt == NVFP4:
@@ -248,6 +250,8 @@ def moe_experts(
     inter = two_i // 2
     routing: Routing = route(experts, weights, num_experts)
     copies = routing.order.shape[0]
+    if copies == 0:
+        return jnp.zeros((experts.shape[0], hidden), x.dtype if out_dtype is None else out_dtype)
     tm = _rows_per_tile(copies)
     tiles = -(-copies // tm)
     offsets = group_offsets(routing)
@@ -256,7 +260,7 @@ def moe_experts(
     itemsize = {PLAIN: gate_up.data.dtype.itemsize, MXFP8: 1, NVFP4: 0.5}[gate_up.format]
 
     def rows_in_order(rows: jax.Array, k: int) -> jax.Array:  # [Mp, K], K in the order the weight's rows are
-        rows = jnp.pad(rows, ((0, tiles * tm - copies), (0, 0)))
+        rows = jnp.pad(rows, ((0, tiles * tm - rows.shape[0]), (0, 0)))
         return rows[:, nvfp4_order(k, CHUNK)] if gate_up.format == NVFP4 else rows
 
     tn = _columns_per_step(inter, hidden, itemsize)
