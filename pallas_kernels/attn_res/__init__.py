@@ -1,8 +1,10 @@
 """The attention-residual mix fused with the RMSNorm after it (twice per layer, and once before the final norm):
 the entry point. `backend` picks "tpu" (Mosaic TPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the
-oracle) or "auto": the TPU kernel on TPU, the XLA formulation on GPU, the oracle on CPU."""
+oracle) or "auto": the TPU kernel on TPU; on GPU the XLA formulation for prefill-sized calls and the oracle for
+decode-sized ones (measured on the H200, bench/results/README.md); the oracle on CPU."""
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -13,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.attn_res import reference, tpu, xla
 
 BACKENDS = ("auto", "reference", "tpu", "xla")
+XLA_FROM_TOKENS = 1024  # GPU: the XLA formulation from this many tokens (3x the oracle at 4096; slower at 64)
 
 
 def attn_res_norm(
@@ -29,7 +32,9 @@ def attn_res_norm(
     if backend not in BACKENDS:
         raise ValueError(f"attention-residual backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = {"tpu": "tpu", "gpu": "xla"}.get(jax.default_backend(), "reference")
+        platform, tokens = jax.default_backend(), math.prod(partial.shape[:-1])
+        gpu = "xla" if tokens >= XLA_FROM_TOKENS else "reference"
+        backend = {"tpu": "tpu", "gpu": gpu}.get(platform, "reference")
     if backend in ("reference", "xla"):
         module = reference if backend == "reference" else xla
         return module.attn_res_norm(sources, partial, queries, norm_weights, eps=eps, out_dtype=out_dtype)
