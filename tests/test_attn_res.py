@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
+from tpu_interpret import race_checked
 
 from pallas_kernels.attn_res import attn_res_norm, reference, tpu, xla
 
@@ -58,15 +58,7 @@ def test_reference_matches_the_definition(count, queries):
 
 def interpreted(**inputs) -> jax.Array:
     """The TPU kernel's output in interpret mode, failing on any race between its DMAs and compute."""
-    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait", uninitialized_memory="nan")
-    try:
-        with pltpu.force_tpu_interpret_mode(params):
-            out = jax.block_until_ready(tpu.attn_res_norm(**inputs, eps=EPS, out_dtype=jnp.bfloat16))
-    finally:
-        races = interpret_pallas_call.races
-        pltpu.reset_tpu_interpret_mode_state()
-    assert races is not None and not races.races_found
-    return out
+    return race_checked(lambda _: tpu.attn_res_norm(**inputs, eps=EPS, out_dtype=jnp.bfloat16))
 
 
 @pytest.mark.parametrize(

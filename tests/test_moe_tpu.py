@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
+from tpu_interpret import race_checked
 
 from pallas_kernels import block_formats
 from pallas_kernels.moe import for_tpu, moe_experts, reference, tpu
@@ -82,14 +82,7 @@ def test_visits_cover_every_copy_once(seed):
 
 def interpreted(*args, **kwargs) -> jax.Array:
     """The TPU kernels' output in interpret mode, failing on any race between their DMAs and compute."""
-    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait", uninitialized_memory="nan")
-    try:
-        out = jax.block_until_ready(tpu.moe_experts(*args, **kwargs, interpret=params))
-    finally:
-        races = interpret_pallas_call.races
-        pltpu.reset_tpu_interpret_mode_state()
-    assert races is not None and not races.races_found
-    return out
+    return race_checked(lambda params: tpu.moe_experts(*args, **kwargs, interpret=params))
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
 from test_ragged_paged_attention import DIM, MIXED, WIDTH, check, paged, random_case, rings, step_inputs
+from tpu_interpret import race_checked
 
 import pallas_kernels.ragged_paged_attention as ragged_paged_attention
 from pallas_kernels.ragged_paged_attention import reference, tpu
@@ -18,15 +18,7 @@ from pallas_kernels.ragged_paged_attention import reference, tpu
 
 def interpreted(**inputs) -> np.ndarray:
     """The kernel's output in interpret mode, failing on any race between its DMAs and compute."""
-    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait", uninitialized_memory="nan")
-    try:
-        with pltpu.force_tpu_interpret_mode(params):
-            out = np.asarray(tpu.ragged_paged_attention(**inputs, scale=DIM**-0.5))
-    finally:
-        races = interpret_pallas_call.races
-        pltpu.reset_tpu_interpret_mode_state()
-    assert races is not None and not races.races_found
-    return out
+    return np.asarray(race_checked(lambda _: tpu.ragged_paged_attention(**inputs, scale=DIM**-0.5)))
 
 
 def inputs(
