@@ -46,7 +46,7 @@ def stored(key: jax.Array, shape: tuple[int, int, int], fmt: str) -> jax.Array |
         data = jax.random.bits(keys[0], shape, jnp.uint8)
         data = jnp.where(data & 0x7F == 0x7F, data ^ 1, data)  # no NaN codes
         scales = jax.random.randint(keys[1], (*lead, k // 32), 112, 120).astype(jnp.uint8)
-        return QuantizedArray(data, scales, None, MXFP8)  # E4M3 bits kept as bytes: see `take`
+        return QuantizedArray(jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales, None, MXFP8)
     data = jax.random.bits(keys[0], (*lead, k // 2), jnp.uint8)
     scales = jax.random.randint(keys[1], (*lead, k // 16), 0x30, 0x50).astype(jnp.uint8)
     global_scale = jnp.full((shape[0], 1, 1), 1e-3, jnp.float32)
@@ -54,24 +54,13 @@ def stored(key: jax.Array, shape: tuple[int, int, int], fmt: str) -> jax.Array |
 
 
 def take(weight: jax.Array | QuantizedArray, ids: jax.Array) -> jax.Array | QuantizedArray:
-    """The experts `ids` of a stored weight, still stored; MXFP8 data is held as bytes and becomes E4M3 only after
-    the gather (on the GPU, XLA compiles a program taking the whole fp8 array into one allocating 30 GiB, the
-    array's size in fp32). The barrier keeps XLA from moving the gather after the dequantization (which would
-    dequantize every expert)."""
-    if not isinstance(weight, QuantizedArray):
-        return weight[ids]
-    return as_e4m3(jax.lax.optimization_barrier(jax.tree.map(lambda a: a[ids], weight)))
-
-
-def as_e4m3(weight: QuantizedArray) -> QuantizedArray:
-    """MXFP8 data held as bytes, as the E4M3 values the dequantization takes."""
-    if weight.format != MXFP8 or weight.data.dtype != jnp.uint8:
-        return weight
-    return QuantizedArray(jax.lax.bitcast_convert_type(weight.data, jnp.float8_e4m3fn), weight.scales, None, MXFP8)
+    """The experts `ids` of a stored weight, still stored; the barrier keeps XLA from moving the gather after
+    the dequantization (which would dequantize every expert)."""
+    return jax.lax.optimization_barrier(jax.tree.map(lambda a: a[ids], weight))
 
 
 def values(weight: jax.Array | QuantizedArray) -> jax.Array:
-    return as_e4m3(weight).dequantize(jnp.bfloat16) if isinstance(weight, QuantizedArray) else weight
+    return weight.dequantize(jnp.bfloat16) if isinstance(weight, QuantizedArray) else weight
 
 
 def gather_path(x, gate_up, down, experts, weights):

@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, e2m1_value, nvfp4_codes, nvfp4_order
 from pallas_kernels.moe.reference import softcap
-from pallas_kernels.moe.routing import Routing, combine, group_offsets, route
+from pallas_kernels.moe.routing import combine, group_offsets, route
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 CHUNK = 256  # K rows dequantized per matmul: 8 MXFP8 scale rows, 16 NVFP4 scale rows (whole (8, 128) tiles)
@@ -248,7 +248,7 @@ def moe_experts(
     _check(x, gate_up, down)
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
-    routing: Routing = route(experts, weights, num_experts)
+    routing = route(experts, weights, num_experts)
     copies = routing.order.shape[0]
     if copies == 0:
         return jnp.zeros((experts.shape[0], hidden), x.dtype if out_dtype is None else out_dtype)
