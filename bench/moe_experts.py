@@ -1,17 +1,20 @@
-"""Routed experts at Inkling 2 Small's full shapes (hidden 4608, intermediate 2304, 384 experts, top-8) on
-XLA's paths: the baselines an expert kernel is measured against.
+"""Routed experts at Inkling 2 Small's full shapes (hidden 4608, intermediate 2304, 384 experts, top-8): the
+Mosaic GPU expert kernels (`kernel`) side by side with XLA's paths.
 
     python -m bench.moe_experts [--tokens 1 8 64] [--prefill 4096] [--formats bf16 mxfp8 nvfp4]
         [--repeats 10] [--out FILE.json]
 
 Decode (a few tokens): memory-bound on the chosen experts' weights; reported as the distinct chosen experts'
-stored bytes per second against the H200's measured 4.3 TB/s copy bandwidth. `gather`: each copy's expert
+stored bytes per second against the H200's measured 4.3 TB/s copy bandwidth. `kernel`: `moe_experts` with
+backend "gpu" over the weights laid out by `for_gpu` (the whole call: routing, both grouped matmuls, the
+SwiGLU, the combine; `kernel_longest_ms` its longest kernel alone). `gather`: each copy's expert
 weights gathered in their stored format, dequantized in XLA and multiplied (a naive XLA path); `xla_read`: XLA
 reducing the same distinct experts' stored bytes, what one memory-bound kernel reaches at that size.
 Prefill (`--prefill` tokens): reported as useful TFLOP/s (2 * copies * 3 * H * I / time) against ~800 bf16.
 `padded`: every expert dequantized to bf16 in XLA, its copies gathered into a capacity-padded [E, C, H] batch
-(C = the largest group), two batched matmuls, the rows scattered back. Device time from CUPTI (every kernel
-of the call), median of `repeats`. Routing: each token's 8 distinct experts uniformly at random.
+(C = the largest group), two batched matmuls, the rows scattered back; `kernel` as for decode. Device time
+from CUPTI (every kernel of the call), median of `repeats`. Routing: each token's 8 distinct experts uniformly at
+random.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.timing import device_ms
+from pallas_kernels.moe import for_gpu, moe_experts
 from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import combine, route
 from pallas_kernels.numerics import round_to
@@ -36,6 +40,14 @@ CAPS = {"gate_cap": 4.0, "up_cap": 25.0}
 COPY_TB_S, BF16_TFLOP_S = 4.3, 800.0
 
 
+def random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint8 random bytes drawn as uint32 words (`random.bits` of uint8 would draw a uint32 per byte: 4x the
+    memory, 30 GiB for MXFP8 gate_up)."""
+    *lead, last = shape
+    words = jax.random.bits(key, (*lead, last // 4), jnp.uint32)
+    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
+
+
 def stored(key: jax.Array, shape: tuple[int, int, int], fmt: str) -> jax.Array | QuantizedArray:
     """Random expert weights [E, N, K] as stored: bf16 values, or well-formed quantized bytes."""
     keys = jax.random.split(key, 2)
@@ -43,11 +55,11 @@ def stored(key: jax.Array, shape: tuple[int, int, int], fmt: str) -> jax.Array |
         return (jax.random.normal(keys[0], shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
     *lead, k = shape
     if fmt == MXFP8:
-        data = jax.random.bits(keys[0], shape, jnp.uint8)
+        data = random_bytes(keys[0], shape)
         data = jnp.where(data & 0x7F == 0x7F, data ^ 1, data)  # no NaN codes
         scales = jax.random.randint(keys[1], (*lead, k // 32), 112, 120).astype(jnp.uint8)
         return QuantizedArray(jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales, None, MXFP8)
-    data = jax.random.bits(keys[0], (*lead, k // 2), jnp.uint8)
+    data = random_bytes(keys[0], (*lead, k // 2))
     scales = jax.random.randint(keys[1], (*lead, k // 16), 0x30, 0x50).astype(jnp.uint8)
     global_scale = jnp.full((shape[0], 1, 1), 1e-3, jnp.float32)
     return QuantizedArray(data, jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), global_scale, NVFP4)
@@ -142,6 +154,9 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
     gate_up = stored(keys[0], (num_experts, 2 * inter, hidden), fmt)
     down = stored(keys[1], (num_experts, hidden, inter), fmt)
     per_expert = (nbytes(gate_up) + nbytes(down)) // num_experts
+    laid = (jax.jit(for_gpu)(gate_up), jax.jit(for_gpu)(down)) if jax.default_backend() == "gpu" else None
+    kernel = jax.jit(lambda x, gate_up, down, experts, weights: moe_experts(
+        x, gate_up, down, experts, weights, **CAPS, backend="gpu"))  # fmt: skip
     for tokens in args.tokens:
         x, experts, weights = routing_case(tokens, tokens, num_experts, hidden)
         distinct = len(np.unique(np.asarray(experts)))
@@ -151,9 +166,12 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
             return sum(leaf[:d].astype(jnp.float32).max() for leaf in jax.tree.leaves((gate_up, down)))
 
         operands = (x, gate_up, down, experts, weights)
+        if laid:
+            row["kernel_ms"], row["kernel_longest_ms"] = device_ms(kernel, x, *laid, experts, weights,
+                                                                   repeats=args.repeats)  # fmt: skip
         row["gather_ms"] = device_ms(jax.jit(gather_path), *operands, repeats=args.repeats)[0]
         row["xla_read_ms"] = device_ms(jax.jit(read), gate_up, down, repeats=args.repeats)[0]
-        for name in ("gather", "xla_read"):
+        for name in ("kernel", "gather", "xla_read") if laid else ("gather", "xla_read"):
             row[f"{name}_pct_of_copy"] = 100 * row["bytes"] / row[f"{name}_ms"] / 1e9 / COPY_TB_S
         record("decode", row)
     for tokens in args.prefill:
@@ -162,6 +180,11 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
         flops = 2 * tokens * TOP_K * 3 * hidden * inter
         run = jax.jit(lambda *a, c=capacity: padded_path(*a, capacity=c))
         row = {"format": fmt, "tokens": tokens, "capacity": capacity, "flops": flops}
+        if laid:
+            row["kernel_ms"], row["kernel_longest_ms"] = device_ms(kernel, x, *laid, experts, weights,
+                                                                   repeats=args.repeats)  # fmt: skip
+            row["kernel_tflop_s"] = flops / row["kernel_ms"] / 1e9
+            row["kernel_pct_of_bf16"] = 100 * row["kernel_tflop_s"] / BF16_TFLOP_S
         row["padded_ms"] = device_ms(run, x, gate_up, down, experts, weights, repeats=args.repeats)[0]
         row["padded_tflop_s"] = flops / row["padded_ms"] / 1e9
         row["padded_pct_of_bf16"] = 100 * row["padded_tflop_s"] / BF16_TFLOP_S

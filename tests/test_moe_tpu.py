@@ -14,7 +14,7 @@ from tpu_interpret import race_checked
 from pallas_kernels import block_formats
 from pallas_kernels.moe import for_tpu, moe_experts, reference, tpu
 from pallas_kernels.moe.layouts import PLAIN, TpuWeight, e2m1_value
-from pallas_kernels.moe.routing import group_offsets, route
+from pallas_kernels.moe.routing import group_offsets, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 CAPS = {"gate_cap": 4.0, "up_cap": 25.0}
@@ -69,7 +69,7 @@ def test_visits_cover_every_copy_once(seed):
     copies = tokens * top_k
     tm = tpu._rows_per_tile(copies)
     count = -(-copies // tm) + min(experts, copies) - 1
-    expert, tile, real = (np.asarray(a) for a in tpu._visits(group_offsets(routing), tm, count))
+    expert, tile, real = (np.asarray(a) for a in visits(group_offsets(routing), tm, count))
     real = int(real[0])
     flat = np.asarray(ids).reshape(-1)
     group = np.sort(np.where((flat >= 0) & (flat < experts), flat, experts))

@@ -1,19 +1,20 @@
 """Routed-expert computation of a dropless top-k MoE: the entry point the model calls.
 
-`backend` picks "tpu" (the Mosaic TPU kernels, over weights laid out by `layouts.for_tpu` at load),
-"reference" (pure jnp under XLA) or "auto": the TPU kernels on TPU when the weights are laid out for them
-(and of a shape they take), the reference otherwise.
+`backend` picks "tpu" (the Mosaic TPU kernels, over weights laid out by `layouts.for_tpu` at load), "gpu"
+(the Mosaic GPU kernels, over weights laid out by `layouts.for_gpu`; in Mosaic GPU's interpreter on CPU),
+"reference" (pure jnp under XLA) or "auto": the kernels of the platform it runs on when the weights are laid
+out for them (and of a shape they take), the reference otherwise.
 """
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import reference, tpu
-from pallas_kernels.moe.layouts import TpuWeight, for_tpu
+from pallas_kernels.moe import gpu, reference, tpu
+from pallas_kernels.moe.layouts import GpuWeight, TpuWeight, for_gpu, for_tpu
 from pallas_kernels.quantized import QuantizedArray
 
-BACKENDS = ("auto", "reference", "tpu")
-Weight = jax.Array | QuantizedArray | TpuWeight
+BACKENDS = ("auto", "reference", "tpu", "gpu")
+Weight = jax.Array | QuantizedArray | TpuWeight | GpuWeight
 
 
 def moe_experts(
@@ -23,19 +24,28 @@ def moe_experts(
     """`reference.moe_experts`'s contract ([N, H]: each token's weighted sum over its experts), by `backend`."""
     if backend not in BACKENDS:
         raise ValueError(f"MoE backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    laid_out = isinstance(gate_up, TpuWeight) and isinstance(down, TpuWeight)
+    for_tpu_kernels = isinstance(gate_up, TpuWeight) and isinstance(down, TpuWeight)
+    for_gpu_kernels = isinstance(gate_up, GpuWeight) and isinstance(down, GpuWeight)
     if backend == "auto":
-        on_tpu = jax.default_backend() == "tpu" and laid_out and tpu.supports(*gate_up.shape[1:])
-        backend = "tpu" if on_tpu else "reference"
+        platform = jax.default_backend()
+        if platform == "tpu" and for_tpu_kernels and tpu.supports(*gate_up.shape[1:]):
+            backend = "tpu"
+        elif platform == "gpu" and for_gpu_kernels and gpu.supports(*gate_up.shape[1:], gate_up.format):
+            backend = "gpu"
+        else:
+            backend = "reference"
     options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype}
     if backend == "reference":
         return reference.moe_experts(x, gate_up, down, experts, weights, **options)
+    laid_out, layout = (for_tpu_kernels, "for_tpu") if backend == "tpu" else (for_gpu_kernels, "for_gpu")
     if not laid_out:
         raise ValueError(
-            "the TPU expert kernels take weights laid out by pallas_kernels.moe.layouts.for_tpu (once, at load);"
-            f" got {type(gate_up).__name__} and {type(down).__name__}"
+            f"the {backend.upper()} expert kernels take weights laid out by pallas_kernels.moe.layouts.{layout}"
+            f" (once, at load); got {type(gate_up).__name__} and {type(down).__name__}"
         )
-    return tpu.moe_experts(x, gate_up, down, experts, weights, **options)
+    if backend == "tpu":
+        return tpu.moe_experts(x, gate_up, down, experts, weights, **options)
+    return gpu.moe_experts(x, gate_up, down, experts, weights, **options, interpret=jax.default_backend() == "cpu")
 
 
-__all__ = ["BACKENDS", "TpuWeight", "for_tpu", "moe_experts"]
+__all__ = ["BACKENDS", "GpuWeight", "TpuWeight", "for_gpu", "for_tpu", "moe_experts"]

@@ -104,3 +104,64 @@ def for_tpu(weight: jax.Array | QuantizedArray) -> TpuWeight:
     global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
     planes = jnp.moveaxis(words, 2, 1).astype(jnp.uint32)
     return TpuWeight(planes, jnp.swapaxes(weight.scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
+
+
+MX_SCALE_MAX_GPU = 134  # the GPU kernel's bf16 factor 2^(byte - 7) needs byte - 7 <= 127
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GpuWeight:
+    """An expert weight [E, N, K] as `for_gpu` lays it out: the data in the checkpoint's [E, N, K] rows (K-major,
+    as wgmma's operands want), the block scales transposed to [E, K / block, N] (a TMA box of 128 rows' scales
+    is then one contiguous run), an NVFP4 global scale as [E, 1, N].
+
+    plain: data [E, N, K]. MXFP8: E4M3 bytes uint8 [E, N, K], E8M0 bytes [E, K / 32, N]. NVFP4: uint8
+    [E, N, K / 2] whose byte j of each 32-byte group g holds the codes of K index 64g + j (low nibble) and
+    64g + 32 + j (high nibble), so that a group's low and high nibbles are each two whole scale blocks; E4M3
+    block scale bytes [E, K / 16, N]; fp32 global scale [E, 1, N].
+    """
+
+    data: jax.Array
+    scales: jax.Array | None
+    global_scale: jax.Array | None
+    format: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape [E, N, K]."""
+        experts, n, k = self.data.shape
+        return (experts, n, 2 * k if self.format == NVFP4 else k)
+
+    def checkpoint_layout(self) -> jax.Array | QuantizedArray:
+        """The weight as `for_gpu` took it (an NVFP4 global scale comes back broadcast to [E, N, 1])."""
+        if self.format == PLAIN:
+            return self.data
+        scales = jnp.swapaxes(self.scales, 1, 2)
+        if self.format == MXFP8:
+            return QuantizedArray(jax.lax.bitcast_convert_type(self.data, jnp.float8_e4m3fn), scales, None, MXFP8)
+        experts, n, half = self.data.shape
+        groups = self.data.reshape(experts, n, half // 32, 32)
+        codes = jnp.concatenate([groups & 0xF, groups >> 4], axis=-1).reshape(experts, n, half, 2)
+        packed = (codes[..., 0] | codes[..., 1] << 4).astype(jnp.uint8)
+        e4m3 = jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
+        return QuantizedArray(packed, e4m3, jnp.swapaxes(self.global_scale, 1, 2), NVFP4)
+
+
+def for_gpu(weight: jax.Array | QuantizedArray) -> GpuWeight:
+    """An expert weight [E, N, K] (plain or quantized) in the GPU kernel's layout. Run once, at load."""
+    if not isinstance(weight, QuantizedArray):
+        return GpuWeight(weight, None, None, PLAIN)
+    scales = jnp.swapaxes(jax.lax.bitcast_convert_type(weight.scales, jnp.uint8), 1, 2)
+    if weight.format == MXFP8:
+        if not isinstance(weight.scales, jax.core.Tracer) and int(jnp.max(weight.scales)) > MX_SCALE_MAX_GPU:
+            raise ValueError(
+                f"MXFP8 scale byte {int(jnp.max(weight.scales))} (2^{int(jnp.max(weight.scales)) - 127}) is above"
+                f" what the GPU expert kernel takes ({MX_SCALE_MAX_GPU}: blocks whose largest value is below 2^16)"
+            )
+        return GpuWeight(jax.lax.bitcast_convert_type(weight.data, jnp.uint8), scales, None, MXFP8)
+    experts, n, half = weight.data.shape
+    codes = jnp.stack([weight.data & 0xF, weight.data >> 4], axis=-1).reshape(experts, n, half // 32, 2, 32)
+    packed = (codes[:, :, :, 0] | codes[:, :, :, 1] << 4).astype(jnp.uint8).reshape(experts, n, half)
+    global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
+    return GpuWeight(packed, scales, jnp.swapaxes(global_scale, 1, 2), NVFP4)

@@ -12,7 +12,7 @@ dequantize block by block instead.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.layouts import TpuWeight
+from pallas_kernels.moe.layouts import GpuWeight, TpuWeight
 from pallas_kernels.moe.routing import combine, route
 from pallas_kernels.numerics import ragged_dot, round_to
 from pallas_kernels.quantized import QuantizedArray
@@ -37,8 +37,8 @@ def capped_swiglu(gate: jax.Array, up: jax.Array, gate_cap: float, up_cap: float
 
 def moe_experts(
     x: jax.Array,
-    gate_up: jax.Array | QuantizedArray | TpuWeight,
-    down: jax.Array | QuantizedArray | TpuWeight,
+    gate_up: jax.Array | QuantizedArray | TpuWeight | GpuWeight,
+    down: jax.Array | QuantizedArray | TpuWeight | GpuWeight,
     experts: jax.Array,
     weights: jax.Array,
     *,
@@ -50,10 +50,10 @@ def moe_experts(
     (default: x's dtype).
 
     x [N, H]; gate_up [E, 2I, H] (gate rows then up rows); down [E, H, I], plain or quantized (or laid out for
-    the TPU kernel);
+    a kernel);
     experts [N, k] int32 expert ids (ids outside [0, E) are dropped); weights [N, k] float32 routing weights.
     """
-    gate_up, down = (w.checkpoint_layout() if isinstance(w, TpuWeight) else w for w in (gate_up, down))
+    gate_up, down = (w.checkpoint_layout() if isinstance(w, TpuWeight | GpuWeight) else w for w in (gate_up, down))
     gate_up, down = (w.dequantize(x.dtype) if isinstance(w, QuantizedArray) else w for w in (gate_up, down))
     num_experts, two_i, _ = gate_up.shape
     routing = route(experts, weights, num_experts)

@@ -52,3 +52,17 @@ def combine(rows: jax.Array, routing: Routing, num_tokens: int, out_dtype: jnp.d
     weighted = jnp.where(routing.kept[:, None], rows.astype(jnp.float32) * routing.weight_of[:, None], 0.0)
     out = jnp.zeros((num_tokens, rows.shape[-1]), jnp.float32).at[routing.token_of].add(weighted)
     return round_to(out, out_dtype)
+
+
+def visits(offsets: jax.Array, tm: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(expert [V], tile [V], number of real visits [1]) for the (tile, expert) pairs that share rows, in
+    expert order, padded to the static bound V = `count` by repeating the last real visit."""
+    sizes = offsets[1:] - offsets[:-1]
+    first, last = offsets[:-1] // tm, (offsets[1:] - 1) // tm
+    per_expert = jnp.where(sizes > 0, last - first + 1, 0)
+    ends = jnp.cumsum(per_expert)
+    real = ends[-1]
+    v = jnp.minimum(jnp.arange(count), jnp.maximum(real - 1, 0))  # padding visits repeat the last real one
+    expert = jnp.minimum(jnp.searchsorted(ends, v, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+    tile = (first[expert] + v - (ends[expert] - per_expert[expert])).astype(jnp.int32)
+    return expert, jnp.where(real > 0, tile, 0), real.reshape(1).astype(jnp.int32)

@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, e2m1_value, nvfp4_codes, nvfp4_order
 from pallas_kernels.moe.reference import softcap
-from pallas_kernels.moe.routing import combine, group_offsets, route
+from pallas_kernels.moe.routing import combine, group_offsets, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 CHUNK = 256  # K rows dequantized per matmul: 8 MXFP8 scale rows, 16 NVFP4 scale rows (whole (8, 128) tiles)
@@ -53,20 +53,6 @@ def _columns_per_step(n: int, k: int, itemsize: float) -> int:
     if not fitting:
         raise ValueError(f"the TPU expert kernel needs N ({n}) to be a multiple of 128 (and K = {k} to fit VMEM)")
     return fitting[0]
-
-
-def _visits(offsets: jax.Array, tm: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(expert [V], tile [V], number of real visits [1]) for the (tile, expert) pairs that share rows, in
-    expert order, padded to the static bound V = `count` by repeating the last real visit."""
-    sizes = offsets[1:] - offsets[:-1]
-    first, last = offsets[:-1] // tm, (offsets[1:] - 1) // tm
-    per_expert = jnp.where(sizes > 0, last - first + 1, 0)
-    ends = jnp.cumsum(per_expert)
-    real = ends[-1]
-    v = jnp.minimum(jnp.arange(count), jnp.maximum(real - 1, 0))  # padding visits repeat the last real one
-    expert = jnp.minimum(jnp.searchsorted(ends, v, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
-    tile = (first[expert] + v - (ends[expert] - per_expert[expert])).astype(jnp.int32)
-    return expert, jnp.where(real > 0, tile, 0), real.reshape(1).astype(jnp.int32)
 
 
 OPERANDS = {PLAIN: 1, MXFP8: 2, NVFP4: 3}  # arrays per weight: data, scales, global scale
@@ -255,7 +241,7 @@ def moe_experts(
     tm = _rows_per_tile(copies)
     tiles = -(-copies // tm)
     offsets = group_offsets(routing)
-    expert, tile, real = _visits(offsets, tm, tiles + min(num_experts, copies) - 1)
+    expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
     plan = (expert, tile, offsets, real)
     itemsize = {PLAIN: gate_up.data.dtype.itemsize, MXFP8: 1, NVFP4: 0.5}[gate_up.format]
 

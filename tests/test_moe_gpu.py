@@ -1,0 +1,172 @@
+"""The Mosaic GPU expert kernels against the oracle: the GPU layout's round trip, every stored value decoded
+exactly (identity activations read the dequantized weight back through the whole kernel: TMA, decode, wgmma,
+transposed ladder stores), the routed experts of random tokens (decode tiles, several tiles, split K, expert
+parallelism's dropped ids and fp32 partials), bad input, and lowering for CUDA at the production shapes. On
+an H200 everything is compiled; on CPU the kernels run in Mosaic GPU's interpreter (conftest's 8 host devices),
+at smaller sizes, with values kept out of fp32's subnormal range (XLA:CPU flushes it; the H200 run covers it).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import block_formats
+from pallas_kernels.moe import gpu, moe_experts, reference
+from pallas_kernels.moe.layouts import PLAIN, GpuWeight, for_gpu
+from pallas_kernels.moe.routing import visits
+from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
+
+CPU = jax.default_backend() == "cpu"
+EXPERTS, HIDDEN, INTER = (4, 512, 256) if CPU else (16, 1024, 512)
+CAPS = {"gate_cap": 4.0, "up_cap": 25.0}
+FORMATS = (PLAIN, MXFP8, NVFP4)
+
+
+def expert_weight(key: jax.Array, shape: tuple[int, int, int], fmt: str) -> jax.Array | QuantizedArray:
+    values = jax.random.normal(key, shape, jnp.float32) * 0.05
+    return values.astype(jnp.bfloat16) if fmt == PLAIN else quantize(values, fmt)
+
+
+def every_value(key: jax.Array, n: int, k: int, fmt: str) -> jax.Array | QuantizedArray:
+    """A weight [1, N, K] holding every stored byte (every E4M3 value but NaN, every pair of E2M1 codes), under
+    random scales over the range the kernel takes (on CPU: values that stay fp32-normal)."""
+    keys = jax.random.split(key, 3)
+    if fmt == PLAIN:
+        bits = jax.random.bits(keys[0], (1, n, k), jnp.uint16)
+        bits = jnp.where((bits & 0x7F80) == 0x7F80, bits & 0x807F, bits)  # no inf / NaN; subnormals kept
+        if CPU:
+            bits = (bits & 0x807F) | 0x3F00
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    if fmt == MXFP8:
+        data = jax.random.permutation(keys[0], jnp.resize(jnp.arange(256, dtype=jnp.uint8), n * k)).reshape(1, n, k)
+        data = jnp.where((data & 0x7F) == 0x7F, data ^ 1, data)
+        low = 40 if CPU else 0
+        scales = jax.random.randint(keys[1], (1, n, k // 32), low, 135).astype(jnp.uint8)
+        scales = scales.at[0, 0, :2].set(jnp.array([low, 134], jnp.uint8))
+        return QuantizedArray(jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales, None, MXFP8)
+    data = jax.random.permutation(keys[0], jnp.resize(jnp.arange(256, dtype=jnp.uint8), n * k // 2))
+    scales = jax.random.randint(keys[1], (1, n, k // 16), 1, 0x7F).astype(jnp.uint8)  # every finite positive E4M3
+    global_scale = jnp.exp2(jax.random.uniform(keys[2], (1, 1, 1), minval=-12.0, maxval=4.0))
+    e4m3 = jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
+    return QuantizedArray(data.reshape(1, n, k // 2), e4m3, global_scale.astype(jnp.float32), NVFP4)
+
+
+def assert_same_values(got: jax.Array, want: jax.Array) -> None:
+    """Equal bf16 values (the same bits but for a zero's sign: a sum of products of -0 is +0)."""
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_layout_round_trip(fmt):
+    weight = every_value(jax.random.key(1), 128, 256, fmt)
+    laid = for_gpu(weight)
+    assert laid.shape == weight.shape
+    back = laid.checkpoint_layout()
+    if fmt == NVFP4:  # the global scale comes back broadcast over the rows
+        broadcast = jnp.broadcast_to(weight.global_scale, (*weight.shape[:2], 1))
+        weight = QuantizedArray(weight.data, weight.scales, broadcast, NVFP4)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(weight), strict=True):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_value_decodes_exactly(fmt):
+    """Identity rows times w^T is w: the kernel's weight values, bit for bit the oracle's."""
+    n, k = (128, 256) if CPU else (256, 1024)
+    weight = every_value(jax.random.key(2), n, k, fmt)
+    rows = jnp.eye(k, dtype=jnp.bfloat16)
+    offsets = jnp.array([0, k], jnp.int32)
+    tm = gpu.MAX_TM
+    plan = visits(offsets, tm, k // tm)
+    got = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, offsets, plan, tm=tm, interpret=CPU))(rows, for_gpu(weight))
+    want = weight.dequantize(jnp.bfloat16) if isinstance(weight, QuantizedArray) else weight
+    assert_same_values(got, want[0].T)
+
+
+def routed_case(seed: int, tokens: int, top_k: int, fmt: str, foreign: bool = False):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (tokens, HIDDEN), jnp.float32).astype(jnp.bfloat16)
+    gate_up = expert_weight(keys[1], (EXPERTS, 2 * INTER, HIDDEN), fmt)
+    down = expert_weight(keys[2], (EXPERTS, HIDDEN, INTER), fmt)
+    scores = jax.random.uniform(keys[3], (tokens, EXPERTS + (2 if foreign else 0)))
+    experts = jnp.argsort(scores, axis=1)[:, :top_k].astype(jnp.int32) - (1 if foreign else 0)  # foreign: -1, E
+    weights = jax.random.uniform(keys[4], (tokens, top_k), minval=0.05, maxval=0.5)
+    return x, gate_up, down, experts, weights
+
+
+def assert_close_to_oracle(got: jax.Array, want: jax.Array) -> None:
+    """Within a bf16 rounding of the oracle; on CPU (the same accumulation in fp32) mostly identical."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = np.abs(want).max()
+    assert scale > 0
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * scale)
+    assert (got == want).mean() > (0.99 if CPU else 0.5)
+
+
+CASES = [  # (format, tokens, top_k, foreign ids + fp32 out)
+    (MXFP8, 5, 2, False),  # one decode tile
+    (NVFP4, 3, 4, True),  # expert parallelism: ids of other shards dropped, fp32 partial sums
+    (PLAIN, 1, 2, False),  # K split over CTAs
+] + ([] if CPU else [(MXFP8, 64, 8, False), (NVFP4, 40, 8, False), (PLAIN, 9, 8, True)])  # several tiles
+
+
+@pytest.mark.parametrize("fmt, tokens, top_k, foreign", CASES)
+def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign):
+    x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, foreign)
+    out_dtype = jnp.float32 if foreign else None
+    want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS, out_dtype=out_dtype)
+    laid = (for_gpu(gate_up), for_gpu(down))
+    got = jax.jit(lambda *a: moe_experts(*a, **CAPS, out_dtype=out_dtype, backend="gpu"))(x, *laid, experts, weights)
+    assert got.dtype == want.dtype
+    assert_close_to_oracle(got, want)
+
+
+def test_all_copies_dropped_gives_zeros():
+    x, gate_up, down, experts, weights = routed_case(0, 2, 2, MXFP8)
+    got = moe_experts(x, for_gpu(gate_up), for_gpu(down), experts + EXPERTS, weights, **CAPS, backend="gpu")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), 0.0)
+
+
+def test_bad_input_is_named():
+    x, gate_up, down, experts, weights = routed_case(0, 2, 2, MXFP8)
+    laid_up, laid_down = for_gpu(gate_up), for_gpu(down)
+    with pytest.raises(ValueError, match="do not match"):
+        gpu.moe_experts(x, laid_up, laid_up, experts, weights, **CAPS)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        gpu.moe_experts(x.astype(jnp.float32), laid_up, laid_down, experts, weights, **CAPS)
+    with pytest.raises(ValueError, match="gate_up is mxfp8 but down is plain"):
+        gpu.moe_experts(x, laid_up, for_gpu(down.dequantize(jnp.bfloat16)), experts, weights, **CAPS)
+    with pytest.raises(ValueError, match="for_gpu"):
+        moe_experts(x, gate_up, down, experts, weights, **CAPS, backend="gpu")
+    too_large = QuantizedArray(gate_up.data, gate_up.scales.at[0, 0, 0].set(140), None, MXFP8)
+    with pytest.raises(ValueError, match="scale byte 140"):
+        for_gpu(too_large)
+
+
+def abstract_weight(fmt: str, experts: int, n: int, k: int) -> GpuWeight:
+    spec = jax.ShapeDtypeStruct
+    if fmt == PLAIN:
+        return GpuWeight(spec((experts, n, k), jnp.bfloat16), None, None, PLAIN)
+    if fmt == MXFP8:
+        return GpuWeight(spec((experts, n, k), jnp.uint8), spec((experts, k // 32, n), jnp.uint8), None, MXFP8)
+    blocks = k // block_formats.NV_BLOCK
+    scales, global_scale = spec((experts, blocks, n), jnp.uint8), spec((experts, 1, n), jnp.float32)
+    return GpuWeight(spec((experts, n, k // 2), jnp.uint8), scales, global_scale, NVFP4)
+
+
+@pytest.mark.parametrize("fmt, tokens, experts", [(PLAIN, 8, 384), (MXFP8, 1, 384), (MXFP8, 4096, 384),
+                                                  (NVFP4, 64, 384), (NVFP4, 8, 48)])  # fmt: skip
+def test_lowers_for_cuda_at_production_shapes(fmt, tokens, experts):
+    hidden, inter = 4608, 2304
+    args = (
+        jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16),
+        abstract_weight(fmt, experts, 2 * inter, hidden),
+        abstract_weight(fmt, experts, hidden, inter),
+        jax.ShapeDtypeStruct((tokens, 8), jnp.int32),
+        jax.ShapeDtypeStruct((tokens, 8), jnp.float32),
+    )
+    run = jax.jit(lambda *a: gpu.moe_experts(*a, **CAPS))
+    lowered = export.export(run, platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in lowered.mlir_module()
