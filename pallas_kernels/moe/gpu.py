@@ -23,30 +23,39 @@ reference's values bit for bit. (In Mosaic GPU's interpreter, whose XLA:CPU flus
 are decoded through float conversions instead, and the wgmma takes them from SMEM.)
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import block_formats
-from pallas_kernels.moe.layouts import PLAIN, GpuWeight
+from pallas_kernels.moe.layouts import PLAIN, GpuWeight, e2m1_value
 from pallas_kernels.moe.reference import capped_swiglu
-from pallas_kernels.moe.routing import combine, group_offsets, route, visits
+from pallas_kernels.moe.routing import Routing, combine, group_offsets, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 ROWS = 128  # weight rows per CTA: two compute warpgroups of 64 (the wgmma M tile)
 LANES = 64
-MAX_TM = 64  # copies per tile (wgmma N)
+SHARED_TM = 64  # decode: copies per tile, several experts' groups sharing a tile
+OWN_TM = 128  # prefill: rows per tile, each expert's group padded to whole tiles of its own
+OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get tiles of their own
 SMS = 132  # H200 multiprocessors
-SMEM_BYTES = 200 * 1024  # the ring's budget (of 227 KB), leaving room for the epilogue's staging
+SMEM_BYTES = 232448  # per-block shared memory on sm90
 MIN_CTAS = 4 * SMS  # K is split until the (visit, column tile) pairs reach this
 BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (NVFP4: 32 bytes a row)
 
 
-def _step_k(fmt: str, k: int) -> int:
-    """K values per pipeline step: 256 (quantized) or 128 (bf16), i.e. 32 KB of weight per 128 rows."""
-    kc = 128 if fmt == PLAIN else 256
+def _step_k(fmt: str, k: int, tm: int) -> int:
+    """K values per pipeline step: 256 for quantized weights at decode tiles, else 128 (a stage's weight and
+    activation tiles of 8-64 KB each)."""
+    kc = 256 if fmt != PLAIN and tm <= SHARED_TM else 128
     if k % kc:
         raise ValueError(f"the GPU expert kernel needs K ({k}) to be a multiple of {kc}")
     return kc
@@ -68,29 +77,117 @@ def _across(row: jax.Array, cols: int) -> jax.Array:
     return plgpu.layout_cast(lax.broadcast_in_dim(row, (row.shape[0], cols), (0,)), plgpu.Layout.WGMMA)
 
 
+@plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA,),
+    return_type=plgpu.ShapeDtypeStruct((LANES, block_formats.MX_BLOCK), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+)
+def _e4m3_as_bf16_bits(_, data: mgpu.FragmentedArray) -> mgpu.FragmentedArray:
+    """E4M3 bytes [64, 32] -> bf16 e4m3 * 2^-120, exactly: per register pair, PRMT puts the two bytes in the
+    high bytes of two bf16 lanes, then sign | (exponent, mantissa) >> 4 (Marlin's e4m3 shift)."""
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    registers = np.empty_like(data.registers)
+    for index, register in np.ndenumerate(data.registers):
+        word = arith.extui(i32, mgpu.utils.bitcast(register, i16))
+        bits = llvm.inline_asm(
+            i32,
+            [word],
+            """{
+            .reg .b32 t, u;
+            prmt.b32 t, $1, $1, 0x1202;
+            and.b32 u, t, 0x7F007F00;
+            shr.b32 u, u, 4;
+            and.b32 t, t, 0x80008000;
+            or.b32 $0, t, u;
+            }""",
+            "=r,r",
+        )
+        registers[index] = mgpu.utils.bitcast(bits, pair)
+    return mgpu.FragmentedArray(_registers=registers, _layout=data.layout, _is_signed=None)
+
+
 def _mx_values(data: jax.Array, scale: jax.Array, interpret: bool) -> jax.Array:
     """E4M3 bytes [64, 32] (uint8) and their rows' E8M0 bytes [64] -> bf16 values."""
-    if interpret:
+    if interpret:  # the interpreter runs no inline PTX; XLA:CPU's float conversions, for the same values
         values = lax.bitcast_convert_type(data, jnp.float8_e4m3fn).astype(jnp.float32)
         return (values * block_formats.e8m0_value(scale)[:, None]).astype(jnp.bfloat16)
-    byte = data.astype(jnp.uint16)
-    bits = (byte & 0x80) << 8 | (byte & 0x7F) << 4  # bf16 e4m3 * 2^-120
     factor = lax.bitcast_convert_type((scale.astype(jnp.uint16) + 120) << 7, jnp.bfloat16)  # 2^(scale - 7)
-    return lax.bitcast_convert_type(bits, jnp.bfloat16) * _across(factor, data.shape[1])
+    return _e4m3_as_bf16_bits(data) * _across(factor, data.shape[1])
 
 
-def _nv_values(data: jax.Array, steps: tuple[jax.Array, jax.Array], high: bool) -> jax.Array:
-    """Two 16-value blocks of each row: the low (or high) E2M1 nibbles of bytes [64, 32] (uint8) times their
-    rows' fp32 steps [64] (block scale * global scale; the first for columns 0-15), rounded once to bf16."""
-    byte = data.astype(jnp.uint32)
-    codes = byte >> 4 if high else byte & 0xF
-    magnitude, sign = codes & 7, codes >> 3
-    mantissa = jnp.where(magnitude >= 2, magnitude & 1, 0)
-    bits = jnp.where(magnitude == 0, 0, ((magnitude >> 1) + 126) << 23 | mantissa << 22) | sign << 31
+E2M1_TABLE_ASM = """{
+    .reg .b32 idx, sign, pat, pos, neg, top, second, lo, hi, f0, f1, f2, f3, a, b, c, d, e, f;
+    .reg .f32 s0, s1, s2, s3;
+    mov.b32 a, 0x3F3F3F00;
+    mov.b32 b, 0x40404040;
+    mov.b32 c, 0xBFBFBF80;
+    mov.b32 d, 0xC0C0C0C0;
+    mov.b32 e, 0xC0800000;
+    mov.b32 f, 0xC0804000;
+    and.b32 idx, $1, 0x7777;
+    prmt.b32 pos, a, b, idx;
+    prmt.b32 neg, c, d, idx;
+    and.b32 sign, $1, 0x8888;
+    shr.b32 sign, sign, 1;
+    or.b32 pat, sign, 0x3210;
+    prmt.b32 top, pos, neg, pat;
+    prmt.b32 second, e, f, idx;
+    prmt.b32 lo, second, top, 0x6240;
+    prmt.b32 hi, second, top, 0x7351;
+    shl.b32 f0, lo, 16;
+    and.b32 f1, lo, 0xFFFF0000;
+    shl.b32 f2, hi, 16;
+    and.b32 f3, hi, 0xFFFF0000;
+    mov.b64 {s0, s1}, $2;
+    mov.b64 {s2, s3}, $3;
+    mul.rn.f32 s0, s0, f0;
+    mul.rn.f32 s1, s1, f1;
+    mul.rn.f32 s2, s2, f2;
+    mul.rn.f32 s3, s3, f3;
+    cvt.rn.bf16x2.f32 lo, s1, s0;
+    cvt.rn.bf16x2.f32 hi, s3, s2;
+    mov.b64 $0, {lo, hi};
+}"""
+
+
+@plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+    return_type=(
+        plgpu.ShapeDtypeStruct((LANES, 32), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        plgpu.ShapeDtypeStruct((LANES, 32), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    ),
+)
+def _e2m1_times_steps(_, data, low_steps, high_steps):
+    """Bytes [64, 32] of E2M1 code pairs and fp32 steps [64, 32] -> bf16(fp32(code value * step)) of the low
+    nibbles and of the high nibbles. Per register pair (four codes): PRMT looks the two top bytes of each code's
+    fp32 value up in tables (the signed table picked per code by a third PRMT), then fp32 multiplies and one
+    rounding to bf16: the oracle's operations."""
+    i16, i32, i64 = (ir.IntegerType.get_signless(bits) for bits in (16, 32, 64))
+    quad = ir.VectorType.get((4,), ir.BF16Type.get())
+    lows, highs = np.empty_like(data.registers), np.empty_like(data.registers)
+    for index, register in np.ndenumerate(data.registers):
+        word = arith.extui(i32, mgpu.utils.bitcast(register, i16))
+        steps = [mgpu.utils.bitcast(a.registers[index], i64) for a in (low_steps, high_steps)]
+        both = mgpu.utils.bitcast(llvm.inline_asm(i64, [word, *steps], E2M1_TABLE_ASM, "=l,r,l,l"), quad)
+        lows[index], highs[index] = (mgpu.utils.vector_slice(both, slice(i, i + 2)) for i in (0, 2))
+    return tuple(mgpu.FragmentedArray(_registers=r, _layout=data.layout, _is_signed=None) for r in (lows, highs))
+
+
+def _nv_values(data: jax.Array, steps: list[jax.Array], interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Bytes [64, 32] (uint8) holding four 16-value blocks of each row (low nibbles: columns 0-15, 16-31 of the
+    first two; high nibbles: the last two) and the blocks' fp32 steps [64] each (block scale * global scale)
+    -> the low and high nibbles' values, bf16(fp32(code value * step)) as the oracle rounds them."""
     column = plgpu.broadcasted_iota(jnp.int32, data.shape, 1, layout=plgpu.Layout.WGMMA)
-    first, second = (_across(step, data.shape[1]) for step in steps)
-    step = jnp.where(column < block_formats.NV_BLOCK, first, second)
-    return (lax.bitcast_convert_type(bits, jnp.float32) * step).astype(jnp.bfloat16)
+    first = column < block_formats.NV_BLOCK
+    across = [_across(step, data.shape[1]) for step in steps]
+    low_steps, high_steps = jnp.where(first, across[0], across[1]), jnp.where(first, across[2], across[3])
+    if not interpret:
+        return _e2m1_times_steps(data, low_steps, high_steps)
+    byte = data.astype(jnp.uint32)
+    return tuple(
+        (e2m1_value(codes) * step).astype(jnp.bfloat16)
+        for codes, step in ((byte & 0xF, low_steps), (byte >> 4, high_steps))
+    )
 
 
 def _e4m3_value(byte: jax.Array) -> jax.Array:
@@ -126,22 +223,71 @@ def _store_rows(tile_smem, tile_gmem, start: jax.Array, size: jax.Array) -> None
         start = start + (size & rows)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Where the sorted copies sit in the kernels' rows, cut into tiles of `tm`, and the (tile, expert) visits.
+
+    Shared tiles (decode): the rows are the sorted copies, groups follow each other and several share a tile
+    (`routing.visits`). Own tiles (prefill): each expert's group starts a tile and is padded to whole tiles, one
+    visit per tile: no tile's product is computed twice, and each expert's weights are read once per tile of
+    its copies rather than once per (tile, expert) pair.
+    """
+
+    expert: jax.Array  # [V] int32: each visit's expert (padding visits repeat the last real one)
+    tile: jax.Array  # [V] int32: each visit's tile
+    starts: jax.Array  # [E] int32: each expert's first row
+    ends: jax.Array  # [E] int32: one past its last row
+    real: jax.Array  # [1] int32: the number of real visits
+    source: jax.Array | None  # [R] int32: the sorted copy in each row (None: the rows are the sorted copies)
+    row_of: jax.Array | None  # [N * k] int32: the row of each sorted copy (None: the same)
+    tm: int = dataclasses.field(metadata={"static": True})
+    rows: int = dataclasses.field(metadata={"static": True})  # R: whole tiles, at most
+
+
+def tile_copies(routing: Routing) -> Tiles:
+    """The kernels' rows for the copies `routing` sorted (shared tiles below OWN_TILES_FROM copies per expert)."""
+    group_sizes, copies = routing.group_sizes, routing.order.shape[0]
+    num_experts = group_sizes.shape[0]
+    offsets = group_offsets(routing)
+    if copies < OWN_TILES_FROM * num_experts:
+        tm = min(SHARED_TM, -(-copies // 8) * 8)
+        tiles = -(-copies // tm)
+        expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
+        return Tiles(expert, tile, offsets[:-1], offsets[1:], real, None, None, tm, tiles * tm)
+    tm = OWN_TM
+    count = -(-copies // tm) + min(num_experts, copies)  # tiles, at most
+    per_expert = -(-group_sizes // tm)
+    tile_ends = jnp.cumsum(per_expert, dtype=jnp.int32)
+    starts = (tile_ends - per_expert) * tm
+    real = tile_ends[-1]
+    v = jnp.minimum(jnp.arange(count, dtype=jnp.int32), jnp.maximum(real - 1, 0))
+    expert = jnp.minimum(jnp.searchsorted(tile_ends, v, side="right"), num_experts - 1).astype(jnp.int32)
+    row_expert = expert[jnp.arange(count * tm) // tm]
+    source = jnp.clip(offsets[row_expert] + jnp.arange(count * tm) - starts[row_expert], 0, copies - 1)
+    copy_expert = jnp.minimum(jnp.searchsorted(offsets[1:], jnp.arange(copies), side="right"), num_experts - 1)
+    row_of = jnp.minimum(starts[copy_expert] + jnp.arange(copies) - offsets[copy_expert], count * tm - 1)
+    return Tiles(expert, v, starts, starts + group_sizes, real.reshape(1), source.astype(jnp.int32),
+                 row_of.astype(jnp.int32), tm, count * tm)  # fmt: skip
+
+
 def _grouped(
-    rows: jax.Array, w: GpuWeight, plan: tuple, *, tm: int, splits: int, out_dtype: jnp.dtype, interpret: bool
+    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, splits: int, out_dtype: jnp.dtype, interpret: bool
 ) -> jax.Array:
-    """rows [Mp, K] x the visits' experts' w [E, N, K] -> [S, Mp, N] (`out_dtype`): each copy's product with
-    its own expert, summed over one share of K per leading index."""
-    expert, tile, offsets, real = plan
+    """rows [R, K] x the visits' experts' w [E, N, K] -> [S, R, N] (`out_dtype`): each row's product with its
+    own expert, summed over one share of K per leading index."""
+    tm = tiles.tm
     fmt = w.format
     _, n, k = w.shape
-    kc = _step_k(fmt, k)
+    kc = _step_k(fmt, k, tm)
     steps = k // kc // splits
     blk = BLOCK[fmt]
     data_cols = kc // 2 if fmt == NVFP4 else kc
     data_item = w.data.dtype.itemsize
     scale_rows = kc // (block_formats.NV_BLOCK if fmt == NVFP4 else block_formats.MX_BLOCK)
     stage_bytes = ROWS * data_cols * data_item + tm * kc * 2 + (0 if fmt == PLAIN else scale_rows * ROWS)
-    stages = max(2, min(4, SMEM_BYTES // stage_bytes))
+    staging = 2 * tm * LANES * jnp.dtype(out_dtype).itemsize + (2 * LANES * 64 if interpret else 0)
+    stages = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
 
     group_bytes = (blk // 2 if fmt == NVFP4 else blk) * data_item  # one decode's columns of a row
     data_spec = plgpu.BlockSpec((ROWS, data_cols), lambda kk: (0, kk), transforms=_transforms(group_bytes, data_item))
@@ -150,7 +296,7 @@ def _grouped(
     if fmt != PLAIN:
         specs.append(plgpu.BlockSpec((scale_rows, ROWS), lambda kk: (kk, 0)))
 
-    def body(expert_ref, tile_ref, offsets_ref, real_ref, x_gmem, data_gmem, *refs):
+    def body(expert_ref, tile_ref, starts_ref, ends_ref, real_ref, x_gmem, data_gmem, *refs):
         if fmt == NVFP4:
             scales_gmem, global_gmem, out_gmem, out_smem, global_smem, landed, *a_smem = refs
         else:
@@ -177,21 +323,20 @@ def _grouped(
                     parts = [(_mx_values(_tile(data_smem.at[lanes, cols]), scale, interpret), cols)]
                 else:
                     data = _tile(data_smem.at[lanes, pl.ds(j * 32, 32)])
-                    steps = [
+                    block_steps = [
                         _e4m3_value(_row(scale_refs[0].at[4 * j + b, lanes]).astype(jnp.uint32)) * global_scale
                         for b in range(4)
                     ]
-                    parts = [
-                        (_nv_values(data, steps[2 * h : 2 * h + 2], h == 1), pl.ds(j * blk + 32 * h, 32))
-                        for h in range(2)
-                    ]
+                    low, high = _nv_values(data, block_steps, interpret)
+                    parts = [(low, pl.ds(j * blk, 32)), (high, pl.ds(j * blk + 32, 32))]
                 for values, x_cols in parts:
                     if interpret:  # the interpreter's wgmma takes its A operand from SMEM only
                         a_smem[0].at[wg, :, pl.ds(0, values.shape[1])][...] = values
                         plgpu.commit_smem()
                         values = a_smem[0].at[wg, :, pl.ds(0, values.shape[1])]
                     plgpu.wgmma(acc_ref, values, x_smem.at[:, x_cols].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(0 if interpret else 1)  # the next block decodes under this one's wgmma
+            plgpu.wgmma_wait(0)  # the stage is read before the pipeline releases it
             return acc_ref
 
         def compute(run):
@@ -206,8 +351,8 @@ def _grouped(
             acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
             out_smem.at[wg].transpose((1, 0))[...] = acc
             plgpu.commit_smem()
-            first = jnp.maximum(offsets_ref[e], t * tm)
-            last = jnp.minimum(offsets_ref[e + 1], (t + 1) * tm)
+            first = jnp.maximum(starts_ref[e], t * tm)
+            last = jnp.minimum(ends_ref[e], (t + 1) * tm)
             columns = pl.ds(nt * ROWS + wg * LANES, LANES)
             _store_rows(out_smem.at[wg], out_gmem.at[s, pl.ds(t * tm, tm), columns], first - t * tm, last - first)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -237,28 +382,23 @@ def _grouped(
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((splits, rows.shape[0], n), out_dtype),
-        grid=(splits, n // ROWS, expert.shape[0]),
+        grid=(splits, n // ROWS, tiles.expert.shape[0]),
         grid_names=("s", "n", "v"),
         num_threads=3,
         thread_name="wg",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(expert, tile, offsets, real, rows, w.data, *weight_operands)
+    )(tiles.expert, tiles.tile, tiles.starts, tiles.ends, tiles.real, rows, w.data, *weight_operands)
 
 
-def grouped_matmul(
-    rows: jax.Array, w: GpuWeight, offsets: jax.Array, plan: tuple[jax.Array, jax.Array, jax.Array], *, tm: int,
-    interpret: bool = False,
-) -> jax.Array:  # fmt: skip
-    """rows [Mp, K] sorted by expert (expert e's are rows offsets[e] ... offsets[e + 1] - 1) -> [Mp, N]: each row
-    times its expert's w^T, accumulated in fp32 and rounded to the rows' dtype; rows of no expert are not
-    written. `plan` is `routing.visits(offsets, tm, count)` for tiles of tm rows."""
-    expert, tile, real = plan
+def grouped_matmul(rows: jax.Array, w: GpuWeight, tiles: Tiles, *, interpret: bool = False) -> jax.Array:
+    """rows [R, K] laid out by `tiles` -> [R, N]: each row times its expert's w^T, accumulated in fp32 and rounded
+    to the rows' dtype; rows of no expert are left unwritten."""
     _, n, k = w.shape
-    splits = _splits(k, _step_k(w.format, k), expert.shape[0] * (n // ROWS))
+    splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // ROWS))
     dtype = rows.dtype if splits == 1 else jnp.float32
-    out = _grouped(rows, w, (expert, tile, offsets, real), tm=tm, splits=splits, out_dtype=dtype, interpret=interpret)
+    out = _grouped(rows, w, tiles, splits=splits, out_dtype=dtype, interpret=interpret)
     return out[0] if splits == 1 else out.sum(axis=0).astype(rows.dtype)
 
 
@@ -274,7 +414,7 @@ def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
     if not supports(two_i, hidden, gate_up.format):
         raise ValueError(
             f"the GPU expert kernel needs H ({hidden}) and 2I ({two_i}) to be multiples of {ROWS} and I to be a"
-            f" multiple of {_step_k(gate_up.format, 256)}"
+            f" multiple of 256"
         )
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"the GPU expert kernel takes bf16 activations, got {x.dtype}")
@@ -282,7 +422,7 @@ def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
 
 def supports(two_i: int, hidden: int, fmt: str) -> bool:
     """Whether the kernels take experts of gate_up [E, 2I, H] in format `fmt`."""
-    kc = 128 if fmt == PLAIN else 256
+    kc = 256
     return hidden % ROWS == 0 and two_i % ROWS == 0 and hidden % kc == 0 and (two_i // 2) % kc == 0
 
 
@@ -298,13 +438,13 @@ def moe_experts(
     copies = routing.order.shape[0]
     if copies == 0:
         return jnp.zeros((experts.shape[0], hidden), x.dtype if out_dtype is None else out_dtype)
-    tm = min(MAX_TM, -(-copies // 8) * 8)
-    tiles = -(-copies // tm)
-    offsets = group_offsets(routing)
-    plan = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
-
-    rows = jnp.pad(x[routing.token_of], ((0, tiles * tm - copies), (0, 0)))
-    gate_up_rows = grouped_matmul(rows, gate_up, offsets, plan, tm=tm, interpret=interpret)
+    tiles = tile_copies(routing)
+    if tiles.source is None:
+        rows = jnp.pad(x[routing.token_of], ((0, tiles.rows - copies), (0, 0)))
+    else:
+        rows = x[routing.token_of[tiles.source]]
+    gate_up_rows = grouped_matmul(rows, gate_up, tiles, interpret=interpret)
     hidden_rows = capped_swiglu(gate_up_rows[:, : two_i // 2], gate_up_rows[:, two_i // 2 :], gate_cap, up_cap)
-    out_rows = grouped_matmul(hidden_rows, down, offsets, plan, tm=tm, interpret=interpret)
-    return combine(out_rows[:copies], routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype)
+    out_rows = grouped_matmul(hidden_rows, down, tiles, interpret=interpret)
+    out_rows = out_rows[:copies] if tiles.row_of is None else out_rows[tiles.row_of]
+    return combine(out_rows, routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype)
