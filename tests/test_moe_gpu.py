@@ -74,7 +74,7 @@ def test_gpu_layout_round_trip(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_value_decodes_exactly(fmt):
     """Identity rows times w^T is w: the kernel's weight values, bit for bit the oracle's."""
-    n, k = (128, 256) if CPU else (256, 1024)
+    n, k = (256, 256) if CPU else (512, 1024)
     weight = every_value(jax.random.key(2), n, k, fmt)
     tiles = gpu.tile_copies(route(jnp.zeros((k, 1), jnp.int32), jnp.ones((k, 1)), 1))  # k copies of one expert
     rows = jnp.eye(k, dtype=jnp.bfloat16)[tiles.source]

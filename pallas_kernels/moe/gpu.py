@@ -41,7 +41,8 @@ from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import Routing, combine, group_offsets, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
-ROWS = 128  # weight rows per CTA: two compute warpgroups of 64 (the wgmma M tile)
+COMPUTE_WGS = 4  # compute warpgroups per CTA
+ROWS = 64 * COMPUTE_WGS  # weight rows per CTA: 64 per compute warpgroup (the wgmma M tile)
 LANES = 64
 SHARED_TM = 64  # decode: copies per tile, several experts' groups sharing a tile
 OWN_TM = 128  # prefill: rows per tile, each expert's group padded to whole tiles of its own
@@ -53,9 +54,9 @@ BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per de
 
 
 def _step_k(fmt: str, k: int, tm: int) -> int:
-    """K values per pipeline step: 256 for quantized weights at decode tiles, else 128 (a stage's weight and
-    activation tiles of 8-64 KB each)."""
-    kc = 256 if fmt != PLAIN and tm <= SHARED_TM else 128
+    """K values per pipeline step: 128 at decode tiles, 64 at prefill's (a stage's weight and activation tiles of
+    4-64 KB each)."""
+    kc = 128 if tm <= SHARED_TM else 64
     if k % kc:
         raise ValueError(f"the GPU expert kernel needs K ({k}) to be a multiple of {kc}")
     return kc
@@ -200,7 +201,7 @@ def _e4m3_value(byte: jax.Array) -> jax.Array:
 
 def _tile(ref) -> jax.Array:
     """A [64, C] SMEM tile in registers, in the layout of wgmma's register operand."""
-    return plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
 
 
 def _row(ref) -> jax.Array:
@@ -286,7 +287,7 @@ def _grouped(
     data_item = w.data.dtype.itemsize
     scale_rows = kc // (block_formats.NV_BLOCK if fmt == NVFP4 else block_formats.MX_BLOCK)
     stage_bytes = ROWS * data_cols * data_item + tm * kc * 2 + (0 if fmt == PLAIN else scale_rows * ROWS)
-    staging = 2 * tm * LANES * jnp.dtype(out_dtype).itemsize + (2 * LANES * 64 if interpret else 0)
+    staging = COMPUTE_WGS * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
     stages = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
 
     group_bytes = (blk // 2 if fmt == NVFP4 else blk) * data_item  # one decode's columns of a row
@@ -358,7 +359,7 @@ def _grouped(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+            mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=stages, compute_context=compute,
         )  # fmt: skip
         operands = [
@@ -373,18 +374,18 @@ def _grouped(
         def _():
             pipeline(*operands)
 
-    scratch = [plgpu.SMEM((2, tm, LANES), out_dtype)]
+    scratch = [plgpu.SMEM((COMPUTE_WGS, tm, LANES), out_dtype)]
     if fmt == NVFP4:
-        scratch += [plgpu.SMEM((2, 1, LANES), jnp.float32), plgpu.Barrier(num_barriers=2)]
+        scratch += [plgpu.SMEM((COMPUTE_WGS, 1, LANES), jnp.float32), plgpu.Barrier(num_barriers=COMPUTE_WGS)]
     if interpret:
-        scratch.append(plgpu.SMEM((2, LANES, 32), jnp.bfloat16, transforms=_transforms(64, 2)))
+        scratch.append(plgpu.SMEM((COMPUTE_WGS, LANES, 32), jnp.bfloat16, transforms=_transforms(64, 2)))
     weight_operands = [] if fmt == PLAIN else [w.scales] + ([w.global_scale] if fmt == NVFP4 else [])
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((splits, rows.shape[0], n), out_dtype),
         grid=(splits, n // ROWS, tiles.expert.shape[0]),
         grid_names=("s", "n", "v"),
-        num_threads=3,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -414,7 +415,7 @@ def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
     if not supports(two_i, hidden, gate_up.format):
         raise ValueError(
             f"the GPU expert kernel needs H ({hidden}) and 2I ({two_i}) to be multiples of {ROWS} and I to be a"
-            f" multiple of 256"
+            f" multiple of 128"
         )
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"the GPU expert kernel takes bf16 activations, got {x.dtype}")
@@ -422,7 +423,7 @@ def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
 
 def supports(two_i: int, hidden: int, fmt: str) -> bool:
     """Whether the kernels take experts of gate_up [E, 2I, H] in format `fmt`."""
-    kc = 256
+    kc = 128
     return hidden % ROWS == 0 and two_i % ROWS == 0 and hidden % kc == 0 and (two_i // 2) % kc == 0
 
 
