@@ -41,7 +41,7 @@ from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import Routing, combine, group_offsets, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
-COMPUTE_WGS = 4  # compute warpgroups per CTA
+COMPUTE_WGS = 2  # compute warpgroups per CTA (a CTA of 4 hung on the H200, cause not found)
 ROWS = 64 * COMPUTE_WGS  # weight rows per CTA: 64 per compute warpgroup (the wgmma M tile)
 LANES = 64
 SHARED_TM = 64  # decode: copies per tile, several experts' groups sharing a tile
@@ -54,9 +54,9 @@ BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per de
 
 
 def _step_k(fmt: str, k: int, tm: int) -> int:
-    """K values per pipeline step: 128 at decode tiles, 64 at prefill's (a stage's weight and activation tiles of
-    4-64 KB each)."""
-    kc = 128 if tm <= SHARED_TM else 64
+    """K values per pipeline step: 256 for quantized weights at decode tiles, else 128 (a stage's weight and
+    activation tiles of 8-64 KB each)."""
+    kc = 256 if fmt != PLAIN and tm <= SHARED_TM else 128
     if k % kc:
         raise ValueError(f"the GPU expert kernel needs K ({k}) to be a multiple of {kc}")
     return kc
@@ -415,7 +415,7 @@ def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
     if not supports(two_i, hidden, gate_up.format):
         raise ValueError(
             f"the GPU expert kernel needs H ({hidden}) and 2I ({two_i}) to be multiples of {ROWS} and I to be a"
-            f" multiple of 128"
+            f" multiple of 256"
         )
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"the GPU expert kernel takes bf16 activations, got {x.dtype}")
@@ -423,7 +423,7 @@ def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
 
 def supports(two_i: int, hidden: int, fmt: str) -> bool:
     """Whether the kernels take experts of gate_up [E, 2I, H] in format `fmt`."""
-    kc = 128
+    kc = 256
     return hidden % ROWS == 0 and two_i % ROWS == 0 and hidden % kc == 0 and (two_i // 2) % kc == 0
 
 
