@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state, layout_for_budget
 from inkling_jax.model.draft import require_draft
-from inkling_jax.model.moe import lay_out_experts_for_tpu
+from inkling_jax.model.moe import kernel_platform, lay_out_experts
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.sharding import DATA, MODEL, shard_model, state_shardings
@@ -46,9 +46,9 @@ def pages_for(tokens: int) -> int:
 
 
 class Engine:
-    """The step over `mesh`; create with `Engine.create`. Use it inside `with jax.set_mesh(engine.mesh)`. On TPU
-    it re-lays the model's experts for the expert kernels, in place: save checkpoints from a model no engine
-    has taken."""
+    """The step over `mesh`; create with `Engine.create`. Use it inside `with jax.set_mesh(engine.mesh)`. On TPU and
+    on Hopper GPUs it re-lays the model's experts for the expert kernels, in place: save checkpoints from a model
+    no engine has taken."""
 
     def __init__(self, model: CausalLM, replica: CacheLayout, mesh: Mesh, num_top: int = 0, speculative: str = "none"):
         """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
@@ -73,8 +73,8 @@ class Engine:
         )
         layout = dataclasses.replace(replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas)
         with jax.set_mesh(mesh):
-            if jax.default_backend() == "tpu":  # the expert kernels' layout, made once here (in the caller's model)
-                lay_out_experts_for_tpu(model)
+            if platform := kernel_platform():  # the expert kernels' layout, made once here (in place)
+                lay_out_experts(model, platform)
             self.graphdef, self.params = nnx.split(shard_model(model, mesh))
             draft = model.dspark.config if self.speculative else None  # its context pool only when speculating
             make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft)

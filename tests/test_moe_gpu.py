@@ -105,12 +105,11 @@ def assert_close_to_oracle(got: jax.Array, want: jax.Array) -> None:
         assert (got == want).mean() > 0.99
 
 
-CASES = [  # (format, tokens, top_k, foreign ids + fp32 out)
-    (MXFP8, 5, 2, False),  # one decode tile
+CASES = [  # (format, tokens, top_k, foreign ids + fp32 out); each format's decode is checked exactly above
     (NVFP4, 64, 2, False),  # prefill: each expert's copies in tiles of their own
-    (NVFP4, 3, 4, True),  # expert parallelism: ids of other shards dropped, fp32 partial sums
-    (PLAIN, 1, 2, False),  # K split over CTAs
-] + ([] if CPU else [(MXFP8, 64, 8, False), (NVFP4, 40, 8, False), (PLAIN, 9, 8, True)])  # several tiles
+    (NVFP4, 3, 4, True),  # decode: shared tiles, K split over CTAs; expert parallelism's dropped ids, fp32 sums
+] + ([] if CPU else [(MXFP8, 5, 2, False), (PLAIN, 1, 2, False), (MXFP8, 64, 8, False), (NVFP4, 40, 8, False),
+                     (PLAIN, 9, 8, True)])  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt, tokens, top_k, foreign", CASES)
@@ -135,7 +134,7 @@ def test_bad_input_is_named():
     laid_up, laid_down = for_gpu(gate_up), for_gpu(down)
     with pytest.raises(ValueError, match="do not match"):
         gpu.moe_experts(x, laid_up, laid_up, experts, weights, **CAPS)
-    with pytest.raises(ValueError, match="bf16 activations"):
+    with pytest.raises(ValueError, match="takes bf16 activations .and bf16 plain weights., got float32"):
         gpu.moe_experts(x.astype(jnp.float32), laid_up, laid_down, experts, weights, **CAPS)
     with pytest.raises(ValueError, match="gate_up is mxfp8 but down is plain"):
         gpu.moe_experts(x, laid_up, for_gpu(down.dequantize(jnp.bfloat16)), experts, weights, **CAPS)
@@ -144,6 +143,16 @@ def test_bad_input_is_named():
     too_large = QuantizedArray(gate_up.data, gate_up.scales.at[0, 0, 0].set(140), None, MXFP8)
     with pytest.raises(ValueError, match="scale byte 140"):
         for_gpu(too_large)
+    nan = jax.lax.bitcast_convert_type(jnp.uint8(0x7F), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="NaN element"):
+        for_gpu(QuantizedArray(gate_up.data.at[1, 2, 3].set(nan), gate_up.scales, None, MXFP8))
+    nv = quantize(jax.random.normal(jax.random.key(3), (2, 256, 256)), NVFP4)
+    with pytest.raises(ValueError, match="NaN block scale"):
+        for_gpu(QuantizedArray(nv.data, nv.scales.at[0, 1, 2].set(jnp.nan), nv.global_scale, NVFP4))
+    narrow = (GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN),
+              GpuWeight(jnp.zeros((2, 384, 128), jnp.bfloat16), None, None, PLAIN))  # fmt: skip
+    with pytest.raises(ValueError, match=r"H \(384\) and I \(128\) to be multiples of 256"):
+        gpu.moe_experts(jnp.zeros((2, 384), jnp.bfloat16), *narrow, experts, weights, **CAPS)
 
 
 def abstract_weight(fmt: str, experts: int, n: int, k: int) -> GpuWeight:
@@ -171,3 +180,38 @@ def test_lowers_for_cuda_at_production_shapes(fmt, tokens, experts):
     run = jax.jit(lambda *a: gpu.moe_experts(*a, **CAPS))
     lowered = export.export(run, platforms=["cuda"])(*args)
     assert "mosaic_gpu" in lowered.mlir_module()
+
+
+def test_the_moe_layer_on_gpu_laid_out_experts(monkeypatch):
+    """A MoE layer whose NVFP4 experts are re-laid for the GPU kernels at load: the same output through the
+    reference (the layout is exact), through the kernels (the interpreter on CPU), and expert-parallel over tp2
+    with the laid-out weights split over experts (8 simulated devices on CPU; skipped on one GPU)."""
+    from flax import nnx
+    from test_sharding import WIDE_HEADS
+
+    from inkling_jax.config import parse_config
+    from inkling_jax.model import moe
+    from inkling_jax.sharding import make_mesh, shard_model
+
+    raw = WIDE_HEADS | {"hidden_size": HIDDEN, "moe_intermediate_size": INTER, "n_routed_experts": EXPERTS}
+    text = parse_config(raw).text
+    layer = moe.SparseMoeBlock(nnx.Rngs(0), text, jnp.bfloat16, NVFP4)
+    x = jax.random.normal(jax.random.key(1), (2, 3, HIDDEN)).astype(jnp.bfloat16)
+    want = np.asarray(layer(x), np.float32)
+    moe.lay_out_experts(layer, "gpu")
+    assert isinstance(layer.experts.down_proj.array(), GpuWeight)
+    assert moe.kernel_platform() == (None if CPU else "gpu")  # what the engine lays out for
+    np.testing.assert_array_equal(np.asarray(layer(x), np.float32), want)
+
+    monkeypatch.setattr(moe, "moe_experts", lambda *a, **k: gpu.moe_experts(*a, **k, interpret=CPU))
+    assert_close_to_oracle(layer(x), want)
+    monkeypatch.undo()
+    if len(jax.devices()) < 2:  # one H200
+        return
+    mesh = make_mesh("tp2", text)
+    sharded = shard_model(layer, mesh)
+    assert all(leaf.sharding.spec[0] == "model" for leaf in jax.tree.leaves(sharded.experts.weights()))
+    with jax.set_mesh(mesh):  # fp32 partial sums per device, added in another order
+        graphdef, state = nnx.split(sharded)
+        split = np.asarray(jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x), np.float32)
+    np.testing.assert_allclose(split, want, rtol=2**-7, atol=2**-9 * np.abs(want).max())

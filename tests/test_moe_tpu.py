@@ -179,8 +179,8 @@ def test_the_moe_layer_on_tpu_laid_out_experts(monkeypatch):
     layer = moe.SparseMoeBlock(nnx.Rngs(0), text, jnp.bfloat16, "mxfp8")
     x = jax.random.normal(jax.random.key(1), (2, 5, HIDDEN)).astype(jnp.bfloat16)
     want = np.asarray(layer(x), np.float32)
-    moe.lay_out_experts_for_tpu(layer)
-    assert isinstance(layer.experts.gate_up_proj, moe.TpuLaidOutWeight)
+    moe.lay_out_experts(layer, "tpu")
+    assert isinstance(layer.experts.gate_up_proj.array(), moe.TpuWeight)
     np.testing.assert_array_equal(np.asarray(layer(x), np.float32), want)
 
     params = pltpu.InterpretParams()

@@ -15,8 +15,10 @@ from jax.sharding import PartitionSpec as P
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from inkling_jax.sharding import MODEL
-from pallas_kernels.moe import TpuWeight, for_tpu, moe_experts
+from pallas_kernels.moe import GpuWeight, TpuWeight, for_gpu, for_tpu, moe_experts
+from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe import tpu as moe_tpu
+from pallas_kernels.moe.layouts import check_for_gpu
 from pallas_kernels.numerics import einsum, round_to
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
@@ -69,29 +71,34 @@ class QuantizedWeight(nnx.Module):
 EXPERT_AXES = {"gate_up_proj": ("experts", "expert_mlp", "embed"), "down_proj": ("experts", "embed", "expert_mlp")}
 
 
-class TpuLaidOutWeight(nnx.Module):
-    """An expert weight [E, N, K] in the TPU kernels' layout (`pallas_kernels.moe.layouts`): K before N, each
-    array split over experts as the weight it was made from."""
+class LaidOutWeight(nnx.Module):
+    """An expert weight [E, N, K] in a platform's kernel layout (`pallas_kernels.moe.layouts`), each array split
+    over experts as the weight it was made from. TPU: K before N (NVFP4 codes in planes); GPU: the data as
+    stored, the block scales K before N."""
 
-    def __init__(self, weight: TpuWeight, axes: tuple[str, str, str]):
+    def __init__(self, weight: TpuWeight | GpuWeight, axes: tuple[str, str, str]):
         experts, n, k = axes
-        self.format = weight.format
-        data_axes = (experts, None, k, n) if weight.format == NVFP4 else (experts, k, n)
+        self.format, self.platform = weight.format, "tpu" if isinstance(weight, TpuWeight) else "gpu"
+        if self.platform == "gpu":
+            data_axes = axes
+        else:
+            data_axes = (experts, None, k, n) if weight.format == NVFP4 else (experts, k, n)
         self.data = nnx.Param(weight.data, out_sharding=data_axes, eager_sharding=False)
         if weight.format in (MXFP8, NVFP4):
             self.scales = nnx.Param(weight.scales, out_sharding=(experts, k, n), eager_sharding=False)
         if weight.format == NVFP4:
             self.global_scale = nnx.Param(weight.global_scale, out_sharding=(experts, None, n), eager_sharding=False)
 
-    def array(self) -> TpuWeight:
+    def array(self) -> TpuWeight | GpuWeight:
         scales = self.scales[...] if self.format in (MXFP8, NVFP4) else None
         global_scale = self.global_scale[...] if self.format == NVFP4 else None
-        return TpuWeight(self.data[...], scales, global_scale, self.format)
+        laid_out = TpuWeight if self.platform == "tpu" else GpuWeight
+        return laid_out(self.data[...], scales, global_scale, self.format)
 
 
 class Experts(nnx.Module):
     """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I];
-    plain arrays in the model dtype, or quantized (`format` "mxfp8" / "nvfp4"); on TPU re-laid for its kernels."""
+    plain arrays in the model dtype, or quantized (`format` "mxfp8" / "nvfp4"); re-laid for the kernels at load."""
 
     def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype, format: str | None = None):
         experts, hidden, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -103,20 +110,36 @@ class Experts(nnx.Module):
             else:
                 setattr(self, name, QuantizedWeight(rngs, shape, EXPERT_AXES[name], format, std))
 
-    def weights(self) -> tuple[jax.Array | QuantizedArray | TpuWeight, ...]:
+    def weights(self) -> tuple[jax.Array | QuantizedArray | TpuWeight | GpuWeight, ...]:
         """(gate_up, down) as the MoE op takes them."""
         return tuple(
-            w.array() if isinstance(w, QuantizedWeight | TpuLaidOutWeight) else w[...]
+            w.array() if isinstance(w, QuantizedWeight | LaidOutWeight) else w[...]
             for w in (self.gate_up_proj, self.down_proj)
         )
 
-    def lay_out_for_tpu(self) -> None:
-        """Re-lay both weights for the TPU kernels (once, at load), where the kernels take their shapes."""
+    def lay_out_for(self, platform: str) -> None:
+        """Re-lay both weights for `platform`'s ("tpu" or "gpu") expert kernels (once, at load), where the kernels
+        take their shapes and dtype."""
         gate_up, down = self.weights()
-        if isinstance(gate_up, TpuWeight) or not moe_tpu.supports(*gate_up.shape[1:]):
+        if isinstance(gate_up, TpuWeight | GpuWeight):
+            return
+        if platform == "tpu" and moe_tpu.supports(*gate_up.shape[1:]):
+            lay_out = for_tpu
+        elif platform == "gpu" and moe_gpu.supports(*gate_up.shape[1:], _format(gate_up)):
+            check_for_gpu(gate_up)
+            check_for_gpu(down)
+            lay_out = for_gpu
+        else:
             return
         for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
-            setattr(self, name, TpuLaidOutWeight(jax.jit(for_tpu)(weight), EXPERT_AXES[name]))
+            setattr(self, name, LaidOutWeight(jax.jit(lay_out)(weight), EXPERT_AXES[name]))
+
+
+def _format(weight: jax.Array | QuantizedArray) -> str:
+    """The GPU kernels' name for a weight's format (plain weights only in bf16)."""
+    if isinstance(weight, QuantizedArray):
+        return weight.format
+    return "plain" if weight.dtype == jnp.bfloat16 else str(weight.dtype)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -167,9 +190,16 @@ def expert_parallel(run, mesh, x, gate_up, down, experts, weights) -> jax.Array:
     )(x, gate_up, down, experts, weights)
 
 
-def lay_out_experts_for_tpu(model: nnx.Module) -> nnx.Module:
-    """`model` with every MoE layer's experts in the TPU kernels' layout (see `Experts.lay_out_for_tpu`)."""
+def kernel_platform() -> str | None:
+    """The platform whose expert kernels this process runs: "tpu", "gpu" (sm90: the GPU kernels' wgmma) or None."""
+    if jax.default_backend() == "tpu":
+        return "tpu"
+    return "gpu" if moe_gpu.on_hopper() else None
+
+
+def lay_out_experts(model: nnx.Module, platform: str) -> nnx.Module:
+    """`model` with every MoE layer's experts in `platform`'s kernel layout (see `Experts.lay_out_for`)."""
     for _, module in nnx.iter_graph(model):
         if isinstance(module, Experts):
-            module.lay_out_for_tpu()
+            module.lay_out_for(platform)
     return model

@@ -30,7 +30,7 @@ def moe_experts(
         platform = jax.default_backend()
         if platform == "tpu" and for_tpu_kernels and tpu.supports(*gate_up.shape[1:]):
             backend = "tpu"
-        elif platform == "gpu" and for_gpu_kernels and gpu.supports(*gate_up.shape[1:], gate_up.format):
+        elif platform == "gpu" and for_gpu_kernels and _gpu_takes(x, gate_up, down):
             backend = "gpu"
         else:
             backend = "reference"
@@ -46,6 +46,12 @@ def moe_experts(
     if backend == "tpu":
         return tpu.moe_experts(x, gate_up, down, experts, weights, **options)
     return gpu.moe_experts(x, gate_up, down, experts, weights, **options, interpret=jax.default_backend() == "cpu")
+
+
+def _gpu_takes(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> bool:
+    plain_bf16 = all(w.format != "plain" or w.data.dtype == jnp.bfloat16 for w in (gate_up, down))
+    shapes = gpu.supports(*gate_up.shape[1:], gate_up.format) and gate_up.format == down.format
+    return gpu.on_hopper() and shapes and x.dtype == jnp.bfloat16 and plain_bf16
 
 
 __all__ = ["BACKENDS", "GpuWeight", "TpuWeight", "for_gpu", "for_tpu", "moe_experts"]

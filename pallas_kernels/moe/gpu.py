@@ -1,26 +1,26 @@
 """Routed experts on Hopper (sm90) through Mosaic GPU: two grouped matmuls over the token copies sorted by
-expert, each weight dequantized in registers right before the wgmma that takes it (never in HBM or SMEM).
+expert, each weight decoded in registers right before the wgmma that takes it (never in HBM or SMEM).
 
-The copies are cut into tiles of TM rows and walked in (tile, expert) visits, as on TPU (`routing.visits`). A
-CTA computes one visit's product for one 128-row tile of the weight's N rows and one share of its K ("swap
-AB": the weight rows are wgmma's M side, in registers, the TM copies its N side, from SMEM): out[copies of
-the visit, 128 columns]. Three warpgroups: one issues the TMA copies of each K step (the weight tile's bytes,
-its scales, the tile's activations) into a ring of SMEM stages; two compute, 64 weight rows each, decoding
-every scale block of their rows (32 MXFP8 or 16 NVFP4 values per row) to bf16 and multiplying it with the
-activations' matching columns. The epilogue stores the accumulator transposed into SMEM and copies only the
-visit's own rows out (a log ladder of TMA boxes, as in jax's ragged_dot_mgpu), so the visits that share a
-tile never write each other's rows.
+The copies sit in tiles of TM rows (`Tiles`), walked in (tile, expert) visits. A CTA computes one visit's
+product for one tile of ROWS weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M side,
+in registers; the tile's copies its N side, from SMEM). Three warpgroups: one issues the TMA copies of each K
+step (the weight tile's bytes, its block scales, the tile's activations) into a ring of SMEM stages; two compute,
+64 weight rows each, decoding each scale block of their rows (32 MXFP8 or 2 x 32 NVFP4 values per row) to bf16
+and multiplying it with the activations' matching columns while the next block decodes. The epilogue stores the
+accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in
+jax's ragged_dot_mgpu), so visits that share a tile never write each other's rows.
 
-Decode (a few tokens) reads each chosen expert's weight bytes once per column tile; K is split over several
-CTAs when there are too few (visit, column tile) pairs to fill the GPU, each writing fp32 partial sums that
-XLA adds. Between the two matmuls XLA applies the softcapped SwiGLU; after them it combines the copies
-(`routing.combine`).
+Decode (a few tokens): the copies share tiles of up to 64, so each chosen expert's bytes are read once per
+column tile; K is split over CTAs when there are too few (visit, column tile) pairs to fill the GPU, each share
+written as fp32 partial sums that XLA adds. Prefill: each expert's copies get tiles of 128 of their own (no
+tile's product computed twice). Between the matmuls XLA applies the softcapped SwiGLU; after them it combines
+the copies (`routing.combine`).
 
-The values: MXFP8 E4M3 bytes become bf16 by moving their bits (e4m3 * 2^-120, exact, subnormals included)
-and a bf16 multiply by 2^(scale - 7) (exact for scale bytes <= 134: `layouts.for_gpu` checks); NVFP4 codes
-become fp32 by their bits, times fp32(block scale) * global scale, rounded once to bf16: both the
-reference's values bit for bit. (In Mosaic GPU's interpreter, whose XLA:CPU flushes subnormals, the values
-are decoded through float conversions instead, and the wgmma takes them from SMEM.)
+The values are the oracle's bit for bit: MXFP8 E4M3 bytes become bf16 e4m3 * 2^-120 by moving their bits
+(inline PTX: PRMT, shifts; subnormals included), then a bf16 multiply by 2^(scale - 7), exact (scale bytes up to
+134, which `layouts.for_gpu` checks); NVFP4 codes become fp32 by PRMT table lookups, times fp32(block scale) *
+global scale, rounded once to bf16. Mosaic GPU's interpreter runs no inline PTX and its XLA:CPU flushes
+subnormals, so there the values are decoded through float conversions and the wgmma takes them from SMEM.
 """
 
 import dataclasses
@@ -39,6 +39,7 @@ from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import PLAIN, GpuWeight, e2m1_value
 from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import Routing, combine, group_offsets, route, visits
+from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 COMPUTE_WGS = 2  # compute warpgroups per CTA (a CTA of 4 hung on the H200, cause not found)
@@ -400,7 +401,7 @@ def grouped_matmul(rows: jax.Array, w: GpuWeight, tiles: Tiles, *, interpret: bo
     splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // ROWS))
     dtype = rows.dtype if splits == 1 else jnp.float32
     out = _grouped(rows, w, tiles, splits=splits, out_dtype=dtype, interpret=interpret)
-    return out[0] if splits == 1 else out.sum(axis=0).astype(rows.dtype)
+    return out[0] if splits == 1 else round_to(out.sum(axis=0), rows.dtype)
 
 
 def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
@@ -413,18 +414,25 @@ def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
     if gate_up.format != down.format:
         raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}")
     if not supports(two_i, hidden, gate_up.format):
+        raise ValueError(f"the GPU expert kernel needs H ({hidden}) and I ({two_i // 2}) to be multiples of 256")
+    plain = [w.data.dtype for w in (gate_up, down) if w.format == PLAIN]
+    if x.dtype != jnp.bfloat16 or any(dtype != jnp.bfloat16 for dtype in plain):
+        weights = f" and {', '.join(map(str, plain))} weights" if plain else ""
         raise ValueError(
-            f"the GPU expert kernel needs H ({hidden}) and 2I ({two_i}) to be multiples of {ROWS} and I to be a"
-            f" multiple of 256"
+            f"the GPU expert kernel takes bf16 activations (and bf16 plain weights), got {x.dtype}{weights}"
         )
-    if x.dtype != jnp.bfloat16:
-        raise ValueError(f"the GPU expert kernel takes bf16 activations, got {x.dtype}")
+
+
+def on_hopper() -> bool:
+    """Whether the default device is an sm90 GPU (the kernels use its wgmma and TMA)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
 def supports(two_i: int, hidden: int, fmt: str) -> bool:
-    """Whether the kernels take experts of gate_up [E, 2I, H] in format `fmt`."""
-    kc = 256
-    return hidden % ROWS == 0 and two_i % ROWS == 0 and hidden % kc == 0 and (two_i // 2) % kc == 0
+    """Whether the kernels take experts of gate_up [E, 2I, H] in format `fmt` ("plain" meaning bf16): H and I
+    multiples of 256."""
+    return hidden % 256 == 0 and (two_i // 2) % 256 == 0 and fmt in (PLAIN, MXFP8, NVFP4)
 
 
 def moe_experts(

@@ -148,17 +148,33 @@ class GpuWeight:
         return QuantizedArray(packed, e4m3, jnp.swapaxes(self.global_scale, 1, 2), NVFP4)
 
 
+def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
+    """Raise on what the GPU kernel cannot decode as the oracle does: an MXFP8 scale byte above
+    MX_SCALE_MAX_GPU (NaN included) or a NaN element, an NVFP4 NaN block scale. Concrete arrays only (traced ones
+    cannot be inspected): call it before any jit that lays the weight out."""
+    if not isinstance(weight, QuantizedArray) or isinstance(weight.scales, jax.core.Tracer):
+        return
+    if weight.format == MXFP8:
+        largest = int(jnp.max(weight.scales))
+        if largest > MX_SCALE_MAX_GPU:
+            raise ValueError(
+                f"MXFP8 scale byte {largest} (2^{largest - 127}) is above what the GPU expert kernel takes"
+                f" ({MX_SCALE_MAX_GPU}: blocks whose largest value is below 2^16)"
+            )
+    nan = weight.data if weight.format == MXFP8 else weight.scales
+    if bool(jnp.any(jnp.isnan(nan.astype(jnp.float32)))):
+        what = "element" if weight.format == MXFP8 else "block scale"
+        raise ValueError(f"{weight.format} weight holds a NaN {what}, which the GPU expert kernel does not decode")
+
+
 def for_gpu(weight: jax.Array | QuantizedArray) -> GpuWeight:
-    """An expert weight [E, N, K] (plain or quantized) in the GPU kernel's layout. Run once, at load."""
+    """An expert weight [E, N, K] (plain or quantized) in the GPU kernel's layout. Run once, at load (`check_for_gpu`
+    runs here on concrete arrays only)."""
+    check_for_gpu(weight)
     if not isinstance(weight, QuantizedArray):
         return GpuWeight(weight, None, None, PLAIN)
     scales = jnp.swapaxes(jax.lax.bitcast_convert_type(weight.scales, jnp.uint8), 1, 2)
     if weight.format == MXFP8:
-        if not isinstance(weight.scales, jax.core.Tracer) and int(jnp.max(weight.scales)) > MX_SCALE_MAX_GPU:
-            raise ValueError(
-                f"MXFP8 scale byte {int(jnp.max(weight.scales))} (2^{int(jnp.max(weight.scales)) - 127}) is above"
-                f" what the GPU expert kernel takes ({MX_SCALE_MAX_GPU}: blocks whose largest value is below 2^16)"
-            )
         return GpuWeight(jax.lax.bitcast_convert_type(weight.data, jnp.uint8), scales, None, MXFP8)
     experts, n, half = weight.data.shape
     codes = jnp.stack([weight.data & 0xF, weight.data >> 4], axis=-1).reshape(experts, n, half // 32, 2, 32)

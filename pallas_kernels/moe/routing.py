@@ -1,9 +1,10 @@
-"""Token copies sorted by expert, and their weighted sum back into tokens: what every expert backend shares.
+"""Token copies sorted by expert, the (tile, expert) visits over them, and their weighted sum back into tokens:
+what every expert backend shares.
 
 Each of N tokens is routed to k experts: N * k copies. Sorting them by expert makes each expert's copies one
 contiguous group, so its weights meet all its copies in one grouped matmul. A copy routed to an id outside
 [0, E) belongs to no group (under expert parallelism, another shard's expert): it sorts after every group and
-adds nothing.
+adds nothing. Kernels cut the sorted copies into tiles; a visit is one (tile, expert) pair whose rows meet.
 """
 
 import dataclasses
