@@ -187,11 +187,11 @@ def test_the_moe_layer_on_gpu_laid_out_experts(monkeypatch):
     reference (the layout is exact), through the kernels (the interpreter on CPU), and expert-parallel over tp2
     with the laid-out weights split over experts (8 simulated devices on CPU; skipped on one GPU)."""
     from flax import nnx
+    from moe_layer import assert_tp2_matches
     from test_sharding import WIDE_HEADS
 
     from inkling_jax.config import parse_config
     from inkling_jax.model import moe
-    from inkling_jax.sharding import make_mesh, shard_model
 
     raw = WIDE_HEADS | {"hidden_size": HIDDEN, "moe_intermediate_size": INTER, "n_routed_experts": EXPERTS}
     text = parse_config(raw).text
@@ -208,10 +208,4 @@ def test_the_moe_layer_on_gpu_laid_out_experts(monkeypatch):
     monkeypatch.undo()
     if len(jax.devices()) < 2:  # one H200
         return
-    mesh = make_mesh("tp2", text)
-    sharded = shard_model(layer, mesh)
-    assert all(leaf.sharding.spec[0] == "model" for leaf in jax.tree.leaves(sharded.experts.weights()))
-    with jax.set_mesh(mesh):  # fp32 partial sums per device, added in another order
-        graphdef, state = nnx.split(sharded)
-        split = np.asarray(jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x), np.float32)
-    np.testing.assert_allclose(split, want, rtol=2**-7, atol=2**-9 * np.abs(want).max())
+    assert_tp2_matches(layer, text, x, want)

@@ -168,11 +168,11 @@ def test_the_moe_layer_on_tpu_laid_out_experts(monkeypatch):
     """A MoE layer whose MXFP8 experts are re-laid for the TPU kernels at load: the same output through the
     reference, through the kernels in interpret mode, and expert-parallel over tp2 (8 simulated devices)."""
     from flax import nnx
+    from moe_layer import assert_tp2_matches
     from test_sharding import WIDE_HEADS
 
     from inkling_jax.config import parse_config
     from inkling_jax.model import moe
-    from inkling_jax.sharding import make_mesh, shard_model
 
     raw = WIDE_HEADS | {"hidden_size": HIDDEN, "moe_intermediate_size": INTER, "n_routed_experts": 8}
     text = parse_config(raw).text
@@ -192,10 +192,4 @@ def test_the_moe_layer_on_tpu_laid_out_experts(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-8 * np.abs(want).max())
     monkeypatch.undo()
 
-    mesh = make_mesh("tp2", text)
-    sharded = shard_model(layer, mesh)
-    assert all(leaf.sharding.spec[0] == "model" for leaf in jax.tree.leaves(sharded.experts.weights()))
-    with jax.set_mesh(mesh):  # fp32 partial sums per device, added in another order
-        graphdef, state = nnx.split(sharded)
-        split = np.asarray(jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x), np.float32)
-    np.testing.assert_allclose(split, want, rtol=2**-7, atol=2**-9 * np.abs(want).max())
+    assert_tp2_matches(layer, text, x, want)

@@ -36,7 +36,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import block_formats
-from pallas_kernels.moe.layouts import PLAIN, GpuWeight, e2m1_value
+from pallas_kernels.moe.layouts import PLAIN, GpuWeight, check_experts, e2m1_value
 from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import Routing, combine, group_offsets, route, visits
 from pallas_kernels.numerics import round_to
@@ -405,14 +405,8 @@ def grouped_matmul(rows: jax.Array, w: GpuWeight, tiles: Tiles, *, interpret: bo
 
 
 def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
-    experts, two_i, hidden = gate_up.shape
-    if down.shape != (experts, hidden, two_i // 2) or x.shape[-1] != hidden:
-        raise ValueError(
-            f"expert shapes do not match: x [..., {x.shape[-1]}], gate_up {gate_up.shape}, down {down.shape}"
-            " (want [E, 2I, H] and [E, H, I])"
-        )
-    if gate_up.format != down.format:
-        raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}")
+    check_experts(x, gate_up, down)
+    _, two_i, hidden = gate_up.shape
     if not supports(two_i, hidden, gate_up.format):
         raise ValueError(f"the GPU expert kernel needs H ({hidden}) and I ({two_i // 2}) to be multiples of 256")
     plain = [w.data.dtype for w in (gate_up, down) if w.format == PLAIN]

@@ -181,3 +181,15 @@ def for_gpu(weight: jax.Array | QuantizedArray) -> GpuWeight:
     packed = (codes[:, :, :, 0] | codes[:, :, :, 1] << 4).astype(jnp.uint8).reshape(experts, n, half)
     global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
     return GpuWeight(packed, scales, jnp.swapaxes(global_scale, 1, 2), NVFP4)
+
+
+def check_experts(x: jax.Array, gate_up: TpuWeight | GpuWeight, down: TpuWeight | GpuWeight) -> None:
+    """Raise unless x [..., H], gate_up [E, 2I, H] and down [E, H, I] fit together in one format."""
+    experts, two_i, hidden = gate_up.shape
+    if down.shape != (experts, hidden, two_i // 2) or x.shape[-1] != hidden:
+        raise ValueError(
+            f"expert shapes do not match: x [..., {x.shape[-1]}], gate_up {gate_up.shape}, down {down.shape}"
+            " (want [E, 2I, H] and [E, H, I])"
+        )
+    if gate_up.format != down.format:
+        raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}")

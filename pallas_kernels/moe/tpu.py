@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import block_formats
-from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, e2m1_value, nvfp4_codes, nvfp4_order
+from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, check_experts, e2m1_value, nvfp4_codes, nvfp4_order
 from pallas_kernels.moe.reference import softcap
 from pallas_kernels.moe.routing import combine, group_offsets, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
@@ -212,16 +212,10 @@ def supports(two_i: int, hidden: int) -> bool:
 
 
 def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight) -> None:
-    experts, two_i, hidden = gate_up.shape
-    if down.shape != (experts, hidden, two_i // 2) or x.shape[-1] != hidden:
-        raise ValueError(
-            f"expert shapes do not match: x [..., {x.shape[-1]}], gate_up {gate_up.shape}, down {down.shape}"
-            " (want [E, 2I, H] and [E, H, I])"
-        )
+    check_experts(x, gate_up, down)
+    _, two_i, hidden = gate_up.shape
     if not supports(two_i, hidden):
         raise ValueError(f"the TPU expert kernel needs H ({hidden}) and I ({two_i // 2}) to be multiples of {CHUNK}")
-    if gate_up.format != down.format:
-        raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}")
 
 
 def moe_experts(
