@@ -84,12 +84,12 @@ def test_every_value_decodes_exactly(fmt):
     assert_same_values(got, want[0].T)
 
 
-def routed_case(seed: int, tokens: int, top_k: int, fmt: str, foreign: bool = False):
+def routed_case(seed: int, tokens: int, top_k: int, fmt: str, foreign: bool = False, experts: int = EXPERTS):
     keys = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(keys[0], (tokens, HIDDEN), jnp.float32).astype(jnp.bfloat16)
-    gate_up = expert_weight(keys[1], (EXPERTS, 2 * INTER, HIDDEN), fmt)
-    down = expert_weight(keys[2], (EXPERTS, HIDDEN, INTER), fmt)
-    scores = jax.random.uniform(keys[3], (tokens, EXPERTS + (2 if foreign else 0)))
+    gate_up = expert_weight(keys[1], (experts, 2 * INTER, HIDDEN), fmt)
+    down = expert_weight(keys[2], (experts, HIDDEN, INTER), fmt)
+    scores = jax.random.uniform(keys[3], (tokens, experts + (2 if foreign else 0)))
     experts = jnp.argsort(scores, axis=1)[:, :top_k].astype(jnp.int32) - (1 if foreign else 0)  # foreign: -1, E
     weights = jax.random.uniform(keys[4], (tokens, top_k), minval=0.05, maxval=0.5)
     return x, gate_up, down, experts, weights
@@ -105,16 +105,16 @@ def assert_close_to_oracle(got: jax.Array, want: jax.Array) -> None:
         assert (got == want).mean() > 0.99
 
 
-CASES = [  # (format, tokens, top_k, foreign ids + fp32 out); each format's decode is checked exactly above
-    (NVFP4, 64, 2, False),  # prefill: each expert's copies in tiles of their own
-    (NVFP4, 3, 4, True),  # decode: shared tiles, K split over CTAs; expert parallelism's dropped ids, fp32 sums
-] + ([] if CPU else [(MXFP8, 5, 2, False), (PLAIN, 1, 2, False), (MXFP8, 64, 8, False), (NVFP4, 40, 8, False),
-                     (PLAIN, 9, 8, True)])  # fmt: skip
+CASES = [  # (format, tokens, top_k, foreign ids + fp32 out, experts); each format's decode is checked exactly above
+    (NVFP4, 32, 2, False, 2),  # prefill: each expert's copies in tiles of their own (>= 32 copies per expert)
+    (NVFP4, 3, 4, True, EXPERTS),  # decode: shared tiles, K split over CTAs; expert parallelism's dropped ids
+] + ([] if CPU else [(MXFP8, 5, 2, False, EXPERTS), (PLAIN, 1, 2, False, EXPERTS), (MXFP8, 64, 8, False, EXPERTS),
+                     (NVFP4, 40, 8, False, EXPERTS), (PLAIN, 9, 8, True, EXPERTS)])  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt, tokens, top_k, foreign", CASES)
-def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign):
-    x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, foreign)
+@pytest.mark.parametrize("fmt, tokens, top_k, foreign, num_experts", CASES)
+def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
+    x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, foreign, num_experts)
     out_dtype = jnp.float32 if foreign else None
     want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS, out_dtype=out_dtype)
     laid = (for_gpu(gate_up), for_gpu(down))
