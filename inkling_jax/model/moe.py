@@ -18,7 +18,7 @@ from inkling_jax.sharding import MODEL
 from pallas_kernels.moe import GpuWeight, TpuWeight, for_gpu, for_tpu, moe_experts
 from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe import tpu as moe_tpu
-from pallas_kernels.moe.layouts import check_for_gpu
+from pallas_kernels.moe.layouts import PLAIN, check_for_gpu
 from pallas_kernels.numerics import einsum, round_to
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
@@ -139,7 +139,7 @@ def _format(weight: jax.Array | QuantizedArray) -> str:
     """The GPU kernels' name for a weight's format (plain weights only in bf16)."""
     if isinstance(weight, QuantizedArray):
         return weight.format
-    return "plain" if weight.dtype == jnp.bfloat16 else str(weight.dtype)
+    return PLAIN if weight.dtype == jnp.bfloat16 else str(weight.dtype)
 
 
 class SparseMoeBlock(nnx.Module):
