@@ -265,10 +265,11 @@ def tile_copies(routing: Routing) -> Tiles:
     real = tile_ends[-1]
     v = jnp.minimum(jnp.arange(count, dtype=jnp.int32), jnp.maximum(real - 1, 0))
     expert = jnp.minimum(jnp.searchsorted(tile_ends, v, side="right"), num_experts - 1).astype(jnp.int32)
-    row_expert = expert[jnp.arange(count * tm) // tm]
-    source = jnp.clip(offsets[row_expert] + jnp.arange(count * tm) - starts[row_expert], 0, copies - 1)
-    copy_expert = jnp.minimum(jnp.searchsorted(offsets[1:], jnp.arange(copies), side="right"), num_experts - 1)
-    row_of = jnp.minimum(starts[copy_expert] + jnp.arange(copies) - offsets[copy_expert], count * tm - 1)
+    row, copy = jnp.arange(count * tm), jnp.arange(copies)
+    row_expert = expert[row // tm]
+    source = jnp.clip(offsets[row_expert] + row - starts[row_expert], 0, copies - 1)
+    copy_expert = jnp.minimum(jnp.searchsorted(offsets[1:], copy, side="right"), num_experts - 1)
+    row_of = jnp.minimum(starts[copy_expert] + copy - offsets[copy_expert], count * tm - 1)
     return Tiles(expert, v, starts, starts + group_sizes, real.reshape(1), source.astype(jnp.int32),
                  row_of.astype(jnp.int32), tm, count * tm)  # fmt: skip
 
