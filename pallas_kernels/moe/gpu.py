@@ -24,6 +24,7 @@ subnormals, so there the values are decoded through float conversions and the wg
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import block_formats
-from pallas_kernels.moe.layouts import PLAIN, GpuWeight, check_experts, e2m1_value
+from pallas_kernels.moe.layouts import PLAIN, GpuWeight, check_experts, e2m1_value, gpu_run_order
 from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import Routing, combine, group_offsets, route, visits
 from pallas_kernels.numerics import round_to
@@ -51,7 +52,8 @@ OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get 
 SMS = 132  # H200 multiprocessors
 SMEM_BYTES = 232448  # per-block shared memory on sm90
 MIN_CTAS = 4 * SMS  # K is split until the (visit, column tile) pairs reach this
-BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (NVFP4: 32 bytes a row)
+BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (quantized: 32 bytes a row)
+VALUES_PER_ITEM = {PLAIN: 1, MXFP8: 4, NVFP4: 8}  # K values per item of GpuWeight.data (bf16, or uint32 words)
 
 
 def _step_k(fmt: str, k: int, tm: int) -> int:
@@ -79,53 +81,102 @@ def _across(row: jax.Array, cols: int) -> jax.Array:
     return plgpu.layout_cast(lax.broadcast_in_dim(row, (row.shape[0], cols), (0,)), plgpu.Layout.WGMMA)
 
 
-@plgpu.inline_mgpu(
-    arg_types=(plgpu.Layout.WGMMA,),
-    return_type=plgpu.ShapeDtypeStruct((LANES, block_formats.MX_BLOCK), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-)
-def _e4m3_as_bf16_bits(_, data: mgpu.FragmentedArray) -> mgpu.FragmentedArray:
-    """E4M3 bytes [64, 32] -> bf16 e4m3 * 2^-120, exactly: per register pair, PRMT puts the two bytes in the
-    high bytes of two bf16 lanes, then sign | (exponent, mantissa) >> 4 (Marlin's e4m3 shift)."""
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-    pair = ir.VectorType.get((2,), ir.BF16Type.get())
-    registers = np.empty_like(data.registers)
+def _words(register: ir.Value) -> list[ir.Value]:
+    """A vector<2xi32> register -> its two 32-bit words."""
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    both = mgpu.utils.bitcast(register, i64)
+    return [arith.trunci(i32, both), arith.trunci(i32, arith.shrui(both, arith.constant(i64, 32)))]
+
+
+def _pairs(quad: ir.Value) -> list[ir.Value]:
+    """An i64 of four bf16 -> two vector<2xbf16> registers (the low half first)."""
+    quad = mgpu.utils.bitcast(quad, ir.VectorType.get((4,), ir.BF16Type.get()))
+    return [mgpu.utils.vector_slice(quad, slice(i, i + 2)) for i in (0, 2)]
+
+
+def _from_words(data: mgpu.FragmentedArray, run: int, decode) -> list[np.ndarray]:
+    """Words [64, 8R] (R runs of 32 bytes per row, `layouts.gpu_run_order`) -> bf16 [64, 32] fragments' registers
+    from run `run`: `decode(index, w, word)` returns, per fragment, the two vector<2xbf16> registers of word w
+    (0, 1) of data's register `index`, whose four bytes are columns 2c, 2c + 1, then 2c + 8, 2c + 9, of columns
+    16w ... 16w + 15 (a thread's 8 bytes of a run are one register: index[1] is the run)."""
+    columns = plgpu.Layout.WGMMA.to_mgpu().registers_shape((LANES, 32))
+    if columns[1] != 4 or data.registers.shape[2:] != tuple(columns[2:]):
+        raise NotImplementedError(f"unexpected wgmma register layout: {data.registers.shape}, {columns}")
+    outs = None
     for index, register in np.ndenumerate(data.registers):
-        word = arith.extui(i32, mgpu.utils.bitcast(register, i16))
-        bits = llvm.inline_asm(
-            i32,
-            [word],
-            """{
-            .reg .b32 t, u;
-            prmt.b32 t, $1, $1, 0x1202;
-            and.b32 u, t, 0x7F007F00;
-            shr.b32 u, u, 4;
-            and.b32 t, t, 0x80008000;
-            or.b32 $0, t, u;
-            }""",
-            "=r,r",
-        )
-        registers[index] = mgpu.utils.bitcast(bits, pair)
-    return mgpu.FragmentedArray(_registers=registers, _layout=data.layout, _is_signed=None)
+        if index[1] != run:
+            continue
+        for w, word in enumerate(_words(register)):  # word w: columns 16w + ...
+            decoded = decode(index, w, word)
+            outs = outs or [np.empty(columns, object) for _ in decoded]
+            for out, pair in zip(outs, decoded, strict=True):
+                for g, value in enumerate(pair):  # register index[1]: the 8-column group 2w + g
+                    out[(index[0], 2 * w + g, *index[2:])] = value
+    return outs
 
 
-def _mx_values(data: jax.Array, scale: jax.Array, interpret: bool) -> jax.Array:
-    """E4M3 bytes [64, 32] (uint8) and their rows' E8M0 bytes [64] -> bf16 values."""
+MX_WORD_ASM = """{
+    .reg .b32 t, u, lo, hi;
+    prmt.b32 t, $1, $1, 0x1000;
+    and.b32 u, t, 0x7F007F00;
+    shr.b32 u, u, 4;
+    and.b32 t, t, 0x80008000;
+    or.b32 lo, t, u;
+    prmt.b32 t, $1, $1, 0x3020;
+    and.b32 u, t, 0x7F007F00;
+    shr.b32 u, u, 4;
+    and.b32 t, t, 0x80008000;
+    or.b32 hi, t, u;
+    mov.b64 $0, {lo, hi};
+}"""
+
+
+@functools.cache
+def _e4m3_as_bf16_bits(run: int):
+    """E4M3 words [64, 8R] -> bf16 e4m3 * 2^-120 [64, 32] of run `run`, exactly: per two bytes, PRMT puts them in
+    the high bytes of two bf16 lanes, then sign | (exponent, mantissa) >> 4 (Marlin's e4m3 shift)."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct((LANES, block_formats.MX_BLOCK), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )
+    def decode(_, data: mgpu.FragmentedArray) -> mgpu.FragmentedArray:
+        i64 = ir.IntegerType.get_signless(64)
+        pairs = lambda _, w, word: [_pairs(llvm.inline_asm(i64, [word], MX_WORD_ASM, "=l,r"))]  # noqa: E731
+        (registers,) = _from_words(data, run, pairs)
+        return mgpu.FragmentedArray(_registers=registers, _layout=data.layout, _is_signed=None)
+
+    return decode
+
+
+def _run_bytes(words: jax.Array, run: int) -> jax.Array:
+    """Words [64, 8R] -> run `run`'s bytes [64, 32] in row order (the interpreter's view)."""
+    shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
+    stored = (words[:, 8 * run : 8 * run + 8, None] >> shifts) & 0xFF
+    return gpu_run_order(stored.astype(jnp.uint8).reshape(words.shape[0], 32))
+
+
+def _mx_values(data: jax.Array, run: int, scale: jax.Array, interpret: bool) -> jax.Array:
+    """E4M3 words [64, 8R], the run (one scale block of each row) to decode and the rows' E8M0 bytes [64] -> bf16
+    values [64, 32]."""
     if interpret:  # the interpreter runs no inline PTX; XLA:CPU's float conversions, for the same values
-        values = lax.bitcast_convert_type(data, jnp.float8_e4m3fn).astype(jnp.float32)
+        values = lax.bitcast_convert_type(_run_bytes(data, run), jnp.float8_e4m3fn).astype(jnp.float32)
         return (values * block_formats.e8m0_value(scale)[:, None]).astype(jnp.bfloat16)
     factor = lax.bitcast_convert_type((scale.astype(jnp.uint16) + 120) << 7, jnp.bfloat16)  # 2^(scale - 7)
-    return _e4m3_as_bf16_bits(data) * _across(factor, data.shape[1])
+    return _e4m3_as_bf16_bits(run)(data) * _across(factor, block_formats.MX_BLOCK)
 
 
 E2M1_TABLE_ASM = """{
     .reg .b32 idx, sign, pat, pos, neg, top, second, lo, hi, f0, f1, f2, f3, a, b, c, d, e, f;
-    .reg .f32 s0, s1, s2, s3;
+    .reg .f32 s0, s1, s2, s3, low_step, high_step;
     mov.b32 a, 0x3F3F3F00;
     mov.b32 b, 0x40404040;
     mov.b32 c, 0xBFBFBF80;
     mov.b32 d, 0xC0C0C0C0;
     mov.b32 e, 0xC0800000;
     mov.b32 f, 0xC0804000;
+    mov.b32 low_step, $2;
+    mov.b32 high_step, $3;
     and.b32 idx, $1, 0x7777;
     prmt.b32 pos, a, b, idx;
     prmt.b32 neg, c, d, idx;
@@ -140,52 +191,57 @@ E2M1_TABLE_ASM = """{
     and.b32 f1, lo, 0xFFFF0000;
     shl.b32 f2, hi, 16;
     and.b32 f3, hi, 0xFFFF0000;
-    mov.b64 {s0, s1}, $2;
-    mov.b64 {s2, s3}, $3;
-    mul.rn.f32 s0, s0, f0;
-    mul.rn.f32 s1, s1, f1;
-    mul.rn.f32 s2, s2, f2;
-    mul.rn.f32 s3, s3, f3;
+    mov.b32 s0, f0;
+    mov.b32 s1, f1;
+    mov.b32 s2, f2;
+    mov.b32 s3, f3;
+    mul.rn.f32 s0, s0, low_step;
+    mul.rn.f32 s1, s1, low_step;
+    mul.rn.f32 s2, s2, high_step;
+    mul.rn.f32 s3, s3, high_step;
     cvt.rn.bf16x2.f32 lo, s1, s0;
     cvt.rn.bf16x2.f32 hi, s3, s2;
     mov.b64 $0, {lo, hi};
 }"""
 
 
-@plgpu.inline_mgpu(
-    arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
-    return_type=(
-        plgpu.ShapeDtypeStruct((LANES, 32), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        plgpu.ShapeDtypeStruct((LANES, 32), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    ),
-)
-def _e2m1_times_steps(_, data, low_steps, high_steps):
-    """Bytes [64, 32] of E2M1 code pairs and fp32 steps [64, 32] -> bf16(fp32(code value * step)) of the low
-    nibbles and of the high nibbles. Per register pair (four codes): PRMT looks the two top bytes of each code's
-    fp32 value up in tables (the signed table picked per code by a third PRMT), then fp32 multiplies and one
-    rounding to bf16: the oracle's operations."""
-    i16, i32, i64 = (ir.IntegerType.get_signless(bits) for bits in (16, 32, 64))
-    quad = ir.VectorType.get((4,), ir.BF16Type.get())
-    lows, highs = np.empty_like(data.registers), np.empty_like(data.registers)
-    for index, register in np.ndenumerate(data.registers):
-        word = arith.extui(i32, mgpu.utils.bitcast(register, i16))
-        steps = [mgpu.utils.bitcast(a.registers[index], i64) for a in (low_steps, high_steps)]
-        both = mgpu.utils.bitcast(llvm.inline_asm(i64, [word, *steps], E2M1_TABLE_ASM, "=l,r,l,l"), quad)
-        lows[index], highs[index] = (mgpu.utils.vector_slice(both, slice(i, i + 2)) for i in (0, 2))
-    return tuple(mgpu.FragmentedArray(_registers=r, _layout=data.layout, _is_signed=None) for r in (lows, highs))
+@functools.cache
+def _e2m1_times_steps(run: int):
+    """Words [64, 8R] of E2M1 code pairs and the four blocks' fp32 steps of run `run` (each [64, 8], one value
+    per row) -> bf16(fp32(code value * step)) of the run's low nibbles and of its high nibbles. Per two bytes
+    (four codes): PRMT looks the two top bytes of each code's fp32 value up in tables (the signed table picked per
+    code by a third PRMT), then fp32 multiplies and one rounding to bf16: the oracle's operations. A word's low
+    nibbles are columns of block w (w: the word's index in the thread's pair), its high nibbles of block 2 + w."""
+    values = plgpu.ShapeDtypeStruct((LANES, 32), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 5, return_type=(values, values))
+    def decode_run(_, data, *steps):
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        sixteen = arith.constant(i32, 16)
+
+        def decode(index, w, word):
+            step_index = (index[0], 0, *index[2:])
+            low_step, high_step = (_words(steps[block].registers[step_index])[0] for block in (w, 2 + w))
+            quads = [llvm.inline_asm(i64, [half, low_step, high_step], E2M1_TABLE_ASM, "=l,r,r,r")
+                     for half in (word, arith.shrui(word, sixteen))]  # fmt: skip
+            (low_first, high_first), (low_second, high_second) = (_pairs(quad) for quad in quads)
+            return [(low_first, low_second), (high_first, high_second)]
+
+        lows, highs = _from_words(data, run, decode)
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=data.layout, _is_signed=None) for r in (lows, highs))
+
+    return decode_run
 
 
-def _nv_values(data: jax.Array, steps: list[jax.Array], interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """Bytes [64, 32] (uint8) holding four 16-value blocks of each row (low nibbles: columns 0-15, 16-31 of the
-    first two; high nibbles: the last two) and the blocks' fp32 steps [64] each (block scale * global scale)
-    -> the low and high nibbles' values, bf16(fp32(code value * step)) as the oracle rounds them."""
-    column = plgpu.broadcasted_iota(jnp.int32, data.shape, 1, layout=plgpu.Layout.WGMMA)
-    first = column < block_formats.NV_BLOCK
-    across = [_across(step, data.shape[1]) for step in steps]
-    low_steps, high_steps = jnp.where(first, across[0], across[1]), jnp.where(first, across[2], across[3])
+def _nv_values(data: jax.Array, run: int, steps: list[jax.Array], interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Words [64, 8R] and the run to decode (32 bytes of each row: four 16-value blocks, low nibbles: columns 0-15,
+    16-31 of the first two; high nibbles: the last two), and the blocks' fp32 steps [64] each (block scale *
+    global scale) -> the low and high nibbles' values, bf16(fp32(code value * step)) as the oracle rounds them."""
     if not interpret:
-        return _e2m1_times_steps(data, low_steps, high_steps)
-    byte = data.astype(jnp.uint32)
+        return _e2m1_times_steps(run)(data, *(_across(step, 8) for step in steps))
+    byte = _run_bytes(data, run).astype(jnp.uint32)
+    first = jnp.arange(32)[None, :] < block_formats.NV_BLOCK
+    low_steps, high_steps = (jnp.where(first, steps[i][:, None], steps[i + 1][:, None]) for i in (0, 2))
     return tuple(
         (e2m1_value(codes) * step).astype(jnp.bfloat16)
         for codes, step in ((byte & 0xF, low_steps), (byte >> 4, high_steps))
@@ -285,15 +341,18 @@ def _grouped(
     kc = _step_k(fmt, k, tm)
     steps = k // kc // splits
     blk = BLOCK[fmt]
-    data_cols = kc // 2 if fmt == NVFP4 else kc
     data_item = w.data.dtype.itemsize
+    data_cols = kc // VALUES_PER_ITEM[fmt]  # data items (bf16 values, or words) per step of a row
     scale_rows = kc // (block_formats.NV_BLOCK if fmt == NVFP4 else block_formats.MX_BLOCK)
     stage_bytes = ROWS * data_cols * data_item + tm * kc * 2 + (0 if fmt == PLAIN else scale_rows * ROWS)
     staging = COMPUTE_WGS * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
     stages = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
 
-    group_bytes = (blk // 2 if fmt == NVFP4 else blk) * data_item  # one decode's columns of a row
-    data_spec = plgpu.BlockSpec((ROWS, data_cols), lambda kk: (0, kk), transforms=_transforms(group_bytes, data_item))
+    # a row's bytes per SMEM load: one block's 64 bytes of bf16, or up to four 32-byte runs of words (swizzled by
+    # 128 bytes: the TMA copies of rows narrower than that cap the weights' streaming rate)
+    load_bytes = blk * 2 if fmt == PLAIN else min(128, data_cols * data_item)
+    load_items, runs = load_bytes // data_item, load_bytes // 32
+    data_spec = plgpu.BlockSpec((ROWS, data_cols), lambda kk: (0, kk), transforms=_transforms(load_bytes, data_item))
     x_spec = plgpu.BlockSpec((tm, kc), lambda kk: (0, kk), transforms=_transforms(64, 2))  # 32-column slices
     specs = [data_spec, x_spec]
     if fmt != PLAIN:
@@ -321,16 +380,18 @@ def _grouped(
                 cols = pl.ds(j * blk, blk)
                 if fmt == PLAIN:
                     parts = [(_tile(data_smem.at[lanes, cols]), cols)]
-                elif fmt == MXFP8:
-                    scale = _row(scale_refs[0].at[j, lanes])
-                    parts = [(_mx_values(_tile(data_smem.at[lanes, cols]), scale, interpret), cols)]
                 else:
-                    data = _tile(data_smem.at[lanes, pl.ds(j * 32, 32)])
+                    load, run = divmod(j, runs)
+                    if run == 0:
+                        words = _tile(data_smem.at[lanes, pl.ds(load * load_items, load_items)])
+                if fmt == MXFP8:
+                    parts = [(_mx_values(words, run, _row(scale_refs[0].at[j, lanes]), interpret), cols)]
+                elif fmt == NVFP4:
                     block_steps = [
                         _e4m3_value(_row(scale_refs[0].at[4 * j + b, lanes]).astype(jnp.uint32)) * global_scale
                         for b in range(4)
                     ]
-                    low, high = _nv_values(data, block_steps, interpret)
+                    low, high = _nv_values(words, run, block_steps, interpret)
                     parts = [(low, pl.ds(j * blk, 32)), (high, pl.ds(j * blk + 32, 32))]
                 for values, x_cols in parts:
                     if interpret:  # the interpreter's wgmma takes its A operand from SMEM only

@@ -106,6 +106,28 @@ def for_tpu(weight: jax.Array | QuantizedArray) -> TpuWeight:
     return TpuWeight(planes, jnp.swapaxes(weight.scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
 
 
+def gpu_run_order(run: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
+    """Bytes [..., 32] in row order -> in `GpuWeight`'s storage order, or back (the same swap: an involution).
+    Row byte 8a + 2c + b (a, c < 4, b < 2) goes to position 8c + 2a + b: a wgmma register thread c's bytes."""
+    lead = run.shape[:-1]
+    return run.reshape(*lead, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, 32)
+
+
+def run_words(data: jax.Array) -> jax.Array:
+    """uint8 [E, N, B] (B a multiple of 32) -> uint32 [E, N, B / 4]: each 32-byte run in `gpu_run_order`, read as
+    little-endian words."""
+    experts, n, size = data.shape
+    runs = gpu_run_order(data.reshape(experts, n, size // 32, 32))
+    return jax.lax.bitcast_convert_type(runs.reshape(experts, n, size // 4, 4), jnp.uint32)
+
+
+def run_bytes(words: jax.Array) -> jax.Array:
+    """`run_words`' inverse: uint32 [E, N, W] -> uint8 [E, N, 4W] in row order."""
+    experts, n, size = words.shape
+    runs = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(experts, n, size // 8, 32)
+    return gpu_run_order(runs).reshape(experts, n, 4 * size)
+
+
 MX_SCALE_MAX_GPU = 134  # the GPU kernel's bf16 factor 2^(byte - 7) needs byte - 7 <= 127
 
 
@@ -116,10 +138,13 @@ class GpuWeight:
     as wgmma's operands want), the block scales transposed to [E, K / block, N] (a TMA box of 128 rows' scales
     is then one contiguous run), an NVFP4 global scale as [E, 1, N].
 
-    plain: data [E, N, K]. MXFP8: E4M3 bytes uint8 [E, N, K], E8M0 bytes [E, K / 32, N]. NVFP4: uint8
-    [E, N, K / 2] whose byte j of each 32-byte group g holds the codes of K index 64g + j (low nibble) and
-    64g + 32 + j (high nibble), so that a group's low and high nibbles are each two whole scale blocks; E4M3
-    block scale bytes [E, K / 16, N]; fp32 global scale [E, 1, N].
+    plain: data [E, N, K]. MXFP8: the E4M3 bytes of each row in runs of 32 (one scale block), as uint32 words
+    [E, N, K / 4]; E8M0 bytes [E, K / 32, N]. NVFP4: runs of 32 bytes whose byte j holds the codes of K index
+    64g + j (low nibble) and 64g + 32 + j (high nibble) for run g, so that a run's low and high nibbles are each
+    two whole scale blocks, as uint32 words [E, N, K / 8]; E4M3 block scale bytes [E, K / 16, N]; fp32 global
+    scale [E, 1, N]. Each 32-byte run is stored in `gpu_run_order`: the 8 bytes that one thread of a wgmma
+    register operand holds of a row (columns 2c, 2c + 1, 2c + 8, 2c + 9, 2c + 16, ..., 2c + 25 for c = lane % 4)
+    are adjacent, two words the thread loads at once.
     """
 
     data: jax.Array
@@ -131,21 +156,29 @@ class GpuWeight:
     def shape(self) -> tuple[int, ...]:
         """The logical shape [E, N, K]."""
         experts, n, k = self.data.shape
-        return (experts, n, 2 * k if self.format == NVFP4 else k)
+        return (experts, n, k * {PLAIN: 1, MXFP8: 4, NVFP4: 8}[self.format])
 
     def checkpoint_layout(self) -> jax.Array | QuantizedArray:
         """The weight as `for_gpu` took it (an NVFP4 global scale comes back broadcast to [E, N, 1])."""
         if self.format == PLAIN:
             return self.data
         scales = jnp.swapaxes(self.scales, 1, 2)
+        data = run_bytes(self.data)
         if self.format == MXFP8:
-            return QuantizedArray(jax.lax.bitcast_convert_type(self.data, jnp.float8_e4m3fn), scales, None, MXFP8)
-        experts, n, half = self.data.shape
-        groups = self.data.reshape(experts, n, half // 32, 32)
+            return QuantizedArray(jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales, None, MXFP8)
+        experts, n, half = data.shape
+        groups = data.reshape(experts, n, half // 32, 32)
         codes = jnp.concatenate([groups & 0xF, groups >> 4], axis=-1).reshape(experts, n, half, 2)
         packed = (codes[..., 0] | codes[..., 1] << 4).astype(jnp.uint8)
         e4m3 = jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
         return QuantizedArray(packed, e4m3, jnp.swapaxes(self.global_scale, 1, 2), NVFP4)
+
+
+@jax.jit
+def _holds_e4m3_nan(values: jax.Array) -> jax.Array:
+    """Whether E4M3 values hold a NaN (bits S.1111.111), read from their bits in one fused pass (an fp32 copy of a
+    layer's experts would not fit in memory)."""
+    return jnp.any(jax.lax.bitcast_convert_type(values, jnp.uint8) & 0x7F == 0x7F)
 
 
 def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
@@ -161,8 +194,7 @@ def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
                 f"MXFP8 scale byte {largest} (2^{largest - 127}) is above what the GPU expert kernel takes"
                 f" ({MX_SCALE_MAX_GPU}: blocks whose largest value is below 2^16)"
             )
-    nan = weight.data if weight.format == MXFP8 else weight.scales
-    if bool(jnp.any(jnp.isnan(nan.astype(jnp.float32)))):
+    if bool(_holds_e4m3_nan(weight.data if weight.format == MXFP8 else weight.scales)):
         what = "element" if weight.format == MXFP8 else "block scale"
         raise ValueError(f"{weight.format} weight holds a NaN {what}, which the GPU expert kernel does not decode")
 
@@ -175,12 +207,12 @@ def for_gpu(weight: jax.Array | QuantizedArray) -> GpuWeight:
         return GpuWeight(weight, None, None, PLAIN)
     scales = jnp.swapaxes(jax.lax.bitcast_convert_type(weight.scales, jnp.uint8), 1, 2)
     if weight.format == MXFP8:
-        return GpuWeight(jax.lax.bitcast_convert_type(weight.data, jnp.uint8), scales, None, MXFP8)
+        return GpuWeight(run_words(jax.lax.bitcast_convert_type(weight.data, jnp.uint8)), scales, None, MXFP8)
     experts, n, half = weight.data.shape
     codes = jnp.stack([weight.data & 0xF, weight.data >> 4], axis=-1).reshape(experts, n, half // 32, 2, 32)
     packed = (codes[:, :, :, 0] | codes[:, :, :, 1] << 4).astype(jnp.uint8).reshape(experts, n, half)
     global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
-    return GpuWeight(packed, scales, jnp.swapaxes(global_scale, 1, 2), NVFP4)
+    return GpuWeight(run_words(packed), scales, jnp.swapaxes(global_scale, 1, 2), NVFP4)
 
 
 def check_experts(x: jax.Array, gate_up: TpuWeight | GpuWeight, down: TpuWeight | GpuWeight) -> None:
