@@ -46,8 +46,9 @@ def test_two_processes_agree_with_one(tmp_path, one_process):
     """Two devices per process and a tp4 mesh over both: attention's and the experts' collectives cross
     processes."""
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests()))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    # two devices each, compiled without LLVM's optimisations like the rest of the suite (tests/conftest.py)
+    flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)}
     address = f"127.0.0.1:{free_port()}"
 
     def command(rank: int) -> list[str]:
