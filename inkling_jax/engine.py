@@ -50,9 +50,19 @@ class Engine:
     on Hopper GPUs it re-lays the model's experts for the expert kernels, in place: save checkpoints from a model
     no engine has taken."""
 
-    def __init__(self, model: CausalLM, replica: CacheLayout, mesh: Mesh, num_top: int = 0, speculative: str = "none"):
+    def __init__(
+        self,
+        model: CausalLM,
+        replica: CacheLayout,
+        mesh: Mesh,
+        num_top: int = 0,
+        speculative: str = "none",
+        compiler_options: dict[str, object] | None = None,
+    ):
         """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
-        (NoDraftError) and a chunk of at least γ + 1 tokens (SpeculationError)."""
+        (NoDraftError) and a chunk of at least γ + 1 tokens (SpeculationError). compiler_options: XLA's, for
+        the step's programs (jax.jit's argument; e.g. a test that runs many large steps on a backend set to
+        compile fast asks for optimised code)."""
         if speculative not in SPECULATIVE_MODES:
             raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         self.speculative = speculative != "none"
@@ -85,6 +95,7 @@ class Engine:
             functools.partial(step_fn, self.graphdef, num_top=min(num_top, self.text.unpadded_vocab_size),
                               greedy_draft=speculative == "dspark-greedy"),
             static_argnames="speculative", donate_argnames="state", out_shardings=(NamedSharding(mesh, P()), shardings),
+            compiler_options=compiler_options,
         )  # fmt: skip
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
