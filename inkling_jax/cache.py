@@ -5,7 +5,9 @@ Per sequence (DESIGN.md):
   through the sequence's page table;
 - sliding-window layers: K and V of the last `window + max_chunk` tokens in a ring. A chunk of C new
   tokens is written before attention reads, and its first token still needs the window - 1 tokens
-  before it, so the ring must hold window - 1 + C tokens: a ring of exactly the window is not enough;
+  before it, so the ring must hold window - 1 + C tokens: a ring of exactly the window is not enough.
+  A ring longer than a page is rounded up to whole pages, so that the attention kernels tile it in
+  128-key blocks whatever the chunk (`ring_size`);
 - four short-convolution states per layer (the last K - 1 inputs of the K, V, post-attention and
   post-MLP convolutions), in the activation dtype, which is exactly what the convolutions read. Unlike
   K/V they do not roll back by length: a speculative verify pass records each layer's window (history
@@ -51,7 +53,14 @@ class CacheLayout:
 
     def ring(self, text: TextConfig) -> int:
         """Tokens a sliding layer keeps per sequence."""
-        return text.sliding_window_size + self.max_chunk
+        return ring_size(text, self.max_chunk)
+
+
+def ring_size(text: TextConfig, max_chunk: int) -> int:
+    """A sliding layer's ring: window + max_chunk slots, rounded up to whole pages beyond one (a tiny test model's
+    ring stays as it is)."""
+    ring = text.sliding_window_size + max_chunk
+    return ring if ring <= PAGE_SIZE else -(-ring // PAGE_SIZE) * PAGE_SIZE
 
 
 def _kv_heads(text: TextConfig, sliding: bool, tp: int) -> tuple[int, int]:
@@ -113,7 +122,7 @@ def bytes_per_sequence(
     """Device bytes one sequence of `context` tokens holds, by part (sampling state excluded)."""
     sliding_layers, full_layers = _layer_counts(text)
     pages = math.ceil(context / PAGE_SIZE)
-    ring = min(text.sliding_window_size + max_chunk, context)
+    ring = min(ring_size(text, max_chunk), context)
     parts = {
         "full_attention_kv": full_layers * pages * PAGE_SIZE * kv_bytes_per_token(text, False, dtype, tp),
         "sliding_window_kv": sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp),
@@ -137,7 +146,7 @@ def layout_for_budget(
     """The largest page pool that fits `budget_bytes` (per device) after every slot's fixed state; a
     page holds its tokens' K/V of every full-attention layer and, with a draft, their draft context K/V."""
     sliding_layers, full_layers = _layer_counts(text)
-    ring = text.sliding_window_size + max_chunk
+    ring = ring_size(text, max_chunk)
     fixed = max_num_seqs * (
         sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp)
         + conv_state_bytes(text, dtype, tp)

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from inkling_jax.cache import CacheLayout, bytes_per_sequence, init_state, layout_for_budget
+from inkling_jax.cache import CacheLayout, bytes_per_sequence, init_state, layout_for_budget, ring_size
 from inkling_jax.config import load_config, parse_config
+from pallas_kernels.ragged_paged_attention.blocks import ring_block
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = load_config(ROOT / "configs" / "inkling2_small.json").text
@@ -49,6 +50,16 @@ def test_layout_fills_the_budget_and_the_state_matches_it():
     assert state.kv.sliding_k.shape == (2, 4, 2, 8 + 16, 8)
     assert state.kv.full_k.shape == (1, layout.num_pages, 2, 128, 8)
     assert state.kv.conv_attention.shape == (3, 4, 3, 16)
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 512])
+def test_rings_longer_than_a_page_tile_into_128_key_blocks(chunk):
+    """Whatever the chunk, the attention kernels find 128-key blocks in the ring (1024 + 64 = 1088 alone would
+    give 68-key blocks, which the GPU kernel does not take); a ring within one page is left as it is."""
+    ring = ring_size(FULL, chunk)
+    assert ring >= 1024 + chunk and ring % 128 == 0 and ring - (1024 + chunk) < 128
+    assert ring_block(ring, 128) == 128
+    assert ring_size(TINY, 16) == 8 + 16
 
 
 def test_too_small_a_budget_names_what_it_lacks():

@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import PLAIN, GpuWeight, check_experts, e2m1_value, gpu_run_order
 from pallas_kernels.moe.reference import capped_swiglu
-from pallas_kernels.moe.routing import Routing, combine, group_offsets, route, visits
+from pallas_kernels.moe.routing import Routing, combine, group_of, group_offsets, route, visits
 from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4
 
@@ -320,11 +320,11 @@ def tile_copies(routing: Routing) -> Tiles:
     starts = (tile_ends - per_expert) * tm
     real = tile_ends[-1]
     v = jnp.minimum(jnp.arange(count, dtype=jnp.int32), jnp.maximum(real - 1, 0))
-    expert = jnp.minimum(jnp.searchsorted(tile_ends, v, side="right"), num_experts - 1).astype(jnp.int32)
+    expert = jnp.minimum(group_of(tile_ends, v), num_experts - 1)
     row, copy = jnp.arange(count * tm), jnp.arange(copies)
     row_expert = expert[row // tm]
     source = jnp.clip(offsets[row_expert] + row - starts[row_expert], 0, copies - 1)
-    copy_expert = jnp.minimum(jnp.searchsorted(offsets[1:], copy, side="right"), num_experts - 1)
+    copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
     row_of = jnp.minimum(starts[copy_expert] + copy - offsets[copy_expert], count * tm - 1)
     return Tiles(expert, v, starts, starts + group_sizes, real.reshape(1), source.astype(jnp.int32),
                  row_of.astype(jnp.int32), tm, count * tm)  # fmt: skip

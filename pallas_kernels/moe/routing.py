@@ -21,10 +21,12 @@ class Routing:
     """Copy j of token n is copy n * k + j; `order` lists them by expert (stable)."""
 
     order: jax.Array  # [N * k] int32: the copies sorted by expert
+    position: jax.Array  # [N * k] int32: where each copy sits in `order` (its inverse)
     token_of: jax.Array  # [N * k] int32: the token of each sorted copy
     weight_of: jax.Array  # [N * k] float32: its routing weight (0 for a dropped copy)
     kept: jax.Array  # [N * k] bool: whether it belongs to a group
     group_sizes: jax.Array  # [E] int32: copies per expert
+    top_k: int = dataclasses.field(metadata={"static": True})  # k: copies per token
 
 
 def route(experts: jax.Array, weights: jax.Array, num_experts: int) -> Routing:
@@ -35,10 +37,12 @@ def route(experts: jax.Array, weights: jax.Array, num_experts: int) -> Routing:
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     return Routing(
         order=order,
+        position=jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32)),
         token_of=order // top_k,
         weight_of=jnp.where(kept, weights, 0.0).reshape(-1)[order].astype(jnp.float32),
         kept=kept.reshape(-1)[order],
         group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32),
+        top_k=top_k,
     )
 
 
@@ -48,11 +52,25 @@ def group_offsets(routing: Routing) -> jax.Array:
 
 
 def combine(rows: jax.Array, routing: Routing, num_tokens: int, out_dtype: jnp.dtype) -> jax.Array:
-    """sum_j w[n, j] * rows[copy (n, j)] in fp32, rounded once to out_dtype: [N, H] from the sorted copies'
-    expert outputs rows [N * k, H]. A dropped copy's row is never read (whatever it holds, even NaN)."""
-    weighted = jnp.where(routing.kept[:, None], rows.astype(jnp.float32) * routing.weight_of[:, None], 0.0)
-    out = jnp.zeros((num_tokens, rows.shape[-1]), jnp.float32).at[routing.token_of].add(weighted)
+    """sum_j w[n, j] * rows[copy (n, j)] in fp32, j = 0 ... k - 1 in order, rounded once to out_dtype: [N, H] from
+    the sorted copies' expert outputs rows [N * k, H]. Each token gathers its own copies (no scatter-add, whose
+    order of additions a GPU does not fix: the same inputs give the same bits). A dropped copy's row is never
+    read (whatever it holds, even NaN)."""
+    top_k = routing.top_k
+    rows = rows[routing.position].reshape(num_tokens, top_k, rows.shape[-1])
+    weights = routing.weight_of[routing.position].reshape(num_tokens, top_k)
+    kept = routing.kept[routing.position].reshape(num_tokens, top_k)
+    out = jnp.zeros((num_tokens, rows.shape[-1]), jnp.float32)
+    for j in range(top_k):
+        out = out + jnp.where(kept[:, j, None], rows[:, j].astype(jnp.float32) * weights[:, j, None], 0.0)
     return round_to(out, out_dtype)
+
+
+def group_of(ends: jax.Array, positions: jax.Array) -> jax.Array:
+    """int32 index of the group holding each position, for groups ending (exclusive) at the sorted `ends`
+    (len(ends) past the last). Compares every pair: the ends are few, and a binary search is a loop of small
+    kernels on a GPU."""
+    return jnp.searchsorted(ends, positions, side="right", method="compare_all").astype(jnp.int32)
 
 
 def visits(offsets: jax.Array, tm: int, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -64,6 +82,6 @@ def visits(offsets: jax.Array, tm: int, count: int) -> tuple[jax.Array, jax.Arra
     ends = jnp.cumsum(per_expert)
     real = ends[-1]
     v = jnp.minimum(jnp.arange(count), jnp.maximum(real - 1, 0))  # padding visits repeat the last real one
-    expert = jnp.minimum(jnp.searchsorted(ends, v, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+    expert = jnp.minimum(group_of(ends, v), sizes.shape[0] - 1)
     tile = (first[expert] + v - (ends[expert] - per_expert[expert])).astype(jnp.int32)
     return expert, jnp.where(real > 0, tile, 0), real.reshape(1).astype(jnp.int32)

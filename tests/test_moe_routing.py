@@ -1,0 +1,47 @@
+"""The routing every expert backend shares: the copies' sort and its inverse, the weighted combine (a fixed order
+of additions, dropped copies never read), and the loop-free group search."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe.routing import combine, group_of, group_offsets, route
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 16), (37, 4, 8)])
+def test_combine_sums_each_tokens_copies_in_order(tokens, top_k, experts):
+    keys = jax.random.split(jax.random.key(tokens), 4)
+    ids = jax.random.randint(keys[0], (tokens, top_k), -1, experts + 1)  # -1 and E: dropped (another shard's)
+    weights = jax.random.uniform(keys[1], (tokens, top_k), minval=0.05, maxval=0.5)
+    routing = route(ids, weights, experts)
+    rows = jax.random.normal(keys[2], (tokens * top_k, 64), jnp.float32).astype(jnp.bfloat16)
+    rows = jnp.where(~routing.kept[:, None], jnp.nan, rows)  # what a dropped copy's row holds must not matter
+    got = np.asarray(combine(rows, routing, tokens, jnp.bfloat16), np.float32)
+
+    order, ids, weights = np.asarray(routing.order), np.asarray(ids), np.asarray(weights)
+    np.testing.assert_array_equal(np.asarray(routing.position)[order], np.arange(tokens * top_k))
+    by_copy = np.empty((tokens * top_k, 64), np.float32)
+    by_copy[order] = np.asarray(rows, np.float32)
+    want = np.zeros((tokens, 64), np.float32)
+    for j in range(top_k):  # fp32, copy 0 first, as the combine promises
+        kept = (ids[:, j] >= 0) & (ids[:, j] < experts)
+        term = by_copy[j::top_k] * weights[:, j, None].astype(np.float32)
+        want = want + np.where(kept[:, None], term, np.float32(0))
+    want = np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+
+
+def test_group_of_finds_each_positions_group():
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(0, 5, 40).astype(np.int32)  # empty groups included
+    ends = np.cumsum(sizes)
+    positions = np.arange(ends[-1] + 3)  # and positions past the last group
+    got = np.asarray(group_of(jnp.asarray(ends), jnp.asarray(positions)))
+    np.testing.assert_array_equal(got, np.searchsorted(ends, positions, side="right"))
+    ids = rng.integers(0, 6, (9, 2)).astype(np.int32)
+    routing = route(jnp.asarray(ids), jnp.ones((9, 2)), 6)
+    offsets = np.asarray(group_offsets(routing))
+    groups = np.asarray(group_of(jnp.asarray(offsets[1:]), jnp.arange(18)))
+    np.testing.assert_array_equal(groups, ids.reshape(-1)[np.asarray(routing.order)])  # each sorted copy's expert
