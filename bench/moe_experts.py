@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--shape", type=int, nargs=3, default=[EXPERTS, HIDDEN, INTER], help="E H I (smaller: a smoke run)"
     )
+    parser.add_argument("--kernel-only", action="store_true", help="the GPU kernel column alone (no XLA paths)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     report = {
@@ -169,9 +170,10 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
         if laid:
             row["kernel_ms"], row["kernel_longest_ms"] = device_ms(kernel, x, *laid, experts, weights,
                                                                    repeats=args.repeats)  # fmt: skip
-        row["gather_ms"] = device_ms(jax.jit(gather_path), *operands, repeats=args.repeats)[0]
-        row["xla_read_ms"] = device_ms(jax.jit(read), gate_up, down, repeats=args.repeats)[0]
-        for name in ("kernel", "gather", "xla_read") if laid else ("gather", "xla_read"):
+        if not args.kernel_only:
+            row["gather_ms"] = device_ms(jax.jit(gather_path), *operands, repeats=args.repeats)[0]
+            row["xla_read_ms"] = device_ms(jax.jit(read), gate_up, down, repeats=args.repeats)[0]
+        for name in (name for name in ("kernel", "gather", "xla_read") if f"{name}_ms" in row):
             row[f"{name}_pct_of_copy"] = 100 * row["bytes"] / row[f"{name}_ms"] / 1e9 / COPY_TB_S
         record("decode", row)
     for tokens in args.prefill:
@@ -185,9 +187,10 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
                                                                    repeats=args.repeats)  # fmt: skip
             row["kernel_tflop_s"] = flops / row["kernel_ms"] / 1e9
             row["kernel_pct_of_bf16"] = 100 * row["kernel_tflop_s"] / BF16_TFLOP_S
-        row["padded_ms"] = device_ms(run, x, gate_up, down, experts, weights, repeats=args.repeats)[0]
-        row["padded_tflop_s"] = flops / row["padded_ms"] / 1e9
-        row["padded_pct_of_bf16"] = 100 * row["padded_tflop_s"] / BF16_TFLOP_S
+        if not args.kernel_only:
+            row["padded_ms"] = device_ms(run, x, gate_up, down, experts, weights, repeats=args.repeats)[0]
+            row["padded_tflop_s"] = flops / row["padded_ms"] / 1e9
+            row["padded_pct_of_bf16"] = 100 * row["padded_tflop_s"] / BF16_TFLOP_S
         record("prefill", row)
 
 
