@@ -3,6 +3,8 @@
 windows, extents shorter and longer than the context, GQA; fp32 and bf16), and lowered for TPU with
 jax.export at the production shapes (the interpreter does not check Mosaic's layout rules)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,12 +106,17 @@ def test_lowers_for_tpu_at_production_shapes(width, ring):
     assert "tpu_custom_call" in lowered.mlir_module()
 
 
-def test_the_engine_step_through_the_kernel(monkeypatch):
-    """The tiny parity model's chunked prefill and decode with every cached attention layer (pool and ring)
-    running the TPU kernel in interpret mode: the same log-probabilities as a whole-sequence forward."""
+def test_the_engine_step_through_the_kernel(monkeypatch, tmp_path):
+    """Chunked prefill and decode with both cached attention layers (a ring and a pool) running the TPU kernel
+    in interpret mode: the same log-probabilities as a whole-sequence forward. The model is the tiny parity
+    model's config cut to those two layers, with random weights: each layer inlines the interpreted kernel,
+    whose compilation took most of this test's time with all twelve. Their std is 0.4, not the config's 0.02,
+    so that attention moves the logits as much as through the twelve: scaling the kernel's output by 0.998
+    fails the comparison on either model."""
     from test_step import FIXTURE, Driver, full_logprobs, prefill
 
     from inkling_jax.checkpoint import load_causal_lm
+    from inkling_jax.checkpoint.synthetic import write_checkpoint
 
     calls = []
 
@@ -117,7 +124,11 @@ def test_the_engine_step_through_the_kernel(monkeypatch):
         calls.append(backend)
         return tpu.ragged_paged_attention
 
-    model = load_causal_lm(FIXTURE / "hf", jnp.float32)[1]
+    config = json.loads((FIXTURE / "hf" / "config.json").read_text())
+    two_layers = {"num_hidden_layers": 2, "layer_types": ["hybrid_sliding", "hybrid"], "n_layers_per_attn_res_block": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config | two_layers | {"initializer_range": 0.4}))
+    checkpoint = write_checkpoint(tmp_path / "config.json", tmp_path / "ckpt", experts="fp32")
+    model = load_causal_lm(checkpoint, jnp.float32)[1]
     ids = np.load(FIXTURE / "reference.npz")["input_ids"].tolist()[:14]  # past the window (8) and extent (12)
     want = full_logprobs(model, ids)
     monkeypatch.setattr(ragged_paged_attention, "implementation", tpu_backend)
