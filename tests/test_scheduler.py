@@ -25,10 +25,21 @@ def model():
     return load_causal_lm(FIXTURE, np.float32)[1]
 
 
-def make_scheduler(model, slots: int, pages: int, **kwargs) -> Scheduler:
+def make_engine(model, slots: int, pages: int) -> Engine:
     layout = CacheLayout(slots, pages, 32, CHUNK)  # 32 pages of 128 tokens: the model's whole context
     engine = core.Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS)
-    scheduler = Scheduler(Engine(engine, None, str(FIXTURE), "tp1", "float32"), **kwargs)
+    return Engine(engine, None, str(FIXTURE), "tp1", "float32")
+
+
+@pytest.fixture(scope="module")
+def two_slots(model) -> Engine:
+    """Two slots sharing 3 pages, compiled once for the tests that need few pages (each runs its own scheduler:
+    admission resets a slot's state)."""
+    return make_engine(model, slots=2, pages=3)
+
+
+def make_scheduler(engine: Engine, **kwargs) -> Scheduler:
+    scheduler = Scheduler(engine, **kwargs)
     scheduler.warm_up()
     scheduler.start()
     return scheduler
@@ -82,7 +93,7 @@ def run(scheduler: Scheduler, requests: list[Request], **options) -> Collector:
 def test_concurrent_requests_equal_the_offline_engine(model):
     requests = random_requests(np.random.default_rng(0), 12)
     offline = generate(model, requests, max_num_seqs=3, chunk=CHUNK)
-    scheduler = make_scheduler(model, slots=4, pages=8, prefill_budget=10)
+    scheduler = make_scheduler(make_engine(model, slots=4, pages=8), prefill_budget=10)
     compiled = scheduler.core.compilations
     try:
         collector = run(scheduler, requests, logprobs=3)
@@ -105,14 +116,14 @@ def test_concurrent_requests_equal_the_offline_engine(model):
     )
 
 
-def test_preempted_sequences_resume_exactly(model):
+def test_preempted_sequences_resume_exactly(two_slots):
     """Two slots share 3 pages: long sequences need 2 pages past position 128, so the later one is
     preempted, recomputed (prompt and outputs fed again, penalties and seeded stream intact) once pages
     free, and ends exactly as when it ran alone."""
     rng = np.random.default_rng(1)
     requests = random_requests(rng, 3, prompt_range=(100, 120), max_tokens=(40, 50))
     penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}
-    scheduler = make_scheduler(model, slots=2, pages=3)
+    scheduler = make_scheduler(two_slots)
     try:
         alone = {r.id: run(scheduler, [r], **penalties).tokens[r.id] for r in requests}
         assert scheduler.stats().preemptions == 0
@@ -123,9 +134,9 @@ def test_preempted_sequences_resume_exactly(model):
     assert together.tokens == alone
 
 
-def test_cancelled_and_refused_requests(model):
+def test_cancelled_and_refused_requests(two_slots):
     rng = np.random.default_rng(2)
-    scheduler = make_scheduler(model, slots=2, pages=4)
+    scheduler = make_scheduler(two_slots)
     try:
         request = random_requests(rng, 1, max_tokens=(300, 301))[0]
         collector = Collector(1)
@@ -140,7 +151,7 @@ def test_cancelled_and_refused_requests(model):
         bad = {
             Code.INVALID_ARGUMENT: EngineRequest("a", (1, 700), Options()),
             Code.OUT_OF_RANGE: EngineRequest("b", (1, 2), Options(max_tokens=5000)),
-            Code.RESOURCE_EXHAUSTED: EngineRequest("c", tuple(range(400)), Options(max_tokens=200)),  # > 4 pages
+            Code.RESOURCE_EXHAUSTED: EngineRequest("c", tuple(range(400)), Options(max_tokens=200)),  # > 3 pages
         }
         for code, bad_request in bad.items():
             with pytest.raises(Rejected) as refused:
