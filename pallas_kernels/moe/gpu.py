@@ -142,8 +142,11 @@ def _e4m3_as_bf16_bits(run: int):
     )
     def decode(_, data: mgpu.FragmentedArray) -> mgpu.FragmentedArray:
         i64 = ir.IntegerType.get_signless(64)
-        pairs = lambda _, w, word: [_pairs(llvm.inline_asm(i64, [word], MX_WORD_ASM, "=l,r"))]  # noqa: E731
-        (registers,) = _from_words(data, run, pairs)
+
+        def word_values(index, w, word):
+            return [_pairs(llvm.inline_asm(i64, [word], MX_WORD_ASM, "=l,r"))]
+
+        (registers,) = _from_words(data, run, word_values)
         return mgpu.FragmentedArray(_registers=registers, _layout=data.layout, _is_signed=None)
 
     return decode
