@@ -178,7 +178,7 @@ class GpuWeight:
 def _holds_e4m3_nan(values: jax.Array) -> jax.Array:
     """Whether E4M3 values hold a NaN (bits S.1111.111), read from their bits in one fused pass (an fp32 copy of a
     layer's experts would not fit in memory)."""
-    return jnp.any(jax.lax.bitcast_convert_type(values, jnp.uint8) & 0x7F == 0x7F)
+    return jnp.any((jax.lax.bitcast_convert_type(values, jnp.uint8) & 0x7F) == 0x7F)
 
 
 def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
