@@ -49,9 +49,14 @@ def moe_experts(
 
 
 def _gpu_takes(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> bool:
-    plain_bf16 = all(w.format != "plain" or w.data.dtype == jnp.bfloat16 for w in (gate_up, down))
-    shapes = gpu.supports(*gate_up.shape[1:], gate_up.format) and gate_up.format == down.format
-    return gpu.on_hopper() and shapes and x.dtype == jnp.bfloat16 and plain_bf16
+    """Whether `auto` runs the GPU kernels: on an sm90 GPU, for inputs `gpu.check` accepts."""
+    if not gpu.on_hopper():
+        return False
+    try:
+        gpu.check(x, gate_up, down)
+    except ValueError:
+        return False
+    return True
 
 
 __all__ = ["BACKENDS", "GpuWeight", "TpuWeight", "for_gpu", "for_tpu", "moe_experts"]

@@ -101,7 +101,7 @@ def _from_words(data: mgpu.FragmentedArray, run: int, decode) -> list[np.ndarray
     16w ... 16w + 15 (a thread's 8 bytes of a run are one register: index[1] is the run)."""
     columns = plgpu.Layout.WGMMA.to_mgpu().registers_shape((LANES, 32))
     if columns[1] != 4 or data.registers.shape[2:] != tuple(columns[2:]):
-        raise NotImplementedError(f"unexpected wgmma register layout: {data.registers.shape}, {columns}")
+        raise RuntimeError(f"the wgmma register layout is not the one decoded for: {data.registers.shape}, {columns}")
     outs = None
     for index, register in np.ndenumerate(data.registers):
         if index[1] != run:
@@ -469,7 +469,8 @@ def grouped_matmul(rows: jax.Array, w: GpuWeight, tiles: Tiles, *, interpret: bo
     return out[0] if splits == 1 else round_to(out.sum(axis=0), rows.dtype)
 
 
-def _check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
+def check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
+    """Raise ValueError (naming what) unless the kernels take these activations and laid-out experts."""
     check_experts(x, gate_up, down)
     _, two_i, hidden = gate_up.shape
     if not supports(two_i, hidden, gate_up.format):
@@ -500,7 +501,7 @@ def moe_experts(
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_gpu` (`interpret`: run the
     kernels in Mosaic GPU's interpreter)."""
-    _check(x, gate_up, down)
+    check(x, gate_up, down)
     num_experts, two_i, hidden = gate_up.shape
     routing = route(experts, weights, num_experts)
     copies = routing.order.shape[0]
@@ -514,5 +515,4 @@ def moe_experts(
     gate_up_rows = grouped_matmul(rows, gate_up, tiles, interpret=interpret)
     hidden_rows = capped_swiglu(gate_up_rows[:, : two_i // 2], gate_up_rows[:, two_i // 2 :], gate_cap, up_cap)
     out_rows = grouped_matmul(hidden_rows, down, tiles, interpret=interpret)
-    out_rows = out_rows[:copies] if tiles.row_of is None else out_rows[tiles.row_of]
-    return combine(out_rows, routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype)
+    return combine(out_rows, routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype, tiles.row_of)

@@ -51,13 +51,16 @@ def group_offsets(routing: Routing) -> jax.Array:
     return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(routing.group_sizes, dtype=jnp.int32)])
 
 
-def combine(rows: jax.Array, routing: Routing, num_tokens: int, out_dtype: jnp.dtype) -> jax.Array:
+def combine(
+    rows: jax.Array, routing: Routing, num_tokens: int, out_dtype: jnp.dtype, row_of: jax.Array | None = None
+) -> jax.Array:
     """sum_j w[n, j] * rows[copy (n, j)] in fp32, j = 0 ... k - 1 in order, rounded once to out_dtype: [N, H] from
-    the sorted copies' expert outputs rows [N * k, H]. Each token gathers its own copies (no scatter-add, whose
-    order of additions a GPU does not fix: the same inputs give the same bits). A dropped copy's row is never
-    read (whatever it holds, even NaN)."""
+    the sorted copies' expert outputs rows [R, H], sorted copy i in row i (or row_of[i], [N * k] int32). Each
+    token gathers its own copies, in one gather (no scatter-add, whose order of additions a GPU does not fix: the
+    same inputs give the same bits). A dropped copy's row is never read (whatever it holds, even NaN)."""
     top_k = routing.top_k
-    rows = rows[routing.position].reshape(num_tokens, top_k, rows.shape[-1])
+    source = routing.position if row_of is None else row_of[routing.position]
+    rows = rows[source].reshape(num_tokens, top_k, rows.shape[-1])
     weights = routing.weight_of[routing.position].reshape(num_tokens, top_k)
     kept = routing.kept[routing.position].reshape(num_tokens, top_k)
     out = jnp.zeros((num_tokens, rows.shape[-1]), jnp.float32)

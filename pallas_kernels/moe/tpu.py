@@ -257,4 +257,4 @@ def moe_experts(
         _down_kernel, rows_in_order(hidden_rows, inter), [down], _weight_specs(down, th, lambda n: n), hidden, th,
         tm, plan, interpret=interpret,
     )  # fmt: skip
-    return combine(out_rows[:copies], routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype)
+    return combine(out_rows, routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype)
