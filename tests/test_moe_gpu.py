@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels import block_formats
 from pallas_kernels.moe import gpu, moe_experts, reference
 from pallas_kernels.moe.layouts import PLAIN, GpuWeight, for_gpu
 from pallas_kernels.moe.routing import route
@@ -47,7 +46,7 @@ def every_value(key: jax.Array, n: int, k: int, fmt: str) -> jax.Array | Quantiz
         scales = scales.at[0, 0, :2].set(jnp.array([low, 134], jnp.uint8))
         return QuantizedArray(jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales, None, MXFP8)
     data = jax.random.permutation(keys[0], jnp.resize(jnp.arange(256, dtype=jnp.uint8), n * k // 2))
-    scales = jax.random.randint(keys[1], (1, n, k // 16), 1, 0x7F).astype(jnp.uint8)  # every finite positive E4M3
+    scales = jax.random.randint(keys[1], (1, n, k // 16), 0, 0x7F).astype(jnp.uint8)  # every finite E4M3 >= 0
     global_scale = jnp.exp2(jax.random.uniform(keys[2], (1, 1, 1), minval=-12.0, maxval=4.0))
     e4m3 = jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
     return QuantizedArray(data.reshape(1, n, k // 2), e4m3, global_scale.astype(jnp.float32), NVFP4)
@@ -82,6 +81,31 @@ def test_every_value_decodes_exactly(fmt):
     got = run(rows, for_gpu(weight))
     want = weight.dequantize(jnp.bfloat16) if isinstance(weight, QuantizedArray) else weight
     assert_same_values(got, want[0].T)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 96), (5, 3, 4)])
+def test_visits_write_every_copy_once(tokens, top_k, experts):
+    """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole tile
+    that meets its expert's group, within the rows; the visits stay within their static bound."""
+    rng = np.random.default_rng(tokens * experts)
+    for _ in range(20):
+        ids = np.argsort(rng.random((tokens, experts + 2)), axis=1)[:, :top_k] - 1  # some dropped (-1, E)
+        if rng.random() < 0.5:  # skewed: most copies on a few experts
+            ids = np.where(rng.random(ids.shape) < 0.7, rng.integers(0, 3, ids.shape), ids)
+            ids = np.where(np.arange(top_k) == 0, ids, (ids + np.arange(top_k)) % experts)
+        routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
+        tiles = jax.tree.map(np.asarray, gpu.tile_copies(routing))
+        assert tiles.tm % 8 == 0 and tiles.rows % tiles.tm == 0
+        writes = np.zeros(tiles.rows, int)
+        for v in range(int(tiles.real[0])):
+            e, row = tiles.expert[v], tiles.first_row[v]
+            first, last = max(row, tiles.starts[e]), min(row + tiles.tm, tiles.ends[e])
+            assert row % tiles.tm == 0 and row + tiles.tm <= tiles.rows and first < last
+            writes[first:last] += 1
+        kept = np.asarray(routing.kept)
+        rows = np.arange(kept.size) if tiles.row_of is None else tiles.row_of
+        np.testing.assert_array_equal(writes[rows[kept]], 1)
+        assert writes.sum() == kept.sum() and int(tiles.real[0]) <= tiles.expert.shape[0]
 
 
 def routed_case(seed: int, tokens: int, top_k: int, fmt: str, foreign: bool = False, experts: int = EXPERTS):
@@ -147,8 +171,16 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="NaN element"):
         for_gpu(QuantizedArray(gate_up.data.at[1, 2, 3].set(nan), gate_up.scales, None, MXFP8))
     nv = quantize(jax.random.normal(jax.random.key(3), (2, 256, 256)), NVFP4)
-    with pytest.raises(ValueError, match="NaN block scale"):
-        for_gpu(QuantizedArray(nv.data, nv.scales.at[0, 1, 2].set(jnp.nan), nv.global_scale, NVFP4))
+    outside = r"block scale \* global scale that is negative, NaN or nonzero outside \[2\^-125, 2\^125\]"
+    cases = [(jnp.nan, 1.0), (-2.0, 1.0), (-0.0, 1.0), (2.0**-9, 2.0**-117), (448, 2.0**117), (1.0, 2.0**-130),
+             (2.0**-9, 2.0**-120), (1.0, jnp.inf)]  # fmt: skip
+    for scale, global_scale in cases:
+        with pytest.raises(ValueError, match=outside):
+            scales = nv.scales.at[0, 1, 2].set(scale)
+            for_gpu(QuantizedArray(nv.data, scales, jnp.full_like(nv.global_scale, global_scale), NVFP4))
+    with pytest.raises(ValueError, match=outside):
+        for_gpu(QuantizedArray(nv.data, nv.scales, -nv.global_scale, NVFP4))
+    for_gpu(QuantizedArray(nv.data, nv.scales.at[0, 1, 2].set(0.0), nv.global_scale, NVFP4))  # zero steps decode
     narrow = (GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN),
               GpuWeight(jnp.zeros((2, 384, 128), jnp.bfloat16), None, None, PLAIN))  # fmt: skip
     with pytest.raises(ValueError, match=r"H \(384\) and I \(128\) to be multiples of 256"):
@@ -161,8 +193,7 @@ def abstract_weight(fmt: str, experts: int, n: int, k: int) -> GpuWeight:
         return GpuWeight(spec((experts, n, k), jnp.bfloat16), None, None, PLAIN)
     if fmt == MXFP8:
         return GpuWeight(spec((experts, n, k // 4), jnp.uint32), spec((experts, k // 32, n), jnp.uint8), None, MXFP8)
-    blocks = k // block_formats.NV_BLOCK
-    scales, global_scale = spec((experts, blocks, n), jnp.uint8), spec((experts, 1, n), jnp.float32)
+    scales, global_scale = spec((experts, k // 64, n), jnp.uint32), spec((experts, 1, n), jnp.float32)
     return GpuWeight(spec((experts, n, k // 8), jnp.uint32), scales, global_scale, NVFP4)
 
 

@@ -1,27 +1,29 @@
-"""Routed experts on Hopper (sm90) through Mosaic GPU: two grouped matmuls over the token copies sorted by
-expert, each weight decoded in registers right before the wgmma that takes it (never in HBM or SMEM).
+"""Routed experts on Hopper (sm90) through Mosaic GPU: two grouped matmuls over the token copies sorted by expert, each
+weight decoded in registers right before the wgmma that takes it (never in HBM or SMEM).
 
-The copies sit in tiles of TM rows (`Tiles`), walked in (tile, expert) visits. A CTA computes one visit's
-product for one tile of ROWS weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M side,
-in registers; the tile's copies its N side, from SMEM). Three warpgroups: one issues the TMA copies of each K
-step (the weight tile's bytes, its block scales, the tile's activations) into a ring of SMEM stages; two compute,
-64 weight rows each, decoding each scale block of their rows (32 MXFP8 or 2 x 32 NVFP4 values per row) to bf16
-and multiplying it with the activations' matching columns while the next block decodes. The epilogue stores the
-accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in
-jax's ragged_dot_mgpu), so visits that share a tile never write each other's rows.
+The copies are walked in visits of TM rows each (`Tiles`), every visit one expert's. A CTA computes one visit's
+product for one tile of ROWS weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M side, in
+registers; the visit's copies its N side, from SMEM). Three warpgroups: one issues the TMA copies of each K step
+(the weight tile's bytes, its block scales, the tile's activations) into a ring of SMEM stages; two compute, 64
+weight rows each, decoding each scale block of their rows (32 MXFP8 or 2 x 32 NVFP4 values per row) to bf16 and
+multiplying it with the activations' matching columns while the next block decodes. The epilogue stores the
+accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's
+ragged_dot_mgpu), so visits that share rows never write each other's.
 
-Decode (a few tokens): the copies share tiles of up to 64, so each chosen expert's bytes are read once per
-column tile; K is split over CTAs when there are too few (visit, column tile) pairs to fill the GPU, each share
-written as fp32 partial sums that XLA adds. Prefill: each expert's copies get tiles of 128 of their own (no
-tile's product computed twice). Between the matmuls XLA applies the softcapped SwiGLU; after them it combines
-the copies (`routing.combine`).
+Decode (a few tokens): the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one
+tile per chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes
+read once per column tile; K is split over CTAs when there are too few (visit, column tile) pairs to fill the
+GPU, each share written as fp32 partial sums that XLA adds. Prefill: each expert's copies
+get tiles of 128 of their own (no tile's product computed twice). Between the matmuls XLA applies the softcapped
+SwiGLU; after them it combines the copies (`routing.combine`).
 
-The values are the oracle's bit for bit: MXFP8 E4M3 bytes become bf16 e4m3 * 2^-120 by moving their bits
-(inline PTX: PRMT, shifts; subnormals included), then a bf16 multiply by 2^(scale - 7), exact (scale bytes up to
-134, which `layouts.for_gpu` checks); NVFP4 codes become fp32 by PRMT table lookups, times fp32(block scale) *
-global scale, rounded once to bf16. Mosaic GPU's interpreter runs no inline PTX and its XLA:CPU flushes
-subnormals, so there the values are decoded through float conversions and the wgmma takes them from SMEM.
-"""
+The values are the oracle's bit for bit: MXFP8 E4M3 bytes become bf16 e4m3 * 2^-120 by moving their bits (inline
+PTX: PRMT, shifts; subnormals included), then a bf16 multiply by 2^(scale - 7), exact (scale bytes up to 134, which
+`layouts.for_gpu` checks); NVFP4 codes are looked up (PRMT) in a table of their block's 8 magnitudes in bf16, each
+fp32(m * block scale * global scale) rounded once, which every thread builds once per row and 64 K values (the
+activations' K permuted so that a thread's values are one scale block's). Mosaic GPU's interpreter runs no inline
+PTX and its XLA:CPU flushes subnormals, so there the values are decoded through float conversions and the wgmma
+takes them from SMEM."""
 
 import dataclasses
 import functools
@@ -37,7 +39,15 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import block_formats
-from pallas_kernels.moe.layouts import PLAIN, GpuWeight, check_experts, e2m1_value, gpu_run_order
+from pallas_kernels.moe.layouts import (
+    PLAIN,
+    GpuWeight,
+    check_experts,
+    e2m1_value,
+    gpu_run_order,
+    nvfp4_gpu_columns,
+    nvfp4_word_codes,
+)
 from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import Routing, combine, group_of, group_offsets, route, visits
 from pallas_kernels.numerics import round_to
@@ -46,7 +56,7 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 COMPUTE_WGS = 2  # compute warpgroups per CTA (a CTA of 4 hung on the H200, cause not found)
 ROWS = 64 * COMPUTE_WGS  # weight rows per CTA: 64 per compute warpgroup (the wgmma M tile)
 LANES = 64
-SHARED_TM = 64  # decode: copies per tile, several experts' groups sharing a tile
+SHARED_TM = (8, 64)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group)
 OWN_TM = 128  # prefill: rows per tile, each expert's group padded to whole tiles of its own
 OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get tiles of their own
 SMS = 132  # H200 multiprocessors
@@ -57,9 +67,9 @@ VALUES_PER_ITEM = {PLAIN: 1, MXFP8: 4, NVFP4: 8}  # K values per item of GpuWeig
 
 
 def _step_k(fmt: str, k: int, tm: int) -> int:
-    """K values per pipeline step: 256 for quantized weights at decode tiles, else 128 (a stage's weight and
+    """K values per pipeline step: 256 for quantized weights in shared tiles, else 128 (a stage's weight and
     activation tiles of 8-64 KB each)."""
-    kc = 256 if fmt != PLAIN and tm <= SHARED_TM else 128
+    kc = 256 if fmt != PLAIN and tm < OWN_TM else 128
     if k % kc:
         raise ValueError(f"the GPU expert kernel needs K ({k}) to be a multiple of {kc}")
     return kc
@@ -95,10 +105,10 @@ def _pairs(quad: ir.Value) -> list[ir.Value]:
 
 
 def _from_words(data: mgpu.FragmentedArray, run: int, decode) -> list[np.ndarray]:
-    """Words [64, 8R] (R runs of 32 bytes per row, `layouts.gpu_run_order`) -> bf16 [64, 32] fragments' registers
-    from run `run`: `decode(index, w, word)` returns, per fragment, the two vector<2xbf16> registers of word w
-    (0, 1) of data's register `index`, whose four bytes are columns 2c, 2c + 1, then 2c + 8, 2c + 9, of columns
-    16w ... 16w + 15 (a thread's 8 bytes of a run are one register: index[1] is the run)."""
+    """Words [64, 8R] (R runs of 32 bytes per row) -> the registers of bf16 [64, 32] fragments from run `run`:
+    `decode(index, words)` takes the two 32-bit words of data's register `index` (a thread's 8 bytes of a run:
+    index[1] is the run) and returns, per fragment, the four vector<2xbf16> registers the thread holds of it:
+    columns 2c, 2c + 1, then 2c + 8, 2c + 9, ..., 2c + 25 (c = lane % 4), of the index's rows."""
     columns = plgpu.Layout.WGMMA.to_mgpu().registers_shape((LANES, 32))
     if columns[1] != 4 or data.registers.shape[2:] != tuple(columns[2:]):
         raise RuntimeError(f"the wgmma register layout is not the one decoded for: {data.registers.shape}, {columns}")
@@ -106,12 +116,11 @@ def _from_words(data: mgpu.FragmentedArray, run: int, decode) -> list[np.ndarray
     for index, register in np.ndenumerate(data.registers):
         if index[1] != run:
             continue
-        for w, word in enumerate(_words(register)):  # word w: columns 16w + ...
-            decoded = decode(index, w, word)
-            outs = outs or [np.empty(columns, object) for _ in decoded]
-            for out, pair in zip(outs, decoded, strict=True):
-                for g, value in enumerate(pair):  # register index[1]: the 8-column group 2w + g
-                    out[(index[0], 2 * w + g, *index[2:])] = value
+        fragments = decode(index, _words(register))
+        outs = outs or [np.empty(columns, object) for _ in fragments]
+        for out, groups in zip(outs, fragments, strict=True):
+            for group, value in enumerate(groups):
+                out[(index[0], group, *index[2:])] = value
     return outs
 
 
@@ -143,8 +152,8 @@ def _e4m3_as_bf16_bits(run: int):
     def decode(_, data: mgpu.FragmentedArray) -> mgpu.FragmentedArray:
         i64 = ir.IntegerType.get_signless(64)
 
-        def word_values(index, w, word):
-            return [_pairs(llvm.inline_asm(i64, [word], MX_WORD_ASM, "=l,r"))]
+        def word_values(_, words):
+            return [[pair for word in words for pair in _pairs(llvm.inline_asm(i64, [word], MX_WORD_ASM, "=l,r"))]]
 
         (registers,) = _from_words(data, run, word_values)
         return mgpu.FragmentedArray(_registers=registers, _layout=data.layout, _is_signed=None)
@@ -169,94 +178,102 @@ def _mx_values(data: jax.Array, run: int, scale: jax.Array, interpret: bool) -> 
     return _e4m3_as_bf16_bits(run)(data) * _across(factor, block_formats.MX_BLOCK)
 
 
-E2M1_TABLE_ASM = """{
-    .reg .b32 idx, sign, pat, pos, neg, top, second, lo, hi, f0, f1, f2, f3, a, b, c, d, e, f;
-    .reg .f32 s0, s1, s2, s3, low_step, high_step;
-    mov.b32 a, 0x3F3F3F00;
-    mov.b32 b, 0x40404040;
-    mov.b32 c, 0xBFBFBF80;
-    mov.b32 d, 0xC0C0C0C0;
-    mov.b32 e, 0xC0800000;
-    mov.b32 f, 0xC0804000;
-    mov.b32 low_step, $2;
-    mov.b32 high_step, $3;
-    and.b32 idx, $1, 0x7777;
-    prmt.b32 pos, a, b, idx;
-    prmt.b32 neg, c, d, idx;
-    and.b32 sign, $1, 0x8888;
-    shr.b32 sign, sign, 1;
-    or.b32 pat, sign, 0x3210;
-    prmt.b32 top, pos, neg, pat;
-    prmt.b32 second, e, f, idx;
-    prmt.b32 lo, second, top, 0x6240;
-    prmt.b32 hi, second, top, 0x7351;
-    shl.b32 f0, lo, 16;
-    and.b32 f1, lo, 0xFFFF0000;
-    shl.b32 f2, hi, 16;
-    and.b32 f3, hi, 0xFFFF0000;
-    mov.b32 s0, f0;
-    mov.b32 s1, f1;
-    mov.b32 s2, f2;
-    mov.b32 s3, f3;
-    mul.rn.f32 s0, s0, low_step;
-    mul.rn.f32 s1, s1, low_step;
-    mul.rn.f32 s2, s2, high_step;
-    mul.rn.f32 s3, s3, high_step;
-    cvt.rn.bf16x2.f32 lo, s1, s0;
-    cvt.rn.bf16x2.f32 hi, s3, s2;
-    mov.b64 $0, {lo, hi};
+NV_TABLE_ASM = """{
+    .reg .b16 byte, unused, half;
+    .reg .b32 scale, halves, p, q, r, s, h0, h1, l0, l1, idx, hb, lb, sign, twos, quarters, fours;
+    .reg .f32 e4m3, step, step3;
+    prmt.b32 scale, $10, 0, $12;
+    mov.b32 {byte, unused}, scale;
+    cvt.rn.f16x2.e4m3x2 halves, byte;
+    mov.b32 {half, unused}, halves;
+    cvt.f32.f16 e4m3, half;
+    mul.rn.f32 step, e4m3, $11;
+    mul.rn.f32 step3, step, 0f3FC00000;
+    cvt.rn.bf16x2.f32 p, step3, step;
+    mov.b32 quarters, 0x3F003F00;
+    mov.b32 twos, 0x40004000;
+    mov.b32 fours, 0x40804080;
+    mul.rn.bf16x2 q, p, quarters;
+    mul.rn.bf16x2 r, p, twos;
+    mul.rn.bf16x2 s, p, fours;
+    prmt.b32 h0, q, p, 0x751D;
+    prmt.b32 l0, q, p, 0x640D;
+    prmt.b32 h1, r, s, 0x7531;
+    prmt.b32 l1, r, s, 0x6420;
+    and.b32 idx, $8, 0x77777777;
+    prmt.b32 hb, h0, h1, idx;
+    prmt.b32 lb, l0, l1, idx;
+    lop3.b32 hb, hb, $8, 0x80808080, 0xF8;
+    prmt.b32 $0, lb, hb, 0x5140;
+    prmt.b32 $1, lb, hb, 0x7362;
+    shr.b32 idx, idx, 16;
+    prmt.b32 hb, h0, h1, idx;
+    prmt.b32 lb, l0, l1, idx;
+    shl.b32 sign, $8, 4;
+    lop3.b32 hb, hb, sign, 0x80808080, 0xF8;
+    prmt.b32 $2, lb, hb, 0x5140;
+    prmt.b32 $3, lb, hb, 0x7362;
+    and.b32 idx, $9, 0x77777777;
+    prmt.b32 hb, h0, h1, idx;
+    prmt.b32 lb, l0, l1, idx;
+    lop3.b32 hb, hb, $9, 0x80808080, 0xF8;
+    prmt.b32 $4, lb, hb, 0x5140;
+    prmt.b32 $5, lb, hb, 0x7362;
+    shr.b32 idx, idx, 16;
+    prmt.b32 hb, h0, h1, idx;
+    prmt.b32 lb, l0, l1, idx;
+    shl.b32 sign, $9, 4;
+    lop3.b32 hb, hb, sign, 0x80808080, 0xF8;
+    prmt.b32 $6, lb, hb, 0x5140;
+    prmt.b32 $7, lb, hb, 0x7362;
 }"""
 
 
 @functools.cache
-def _e2m1_times_steps(run: int):
-    """Words [64, 8R] of E2M1 code pairs and the four blocks' fp32 steps of run `run` (each [64, 8], one value
-    per row) -> bf16(fp32(code value * step)) of the run's low nibbles and of its high nibbles. Per two bytes
-    (four codes): PRMT looks the two top bytes of each code's fp32 value up in tables (the signed table picked per
-    code by a third PRMT), then fp32 multiplies and one rounding to bf16: the oracle's operations. A word's low
-    nibbles are columns of block w (w: the word's index in the thread's pair), its high nibbles of block 2 + w."""
+def _e2m1_by_table(run: int):
+    """NVFP4 words [64, 8R] (`layouts.nvfp4_word`), the rows' four block scales of run `run` ([64, 8] uint32,
+    one value per row) and global scales ([64, 8] fp32) -> the run's two bf16 [64, 32] fragments, in
+    `layouts.nvfp4_gpu_columns` order: a thread's 16 values of a row are block c = lane % 4's. Per row and run, a
+    thread builds its block's table of the 8 magnitudes' bf16 values, fp32(m * step) rounded as the oracle rounds
+    them: bf16(step) and bf16(fp32(1.5 step)) times 1/2, 2 and 4 (exact for steps in [2^-125, 2^125] or 0, which
+    `layouts.check_for_gpu` checks), split into high and low bytes; then 4 codes per PRMT look their bytes up and
+    the stored signs are ORed into the high bytes."""
     values = plgpu.ShapeDtypeStruct((LANES, 32), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 5, return_type=(values, values))
-    def decode_run(_, data, *steps):
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        sixteen = arith.constant(i32, 16)
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3, return_type=(values, values))
+    def decode_run(_, data, scales, global_scale):
+        i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
+        lane = mgpu.utils.thread_idx()  # i32
+        byte_of_lane = arith.ori(arith.andi(lane, arith.constant(i32, 3)), arith.constant(i32, 0x4440))
 
-        def decode(index, w, word):
-            step_index = (index[0], 0, *index[2:])
-            low_step, high_step = (_words(steps[block].registers[step_index])[0] for block in (w, 2 + w))
-            quads = [llvm.inline_asm(i64, [half, low_step, high_step], E2M1_TABLE_ASM, "=l,r,r,r")
-                     for half in (word, arith.shrui(word, sixteen))]  # fmt: skip
-            (low_first, high_first), (low_second, high_second) = (_pairs(quad) for quad in quads)
-            return [(low_first, low_second), (high_first, high_second)]
+        def decode(index, words):
+            row = (index[0], 0, *index[2:])
+            scale, step = (_words(a.registers[row])[0] for a in (scales, global_scale))
+            outs = mgpu.utils.inline_ptx(NV_TABLE_ASM, *words, scale, step, byte_of_lane, result_types=[i32] * 8)
+            outs = [mgpu.utils.bitcast(out, bf16x2) for out in outs]
+            return [outs[:4], outs[4:]]
 
-        lows, highs = _from_words(data, run, decode)
-        return tuple(mgpu.FragmentedArray(_registers=r, _layout=data.layout, _is_signed=None) for r in (lows, highs))
+        fragments = _from_words(data, run, decode)
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=data.layout, _is_signed=None) for r in fragments)
 
     return decode_run
 
 
-def _nv_values(data: jax.Array, run: int, steps: list[jax.Array], interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """Words [64, 8R] and the run to decode (32 bytes of each row: four 16-value blocks, low nibbles: columns 0-15,
-    16-31 of the first two; high nibbles: the last two), and the blocks' fp32 steps [64] each (block scale *
-    global scale) -> the low and high nibbles' values, bf16(fp32(code value * step)) as the oracle rounds them."""
+def _nv_values(
+    data: jax.Array, run: int, scales: jax.Array, global_scale: jax.Array, interpret: bool
+) -> tuple[jax.Array, jax.Array]:
+    """NVFP4 words [64, 8R], the run to decode (64 K indices of each row), the rows' four block scales of it
+    ([64] uint32, block b in byte b) and global scales ([64] fp32) -> the run's bf16 values, bf16(fp32(code value
+    * step)) as the oracle rounds them, as two [64, 32] fragments in `layouts.nvfp4_gpu_columns` order."""
     if not interpret:
-        return _e2m1_times_steps(run)(data, *(_across(step, 8) for step in steps))
-    byte = _run_bytes(data, run).astype(jnp.uint32)
-    first = jnp.arange(32)[None, :] < block_formats.NV_BLOCK
-    low_steps, high_steps = (jnp.where(first, steps[i][:, None], steps[i + 1][:, None]) for i in (0, 2))
-    return tuple(
-        (e2m1_value(codes) * step).astype(jnp.bfloat16)
-        for codes, step in ((byte & 0xF, low_steps), (byte >> 4, high_steps))
-    )
-
-
-def _e4m3_value(byte: jax.Array) -> jax.Array:
-    """fp32 values of E4M3 bytes (uint32; subnormals exact, no float conversion)."""
-    exponent, mantissa, sign = (byte >> 3) & 0xF, byte & 7, byte >> 7
-    normal = lax.bitcast_convert_type((exponent + 120) << 23 | mantissa << 20 | sign << 31, jnp.float32)
-    tiny = mantissa.astype(jnp.float32) * (2.0**-9)
-    return jnp.where(exponent == 0, jnp.where(sign == 1, -tiny, tiny), normal)
+        return _e2m1_by_table(run)(data, _across(scales, 8), _across(global_scale, 8))
+    codes = nvfp4_word_codes(data[:, 8 * run : 8 * run + 8]).reshape(LANES, 64)
+    scale_bytes = (scales[:, None] >> jnp.arange(0, 32, 8, dtype=jnp.uint32)) & 0xFF
+    e4m3 = lax.bitcast_convert_type(scale_bytes.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+    steps = jnp.repeat(e4m3 * global_scale[:, None], block_formats.NV_BLOCK, axis=1)
+    values = (e2m1_value(codes) * steps).astype(jnp.bfloat16)  # K index 16c + 8f + 2j + b -> column 32f + 8j + 2c + b
+    values = values.reshape(LANES, 4, 2, 4, 2).transpose(0, 2, 3, 1, 4).reshape(LANES, 64)
+    return values[:, :32], values[:, 32:]
 
 
 def _tile(ref) -> jax.Array:
@@ -287,23 +304,32 @@ def _store_rows(tile_smem, tile_gmem, start: jax.Array, size: jax.Array) -> None
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Where the sorted copies sit in the kernels' rows, cut into tiles of `tm`, and the (tile, expert) visits.
+    """Where the sorted copies sit in the kernels' rows, and the visits over them: visit v multiplies rows
+    first_row[v] ... first_row[v] + tm - 1 (a whole tile: TMA reads GMEM rows in tiles of 8) by expert[v]'s
+    weights and writes back the rows of that expert's group among them.
 
     Shared tiles (decode): the rows are the sorted copies, groups follow each other and several share a tile
-    (`routing.visits`). Own tiles (prefill): each expert's group starts a tile and is padded to whole tiles, one
-    visit per tile: no tile's product is computed twice, and each expert's weights are read once per tile of
-    its copies rather than once per (tile, expert) pair.
+    (`routing.visits`: one visit per (tile, expert) pair that meet). Own tiles (prefill): each expert's group
+    starts a tile and is padded to whole tiles, one visit per tile: no tile's product is computed twice, and each
+    expert's weights are read once per tile of its copies.
     """
 
     expert: jax.Array  # [V] int32: each visit's expert (padding visits repeat the last real one)
-    tile: jax.Array  # [V] int32: each visit's tile
+    first_row: jax.Array  # [V] int32: each visit's first row, a multiple of tm
     starts: jax.Array  # [E] int32: each expert's first row
     ends: jax.Array  # [E] int32: one past its last row
     real: jax.Array  # [1] int32: the number of real visits
     source: jax.Array | None  # [R] int32: the sorted copy in each row (None: the rows are the sorted copies)
     row_of: jax.Array | None  # [N * k] int32: the row of each sorted copy (None: the same)
     tm: int = dataclasses.field(metadata={"static": True})
-    rows: int = dataclasses.field(metadata={"static": True})  # R: whole tiles, at most
+    rows: int = dataclasses.field(metadata={"static": True})  # R: whole tiles
+
+
+def shared_rows(copies: int, num_experts: int) -> int:
+    """tm of the decode's shared tiles: twice the mean group (copies / experts) in whole sublanes, within
+    SHARED_TM."""
+    low, high = SHARED_TM
+    return min(high, max(low, -(-2 * copies // (8 * num_experts)) * 8))
 
 
 def tile_copies(routing: Routing) -> Tiles:
@@ -312,10 +338,10 @@ def tile_copies(routing: Routing) -> Tiles:
     num_experts = group_sizes.shape[0]
     offsets = group_offsets(routing)
     if copies < OWN_TILES_FROM * num_experts:
-        tm = min(SHARED_TM, -(-copies // 8) * 8)
+        tm = shared_rows(copies, num_experts)
         tiles = -(-copies // tm)
         expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
-        return Tiles(expert, tile, offsets[:-1], offsets[1:], real, None, None, tm, tiles * tm)
+        return Tiles(expert, tile * tm, offsets[:-1], offsets[1:], real, None, None, tm, tiles * tm)
     tm = OWN_TM
     count = -(-copies // tm) + min(num_experts, copies)  # tiles, at most
     per_expert = -(-group_sizes // tm)
@@ -329,7 +355,7 @@ def tile_copies(routing: Routing) -> Tiles:
     source = jnp.clip(offsets[row_expert] + row - starts[row_expert], 0, copies - 1)
     copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
     row_of = jnp.minimum(starts[copy_expert] + copy - offsets[copy_expert], count * tm - 1)
-    return Tiles(expert, v, starts, starts + group_sizes, real.reshape(1), source.astype(jnp.int32),
+    return Tiles(expert, v * tm, starts, starts + group_sizes, real.reshape(1), source.astype(jnp.int32),
                  row_of.astype(jnp.int32), tm, count * tm)  # fmt: skip
 
 
@@ -346,8 +372,9 @@ def _grouped(
     blk = BLOCK[fmt]
     data_item = w.data.dtype.itemsize
     data_cols = kc // VALUES_PER_ITEM[fmt]  # data items (bf16 values, or words) per step of a row
-    scale_rows = kc // (block_formats.NV_BLOCK if fmt == NVFP4 else block_formats.MX_BLOCK)
-    stage_bytes = ROWS * data_cols * data_item + tm * kc * 2 + (0 if fmt == PLAIN else scale_rows * ROWS)
+    scale_rows = kc // blk  # MXFP8: one scale byte per block; NVFP4: four in a word per 64 K values
+    scale_bytes = 0 if fmt == PLAIN else scale_rows * ROWS * w.scales.dtype.itemsize
+    stage_bytes = ROWS * data_cols * data_item + tm * kc * 2 + scale_bytes
     staging = COMPUTE_WGS * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
     stages = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
 
@@ -361,7 +388,7 @@ def _grouped(
     if fmt != PLAIN:
         specs.append(plgpu.BlockSpec((scale_rows, ROWS), lambda kk: (kk, 0)))
 
-    def body(expert_ref, tile_ref, starts_ref, ends_ref, real_ref, x_gmem, data_gmem, *refs):
+    def body(expert_ref, first_row_ref, starts_ref, ends_ref, real_ref, x_gmem, data_gmem, *refs):
         if fmt == NVFP4:
             scales_gmem, global_gmem, out_gmem, out_smem, global_smem, landed, *a_smem = refs
         else:
@@ -369,7 +396,7 @@ def _grouped(
             out_gmem, out_smem, *a_smem = refs[fmt == MXFP8 :]
         s, nt, v = lax.axis_index("s"), lax.axis_index("n"), lax.axis_index("v")
         wg = lax.axis_index("wg")
-        e, t = expert_ref[v], tile_ref[v]
+        e, row = expert_ref[v], first_row_ref[v]
         lanes = pl.ds(pl.multiple_of(wg * LANES, LANES), LANES)
         k_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
         data_share = pl.ds(pl.multiple_of(s * steps * data_cols, data_cols), steps * data_cols)
@@ -390,11 +417,7 @@ def _grouped(
                 if fmt == MXFP8:
                     parts = [(_mx_values(words, run, _row(scale_refs[0].at[j, lanes]), interpret), cols)]
                 elif fmt == NVFP4:
-                    block_steps = [
-                        _e4m3_value(_row(scale_refs[0].at[4 * j + b, lanes]).astype(jnp.uint32)) * global_scale
-                        for b in range(4)
-                    ]
-                    low, high = _nv_values(words, run, block_steps, interpret)
+                    low, high = _nv_values(words, run, _row(scale_refs[0].at[j, lanes]), global_scale, interpret)
                     parts = [(low, pl.ds(j * blk, 32)), (high, pl.ds(j * blk + 32, 32))]
                 for values, x_cols in parts:
                     if interpret:  # the interpreter's wgmma takes its A operand from SMEM only
@@ -418,10 +441,10 @@ def _grouped(
             acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
             out_smem.at[wg].transpose((1, 0))[...] = acc
             plgpu.commit_smem()
-            first = jnp.maximum(starts_ref[e], t * tm)
-            last = jnp.minimum(ends_ref[e], (t + 1) * tm)
+            first = jnp.maximum(starts_ref[e], row)
+            last = jnp.minimum(ends_ref[e], row + tm)
             columns = pl.ds(nt * ROWS + wg * LANES, LANES)
-            _store_rows(out_smem.at[wg], out_gmem.at[s, pl.ds(t * tm, tm), columns], first - t * tm, last - first)
+            _store_rows(out_smem.at[wg], out_gmem.at[s, pl.ds(row, tm), columns], first - row, last - first)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -430,7 +453,7 @@ def _grouped(
         )  # fmt: skip
         operands = [
             data_gmem.at[e, n_rows, data_share],
-            x_gmem.at[pl.ds(pl.multiple_of(t * tm, 8), tm), k_share],
+            x_gmem.at[pl.ds(pl.multiple_of(row, 8), tm), k_share],
         ]
         if fmt != PLAIN:
             blocks_share = pl.ds(pl.multiple_of(s * steps * scale_rows, scale_rows), steps * scale_rows)
@@ -456,13 +479,15 @@ def _grouped(
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(tiles.expert, tiles.tile, tiles.starts, tiles.ends, tiles.real, rows, w.data, *weight_operands)
+    )(tiles.expert, tiles.first_row, tiles.starts, tiles.ends, tiles.real, rows, w.data, *weight_operands)
 
 
 def grouped_matmul(rows: jax.Array, w: GpuWeight, tiles: Tiles, *, interpret: bool = False) -> jax.Array:
     """rows [R, K] laid out by `tiles` -> [R, N]: each row times its expert's w^T, accumulated in fp32 and rounded
     to the rows' dtype; rows of no expert are left unwritten."""
     _, n, k = w.shape
+    if w.format == NVFP4:  # the K order of the decoded fragments
+        rows = rows[:, nvfp4_gpu_columns(k)]
     splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // ROWS))
     dtype = rows.dtype if splits == 1 else jnp.float32
     out = _grouped(rows, w, tiles, splits=splits, out_dtype=dtype, interpret=interpret)

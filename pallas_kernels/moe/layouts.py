@@ -17,6 +17,7 @@ scale per column broadcasts down the sublanes of its K rows for free. `for_tpu` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -135,16 +136,16 @@ MX_SCALE_MAX_GPU = 134  # the GPU kernel's bf16 factor 2^(byte - 7) needs byte -
 @dataclasses.dataclass(frozen=True)
 class GpuWeight:
     """An expert weight [E, N, K] as `for_gpu` lays it out: the data in the checkpoint's [E, N, K] rows (K-major,
-    as wgmma's operands want), the block scales transposed to [E, K / block, N] (a TMA box of 128 rows' scales
-    is then one contiguous run), an NVFP4 global scale as [E, 1, N].
+    as wgmma's operands want), the block scales transposed to K-block rows (a TMA box of 128 rows' scales is
+    then one contiguous run), an NVFP4 global scale as [E, 1, N].
 
-    plain: data [E, N, K]. MXFP8: the E4M3 bytes of each row in runs of 32 (one scale block), as uint32 words
-    [E, N, K / 4]; E8M0 bytes [E, K / 32, N]. NVFP4: runs of 32 bytes whose byte j holds the codes of K index
-    64g + j (low nibble) and 64g + 32 + j (high nibble) for run g, so that a run's low and high nibbles are each
-    two whole scale blocks, as uint32 words [E, N, K / 8]; E4M3 block scale bytes [E, K / 16, N]; fp32 global
-    scale [E, 1, N]. Each 32-byte run is stored in `gpu_run_order`: the 8 bytes that one thread of a wgmma
-    register operand holds of a row (columns 2c, 2c + 1, 2c + 8, 2c + 9, 2c + 16, ..., 2c + 25 for c = lane % 4)
-    are adjacent, two words the thread loads at once.
+    plain: data [E, N, K]. MXFP8: the E4M3 bytes of each row in runs of 32 (one scale block), each run stored in
+    `gpu_run_order` (the 8 bytes one thread of a wgmma register operand holds of a row, columns 2c, 2c + 1,
+    2c + 8, 2c + 9, 2c + 16, ..., 2c + 25 for c = lane % 4, are adjacent), as uint32 words [E, N, K / 4]; E8M0
+    bytes [E, K / 32, N]. NVFP4: word m of a row holds the codes of K indices 8m ... 8m + 7 (`nvfp4_word`), so a
+    thread's two words of a 64-index run are one scale block's 16 codes, as uint32 [E, N, K / 8]; each 64-index
+    run's four E4M3 block scale bytes as one uint32 (block b in byte b), [E, K / 64, N]; fp32 global scale
+    [E, 1, N]. The NVFP4 kernel contracts against the activations' K axis in `nvfp4_gpu_columns`' order.
     """
 
     data: jax.Array
@@ -162,16 +163,42 @@ class GpuWeight:
         """The weight as `for_gpu` took it (an NVFP4 global scale comes back broadcast to [E, N, 1])."""
         if self.format == PLAIN:
             return self.data
-        scales = jnp.swapaxes(self.scales, 1, 2)
-        data = run_bytes(self.data)
         if self.format == MXFP8:
-            return QuantizedArray(jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales, None, MXFP8)
-        experts, n, half = data.shape
-        groups = data.reshape(experts, n, half // 32, 32)
-        codes = jnp.concatenate([groups & 0xF, groups >> 4], axis=-1).reshape(experts, n, half, 2)
+            data = jax.lax.bitcast_convert_type(run_bytes(self.data), jnp.float8_e4m3fn)
+            return QuantizedArray(data, jnp.swapaxes(self.scales, 1, 2), None, MXFP8)
+        experts, n, words = self.data.shape
+        codes = nvfp4_word_codes(self.data).reshape(experts, n, 4 * words, 2)
         packed = (codes[..., 0] | codes[..., 1] << 4).astype(jnp.uint8)
-        e4m3 = jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
+        scale_bytes = jax.lax.bitcast_convert_type(jnp.swapaxes(self.scales, 1, 2), jnp.uint8).reshape(experts, n, -1)
+        e4m3 = jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
         return QuantizedArray(packed, e4m3, jnp.swapaxes(self.global_scale, 1, 2), NVFP4)
+
+
+def _sign_bit(i: int) -> int:
+    """Where `nvfp4_word` keeps code i's sign."""
+    return 8 * i + 7 if i < 4 else 8 * (i - 4) + 3
+
+
+def nvfp4_word(codes: jax.Array) -> jax.Array:
+    """E2M1 codes [..., 8] (uint32) -> the GPU kernel's uint32 word of them: code i's magnitude in bits 4i ...
+    4i + 2; the signs of codes 0-3 in bits 7, 15, 23, 31 and of codes 4-7 in bits 3, 11, 19, 27 (where the
+    decode's looked-up high bytes of codes 0-3, and 4-7 shifted by 4, want them)."""
+    parts = [(codes[..., i] & 7) << (4 * i) | (codes[..., i] >> 3) << _sign_bit(i) for i in range(8)]
+    return functools.reduce(jnp.bitwise_or, parts).astype(jnp.uint32)
+
+
+def nvfp4_word_codes(words: jax.Array) -> jax.Array:
+    """`nvfp4_word`'s inverse: uint32 words [...] -> codes [..., 8]."""
+    return jnp.stack([(words >> (4 * i)) & 7 | ((words >> _sign_bit(i)) & 1) << 3 for i in range(8)], axis=-1)
+
+
+def nvfp4_gpu_columns(k: int) -> np.ndarray:
+    """The order of a K axis the GPU's NVFP4 kernel contracts over: in each run of 64, the two bf16 [64, 32]
+    wgmma operands' columns (32f + p, where a register thread c = (p % 8) // 2 holds p = 8j + 2c + b) take the
+    index 16c + 8f + 2j + b: each thread's 16 values are its one scale block's."""
+    f, j, c, b = np.meshgrid(*(np.arange(n) for n in (2, 4, 4, 2)), indexing="ij")  # column 32f + 8j + 2c + b
+    local = (16 * c + 8 * f + 2 * j + b).reshape(-1)
+    return (np.arange(0, k, 64)[:, None] + local[None, :]).reshape(-1)
 
 
 @jax.jit
@@ -181,10 +208,28 @@ def _holds_e4m3_nan(values: jax.Array) -> jax.Array:
     return jnp.any((jax.lax.bitcast_convert_type(values, jnp.uint8) & 0x7F) == 0x7F)
 
 
+@jax.jit
+def _nvfp4_steps_outside(scales: jax.Array, global_scale: jax.Array) -> jax.Array:
+    """Whether any NVFP4 step (fp32 block scale * global scale) is negative (a sign bit set, -0 included), NaN, or
+    nonzero outside [2^-125, 2^125], in one fused pass. Zeros and the global scale's class are read from the bits:
+    XLA:CPU flushes subnormals, which would make a tiny step look like zero."""
+    scale_bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    global_scale = jnp.asarray(global_scale, jnp.float32)
+    global_bits = jax.lax.bitcast_convert_type(global_scale, jnp.uint32)
+    global_exponent = (global_bits >> 23) & 0xFF
+    global_zero = (global_bits & 0x7FFFFFFF) == 0
+    global_bad = (global_bits >> 31 == 1) | (global_exponent == 0xFF) | ((global_exponent == 0) & ~global_zero)
+    step = scales.astype(jnp.float32) * global_scale
+    zero = ((scale_bits & 0x7F) == 0) | global_zero
+    in_range = zero | ((step >= 2.0**-125) & (step <= 2.0**125))
+    return jnp.any(global_bad) | jnp.any((scale_bits >= 0x80) | ~in_range)
+
+
 def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
     """Raise on what the GPU kernel cannot decode as the oracle does: an MXFP8 scale byte above
-    MX_SCALE_MAX_GPU (NaN included) or a NaN element, an NVFP4 NaN block scale. Concrete arrays only (traced ones
-    cannot be inspected): call it before any jit that lays the weight out."""
+    MX_SCALE_MAX_GPU (NaN included) or a NaN element; an NVFP4 step (block scale * global scale) that is negative,
+    NaN or nonzero outside [2^-125, 2^125] (where the kernel's table of the step's multiples stays exact).
+    Concrete arrays only (traced ones cannot be inspected): call it before any jit that lays the weight out."""
     if not isinstance(weight, QuantizedArray) or isinstance(weight.scales, jax.core.Tracer):
         return
     if weight.format == MXFP8:
@@ -194,9 +239,13 @@ def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
                 f"MXFP8 scale byte {largest} (2^{largest - 127}) is above what the GPU expert kernel takes"
                 f" ({MX_SCALE_MAX_GPU}: blocks whose largest value is below 2^16)"
             )
-    if bool(_holds_e4m3_nan(weight.data if weight.format == MXFP8 else weight.scales)):
-        what = "element" if weight.format == MXFP8 else "block scale"
-        raise ValueError(f"{weight.format} weight holds a NaN {what}, which the GPU expert kernel does not decode")
+        if bool(_holds_e4m3_nan(weight.data)):
+            raise ValueError("mxfp8 weight holds a NaN element, which the GPU expert kernel does not decode")
+    elif bool(_nvfp4_steps_outside(weight.scales, weight.global_scale)):
+        raise ValueError(
+            "nvfp4 weight has a block scale * global scale that is negative, NaN or nonzero outside [2^-125, 2^125],"
+            " which the GPU expert kernel does not decode"
+        )
 
 
 def for_gpu(weight: jax.Array | QuantizedArray) -> GpuWeight:
@@ -205,14 +254,16 @@ def for_gpu(weight: jax.Array | QuantizedArray) -> GpuWeight:
     check_for_gpu(weight)
     if not isinstance(weight, QuantizedArray):
         return GpuWeight(weight, None, None, PLAIN)
-    scales = jnp.swapaxes(jax.lax.bitcast_convert_type(weight.scales, jnp.uint8), 1, 2)
+    scale_bytes = jax.lax.bitcast_convert_type(weight.scales, jnp.uint8)
     if weight.format == MXFP8:
-        return GpuWeight(run_words(jax.lax.bitcast_convert_type(weight.data, jnp.uint8)), scales, None, MXFP8)
+        data = run_words(jax.lax.bitcast_convert_type(weight.data, jnp.uint8))
+        return GpuWeight(data, jnp.swapaxes(scale_bytes, 1, 2), None, MXFP8)
     experts, n, half = weight.data.shape
-    codes = jnp.stack([weight.data & 0xF, weight.data >> 4], axis=-1).reshape(experts, n, half // 32, 2, 32)
-    packed = (codes[:, :, :, 0] | codes[:, :, :, 1] << 4).astype(jnp.uint8).reshape(experts, n, half)
+    codes = jnp.stack([weight.data & 0xF, weight.data >> 4], axis=-1).astype(jnp.uint32)
+    data = nvfp4_word(codes.reshape(experts, n, half // 4, 8))
+    scales = jax.lax.bitcast_convert_type(scale_bytes.reshape(experts, n, half // 32, 4), jnp.uint32)
     global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
-    return GpuWeight(run_words(packed), scales, jnp.swapaxes(global_scale, 1, 2), NVFP4)
+    return GpuWeight(data, jnp.swapaxes(scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
 
 
 def check_experts(x: jax.Array, gate_up: TpuWeight | GpuWeight, down: TpuWeight | GpuWeight) -> None:
