@@ -1,6 +1,6 @@
-"""The attention-residual mix + RMSNorm at Inkling 2 Small's width (hidden 4608) on the platform's path (the
-Mosaic TPU kernel on TPU, the jnp formulation for XLA's GPU fusions on GPU: what the model runs), beside the
-pure-jnp oracle under XLA.
+"""The attention-residual mix + RMSNorm at Inkling 2 Small's width (hidden 4608) on the platform's path (`auto`:
+what the model runs, the Mosaic TPU kernel on TPU, the Mosaic GPU kernel on GPU), beside the pure-jnp oracle
+under XLA and, on GPU, the jnp formulation for XLA's GPU fusions (`xla_`).
 
     python -m bench.attn_res [--tokens 64 4096] [--sources 0 8] [--queries 1 3] [--repeats 20] [--out FILE.json]
 
@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> None:
                 read_bytes = tokens * HIDDEN * (2 * count + 4)
                 moved = read_bytes + tokens * HIDDEN * 2 * queries
                 row = {"tokens": tokens, "sources": count, "queries": queries, "bytes": moved}
-                for name, backend in (("", "auto"), ("reference_", "reference")):
+                paths = [("", "auto"), ("reference_", "reference")]
+                if jax.default_backend() == "gpu":
+                    paths.append(("xla_", "xla"))
+                for name, backend in paths:
                     run = jax.jit(lambda *a, b=backend: attn_res_norm(*a, eps=EPS, out_dtype=jnp.bfloat16, backend=b))
                     row[f"{name}ms"] = device_ms(run, *operands, repeats=args.repeats)[0]
                     row[f"{name}pct_of_copy"] = 100 * moved / row[f"{name}ms"] / 1e9 / COPY_TB_S

@@ -104,7 +104,7 @@ def test_entry_point_picks_a_backend():
     x = case(3, 2, 1, (4, 64), jnp.float32)
     want = reference.attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16)
     np.testing.assert_array_equal(attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16), want)  # reference on CPU
-    with pytest.raises(ValueError, match="backend 'triton' is not one of auto, reference, tpu, xla"):
+    with pytest.raises(ValueError, match="backend 'triton' is not one of auto, reference, tpu, gpu, xla"):
         attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16, backend="triton")
 
 

@@ -1,7 +1,9 @@
 """The attention-residual mix fused with the RMSNorm after it (twice per layer, and once before the final norm):
-the entry point. `backend` picks "tpu" (Mosaic TPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the
-oracle) or "auto": the TPU kernel on TPU; on GPU the XLA formulation for prefill-sized calls and the oracle for
-decode-sized ones (measured on the H200, bench/results/README.md); the oracle on CPU."""
+the entry point. `backend` picks "tpu" (Mosaic TPU), "gpu" (Mosaic GPU, Hopper; in Mosaic GPU's interpreter on
+CPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the oracle) or "auto": the TPU kernel on TPU; on GPU
+the Mosaic GPU kernel for the shapes it takes (1.1-3x faster than the XLA paths at 64 and 4096 tokens on the
+H200, bench/results/README.md), else the XLA formulation for prefill-sized calls and the oracle for decode-sized
+ones; the oracle on CPU."""
 
 import functools
 import math
@@ -12,9 +14,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.attn_res import reference, tpu, xla
+from pallas_kernels.attn_res import gpu, reference, tpu, xla
 
-BACKENDS = ("auto", "reference", "tpu", "xla")
+BACKENDS = ("auto", "reference", "tpu", "gpu", "xla")
 XLA_FROM_TOKENS = 1024  # GPU: the XLA formulation from this many tokens (3x the oracle at 4096; slower at 64)
 
 
@@ -33,13 +35,28 @@ def attn_res_norm(
         raise ValueError(f"attention-residual backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
         platform, tokens = jax.default_backend(), math.prod(partial.shape[:-1])
-        gpu = "xla" if tokens >= XLA_FROM_TOKENS else "reference"
-        backend = {"tpu": "tpu", "gpu": gpu}.get(platform, "reference")
+        on_gpu = "xla" if tokens >= XLA_FROM_TOKENS else "reference"
+        if platform == "gpu" and _gpu_takes(sources, partial, queries, norm_weights):
+            on_gpu = "gpu"
+        backend = {"tpu": "tpu", "gpu": on_gpu}.get(platform, "reference")
     if backend in ("reference", "xla"):
         module = reference if backend == "reference" else xla
         return module.attn_res_norm(sources, partial, queries, norm_weights, eps=eps, out_dtype=out_dtype)
-    kernel = functools.partial(tpu.attn_res_norm, eps=eps, out_dtype=out_dtype)
+    if backend == "tpu":
+        kernel = functools.partial(tpu.attn_res_norm, eps=eps, out_dtype=out_dtype)
+    else:
+        interpret = jax.default_backend() == "cpu"
+        kernel = functools.partial(gpu.attn_res_norm, eps=eps, out_dtype=out_dtype, interpret=interpret)
     return per_device(kernel, sources, partial, queries, norm_weights)
+
+
+def _gpu_takes(sources: Sequence[jax.Array], partial: jax.Array, queries: jax.Array, norm_weights: jax.Array) -> bool:
+    """Whether `auto` runs the GPU kernel: for operands `gpu.check` accepts."""
+    try:
+        gpu.check(sources, partial, queries, norm_weights)
+    except ValueError:
+        return False
+    return True
 
 
 def per_device(kernel: Callable[..., jax.Array], *args) -> jax.Array:

@@ -1,0 +1,214 @@
+"""The attention-residual mix and the RMSNorm after it in one Mosaic GPU kernel for Hopper (sm90).
+
+A CTA takes one token, with two warpgroups that split its H columns in halves. Each copies its half of the
+token's row of every source and of the partial into SMEM (one TMA bulk copy per row, one barrier), and from
+then on reads SMEM only. The arithmetic is fp32 in registers, CHUNK columns at a time (each thread V contiguous
+values of every row: `ROWS`), in three sweeps over the rows in SMEM:
+(1) each row's sum of squares and its dot with each query (the queries, [Q, H] fp32, read from GMEM through L2,
+one chunk ahead), accumulated per column, then summed over the columns (one batched cross-warp reduction) and
+over the two warpgroups (through SMEM); the softmax over the N + 1 sources per query on those scalars, folded
+with each source's 1 / rms into one coefficient per (query, source);
+(2) each query's mix, sum_s coef * row_s, for its sum of squares only (the final RMSNorm's, summed likewise);
+(3) the mix again, times that RMSNorm's 1 / rms and its gain, rounded once to the output dtype and stored
+straight from registers into the output row.
+HBM traffic is the sources read once and the Q outputs written once (the XLA formulation reads them several
+times: bench/results/README.md).
+
+One token per CTA keeps every sum over H inside the CTA, with no tile that straddles the token count, and at
+the production shape (8 bf16 blocks + the fp32 partial at H = 4608: 92 KB of SMEM) leaves room for two CTAs per
+SM, so one's copies land while the other computes; two warpgroups per token give each SM 16 warps to hide the
+latencies of a sweep. Mosaic GPU's cross-warp reductions share one SMEM scratch for the whole CTA, so the two
+warpgroups take turns through it. Sums run in another order than the oracle's: equal up to fp32 rounding.
+"""
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attn_res.reference import SOURCE_EPS
+
+V = 2  # contiguous values per thread in a row's chunk
+CHUNK = 128 * V  # columns per step: a warpgroup's 128 threads side by side
+# [R, CHUNK]: thread t holds columns V t ... V t + V - 1 of every row, so sums over rows stay in its registers
+ROWS = plgpu.Layout.TILED(
+    plgpu.Tiling(((1, CHUNK), (CHUNK // 4,), (V,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1
+)
+COLUMNS = ROWS.reduce(0)  # [CHUNK]: one row of ROWS
+PER_ROW = ROWS.reduce(1)  # [R]: one value per row, in every thread
+WARPGROUPS = 2  # per CTA, each over H / 2 columns of the token
+SMEM_BYTES = 232448  # per-block shared memory on sm90
+REDUCTION_ROWS = 16  # rows summed over the columns per cross-warp round (512 bytes of SMEM scratch each)
+
+
+def _load_gmem(ref) -> jax.Array:
+    """A [CHUNK] slice of a GMEM row in registers (COLUMNS; through L2: every CTA reads the same queries)."""
+    return plgpu.load(ref, layout=COLUMNS, optimized=False)  # "optimized" transfers are SMEM's only
+
+
+def _rows(values: jax.Array, count: int) -> jax.Array:
+    """[CHUNK] -> [count, CHUNK]: the same values in every row."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(values, (count, CHUNK), (1,)), ROWS)
+
+
+def _columns(values: jax.Array) -> jax.Array:
+    """[R] -> [R, CHUNK]: each row's value in every column."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(values, (values.shape[0], CHUNK), (0,)), ROWS)
+
+
+def _mix_and_norm(*refs, count: int, num_queries: int, hidden: int, eps: float):
+    """One token: refs = count row refs [M, H] (GMEM), queries [Q, H] fp32, gains [Q, H], out [Q, M, H]; then
+    count SMEM rows [1, H], the exchanges [W, (1 + Q) count] and [W, max(2, Q)] fp32, and the barriers (each
+    warpgroup's copies landed; each warpgroup's turn at the two exchanges)."""
+    row_refs, (query_ref, gain_ref, out_ref) = refs[:count], refs[count : count + 3]
+    smem, (scores_smem, squares_smem, landed, score_turns, square_turns) = refs[count + 3 :][:count], refs[-5:]
+    token, wg = lax.axis_index("token"), lax.axis_index("wg")
+    share = hidden // WARPGROUPS
+    mine = pl.ds(pl.multiple_of(wg * share, CHUNK), share)  # this warpgroup's columns
+    for row_ref, row_smem in zip(row_refs, smem, strict=True):
+        plgpu.copy_gmem_to_smem(
+            row_ref.at[pl.ds(token, 1), mine], row_smem.at[:, mine], landed.at[wg],
+            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+        )  # fmt: skip
+    plgpu.barrier_wait(landed.at[wg])
+    steps = share // CHUNK
+
+    def columns(i: jax.Array) -> pl.Slice:
+        return pl.ds(pl.multiple_of(wg * share + i * CHUNK, CHUNK), CHUNK)
+
+    def chunk(i: jax.Array) -> jax.Array:  # [count, CHUNK] fp32
+        rows = [plgpu.load(row.at[:, columns(i)], layout=ROWS).astype(jnp.float32) for row in smem]
+        return jnp.concatenate(rows, axis=0)
+
+    def fetch(ref, i: jax.Array) -> list[jax.Array]:  # Q x [CHUNK] fp32 of a [Q, H] GMEM ref (the last again)
+        i = jnp.minimum(i, steps - 1)
+        return [_load_gmem(ref.at[q, columns(i)]).astype(jnp.float32) for q in range(num_queries)]
+
+    def mixes(i: jax.Array, coefs: list[jax.Array]) -> list[jax.Array]:  # Q x [CHUNK]: sum_s coef[s] row_s
+        x = chunk(i)
+        return [jnp.sum(x * _columns(c), axis=0) for c in coefs]
+
+    def score(i: jax.Array, carry: tuple) -> tuple:
+        (squares, *dots), queries = carry
+        ahead, x = fetch(query_ref, i + 1), chunk(i)
+        return (squares + x * x, *(d + x * _rows(q, count) for d, q in zip(dots, queries, strict=True))), ahead
+
+    zeros = plgpu.layout_cast(jnp.zeros((count, CHUNK), jnp.float32), ROWS)
+    sums, _ = lax.fori_loop(0, steps, score, ((zeros,) * (1 + num_queries), fetch(query_ref, 0)))
+    totals = _summed(jnp.concatenate(sums, axis=0), scores_smem, score_turns, wg)  # squares, then each q's dots
+    inverse_rms = lax.rsqrt(totals[:count] / hidden + SOURCE_EPS)  # [count]
+    coefs = []  # Q x count x [1]: softmax weight / rms of each source
+    for q in range(num_queries):
+        logits = totals[(1 + q) * count : (2 + q) * count] * inverse_rms * hidden**-0.5
+        logits = [logits[s : s + 1] for s in range(count)]
+        top = functools.reduce(jnp.maximum, logits)
+        weights = [jnp.exp(x - top) for x in logits]
+        total = functools.reduce(jnp.add, weights)
+        coefs.append([w / total * inverse_rms[s : s + 1] for s, w in enumerate(weights)])
+
+    def square(i: jax.Array, sums: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        mixed = mixes(i, [jnp.concatenate(c, axis=0) for c in coefs])
+        return tuple(acc + _rows(m * m, 1) for acc, m in zip(sums, mixed, strict=True))
+
+    zeros = plgpu.layout_cast(jnp.zeros((1, CHUNK), jnp.float32), ROWS)
+    squares = lax.fori_loop(0, steps, square, (zeros,) * num_queries)
+    squares = _summed(jnp.concatenate(squares, axis=0), squares_smem, square_turns, wg)  # [Q]
+    scales = lax.rsqrt(squares / hidden + eps)  # the final RMSNorm's 1 / rms
+    final = [jnp.concatenate([w * scales[q : q + 1] for w in c], axis=0) for q, c in enumerate(coefs)]
+
+    def store(i: jax.Array, gains: list[jax.Array]) -> list[jax.Array]:
+        ahead = fetch(gain_ref, i + 1)
+        for q, (gain, mixed) in enumerate(zip(gains, mixes(i, final), strict=True)):
+            out_ref.at[q, token, columns(i)][...] = (gain * mixed).astype(out_ref.dtype)
+        return ahead
+
+    lax.fori_loop(0, steps, store, fetch(gain_ref, 0))
+
+
+def _summed(partials: jax.Array, exchange, turns, wg: jax.Array) -> jax.Array:
+    """[R, CHUNK] per-column partial sums of this warpgroup -> [R]: the sums over both warpgroups' columns. The
+    warpgroups take turns (the cross-warp reduction's SMEM scratch is the CTA's), each leaving its sums in
+    exchange [W, R] and arriving on its turn's barrier."""
+    rows = partials.shape[0]
+    if rows == 1:  # Mosaic GPU stores no one-element array of this layout: a second row, dropped
+        partials = jnp.concatenate([partials, partials], axis=0)
+
+    def turn(w: int) -> None:
+        if w:
+            plgpu.barrier_wait(turns.at[w - 1])
+        exchange.at[w][...] = jnp.sum(partials, axis=1)
+        plgpu.barrier_arrive(turns.at[w])
+
+    for w in range(WARPGROUPS):
+        pl.when(wg == w)(functools.partial(turn, w))
+    plgpu.barrier_wait(turns.at[WARPGROUPS - 1])
+    sums = [plgpu.load(exchange.at[w], layout=PER_ROW) for w in range(WARPGROUPS)]
+    return functools.reduce(jnp.add, sums)[:rows]
+
+
+def check(sources: Sequence[jax.Array], partial: jax.Array, queries: jax.Array, norm_weights: jax.Array) -> None:
+    """Raise ValueError (naming what) unless the kernel takes these operands."""
+    hidden = partial.shape[-1]
+    if any(x.shape != partial.shape for x in sources):
+        raise ValueError(f"sources {[x.shape for x in sources]} must have the partial's shape {partial.shape}")
+    if queries.ndim != 2 or queries.shape[1] != hidden or norm_weights.shape != queries.shape:
+        raise ValueError(f"queries {queries.shape} and norm_weights {norm_weights.shape} must be [Q, {hidden}]")
+    if hidden % (WARPGROUPS * CHUNK):
+        raise ValueError(
+            f"the GPU attention-residual kernel needs H ({hidden}) to be a multiple of {WARPGROUPS * CHUNK}"
+        )
+    smem = hidden * sum(x.dtype.itemsize for x in (*sources, partial))
+    if smem + REDUCTION_ROWS * 512 > SMEM_BYTES:
+        raise ValueError(
+            f"the GPU attention-residual kernel holds a token's {len(sources)} sources and partial in SMEM:"
+            f" {smem} bytes at H = {hidden} exceed {SMEM_BYTES}"
+        )
+
+
+def attn_res_norm(
+    sources: Sequence[jax.Array],
+    partial: jax.Array,
+    queries: jax.Array,
+    norm_weights: jax.Array,
+    *,
+    eps: float,
+    out_dtype: jnp.dtype,
+    interpret: bool = False,
+) -> jax.Array:
+    """`reference.attn_res_norm`'s contract ([Q, ..., H] from N sources and the partial [..., H]); `interpret`:
+    run in Mosaic GPU's interpreter."""
+    check(sources, partial, queries, norm_weights)
+    lead, hidden = partial.shape[:-1], partial.shape[-1]
+    rows = [x.reshape(-1, hidden) for x in (*sources, partial)]  # (N + 1) x [M, H]
+    tokens, count, num_queries = math.prod(lead), len(rows), queries.shape[0]
+    if tokens == 0:
+        return jnp.zeros((num_queries, *lead, hidden), out_dtype)
+    out = plgpu.kernel(
+        functools.partial(_mix_and_norm, count=count, num_queries=num_queries, hidden=hidden, eps=eps),
+        out_type=jax.ShapeDtypeStruct((num_queries, tokens, hidden), out_dtype),
+        grid=(tokens,),
+        grid_names=("token",),
+        num_threads=WARPGROUPS,
+        thread_name="wg",
+        scratch_types=[
+            *(plgpu.SMEM((1, hidden), x.dtype) for x in rows),
+            plgpu.SMEM((WARPGROUPS, (1 + num_queries) * count), jnp.float32),
+            plgpu.SMEM((WARPGROUPS, max(2, num_queries)), jnp.float32),
+            plgpu.Barrier(num_arrivals=count, num_barriers=WARPGROUPS),
+            plgpu.Barrier(num_barriers=WARPGROUPS),
+            plgpu.Barrier(num_barriers=WARPGROUPS),
+        ],
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane,
+            reduction_scratch_bytes=min(REDUCTION_ROWS, (1 + num_queries) * count) * 512,
+            # threads write only the output and the exchanges (once, ordered by the turns' barriers); TMA the rows
+            unsafe_no_auto_barriers=True,
+        ),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*rows, queries.astype(jnp.float32), norm_weights)
+    return out.reshape(num_queries, *lead, hidden)

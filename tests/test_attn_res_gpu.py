@@ -1,0 +1,95 @@
+"""The Mosaic GPU attention-residual kernel against the oracle on fresh random data: sources of scales that differ
+by orders of magnitude, 0, 3 or 8 closed blocks, 1 or 3 queries, odd token counts and leading shapes, the
+partial in fp32 or bf16, fp32 and bf16 outputs; bad shapes rejected; and lowering for CUDA at the production
+shapes (Mosaic GPU's layouts, reductions and copies, which the interpreter does not check; ptxas runs only on
+a GPU). On an H200 every case runs compiled at hidden 4608; on CPU in Mosaic GPU's interpreter at hidden 512.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels.attn_res import attn_res_norm, gpu
+
+CPU = jax.default_backend() == "cpu"
+HIDDEN = 512 if CPU else 4608
+EPS = 1e-5
+
+
+def case(seed: int, count: int, queries: int, shape: tuple[int, ...], partial_dtype: jnp.dtype) -> dict:
+    """Random bf16 sources whose scales differ by orders of magnitude (block sums grow with depth), a partial in
+    `partial_dtype`, queries scaled so the logits span a few units at any H, random norm gains."""
+    keys = jax.random.split(jax.random.key(seed), count + 4)
+    hidden = shape[-1]
+    scales = jnp.exp(jax.random.uniform(keys[0], (count + 1,), minval=-2.0, maxval=4.0))
+    sources = [
+        (jax.random.normal(keys[i + 1], shape) * scales[i]).astype(jnp.bfloat16) for i in range(count)
+    ]  # fmt: skip
+    return {
+        "sources": sources,
+        "partial": (jax.random.normal(keys[count + 1], shape) * scales[count]).astype(partial_dtype),
+        "queries": jax.random.normal(keys[count + 2], (queries, hidden)) * 8 / hidden**0.5,
+        "norm_weights": (1 + 0.2 * jax.random.normal(keys[count + 3], (queries, hidden))).astype(jnp.bfloat16),
+    }
+
+
+def mixed(x: dict, out_dtype: jnp.dtype, backend: str) -> np.ndarray:
+    return np.asarray(attn_res_norm(**x, eps=EPS, out_dtype=out_dtype, backend=backend), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("count", "queries", "shape", "partial_dtype"),
+    [
+        (0, 1, (3, HIDDEN), jnp.bfloat16),
+        (3, 3, (2, 5, HIDDEN), jnp.float32),
+        (8, 1, (7, HIDDEN), jnp.float32),
+        (8, 3, (1, HIDDEN), jnp.bfloat16),
+    ],
+)
+def test_kernel_matches_the_reference(count, queries, shape, partial_dtype):
+    x = case(count + queries, count, queries, shape, partial_dtype)
+    got, want = mixed(x, jnp.float32, "gpu"), mixed(x, jnp.float32, "reference")
+    assert got.shape == (queries, *shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+    got, want = mixed(x, jnp.bfloat16, "gpu"), mixed(x, jnp.bfloat16, "reference")
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)  # then one bf16 rounding: 1 ulp apart at most
+
+
+def test_fp32_sources_and_a_dominant_source():
+    """fp32 closed blocks; one source so large and so aligned with the query that its softmax weight is ~1."""
+    x = case(5, 2, 1, (4, HIDDEN), jnp.float32)
+    x["sources"] = [s.astype(jnp.float32) for s in x["sources"]]
+    x["sources"][1] = x["queries"][0] * 1e4 + x["sources"][1]
+    np.testing.assert_allclose(mixed(x, jnp.float32, "gpu"), mixed(x, jnp.float32, "reference"), rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_what_it_does_not_take():
+    x = case(0, 2, 1, (4, 768), jnp.float32)
+    with pytest.raises(ValueError, match=r"needs H \(768\) to be a multiple of 512"):
+        gpu.attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16)
+    x = case(0, 12, 1, (1, 4608), jnp.float32)
+    x["sources"] = [s.astype(jnp.float32) for s in x["sources"]]
+    with pytest.raises(ValueError, match="holds a token's 12 sources and partial in SMEM"):
+        gpu.attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16)
+    x = case(0, 2, 1, (4, 512), jnp.float32)
+    with pytest.raises(ValueError, match="must have the partial's shape"):
+        gpu.attn_res_norm(x["sources"] + [x["partial"][:2]], **{k: v for k, v in x.items() if k != "sources"},
+                          eps=EPS, out_dtype=jnp.bfloat16)  # fmt: skip
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_lowers_for_cuda_at_production_shapes(tokens, queries):
+    """Hidden 4608, 8 closed blocks (bf16) + the fp32 partial, bf16 out."""
+    spec = jax.ShapeDtypeStruct
+    sources = [spec((tokens, 4608), jnp.bfloat16)] * 8
+    args = (sources, spec((tokens, 4608), jnp.float32), spec((queries, 4608), jnp.float32),
+            spec((queries, 4608), jnp.bfloat16))  # fmt: skip
+
+    def mix(sources, partial, queries, weights):
+        return gpu.attn_res_norm(sources, partial, queries, weights, eps=EPS, out_dtype=jnp.bfloat16)
+
+    lowered = export.export(jax.jit(mix), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in lowered.mlir_module()
