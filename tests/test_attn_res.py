@@ -83,13 +83,18 @@ def test_xla_formulation_matches_the_reference(count, queries):
     assert rounded.dtype == jnp.bfloat16 and rounded.shape == (queries, 2, 7, 256)
 
 
+def production_operands(tokens: int, queries: int) -> tuple:
+    """Abstract operands at the production width: hidden 4608, 8 closed blocks (bf16) + the fp32 partial."""
+    spec = jax.ShapeDtypeStruct
+    sources = [spec((tokens, 4608), jnp.bfloat16)] * 8
+    return (sources, spec((tokens, 4608), jnp.float32), spec((queries, 4608), jnp.float32),
+            spec((queries, 4608), jnp.bfloat16))  # fmt: skip
+
+
 @pytest.mark.parametrize(("tokens", "queries"), [(64, 3), (4096, 1)])
 def test_tpu_kernel_lowers_at_production_shapes(tokens, queries):
     """Hidden 4608, 8 closed blocks + the partial (fp32), bf16 out, for TPU v7x."""
-    spec = jax.ShapeDtypeStruct
-    sources = [spec((tokens, 4608), jnp.bfloat16)] * 8
-    args = (sources, spec((tokens, 4608), jnp.float32), spec((queries, 4608), jnp.float32),
-            spec((queries, 4608), jnp.bfloat16))  # fmt: skip
+    args = production_operands(tokens, queries)
 
     def mix(sources, partial, queries, weights):
         return tpu.attn_res_norm(sources, partial, queries, weights, eps=EPS, out_dtype=jnp.bfloat16)

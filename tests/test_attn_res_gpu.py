@@ -83,10 +83,9 @@ def test_rejects_what_it_does_not_take():
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_lowers_for_cuda_at_production_shapes(tokens, queries):
     """Hidden 4608, 8 closed blocks (bf16) + the fp32 partial, bf16 out."""
-    spec = jax.ShapeDtypeStruct
-    sources = [spec((tokens, 4608), jnp.bfloat16)] * 8
-    args = (sources, spec((tokens, 4608), jnp.float32), spec((queries, 4608), jnp.float32),
-            spec((queries, 4608), jnp.bfloat16))  # fmt: skip
+    from test_attn_res import production_operands
+
+    args = production_operands(tokens, queries)
 
     def mix(sources, partial, queries, weights):
         return gpu.attn_res_norm(sources, partial, queries, weights, eps=EPS, out_dtype=jnp.bfloat16)

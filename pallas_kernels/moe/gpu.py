@@ -179,7 +179,25 @@ def _mx_values(data: jax.Array, run: int, scale: jax.Array, interpret: bool) -> 
     return _e4m3_as_bf16_bits(run)(data) * _across(factor, block_formats.MX_BLOCK)
 
 
-NV_TABLE_ASM = """{
+def _nv_lookup(word: str, first: int) -> str:
+    """PTX: the 8 codes of `word` looked up in the tables h0, h1 (high bytes) and l0, l1 (low bytes), as bf16 pairs
+    into outputs first ... first + 3; codes 0-3 first (their signs in the word's bits 7, 15, 23, 31), then codes
+    4-7 (signs in bits 3, 11, 19, 27: where the high bytes want them after a shift by 4)."""
+
+    def four(select: str, sign: str, out: int) -> str:
+        return f"""{select}
+    prmt.b32 hb, h0, h1, idx;
+    prmt.b32 lb, l0, l1, idx;
+    lop3.b32 hb, hb, {sign}, 0x80808080, 0xF8;
+    prmt.b32 ${out}, lb, hb, 0x5140;
+    prmt.b32 ${out + 1}, lb, hb, 0x7362;"""
+
+    low = four(f"and.b32 idx, {word}, 0x77777777;", word, first)
+    return low + "\n    " + four(f"shr.b32 idx, idx, 16;\n    shl.b32 sign, {word}, 4;", "sign", first + 2)
+
+
+NV_TABLE_ASM = (
+    """{
     .reg .b16 byte, unused, half;
     .reg .b32 scale, halves, p, q, r, s, h0, h1, l0, l1, idx, hb, lb, sign, twos, quarters, fours;
     .reg .f32 e4m3, step, step3;
@@ -201,33 +219,12 @@ NV_TABLE_ASM = """{
     prmt.b32 l0, q, p, 0x640D;
     prmt.b32 h1, r, s, 0x7531;
     prmt.b32 l1, r, s, 0x6420;
-    and.b32 idx, $8, 0x77777777;
-    prmt.b32 hb, h0, h1, idx;
-    prmt.b32 lb, l0, l1, idx;
-    lop3.b32 hb, hb, $8, 0x80808080, 0xF8;
-    prmt.b32 $0, lb, hb, 0x5140;
-    prmt.b32 $1, lb, hb, 0x7362;
-    shr.b32 idx, idx, 16;
-    prmt.b32 hb, h0, h1, idx;
-    prmt.b32 lb, l0, l1, idx;
-    shl.b32 sign, $8, 4;
-    lop3.b32 hb, hb, sign, 0x80808080, 0xF8;
-    prmt.b32 $2, lb, hb, 0x5140;
-    prmt.b32 $3, lb, hb, 0x7362;
-    and.b32 idx, $9, 0x77777777;
-    prmt.b32 hb, h0, h1, idx;
-    prmt.b32 lb, l0, l1, idx;
-    lop3.b32 hb, hb, $9, 0x80808080, 0xF8;
-    prmt.b32 $4, lb, hb, 0x5140;
-    prmt.b32 $5, lb, hb, 0x7362;
-    shr.b32 idx, idx, 16;
-    prmt.b32 hb, h0, h1, idx;
-    prmt.b32 lb, l0, l1, idx;
-    shl.b32 sign, $9, 4;
-    lop3.b32 hb, hb, sign, 0x80808080, 0xF8;
-    prmt.b32 $6, lb, hb, 0x5140;
-    prmt.b32 $7, lb, hb, 0x7362;
-}"""
+    """
+    + _nv_lookup("$8", 0)
+    + "\n    "
+    + _nv_lookup("$9", 4)
+    + "\n}"
+)
 
 
 @functools.cache
