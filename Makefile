@@ -26,8 +26,9 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers (CI has two cores), each test file on one worker (its module fixtures compile once): 10 min, not 16
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # Regenerate the transformers parity fixtures (Python 3.11 + torch CPU + transformers 5.23.0).
 fixtures:

@@ -1,7 +1,8 @@
 """Shared test setup: CPU JAX with 8 host devices (multi-device tests), compiled without LLVM's optimisations
 (the tests' programs are tiny and compile-bound: a quarter off the suite; IEEE semantics are the same).
 
-Compiled programs also go to a compilation cache private to this run (removed at exit): each engine jits
+Compiled programs also go to a compilation cache private to this process (removed at exit; each of `make test`'s
+two xdist workers has its own, and runs whole test files): each engine jits
 its step afresh, so tests that build engines of the same shapes would otherwise compile the same program
 again (a cache hit skips only XLA's compilation; tracing, lowering and every run are the test's own)."""
 
