@@ -65,6 +65,16 @@ def test_fp32_sources_and_a_dominant_source():
     np.testing.assert_allclose(mixed(x, jnp.float32, "gpu"), mixed(x, jnp.float32, "reference"), rtol=1e-5, atol=1e-5)
 
 
+def test_auto_picks_the_kernel_where_it_takes_the_shape():
+    """On GPU `auto` is the kernel for the shapes it takes (bit for bit), the XLA paths for others; on CPU the
+    oracle."""
+    x = case(7, 2, 1, (3, HIDDEN), jnp.float32)
+    want = mixed(x, jnp.bfloat16, "reference" if CPU else "gpu")
+    np.testing.assert_array_equal(mixed(x, jnp.bfloat16, "auto"), want)
+    odd = case(8, 2, 1, (3, 768), jnp.float32)  # H not a multiple of 512
+    np.testing.assert_array_equal(mixed(odd, jnp.bfloat16, "auto"), mixed(odd, jnp.bfloat16, "reference"))
+
+
 def test_rejects_what_it_does_not_take():
     x = case(0, 2, 1, (4, 768), jnp.float32)
     with pytest.raises(ValueError, match=r"needs H \(768\) to be a multiple of 512"):
