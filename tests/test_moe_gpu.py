@@ -6,6 +6,8 @@ an H200 everything is compiled; on CPU the kernels run in Mosaic GPU's interpret
 at smaller sizes, with values kept out of fp32's subnormal range (XLA:CPU flushes it; the H200 run covers it).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +76,20 @@ def test_gpu_layout_round_trip(fmt):
 def test_every_value_decodes_exactly(fmt):
     """Identity rows times w^T is w: the kernel's weight values, bit for bit the oracle's."""
     n, k = (256, 256) if CPU else (512, 1024)
-    weight = every_value(jax.random.key(2), n, k, fmt)
+    assert_decodes_exactly(every_value(jax.random.key(2), n, k, fmt))
+
+
+@pytest.mark.parametrize("exponent", [-116, 116])
+def test_nvfp4_steps_at_the_tables_edges_decode_exactly(exponent):
+    """Global scales 2^-116 and 2^116 under every finite block scale: steps from 2^-125 to 448 * 2^116, the ends
+    of the range where the kernel's per-thread tables (bf16 multiples of the step) stay exact."""
+    weight = every_value(jax.random.key(3), *((256, 256) if CPU else (512, 1024)), NVFP4)
+    assert_decodes_exactly(dataclasses.replace(weight, global_scale=jnp.full((1, 1, 1), 2.0**exponent, jnp.float32)))
+
+
+def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
+    """Identity rows through the kernel give back the weight [1, N, K]'s values, bit for bit the oracle's."""
+    k = weight.shape[-1]
     tiles = gpu.tile_copies(route(jnp.zeros((k, 1), jnp.int32), jnp.ones((k, 1)), 1))  # k copies of one expert
     rows = jnp.eye(k, dtype=jnp.bfloat16)[tiles.source]
     run = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, tiles, interpret=CPU)[tiles.row_of])
@@ -83,7 +98,10 @@ def test_every_value_decodes_exactly(fmt):
     assert_same_values(got, want[0].T)
 
 
-@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 96), (5, 3, 4)])
+@pytest.mark.parametrize(
+    "tokens, top_k, experts",
+    [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 96), (5, 3, 4), (300, 8, 8), (63, 2, 4), (7, 3, 1)],
+)  # tm 8, 56, 96, 64, 48
 def test_visits_write_every_copy_once(tokens, top_k, experts):
     """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole tile
     that meets its expert's group, within the rows; the visits stay within their static bound."""
@@ -171,15 +189,17 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="NaN element"):
         for_gpu(QuantizedArray(gate_up.data.at[1, 2, 3].set(nan), gate_up.scales, None, MXFP8))
     nv = quantize(jax.random.normal(jax.random.key(3), (2, 256, 256)), NVFP4)
-    outside = r"block scale \* global scale that is negative, NaN or nonzero outside \[2\^-125, 2\^125\]"
-    cases = [(jnp.nan, 1.0), (-2.0, 1.0), (-0.0, 1.0), (2.0**-9, 2.0**-117), (448, 2.0**117), (1.0, 2.0**-130),
-             (2.0**-9, 2.0**-120), (1.0, jnp.inf)]  # fmt: skip
+    outside = r"block scale that is negative or NaN, or a block scale \* global scale nonzero outside \[2\^-125"
+    cases = [(jnp.nan, 1.0), (jnp.nan, 0.0), (-2.0, 1.0), (-0.0, 1.0), (2.0**-9, 2.0**-117), (448, 2.0**117),
+             (2.0**-9, 2.0**-120)]  # fmt: skip
     for scale, global_scale in cases:
         with pytest.raises(ValueError, match=outside):
             scales = nv.scales.at[0, 1, 2].set(scale)
             for_gpu(QuantizedArray(nv.data, scales, jnp.full_like(nv.global_scale, global_scale), NVFP4))
-    with pytest.raises(ValueError, match=outside):
-        for_gpu(QuantizedArray(nv.data, nv.scales, -nv.global_scale, NVFP4))
+    small = QuantizedArray(nv.data[:1, :4], jnp.ones_like(nv.scales[:1, :4]), None, NVFP4)  # every step = global
+    for global_scale in (-nv.global_scale[:1], jnp.full((1, 1, 1), 2.0**-130), jnp.full((1, 1, 1), jnp.inf)):
+        with pytest.raises(ValueError, match="global scale is negative, subnormal or not finite"):
+            for_gpu(dataclasses.replace(small, global_scale=global_scale.astype(jnp.float32)))
     for_gpu(QuantizedArray(nv.data, nv.scales.at[0, 1, 2].set(0.0), nv.global_scale, NVFP4))  # zero steps decode
     narrow = (GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN),
               GpuWeight(jnp.zeros((2, 384, 128), jnp.bfloat16), None, None, PLAIN))  # fmt: skip

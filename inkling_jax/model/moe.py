@@ -20,6 +20,7 @@ from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe import tpu as moe_tpu
 from pallas_kernels.moe.layouts import PLAIN, check_for_gpu
 from pallas_kernels.numerics import einsum, round_to
+from pallas_kernels.platform import on_hopper
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 
@@ -194,7 +195,7 @@ def kernel_platform() -> str | None:
     """The platform whose expert kernels this process runs: "tpu", "gpu" (sm90: the GPU kernels' wgmma) or None."""
     if jax.default_backend() == "tpu":
         return "tpu"
-    return "gpu" if moe_gpu.on_hopper() else None
+    return "gpu" if on_hopper() else None
 
 
 def lay_out_experts(model: nnx.Module, platform: str) -> nnx.Module:

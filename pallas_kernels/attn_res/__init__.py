@@ -1,9 +1,9 @@
 """The attention-residual mix fused with the RMSNorm after it (twice per layer, and once before the final norm):
 the entry point. `backend` picks "tpu" (Mosaic TPU), "gpu" (Mosaic GPU, Hopper; in Mosaic GPU's interpreter on
-CPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the oracle) or "auto": the TPU kernel on TPU; on GPU
-the Mosaic GPU kernel for the shapes it takes (1.1-3x faster than the XLA paths at 64 and 4096 tokens on the
-H200, bench/results/README.md), else the XLA formulation for prefill-sized calls and the oracle for decode-sized
-ones; the oracle on CPU."""
+CPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the oracle) or "auto": the TPU kernel on TPU; on a
+Hopper GPU the Mosaic GPU kernel for the shapes it takes (on the H200 up to 3x faster than the XLA paths, equal
+at their best: bench/results/README.md); otherwise on GPU the XLA formulation for prefill-sized calls and the
+oracle for decode-sized ones; the oracle on CPU."""
 
 import functools
 import math
@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attn_res import gpu, reference, tpu, xla
+from pallas_kernels.platform import on_hopper
 
 BACKENDS = ("auto", "reference", "tpu", "gpu", "xla")
 XLA_FROM_TOKENS = 1024  # GPU: the XLA formulation from this many tokens (3x the oracle at 4096; slower at 64)
@@ -36,7 +37,7 @@ def attn_res_norm(
     if backend == "auto":
         platform, tokens = jax.default_backend(), math.prod(partial.shape[:-1])
         on_gpu = "xla" if tokens >= XLA_FROM_TOKENS else "reference"
-        if platform == "gpu" and _gpu_takes(sources, partial, queries, norm_weights):
+        if platform == "gpu" and on_hopper() and _gpu_takes(sources, partial, queries, norm_weights):
             on_gpu = "gpu"
         backend = {"tpu": "tpu", "gpu": on_gpu}.get(platform, "reference")
     if backend in ("reference", "xla"):

@@ -162,8 +162,10 @@ def check(sources: Sequence[jax.Array], partial: jax.Array, queries: jax.Array, 
         raise ValueError(
             f"the GPU attention-residual kernel needs H ({hidden}) to be a multiple of {WARPGROUPS * CHUNK}"
         )
+    count, num_queries = len(sources) + 1, queries.shape[0]
+    exchanges = 4 * WARPGROUPS * ((1 + num_queries) * count + max(2, num_queries)) + 8 * 3 * WARPGROUPS  # + barriers
     smem = hidden * sum(x.dtype.itemsize for x in (*sources, partial))
-    if smem + REDUCTION_ROWS * 512 > SMEM_BYTES:
+    if smem + REDUCTION_ROWS * 512 + exchanges > SMEM_BYTES:
         raise ValueError(
             f"the GPU attention-residual kernel holds a token's {len(sources)} sources and partial in SMEM:"
             f" {smem} bytes at H = {hidden} exceed {SMEM_BYTES}"

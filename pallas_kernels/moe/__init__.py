@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import gpu, reference, tpu
 from pallas_kernels.moe.layouts import GpuWeight, TpuWeight, for_gpu, for_tpu
+from pallas_kernels.platform import on_hopper
 from pallas_kernels.quantized import QuantizedArray
 
 BACKENDS = ("auto", "reference", "tpu", "gpu")
@@ -50,7 +51,7 @@ def moe_experts(
 
 def _gpu_takes(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> bool:
     """Whether `auto` runs the GPU kernels: on an sm90 GPU, for inputs `gpu.check` accepts."""
-    if not gpu.on_hopper():
+    if not on_hopper():
         return False
     try:
         gpu.check(x, gate_up, down)

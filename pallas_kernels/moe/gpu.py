@@ -5,7 +5,7 @@ The copies are walked in visits of TM rows each (`Tiles`), every visit one exper
 product for one tile of ROWS weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M side, in
 registers; the visit's copies its N side, from SMEM). Three warpgroups: one issues the TMA copies of each K step
 (the weight tile's bytes, its block scales, the tile's activations) into a ring of SMEM stages; two compute, 64
-weight rows each, decoding each scale block of their rows (32 MXFP8 or 2 x 32 NVFP4 values per row) to bf16 and
+weight rows each, decoding each run of their rows (32 MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and
 multiplying it with the activations' matching columns while the next block decodes. The epilogue stores the
 accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's
 ragged_dot_mgpu), so visits that share rows never write each other's.
@@ -324,7 +324,7 @@ class Tiles:
 
 
 def shared_rows(copies: int, num_experts: int) -> int:
-    """tm of the decode's shared tiles: twice the mean group (copies / experts) in whole sublanes, within
+    """tm of the decode's shared tiles: twice the mean group (copies / experts) in whole tiles of 8 rows, within
     SHARED_TM."""
     low, high = SHARED_TM
     return min(high, max(low, -(-2 * copies // (8 * num_experts)) * 8))
@@ -504,12 +504,6 @@ def check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
         raise ValueError(
             f"the GPU expert kernel takes bf16 activations (and bf16 plain weights), got {x.dtype}{weights}"
         )
-
-
-def on_hopper() -> bool:
-    """Whether the default device is an sm90 GPU (the kernels use its wgmma and TMA)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
 def supports(two_i: int, hidden: int, fmt: str) -> bool:

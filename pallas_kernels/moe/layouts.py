@@ -209,27 +209,23 @@ def _holds_e4m3_nan(values: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _nvfp4_steps_outside(scales: jax.Array, global_scale: jax.Array) -> jax.Array:
-    """Whether any NVFP4 step (fp32 block scale * global scale) is negative (a sign bit set, -0 included), NaN, or
-    nonzero outside [2^-125, 2^125], in one fused pass. Zeros and the global scale's class are read from the bits:
-    XLA:CPU flushes subnormals, which would make a tiny step look like zero."""
+def _nvfp4_steps_outside(scales: jax.Array, global_scale: jax.Array, global_zero: jax.Array) -> jax.Array:
+    """Whether any NVFP4 block scale is negative (a sign bit set, -0 included) or NaN, or any step (fp32 block scale
+    * normal global scale) nonzero outside [2^-125, 2^125], in one fused pass. Zeros are read from the bits (and
+    the global scale's from the host): XLA:CPU flushes subnormals, so a tiny step computes as 0 and must not pass
+    for one."""
     scale_bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
-    global_scale = jnp.asarray(global_scale, jnp.float32)
-    global_bits = jax.lax.bitcast_convert_type(global_scale, jnp.uint32)
-    global_exponent = (global_bits >> 23) & 0xFF
-    global_zero = (global_bits & 0x7FFFFFFF) == 0
-    global_bad = (global_bits >> 31 == 1) | (global_exponent == 0xFF) | ((global_exponent == 0) & ~global_zero)
     step = scales.astype(jnp.float32) * global_scale
-    zero = ((scale_bits & 0x7F) == 0) | global_zero
-    in_range = zero | ((step >= 2.0**-125) & (step <= 2.0**125))
-    return jnp.any(global_bad) | jnp.any((scale_bits >= 0x80) | ~in_range)
+    in_range = ((scale_bits & 0x7F) == 0) | global_zero | ((step >= 2.0**-125) & (step <= 2.0**125))
+    return jnp.any((scale_bits >= 0x80) | ((scale_bits & 0x7F) == 0x7F) | ~in_range)
 
 
 def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
     """Raise on what the GPU kernel cannot decode as the oracle does: an MXFP8 scale byte above
-    MX_SCALE_MAX_GPU (NaN included) or a NaN element; an NVFP4 step (block scale * global scale) that is negative,
-    NaN or nonzero outside [2^-125, 2^125] (where the kernel's table of the step's multiples stays exact).
-    Concrete arrays only (traced ones cannot be inspected): call it before any jit that lays the weight out."""
+    MX_SCALE_MAX_GPU (NaN included) or a NaN element; an NVFP4 global scale that is negative (-0 included),
+    subnormal or not finite, a block scale that is negative or NaN, or a step (block scale * global scale) nonzero
+    outside [2^-125, 2^125] (where the kernel's table of the step's multiples stays exact). Concrete arrays only
+    (traced ones cannot be inspected): call it before any jit that lays the weight out."""
     if not isinstance(weight, QuantizedArray) or isinstance(weight.scales, jax.core.Tracer):
         return
     if weight.format == MXFP8:
@@ -241,10 +237,17 @@ def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
             )
         if bool(_holds_e4m3_nan(weight.data)):
             raise ValueError("mxfp8 weight holds a NaN element, which the GPU expert kernel does not decode")
-    elif bool(_nvfp4_steps_outside(weight.scales, weight.global_scale)):
+        return
+    global_bits = np.asarray(weight.global_scale, np.float32).view(np.uint32)  # one per expert: classified here
+    exponent, zero = (global_bits >> 23) & 0xFF, (global_bits & 0x7FFFFFFF) == 0
+    if np.any((global_bits >> 31 == 1) | (exponent == 0xFF) | ((exponent == 0) & ~zero)):
         raise ValueError(
-            "nvfp4 weight has a block scale * global scale that is negative, NaN or nonzero outside [2^-125, 2^125],"
-            " which the GPU expert kernel does not decode"
+            "nvfp4 global scale is negative, subnormal or not finite, which the GPU expert kernel does not decode"
+        )
+    if bool(_nvfp4_steps_outside(weight.scales, jnp.asarray(weight.global_scale, jnp.float32), jnp.asarray(zero))):
+        raise ValueError(
+            "nvfp4 weight has a block scale that is negative or NaN, or a block scale * global scale nonzero outside"
+            " [2^-125, 2^125], which the GPU expert kernel does not decode"
         )
 
 

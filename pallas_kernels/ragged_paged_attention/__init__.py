@@ -1,14 +1,15 @@
-"""Ragged paged relative-bias attention (decode, chunked prefill and speculative verify in one call): the
-entry point the model calls. `backend` picks the implementation: "tpu" (Mosaic TPU), "gpu" (Mosaic GPU),
-"reference" (pure jnp), or "auto": the kernel of the platform the computation runs on, the reference
-elsewhere (CPU) and for inputs a kernel does not take (on GPU fp32, head dims or blocks not multiples of
-64: the tiny test models; on TPU rings without a block of whole sublane tiles)."""
+"""Ragged paged relative-bias attention (decode, chunked prefill and speculative verify in one call): the entry
+point the model calls. `backend` picks the implementation: "tpu" (Mosaic TPU), "gpu" (Mosaic GPU), "reference"
+(pure jnp), or "auto": the kernel of the platform the computation runs on (GPU: Hopper), the reference elsewhere
+(CPU, other GPUs) and for inputs a kernel does not take (on GPU fp32, head dims or blocks not multiples of 64:
+the tiny test models; on TPU rings without a block of whole sublane tiles)."""
 
 import importlib
 from collections.abc import Callable
 
 import jax
 
+from pallas_kernels.platform import on_hopper
 from pallas_kernels.ragged_paged_attention import reference, tpu
 from pallas_kernels.ragged_paged_attention.blocks import kv_block
 
@@ -21,7 +22,7 @@ def automatic(q: jax.Array, k: jax.Array, page_table: jax.Array | None) -> str:
     platform, block = jax.default_backend(), kv_block(k, page_table)
     if platform == "tpu":
         return "tpu" if tpu.supports(k.dtype, block) else "reference"
-    if platform == "gpu":
+    if platform == "gpu" and on_hopper():
         from pallas_kernels.ragged_paged_attention import gpu  # Mosaic GPU is imported only where it runs
 
         return "gpu" if gpu.supports(q.dtype, q.shape[-1], block) else "reference"
