@@ -180,6 +180,7 @@ class InklingServicer(pb_grpc.InklingServicer):
         self.scheduler: Scheduler | None = None
         self._model_info: pb.ModelInfo | None = None
         self._in_flight: set[str] = set()  # request ids the scheduler may still hold; touched on the loop only
+        self.draining = False  # set on the loop, before health turns NOT_SERVING: no new request after that
 
     def attach(self, engine: Engine, scheduler: Scheduler) -> None:
         self._model_info = model_info(engine)
@@ -282,6 +283,8 @@ class InklingServicer(pb_grpc.InklingServicer):
 
         The request id stays reserved until the scheduler's last delta, even when the call ends earlier,
         so that a reused id never meets the old request's cancellation."""
+        if self.draining:
+            raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is draining")
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
 
@@ -466,11 +469,16 @@ class Server:
         self.servicer.attach(engine, scheduler)
 
     def drain(self, timeout: float | None = None) -> None:
-        """Health NOT_SERVING, then refuse new requests and wait (up to `timeout` s) for in-flight ones."""
-        self._draining = True
-        self._call(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        """Refuse new requests, turn health NOT_SERVING, and wait (up to `timeout` s) for in-flight ones."""
+        self._call(self._refuse_then_say_not_serving())
         if self.servicer.scheduler is not None:
             self.servicer.scheduler.drain(timeout)
+
+    async def _refuse_then_say_not_serving(self) -> None:
+        """On the loop, where calls are admitted: refuse new requests, then tell health checks (a client that
+        sees NOT_SERVING and retries elsewhere never lands a request here)."""
+        self.servicer.draining = self._draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving: calls still running get `grace` seconds, then are cancelled. Idempotent."""

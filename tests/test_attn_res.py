@@ -16,9 +16,11 @@ from pallas_kernels.attn_res import attn_res_norm, reference, tpu, xla
 EPS = 1e-5
 
 
-def case(seed: int, count: int, queries: int, shape: tuple[int, ...], partial_dtype: jnp.dtype) -> dict:
+def case(
+    seed: int, count: int, queries: int, shape: tuple[int, ...], partial_dtype: jnp.dtype, query_scale: float = 0.5
+) -> dict:
     """Random sources whose scales differ by orders of magnitude (block sums grow with depth), a partial
-    in `partial_dtype`, random queries and norm gains."""
+    in `partial_dtype`, random queries (of std `query_scale`) and norm gains."""
     keys = jax.random.split(jax.random.key(seed), count + 4)
     hidden = shape[-1]
     scales = jnp.exp(jax.random.uniform(keys[0], (count + 1,), minval=-2.0, maxval=4.0))
@@ -28,7 +30,7 @@ def case(seed: int, count: int, queries: int, shape: tuple[int, ...], partial_dt
     partial = (jax.random.normal(keys[count + 1], shape) * scales[count]).astype(partial_dtype)
     return {
         "sources": sources, "partial": partial,
-        "queries": jax.random.normal(keys[count + 2], (queries, hidden)) * 0.5,
+        "queries": jax.random.normal(keys[count + 2], (queries, hidden)) * query_scale,
         "norm_weights": (1 + 0.2 * jax.random.normal(keys[count + 3], (queries, hidden))).astype(jnp.bfloat16),
     }  # fmt: skip
 

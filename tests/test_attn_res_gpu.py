@@ -19,20 +19,10 @@ EPS = 1e-5
 
 
 def case(seed: int, count: int, queries: int, shape: tuple[int, ...], partial_dtype: jnp.dtype) -> dict:
-    """Random bf16 sources whose scales differ by orders of magnitude (block sums grow with depth), a partial in
-    `partial_dtype`, queries scaled so the logits span a few units at any H, random norm gains."""
-    keys = jax.random.split(jax.random.key(seed), count + 4)
-    hidden = shape[-1]
-    scales = jnp.exp(jax.random.uniform(keys[0], (count + 1,), minval=-2.0, maxval=4.0))
-    sources = [
-        (jax.random.normal(keys[i + 1], shape) * scales[i]).astype(jnp.bfloat16) for i in range(count)
-    ]  # fmt: skip
-    return {
-        "sources": sources,
-        "partial": (jax.random.normal(keys[count + 1], shape) * scales[count]).astype(partial_dtype),
-        "queries": jax.random.normal(keys[count + 2], (queries, hidden)) * 8 / hidden**0.5,
-        "norm_weights": (1 + 0.2 * jax.random.normal(keys[count + 3], (queries, hidden))).astype(jnp.bfloat16),
-    }
+    """test_attn_res's random operands, the queries scaled so the logits span a few units at any H."""
+    from test_attn_res import case as operands
+
+    return operands(seed, count, queries, shape, partial_dtype, query_scale=8 / shape[-1] ** 0.5)
 
 
 def mixed(x: dict, out_dtype: jnp.dtype, backend: str) -> np.ndarray:
