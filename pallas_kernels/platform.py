@@ -1,5 +1,7 @@
 """Which accelerator the kernels run on, for the entry points' "auto" choice."""
 
+from collections.abc import Callable
+
 import jax
 
 
@@ -8,3 +10,15 @@ def on_hopper() -> bool:
     barriers."""
     device = jax.devices()[0]
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def hopper_takes(check: Callable[..., None], *operands) -> bool:
+    """Whether `auto` runs a Mosaic GPU kernel: on an sm90 GPU, for operands its `check` accepts (raises no
+    ValueError for)."""
+    if not on_hopper():
+        return False
+    try:
+        check(*operands)
+    except ValueError:
+        return False
+    return True

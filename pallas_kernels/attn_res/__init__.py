@@ -15,7 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attn_res import gpu, reference, tpu, xla
-from pallas_kernels.platform import on_hopper
+from pallas_kernels.platform import hopper_takes
 
 BACKENDS = ("auto", "reference", "tpu", "gpu", "xla")
 XLA_FROM_TOKENS = 1024  # GPU: the XLA formulation from this many tokens (3x the oracle at 4096; slower at 64)
@@ -37,7 +37,7 @@ def attn_res_norm(
     if backend == "auto":
         platform, tokens = jax.default_backend(), math.prod(partial.shape[:-1])
         on_gpu = "xla" if tokens >= XLA_FROM_TOKENS else "reference"
-        if platform == "gpu" and on_hopper() and _gpu_takes(sources, partial, queries, norm_weights):
+        if hopper_takes(gpu.check, sources, partial, queries, norm_weights):
             on_gpu = "gpu"
         backend = {"tpu": "tpu", "gpu": on_gpu}.get(platform, "reference")
     if backend in ("reference", "xla"):
@@ -49,15 +49,6 @@ def attn_res_norm(
         interpret = jax.default_backend() == "cpu"
         kernel = functools.partial(gpu.attn_res_norm, eps=eps, out_dtype=out_dtype, interpret=interpret)
     return per_device(kernel, sources, partial, queries, norm_weights)
-
-
-def _gpu_takes(sources: Sequence[jax.Array], partial: jax.Array, queries: jax.Array, norm_weights: jax.Array) -> bool:
-    """Whether `auto` runs the GPU kernel: for operands `gpu.check` accepts."""
-    try:
-        gpu.check(sources, partial, queries, norm_weights)
-    except ValueError:
-        return False
-    return True
 
 
 def per_device(kernel: Callable[..., jax.Array], *args) -> jax.Array:

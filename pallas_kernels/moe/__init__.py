@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import gpu, reference, tpu
 from pallas_kernels.moe.layouts import GpuWeight, TpuWeight, for_gpu, for_tpu
-from pallas_kernels.platform import on_hopper
+from pallas_kernels.platform import hopper_takes
 from pallas_kernels.quantized import QuantizedArray
 
 BACKENDS = ("auto", "reference", "tpu", "gpu")
@@ -31,7 +31,7 @@ def moe_experts(
         platform = jax.default_backend()
         if platform == "tpu" and for_tpu_kernels and tpu.supports(*gate_up.shape[1:]):
             backend = "tpu"
-        elif platform == "gpu" and for_gpu_kernels and _gpu_takes(x, gate_up, down):
+        elif platform == "gpu" and for_gpu_kernels and hopper_takes(gpu.check, x, gate_up, down):
             backend = "gpu"
         else:
             backend = "reference"
@@ -47,17 +47,6 @@ def moe_experts(
     if backend == "tpu":
         return tpu.moe_experts(x, gate_up, down, experts, weights, **options)
     return gpu.moe_experts(x, gate_up, down, experts, weights, **options, interpret=jax.default_backend() == "cpu")
-
-
-def _gpu_takes(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> bool:
-    """Whether `auto` runs the GPU kernels: on an sm90 GPU, for inputs `gpu.check` accepts."""
-    if not on_hopper():
-        return False
-    try:
-        gpu.check(x, gate_up, down)
-    except ValueError:
-        return False
-    return True
 
 
 __all__ = ["BACKENDS", "GpuWeight", "TpuWeight", "for_gpu", "for_tpu", "moe_experts"]
