@@ -1,19 +1,22 @@
 """Routed experts on Hopper (sm90) through Mosaic GPU: two grouped matmuls over the token copies sorted by expert, each
 weight decoded in registers right before the wgmma that takes it (never in HBM or SMEM).
 
-The copies are walked in visits of TM rows each (`Tiles`), every visit one expert's. A CTA computes one visit's
+The copies are walked in visits of TM rows each (`Tiles`), every visit one expert's. A work item is one visit's
 product for one tile of ROWS weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M side, in
-registers; the visit's copies its N side, from SMEM). Three warpgroups: one issues the TMA copies of each K step
-(the weight tile's bytes, its block scales, the tile's activations) into a ring of SMEM stages; two compute, 64
-weight rows each, decoding each run of their rows (32 MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and
-multiplying it with the activations' matching columns while the next block decodes. The epilogue stores the
-accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's
-ragged_dot_mgpu), so visits that share rows never write each other's.
+registers; the visit's copies its N side, from SMEM). One CTA per multiprocessor walks its items (cta, cta + CTAs,
+...) through one software pipeline: the next item's first stages stream in under the last steps and the epilogue
+of the one before (a CTA per item drained its pipeline at every item's end: 8-15% of the decode's bandwidth).
+Three warpgroups: one issues the TMA copies of each K step (the weight tile's bytes, its block scales, the tile's
+activations) into a ring of SMEM stages; two compute, 64 weight rows each, decoding each run of their rows (32
+MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and multiplying it with the activations' matching
+columns while the next block decodes. The epilogue stores the accumulator transposed into SMEM and copies only the
+visit's own rows out (a log ladder of TMA boxes, as in jax's ragged_dot_mgpu), so visits that share rows never
+write each other's.
 
 Decode (a few tokens): the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one
 tile per chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes
-read once per column tile; K is split over CTAs when there are too few (visit, column tile) pairs to fill the
-GPU, each share written as fp32 partial sums that XLA adds. Prefill: each expert's copies
+read once per column tile; K is split into shares when there are too few (visit, column tile) pairs to balance
+the CTAs' work, each share written as fp32 partial sums that XLA adds. Prefill: each expert's copies
 get tiles of 96 of their own (no tile's product computed twice). Between the matmuls XLA applies the softcapped
 SwiGLU; after them it combines the copies (`routing.combine`).
 
@@ -60,11 +63,17 @@ SHARED_TM = (8, 64)  # decode: the fewest and most rows of a shared tile (a mult
 OWN_TM = 96  # prefill: rows per tile, each expert's group padded to whole tiles of its own (96: 9% faster than 128
 # at 4096 tokens on the H200, where the groups average 85 copies)
 OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get tiles of their own
-SMS = 132  # H200 multiprocessors
+SMS = 132  # H200 multiprocessors (the interpreter's CTAs)
 SMEM_BYTES = 232448  # per-block shared memory on sm90
-MIN_CTAS = 4 * SMS  # K is split until the (visit, column tile) pairs reach this
+MIN_ITEMS_PER_CTA = 4  # K is split until the work items reach this many per CTA (the last round's idle CTAs)
 BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (quantized: 32 bytes a row)
 VALUES_PER_ITEM = {PLAIN: 1, MXFP8: 4, NVFP4: 8}  # K values per item of GpuWeight.data (bf16, or uint32 words)
+
+
+def _multiprocessors() -> int:
+    """The GPU's multiprocessors (SMS off the GPU: the interpreter's)."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else SMS
 
 
 def _step_k(fmt: str, k: int, tm: int) -> int:
@@ -77,9 +86,9 @@ def _step_k(fmt: str, k: int, tm: int) -> int:
 
 
 def _splits(k: int, kc: int, pairs: int) -> int:
-    """S: the fewest shares of K (each a multiple of kc) that give at least MIN_CTAS CTAs."""
-    steps = k // kc
-    return next((s for s in range(1, steps + 1) if steps % s == 0 and pairs * s >= MIN_CTAS), steps)
+    """S: the fewest shares of K (each a multiple of kc) that give at least MIN_ITEMS_PER_CTA work items per CTA."""
+    steps, enough = k // kc, MIN_ITEMS_PER_CTA * _multiprocessors()
+    return next((s for s in range(1, steps + 1) if steps % s == 0 and pairs * s >= enough), steps)
 
 
 def _transforms(row_bytes: int, itemsize: int) -> tuple:
@@ -374,7 +383,8 @@ def _grouped(
     scale_bytes = 0 if fmt == PLAIN else scale_rows * ROWS * w.scales.dtype.itemsize
     stage_bytes = ROWS * data_cols * data_item + tm * kc * 2 + scale_bytes
     staging = COMPUTE_WGS * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
-    stages = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
+    fits = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
+    stages = max(d for d in range(1, fits + 1) if steps % d == 0)  # the items' pipelines chain on whole rings
 
     # a row's bytes per SMEM load: one block's 64 bytes of bf16, or up to four 32-byte runs of words (swizzled by
     # 128 bytes: the TMA copies of rows narrower than that cap the weights' streaming rate)
@@ -386,19 +396,34 @@ def _grouped(
     if fmt != PLAIN:
         specs.append(plgpu.BlockSpec((scale_rows, ROWS), lambda kk: (kk, 0)))
 
+    n_tiles = n // ROWS
+    per_visit = n_tiles * splits  # work items per visit: (column tile, share of K) pairs
+    ctas = min(_multiprocessors(), per_visit * tiles.expert.shape[0])
+
     def body(expert_ref, first_row_ref, starts_ref, ends_ref, real_ref, x_gmem, data_gmem, *refs):
         if fmt == NVFP4:
             scales_gmem, global_gmem, out_gmem, out_smem, global_smem, landed, *a_smem = refs
         else:
             scales_gmem = refs[0] if fmt == MXFP8 else None
             out_gmem, out_smem, *a_smem = refs[fmt == MXFP8 :]
-        s, nt, v = lax.axis_index("s"), lax.axis_index("n"), lax.axis_index("v")
-        wg = lax.axis_index("wg")
-        e, row = expert_ref[v], first_row_ref[v]
+        wg, cta = lax.axis_index("wg"), lax.axis_index("sm")
         lanes = pl.ds(pl.multiple_of(wg * LANES, LANES), LANES)
-        k_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
-        data_share = pl.ds(pl.multiple_of(s * steps * data_cols, data_cols), steps * data_cols)
-        n_rows = pl.ds(pl.multiple_of(nt * ROWS, ROWS), ROWS)
+
+        def item(j: jax.Array) -> tuple[jax.Array, ...]:
+            """This CTA's work item j (items cta, cta + ctas, ...): its expert, first row, column tile and share."""
+            v, rest = jnp.divmod(cta + ctas * j, per_visit)
+            nt, s = jnp.divmod(rest, splits)
+            return expert_ref[v], first_row_ref[v], nt, s
+
+        def operands(e, row, nt, s) -> list:
+            n_rows = pl.ds(pl.multiple_of(nt * ROWS, ROWS), ROWS)
+            k_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
+            data_share = pl.ds(pl.multiple_of(s * steps * data_cols, data_cols), steps * data_cols)
+            refs = [data_gmem.at[e, n_rows, data_share], x_gmem.at[pl.ds(pl.multiple_of(row, 8), tm), k_share]]
+            if fmt != PLAIN:
+                blocks_share = pl.ds(pl.multiple_of(s * steps * scale_rows, scale_rows), steps * scale_rows)
+                refs.append(scales_gmem.at[e, blocks_share, n_rows])
+            return refs
 
         global_scale = None
 
@@ -427,7 +452,7 @@ def _grouped(
             plgpu.wgmma_wait(0)  # the stage is read before the pipeline releases it
             return acc_ref
 
-        def compute(run):
+        def compute(e, row, nt, s, run):
             nonlocal global_scale
             if fmt == NVFP4:  # this warpgroup's rows' global scales, [64] fp32, for every step
                 columns = pl.ds(pl.multiple_of(nt * ROWS + wg * LANES, LANES), LANES)
@@ -445,21 +470,37 @@ def _grouped(
             _store_rows(out_smem.at[wg], out_gmem.at[s, pl.ds(row, tm), columns], first - row, last - first)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
-            max_concurrent_steps=stages, compute_context=compute,
-        )  # fmt: skip
-        operands = [
-            data_gmem.at[e, n_rows, data_share],
-            x_gmem.at[pl.ds(pl.multiple_of(row, 8), tm), k_share],
-        ]
-        if fmt != PLAIN:
-            blocks_share = pl.ds(pl.multiple_of(s * steps * scale_rows, scale_rows), steps * scale_rows)
-            operands.append(scales_gmem.at[e, blocks_share, n_rows])
+        def pipeline(state, context=None):
+            return plgpu.emit_pipeline_warp_specialized(
+                mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+                max_concurrent_steps=stages, compute_context=context, pipeline_state=state,
+            )  # fmt: skip
 
-        @pl.when(v < real_ref[0])
-        def _():
-            pipeline(*operands)
+        def run_item(j, state, allocations):
+            e, row, nt, s = item(j)
+            context = functools.partial(compute, e, row, nt, s)
+            pipeline(state, context)(*operands(e, row, nt, s), allocations=allocations)
+
+        # one pipeline over all of this CTA's items: the next item's weights stream in under this one's last
+        # steps and epilogue (no drain between items); the last item skips the pipeline's final wait on its
+        # consumers, which only readies the barriers for reuse
+        count = (real_ref[0] * per_visit - cta + ctas - 1) // ctas
+
+        def scoped(allocations):
+            @pl.when(count > 0)
+            def _():
+                run_item(0, plgpu.PipelinePipeline.START, allocations)
+
+            @pl.loop(1, count)
+            def _(j):
+                run_item(j, plgpu.PipelinePipeline.STEADY, allocations)
+
+        example = operands(*item(jnp.int32(0)))
+        pl.run_scoped(
+            scoped,
+            allocations=pipeline(plgpu.PipelinePipeline.START).get_allocations(*example),
+            collective_axes="wg",
+        )
 
     scratch = [plgpu.SMEM((COMPUTE_WGS, tm, LANES), out_dtype)]
     if fmt == NVFP4:
@@ -470,8 +511,8 @@ def _grouped(
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((splits, rows.shape[0], n), out_dtype),
-        grid=(splits, n // ROWS, tiles.expert.shape[0]),
-        grid_names=("s", "n", "v"),
+        grid=(ctas,),
+        grid_names=("sm",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types=scratch,
