@@ -21,6 +21,7 @@ from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 CPU = jax.default_backend() == "cpu"
 EXPERTS, HIDDEN, INTER = (4, 256, 256) if CPU else (16, 1024, 512)
+DECODE_SHAPE = (192, 256) if CPU else (768, 1024)  # N, K of the decode checks: N a multiple of 192
 CAPS = {"gate_cap": 4.0, "up_cap": 25.0}
 FORMATS = (PLAIN, MXFP8, NVFP4)
 
@@ -74,8 +75,9 @@ def test_gpu_layout_round_trip(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_value_decodes_exactly(fmt):
-    """Identity rows times w^T is w: the kernel's weight values, bit for bit the oracle's."""
-    n, k = (256, 256) if CPU else (512, 1024)
+    """Identity rows times w^T is w: the kernel's weight values, bit for bit the oracle's (three compute warpgroups
+    of 64 rows; the routed cases below run two)."""
+    n, k = DECODE_SHAPE
     assert_decodes_exactly(every_value(jax.random.key(2), n, k, fmt))
 
 
@@ -83,7 +85,7 @@ def test_every_value_decodes_exactly(fmt):
 def test_nvfp4_steps_at_the_tables_edges_decode_exactly(exponent):
     """Global scales 2^-116 and 2^116 under every finite block scale: steps from 2^-125 to 448 * 2^116, the ends
     of the range where the kernel's per-thread tables (bf16 multiples of the step) stay exact."""
-    weight = every_value(jax.random.key(3), *((256, 256) if CPU else (512, 1024)), NVFP4)
+    weight = every_value(jax.random.key(3), *DECODE_SHAPE, NVFP4)
     assert_decodes_exactly(dataclasses.replace(weight, global_scale=jnp.full((1, 1, 1), 2.0**exponent, jnp.float32)))
 
 

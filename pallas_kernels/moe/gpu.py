@@ -2,16 +2,16 @@
 weight decoded in registers right before the wgmma that takes it (never in HBM or SMEM).
 
 The copies are walked in visits of TM rows each (`Tiles`), every visit one expert's. A work item is one visit's
-product for one tile of ROWS weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M side, in
-registers; the visit's copies its N side, from SMEM). One CTA per multiprocessor walks its items (cta, cta + CTAs,
-...) through one software pipeline: the next item's first stages stream in under the last steps and the epilogue
-of the one before (a CTA per item drained its pipeline at every item's end: 8-15% of the decode's bandwidth).
-Three warpgroups: one issues the TMA copies of each K step (the weight tile's bytes, its block scales, the tile's
-activations) into a ring of SMEM stages; two compute, 64 weight rows each, decoding each run of their rows (32
-MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and multiplying it with the activations' matching
-columns while the next block decodes. The epilogue stores the accumulator transposed into SMEM and copies only the
-visit's own rows out (a log ladder of TMA boxes, as in jax's ragged_dot_mgpu), so visits that share rows never
-write each other's.
+product for one tile of 128 or 192 weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M
+side, in registers; the visit's copies its N side, from SMEM). One CTA per multiprocessor walks its items (cta,
+cta + CTAs, ...) through one software pipeline: the next item's first stages stream in under the last steps and
+the epilogue of the one before (a CTA per item drained its pipeline at every item's end: 8-15% of the decode's
+bandwidth). One warpgroup issues the TMA copies of each K step (the weight tile's bytes, its block scales, the
+tile's activations) into a ring of SMEM stages; three compute (two where N is no multiple of 192), 64 weight rows
+each, decoding each run of their rows (32 MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and
+multiplying it with the activations' matching columns while the next block decodes. The epilogue stores the
+accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's
+ragged_dot_mgpu), so visits that share rows never write each other's.
 
 Decode (a few tokens): the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one
 tile per chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes
@@ -52,12 +52,12 @@ from pallas_kernels.moe.layouts import (
     nvfp4_word_codes,
 )
 from pallas_kernels.moe.reference import capped_swiglu
-from pallas_kernels.moe.routing import Routing, combine, group_of, group_offsets, route, visits
+from pallas_kernels.moe.routing import Routing, combine, group_of, group_offsets, prefix_sum, route, visits
 from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4
 
-COMPUTE_WGS = 2  # compute warpgroups per CTA (a CTA of 4 hung on the H200, cause not found)
-ROWS = 64 * COMPUTE_WGS  # weight rows per CTA: 64 per compute warpgroup (the wgmma M tile)
+COMPUTE_WGS = (3, 2)  # compute warpgroups per CTA, the most that divide N's tiles of 64 rows (3: 8% faster than 2 at
+# 8 tokens on the H200, more warps hiding the decode's latencies; a CTA of 4 compute warpgroups hung there)
 LANES = 64
 SHARED_TM = (8, 64)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group)
 OWN_TM = 96  # prefill: rows per tile, each expert's group padded to whole tiles of its own (96: 9% faster than 128
@@ -74,6 +74,11 @@ def _multiprocessors() -> int:
     """The GPU's multiprocessors (SMS off the GPU: the interpreter's)."""
     device = jax.devices()[0]
     return device.core_count if device.platform == "gpu" else SMS
+
+
+def _compute_wgs(n: int) -> int:
+    """Compute warpgroups per CTA for N weight rows."""
+    return next(wgs for wgs in COMPUTE_WGS if n % (wgs * LANES) == 0)
 
 
 def _step_k(fmt: str, k: int, tm: int) -> int:
@@ -352,7 +357,7 @@ def tile_copies(routing: Routing) -> Tiles:
     tm = OWN_TM
     count = -(-copies // tm) + min(num_experts, copies)  # tiles, at most
     per_expert = -(-group_sizes // tm)
-    tile_ends = jnp.cumsum(per_expert, dtype=jnp.int32)
+    tile_ends = prefix_sum(per_expert)
     starts = (tile_ends - per_expert) * tm
     real = tile_ends[-1]
     v = jnp.minimum(jnp.arange(count, dtype=jnp.int32), jnp.maximum(real - 1, 0))
@@ -380,9 +385,12 @@ def _grouped(
     data_item = w.data.dtype.itemsize
     data_cols = kc // VALUES_PER_ITEM[fmt]  # data items (bf16 values, or words) per step of a row
     scale_rows = kc // blk  # MXFP8: one scale byte per block; NVFP4: four in a word per 64 K values
-    scale_bytes = 0 if fmt == PLAIN else scale_rows * ROWS * w.scales.dtype.itemsize
-    stage_bytes = ROWS * data_cols * data_item + tm * kc * 2 + scale_bytes
-    staging = COMPUTE_WGS * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
+    wgs = _compute_wgs(n)
+    cta_rows = wgs * LANES  # weight rows per work item: 64 per compute warpgroup (the wgmma M tile)
+    scale_bytes = 0 if fmt == PLAIN else scale_rows * cta_rows * w.scales.dtype.itemsize
+    scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
+    stage_bytes = cta_rows * data_cols * data_item + tm * kc * 2 + scale_bytes
+    staging = wgs * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
     fits = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
     stages = max(d for d in range(1, fits + 1) if steps % d == 0)  # the items' pipelines chain on whole rings
 
@@ -390,19 +398,22 @@ def _grouped(
     # 128 bytes: the TMA copies of rows narrower than that cap the weights' streaming rate)
     load_bytes = blk * 2 if fmt == PLAIN else min(128, data_cols * data_item)
     load_items, runs = load_bytes // data_item, load_bytes // 32
-    data_spec = plgpu.BlockSpec((ROWS, data_cols), lambda kk: (0, kk), transforms=_transforms(load_bytes, data_item))
+    data_transforms = _transforms(load_bytes, data_item)
+    data_spec = plgpu.BlockSpec((cta_rows, data_cols), lambda kk: (0, kk), transforms=data_transforms)
     x_spec = plgpu.BlockSpec((tm, kc), lambda kk: (0, kk), transforms=_transforms(64, 2))  # 32-column slices
     specs = [data_spec, x_spec]
     if fmt != PLAIN:
-        specs.append(plgpu.BlockSpec((scale_rows, ROWS), lambda kk: (kk, 0)))
+        specs.append(plgpu.BlockSpec((scale_rows, cta_rows), lambda kk: (kk, 0)))
+    if fmt == NVFP4:  # the rows' global scales again in every stage (kk * 0: a per-step copy, multi-buffered)
+        specs.append(plgpu.BlockSpec((1, cta_rows), lambda kk: (kk * 0, 0)))
 
-    n_tiles = n // ROWS
+    n_tiles = n // cta_rows
     per_visit = n_tiles * splits  # work items per visit: (column tile, share of K) pairs
     ctas = min(_multiprocessors(), per_visit * tiles.expert.shape[0])
 
     def body(expert_ref, first_row_ref, starts_ref, ends_ref, real_ref, x_gmem, data_gmem, *refs):
         if fmt == NVFP4:
-            scales_gmem, global_gmem, out_gmem, out_smem, global_smem, landed, *a_smem = refs
+            scales_gmem, global_gmem, out_gmem, out_smem, *a_smem = refs
         else:
             scales_gmem = refs[0] if fmt == MXFP8 else None
             out_gmem, out_smem, *a_smem = refs[fmt == MXFP8 :]
@@ -416,19 +427,21 @@ def _grouped(
             return expert_ref[v], first_row_ref[v], nt, s
 
         def operands(e, row, nt, s) -> list:
-            n_rows = pl.ds(pl.multiple_of(nt * ROWS, ROWS), ROWS)
+            n_rows = pl.ds(pl.multiple_of(nt * cta_rows, cta_rows), cta_rows)
             k_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
             data_share = pl.ds(pl.multiple_of(s * steps * data_cols, data_cols), steps * data_cols)
             refs = [data_gmem.at[e, n_rows, data_share], x_gmem.at[pl.ds(pl.multiple_of(row, 8), tm), k_share]]
             if fmt != PLAIN:
                 blocks_share = pl.ds(pl.multiple_of(s * steps * scale_rows, scale_rows), steps * scale_rows)
                 refs.append(scales_gmem.at[e, blocks_share, n_rows])
+            if fmt == NVFP4:
+                refs.append(global_gmem.at[e, :, n_rows])
             return refs
-
-        global_scale = None
 
         def mma(_, data_smem, x_smem, *refs):
             scale_refs, acc_ref = refs[:-1], refs[-1]
+            if fmt == NVFP4:  # this warpgroup's rows' global scales, [64] fp32
+                global_scale = _row(scale_refs[1].at[0, lanes])
             for j in range(kc // blk):
                 cols = pl.ds(j * blk, blk)
                 if fmt == PLAIN:
@@ -453,12 +466,6 @@ def _grouped(
             return acc_ref
 
         def compute(e, row, nt, s, run):
-            nonlocal global_scale
-            if fmt == NVFP4:  # this warpgroup's rows' global scales, [64] fp32, for every step
-                columns = pl.ds(pl.multiple_of(nt * ROWS + wg * LANES, LANES), LANES)
-                plgpu.copy_gmem_to_smem(global_gmem.at[e, :, columns], global_smem.at[wg], landed.at[wg])
-                plgpu.barrier_wait(landed.at[wg])
-                global_scale = _row(global_smem.at[wg, 0])
             acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((LANES, tm), jnp.float32))
             # pairs of rows in each thread's registers: adjacent in the transposed view
             acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
@@ -466,13 +473,13 @@ def _grouped(
             plgpu.commit_smem()
             first = jnp.maximum(starts_ref[e], row)
             last = jnp.minimum(ends_ref[e], row + tm)
-            columns = pl.ds(nt * ROWS + wg * LANES, LANES)
+            columns = pl.ds(nt * cta_rows + wg * LANES, LANES)
             _store_rows(out_smem.at[wg], out_gmem.at[s, pl.ds(row, tm), columns], first - row, last - first)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def pipeline(state, context=None):
             return plgpu.emit_pipeline_warp_specialized(
-                mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+                mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=wgs,
                 max_concurrent_steps=stages, compute_context=context, pipeline_state=state,
             )  # fmt: skip
 
@@ -502,18 +509,16 @@ def _grouped(
             collective_axes="wg",
         )
 
-    scratch = [plgpu.SMEM((COMPUTE_WGS, tm, LANES), out_dtype)]
-    if fmt == NVFP4:
-        scratch += [plgpu.SMEM((COMPUTE_WGS, 1, LANES), jnp.float32), plgpu.Barrier(num_barriers=COMPUTE_WGS)]
+    scratch = [plgpu.SMEM((wgs, tm, LANES), out_dtype)]
     if interpret:
-        scratch.append(plgpu.SMEM((COMPUTE_WGS, LANES, 32), jnp.bfloat16, transforms=_transforms(64, 2)))
+        scratch.append(plgpu.SMEM((wgs, LANES, 32), jnp.bfloat16, transforms=_transforms(64, 2)))
     weight_operands = [] if fmt == PLAIN else [w.scales] + ([w.global_scale] if fmt == NVFP4 else [])
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((splits, rows.shape[0], n), out_dtype),
         grid=(ctas,),
         grid_names=("sm",),
-        num_threads=COMPUTE_WGS + 1,
+        num_threads=wgs + 1,
         thread_name="wg",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -527,7 +532,7 @@ def grouped_matmul(rows: jax.Array, w: GpuWeight, tiles: Tiles, *, interpret: bo
     _, n, k = w.shape
     if w.format == NVFP4:  # the K order of the decoded fragments
         rows = rows[:, nvfp4_gpu_columns(k)]
-    splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // ROWS))
+    splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // (LANES * _compute_wgs(n))))
     dtype = rows.dtype if splits == 1 else jnp.float32
     out = _grouped(rows, w, tiles, splits=splits, out_dtype=dtype, interpret=interpret)
     return out[0] if splits == 1 else round_to(out.sum(axis=0), rows.dtype)
