@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.routing import combine, group_of, group_offsets, route
+from pallas_kernels.moe.routing import RANKED_UP_TO, combine, group_of, group_offsets, prefix_sum, route
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 16), (37, 4, 8)])
@@ -45,3 +45,20 @@ def test_group_of_finds_each_positions_group():
     offsets = np.asarray(group_offsets(routing))
     groups = np.asarray(group_of(jnp.asarray(offsets[1:]), jnp.arange(18)))
     np.testing.assert_array_equal(groups, ids.reshape(-1)[np.asarray(routing.order)])  # each sorted copy's expert
+
+
+@pytest.mark.parametrize("tokens", [40, RANKED_UP_TO // 4 + 1])  # 320 copies ranked by comparison; 2052 sorted
+def test_copies_sorted_stably_by_expert(tokens):
+    """The copies in (expert, copy) order, dropped ones last, by either sort; the group sizes and their prefix
+    sums."""
+    experts, top_k = 24, 4
+    ids = jax.random.randint(jax.random.key(tokens), (tokens, top_k), -1, experts + 1)  # few ids: many ties
+    routing = route(ids, jnp.ones((tokens, top_k)), experts)
+    flat = np.asarray(ids).reshape(-1)
+    keys = np.where((flat >= 0) & (flat < experts), flat, experts)
+    np.testing.assert_array_equal(np.asarray(routing.order), np.argsort(keys, kind="stable"))
+    np.testing.assert_array_equal(np.asarray(routing.position)[np.asarray(routing.order)], np.arange(flat.size))
+    sizes = np.bincount(keys, minlength=experts + 1)[:experts]
+    np.testing.assert_array_equal(np.asarray(routing.group_sizes), sizes)
+    np.testing.assert_array_equal(np.asarray(group_offsets(routing)), np.concatenate([[0], np.cumsum(sizes)]))
+    np.testing.assert_array_equal(np.asarray(prefix_sum(jnp.asarray(sizes, jnp.int32))), np.cumsum(sizes))

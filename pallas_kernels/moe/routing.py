@@ -29,26 +29,48 @@ class Routing:
     top_k: int = dataclasses.field(metadata={"static": True})  # k: copies per token
 
 
+RANKED_UP_TO = 2048  # copies up to which the sort and the group sizes are comparisons of every pair (a few fused
+# reductions instead of a sort and scatters: 11 us less of the 114 us call at one token on the H200)
+
+
+def prefix_sum(x: jax.Array) -> jax.Array:
+    """Inclusive prefix sums of a short int32 vector [n], as one masked [n, n] sum (XLA's cumsum is a
+    reduce_window kernel several times slower at a few hundred elements)."""
+    i = jnp.arange(x.shape[0])
+    return jnp.sum(jnp.where(i[None, :] <= i[:, None], x[None, :], 0), axis=1, dtype=jnp.int32)
+
+
 def route(experts: jax.Array, weights: jax.Array, num_experts: int) -> Routing:
     """experts [N, k] int32 ids, weights [N, k] float32 -> the copies sorted by expert."""
     top_k = experts.shape[1]
     kept = (experts >= 0) & (experts < num_experts)
     flat = jnp.where(kept, experts, num_experts).reshape(-1)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    copies = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    if flat.shape[0] <= RANKED_UP_TO:  # each copy's place: the copies before it in (expert, copy) order
+        before = (flat[None, :] < flat[:, None]) | (
+            (flat[None, :] == flat[:, None]) & (copies[None, :] < copies[:, None])
+        )
+        position = jnp.sum(before, axis=1, dtype=jnp.int32)
+        order = jnp.sum(jnp.where(position[None, :] == copies[:, None], copies[None, :], 0), axis=1, dtype=jnp.int32)
+        group_sizes = jnp.sum(flat[None, :] == jnp.arange(num_experts)[:, None], axis=1, dtype=jnp.int32)
+    else:
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        position = jnp.zeros_like(order).at[order].set(copies)
+        group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return Routing(
         order=order,
-        position=jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32)),
+        position=position,
         token_of=order // top_k,
         weight_of=jnp.where(kept, weights, 0.0).reshape(-1)[order].astype(jnp.float32),
         kept=kept.reshape(-1)[order],
-        group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32),
+        group_sizes=group_sizes,
         top_k=top_k,
     )
 
 
 def group_offsets(routing: Routing) -> jax.Array:
     """[E + 1] int32: expert e's copies are sorted rows offsets[e] ... offsets[e + 1] - 1."""
-    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(routing.group_sizes, dtype=jnp.int32)])
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(routing.group_sizes)])
 
 
 def combine(
@@ -82,7 +104,7 @@ def visits(offsets: jax.Array, tm: int, count: int) -> tuple[jax.Array, jax.Arra
     sizes = offsets[1:] - offsets[:-1]
     first, last = offsets[:-1] // tm, (offsets[1:] - 1) // tm
     per_expert = jnp.where(sizes > 0, last - first + 1, 0)
-    ends = jnp.cumsum(per_expert)
+    ends = prefix_sum(per_expert)
     real = ends[-1]
     v = jnp.minimum(jnp.arange(count), jnp.maximum(real - 1, 0))  # padding visits repeat the last real one
     expert = jnp.minimum(group_of(ends, v), sizes.shape[0] - 1)
