@@ -20,7 +20,7 @@ from pallas_kernels.moe.routing import route
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 CPU = jax.default_backend() == "cpu"
-EXPERTS, HIDDEN, INTER = (4, 256, 256) if CPU else (16, 1024, 512)
+EXPERTS, HIDDEN, INTER = (4, 256, 256) if CPU else (16, 1536, 512)  # GPU: gate_up's K in 6 steps, split at decode
 DECODE_SHAPE = (192, 256) if CPU else (768, 1024)  # N, K of the decode checks: N a multiple of 192
 CAPS = {"gate_cap": 4.0, "up_cap": 25.0}
 FORMATS = (PLAIN, MXFP8, NVFP4)
@@ -106,7 +106,8 @@ def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
 )  # tm 8, 56, 96, 64, 48
 def test_visits_write_every_copy_once(tokens, top_k, experts):
     """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole tile
-    that meets its expert's group, within the rows; the visits stay within their static bound."""
+    that meets its expert's group, within the rows; the visits stay within their static bound; own windows'
+    rows hold their copies and exceed them by at most 7 per expert and a window."""
     rng = np.random.default_rng(tokens * experts)
     for _ in range(10):
         ids = np.argsort(rng.random((tokens, experts + 2)), axis=1)[:, :top_k] - 1  # some dropped (-1, E)
@@ -115,16 +116,20 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
             ids = np.where(np.arange(top_k) == 0, ids, (ids + np.arange(top_k)) % experts)
         routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
         tiles = jax.tree.map(np.asarray, gpu.tile_copies(routing))
-        assert tiles.tm % 8 == 0 and tiles.rows % tiles.tm == 0
+        assert tiles.tm % 8 == 0 and tiles.rows % 8 == 0
         writes = np.zeros(tiles.rows, int)
         for v in range(int(tiles.real[0])):
             e, row = tiles.expert[v], tiles.first_row[v]
             first, last = max(row, tiles.starts[e]), min(row + tiles.tm, tiles.ends[e])
-            assert row % tiles.tm == 0 and row + tiles.tm <= tiles.rows and first < last
+            assert row % (8 if tiles.source is not None else tiles.tm) == 0  # own windows: from a multiple of 8
+            assert row + tiles.tm <= tiles.rows and first < last
             writes[first:last] += 1
         kept = np.asarray(routing.kept)
         rows = np.arange(kept.size) if tiles.row_of is None else tiles.row_of
         np.testing.assert_array_equal(writes[rows[kept]], 1)
+        if tiles.source is not None:  # own windows: each kept copy gathered into its row, few rows besides
+            np.testing.assert_array_equal(tiles.source[rows[kept]], np.flatnonzero(kept))
+            assert tiles.rows <= kept.size + 7 * experts + tiles.tm + 7
         assert writes.sum() == kept.sum() and int(tiles.real[0]) <= tiles.expert.shape[0]
 
 

@@ -15,9 +15,9 @@ ragged_dot_mgpu), so visits that share rows never write each other's.
 
 Decode (a few tokens): the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one
 tile per chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes
-read once per column tile; K is split into shares when there are too few (visit, column tile) pairs to balance
-the CTAs' work, each share written as fp32 partial sums that XLA adds. Prefill: each expert's copies
-get tiles of 96 of their own (no tile's product computed twice). Between the matmuls XLA applies the softcapped
+read once per column tile; K is split into shares when the (visit, column tile) pairs fall unevenly on the CTAs,
+each share written as fp32 partial sums that XLA adds. Prefill: each expert's copies
+are visited in windows of 96 rows of their own (no row multiplied twice). Between the matmuls XLA applies the softcapped
 SwiGLU; after them it combines the copies (`routing.combine`).
 
 The values are the oracle's bit for bit: MXFP8 E4M3 bytes become bf16 e4m3 * 2^-120 by moving their bits (inline
@@ -30,6 +30,7 @@ takes them from SMEM."""
 
 import dataclasses
 import functools
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -60,12 +61,12 @@ COMPUTE_WGS = (3, 2)  # compute warpgroups per CTA, the most that divide N's til
 # 8 tokens on the H200, more warps hiding the decode's latencies; a CTA of 4 compute warpgroups hung there)
 LANES = 64
 SHARED_TM = (8, 64)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group)
-OWN_TM = 96  # prefill: rows per tile, each expert's group padded to whole tiles of its own (96: 9% faster than 128
-# at 4096 tokens on the H200, where the groups average 85 copies)
-OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get tiles of their own
+OWN_TM = 96  # prefill: rows per window of an expert's own (96: 9% faster than 128 at 4096 tokens on the H200, where
+# the groups average 85 copies)
+OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get windows of their own
 SMS = 132  # H200 multiprocessors (the interpreter's CTAs)
 SMEM_BYTES = 232448  # per-block shared memory on sm90
-MIN_ITEMS_PER_CTA = 4  # K is split until the work items reach this many per CTA (the last round's idle CTAs)
+MIN_SHARE_STEPS = 3  # pipeline steps in a share of K, at least (a ring of three stages inside each item)
 BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (quantized: 32 bytes a row)
 VALUES_PER_ITEM = {PLAIN: 1, MXFP8: 4, NVFP4: 8}  # K values per item of GpuWeight.data (bf16, or uint32 words)
 
@@ -91,9 +92,14 @@ def _step_k(fmt: str, k: int, tm: int) -> int:
 
 
 def _splits(k: int, kc: int, pairs: int) -> int:
-    """S: the fewest shares of K (each a multiple of kc) that give at least MIN_ITEMS_PER_CTA work items per CTA."""
-    steps, enough = k // kc, MIN_ITEMS_PER_CTA * _multiprocessors()
-    return next((s for s in range(1, steps + 1) if steps % s == 0 and pairs * s >= enough), steps)
+    """S: the shares of K (whole pipeline steps, MIN_SHARE_STEPS at least) that give every CTA work (pairs * S >=
+    CTAs, else the most shares) and, of those, end the work soonest, the fewest of equals: the busiest CTA runs
+    ceil(pairs * S / CTAs) items of 1 / S of K each (one token: 192 (visit, column tile) pairs of gate_up on 132
+    CTAs take 3 halves of K, against 2 wholes)."""
+    steps, ctas = k // kc, _multiprocessors()
+    shares = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_SHARE_STEPS)]
+    busy = [s for s in shares if pairs * s >= ctas] or shares[-1:]
+    return min(busy, key=lambda s: (Fraction(-(-pairs * s // ctas), s), s))
 
 
 def _transforms(row_bytes: int, itemsize: int) -> tuple:
@@ -317,24 +323,27 @@ def _store_rows(tile_smem, tile_gmem, start: jax.Array, size: jax.Array) -> None
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Where the sorted copies sit in the kernels' rows, and the visits over them: visit v multiplies rows
-    first_row[v] ... first_row[v] + tm - 1 (a whole tile: TMA reads GMEM rows in tiles of 8) by expert[v]'s
-    weights and writes back the rows of that expert's group among them.
+    first_row[v] ... first_row[v] + tm - 1 (starting at a multiple of 8: TMA reads GMEM rows in tiles of 8) by
+    expert[v]'s weights and writes back the rows of that expert's group among them.
 
     Shared tiles (decode): the rows are the sorted copies, groups follow each other and several share a tile
-    (`routing.visits`: one visit per (tile, expert) pair that meet). Own tiles (prefill): each expert's group
-    starts a tile and is padded to whole tiles, one visit per tile: no tile's product is computed twice, and each
-    expert's weights are read once per tile of its copies.
+    (`routing.visits`: one visit per (tile, expert) pair that meet). Own windows (prefill): each expert's group
+    starts at a multiple of 8 rows and is visited in windows of tm rows from there, one visit per window (the
+    last may run into the next group's rows, multiplied and not written back): no row is multiplied twice by its
+    own expert, each expert's weights are read once per window, and the rows (what XLA gathers before the kernels
+    and applies the SwiGLU to between them) exceed the copies by at most 7 per expert and one window, where
+    groups padded to whole tiles of their own nearly doubled them at 4096 tokens.
     """
 
     expert: jax.Array  # [V] int32: each visit's expert (padding visits repeat the last real one)
-    first_row: jax.Array  # [V] int32: each visit's first row, a multiple of tm
+    first_row: jax.Array  # [V] int32: each visit's first row, a multiple of 8 (shared tiles: of tm)
     starts: jax.Array  # [E] int32: each expert's first row
     ends: jax.Array  # [E] int32: one past its last row
     real: jax.Array  # [1] int32: the number of real visits
     source: jax.Array | None  # [R] int32: the sorted copy in each row (None: the rows are the sorted copies)
     row_of: jax.Array | None  # [N * k] int32: the row of each sorted copy (None: the same)
     tm: int = dataclasses.field(metadata={"static": True})
-    rows: int = dataclasses.field(metadata={"static": True})  # R: whole tiles
+    rows: int = dataclasses.field(metadata={"static": True})  # R: every visit's window within them
 
 
 def shared_rows(copies: int, num_experts: int) -> int:
@@ -345,7 +354,8 @@ def shared_rows(copies: int, num_experts: int) -> int:
 
 
 def tile_copies(routing: Routing) -> Tiles:
-    """The kernels' rows for the copies `routing` sorted (shared tiles below OWN_TILES_FROM copies per expert)."""
+    """The kernels' rows for the copies `routing` sorted (shared tiles below OWN_TILES_FROM copies per expert, own
+    windows from there)."""
     group_sizes, copies = routing.group_sizes, routing.order.shape[0]
     num_experts = group_sizes.shape[0]
     offsets = group_offsets(routing)
@@ -355,20 +365,21 @@ def tile_copies(routing: Routing) -> Tiles:
         expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
         return Tiles(expert, tile * tm, offsets[:-1], offsets[1:], real, None, None, tm, tiles * tm)
     tm = OWN_TM
-    count = -(-copies // tm) + min(num_experts, copies)  # tiles, at most
+    count = -(-copies // tm) + min(num_experts, copies)  # windows, at most
+    padded = -(-group_sizes // 8) * 8
+    starts = prefix_sum(padded) - padded
+    rows = -(-(copies + 7 * min(num_experts, copies)) // 8) * 8 + tm  # the groups padded to 8, the last window
     per_expert = -(-group_sizes // tm)
-    tile_ends = prefix_sum(per_expert)
-    starts = (tile_ends - per_expert) * tm
-    real = tile_ends[-1]
+    window_ends = prefix_sum(per_expert)
+    real = window_ends[-1]
     v = jnp.minimum(jnp.arange(count, dtype=jnp.int32), jnp.maximum(real - 1, 0))
-    expert = jnp.minimum(group_of(tile_ends, v), num_experts - 1)
-    row, copy = jnp.arange(count * tm), jnp.arange(copies)
-    row_expert = expert[row // tm]
-    source = jnp.clip(offsets[row_expert] + row - starts[row_expert], 0, copies - 1)
+    expert = jnp.minimum(group_of(window_ends, v), num_experts - 1)
+    first_row = starts[expert] + (v - window_ends[expert] + per_expert[expert]) * tm
+    copy = jnp.arange(copies, dtype=jnp.int32)
     copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
-    row_of = jnp.minimum(starts[copy_expert] + copy - offsets[copy_expert], count * tm - 1)
-    return Tiles(expert, v * tm, starts, starts + group_sizes, real.reshape(1), source.astype(jnp.int32),
-                 row_of.astype(jnp.int32), tm, count * tm)  # fmt: skip
+    row_of = jnp.minimum(starts[copy_expert] + copy - offsets[copy_expert], rows - 1)  # dropped: past every group
+    source = jnp.zeros(rows, jnp.int32).at[row_of].set(copy)
+    return Tiles(expert, first_row, starts, starts + group_sizes, real.reshape(1), source, row_of, tm, rows)
 
 
 def _grouped(
