@@ -133,6 +133,15 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
         assert writes.sum() == kept.sum() and int(tiles.real[0]) <= tiles.expert.shape[0]
 
 
+@pytest.mark.parametrize(
+    "k, pairs, splits",
+    [(4608, 192, 2), (2304, 192, 3), (4608, 1704, 1), (4608, 10728, 1), (1536, 104, 2), (1024, 10, 1), (256, 8, 1)],
+)  # gate_up and down at 1 token, gate_up at 8 and 64 tokens (384 experts), the GPU tests' split, unsplittable Ks
+def test_k_is_split_where_it_balances_the_ctas(k, pairs, splits, monkeypatch):
+    monkeypatch.setattr(gpu, "_multiprocessors", lambda: 132)
+    assert gpu._splits(k, 256, pairs) == splits
+
+
 def routed_case(seed: int, tokens: int, top_k: int, fmt: str, foreign: bool = False, experts: int = EXPERTS):
     keys = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(keys[0], (tokens, HIDDEN), jnp.float32).astype(jnp.bfloat16)
