@@ -181,6 +181,18 @@ def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     assert_close_to_oracle(got, want)
 
 
+@pytest.mark.parametrize("fmt, tokens, top_k", [(MXFP8, 6, 4), (NVFP4, 32, 2)])  # shared tiles; own windows
+def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
+    """Three CTAs, each walking many work items through one pipeline (START, STEADY ..., STOP): the oracle's
+    result (at 132 CTAs the interpreter's cases give most CTAs one item)."""
+    monkeypatch.setattr(gpu, "_multiprocessors", lambda: 3)
+    x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt)
+    want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
+    laid = (for_gpu(gate_up), for_gpu(down))
+    got = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))(x, *laid, experts, weights)
+    assert_close_to_oracle(got, want)
+
+
 def test_all_copies_dropped_gives_zeros():
     x, gate_up, down, experts, weights = routed_case(0, 2, 2, MXFP8)
     got = moe_experts(x, for_gpu(gate_up), for_gpu(down), experts + EXPERTS, weights, **CAPS, backend="gpu")

@@ -47,7 +47,7 @@ def test_group_of_finds_each_positions_group():
     np.testing.assert_array_equal(groups, ids.reshape(-1)[np.asarray(routing.order)])  # each sorted copy's expert
 
 
-@pytest.mark.parametrize("tokens", [40, RANKED_UP_TO // 4 + 1])  # 320 copies ranked by comparison; 2052 sorted
+@pytest.mark.parametrize("tokens", [40, RANKED_UP_TO // 4 + 1])  # 160 copies ranked by comparison; 2052 sorted
 def test_copies_sorted_stably_by_expert(tokens):
     """The copies in (expert, copy) order, dropped ones last, by either sort; the group sizes and their prefix
     sums."""

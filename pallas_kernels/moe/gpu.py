@@ -98,7 +98,8 @@ def _splits(k: int, kc: int, pairs: int) -> int:
     CTAs, else the most shares), split further only where that ends the work at least SPLIT_GAIN sooner: the
     busiest CTA runs ceil(pairs * S / CTAs) items of 1 / S of K each, and each share costs fp32 partial sums (one
     token: 192 (visit, column tile) pairs of gate_up on 132 CTAs take 3 halves of K, against 2 wholes; 64
-    tokens' 10.7K pairs stay whole)."""
+    tokens' 10.7K pairs stay whole). The shares, so the grouping of a split K's partial sums and their last
+    bits, follow the GPU's multiprocessor count."""
     steps, ctas = k // kc, _multiprocessors()
     shares = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_SHARE_STEPS)]
     busy = [s for s in shares if pairs * s >= ctas] or shares[-1:]
@@ -339,7 +340,7 @@ class Tiles:
     starts at a multiple of 8 rows and is visited in windows of tm rows from there, one visit per window (the
     last may run into the next group's rows, multiplied and not written back): no row is multiplied twice by its
     own expert, each expert's weights are read once per window, and the rows (what XLA gathers before the kernels
-    and applies the SwiGLU to between them) exceed the copies by at most 7 per expert and one window, where
+    and applies the SwiGLU to between them) exceed the copies by at most 7 per expert, 7 more and a window, where
     groups padded to whole tiles of their own nearly doubled them at 4096 tokens.
     """
 
@@ -385,7 +386,7 @@ def tile_copies(routing: Routing) -> Tiles:
     first_row = starts[expert] + (v - window_ends[expert] + per_expert[expert]) * tm
     copy = jnp.arange(copies, dtype=jnp.int32)
     copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
-    row_of = jnp.minimum(starts[copy_expert] + copy - offsets[copy_expert], rows - 1)  # dropped: past every group
+    row_of = starts[copy_expert] + copy - offsets[copy_expert]  # dropped copies: past every group, within the rows
     source = jnp.zeros(rows, jnp.int32).at[row_of].set(copy)
     return Tiles(expert, first_row, starts, starts + group_sizes, real.reshape(1), source, row_of, tm, rows)
 
@@ -398,20 +399,22 @@ def _grouped(
     tm = tiles.tm
     fmt = w.format
     _, n, k = w.shape
-    kc = _step_k(fmt, k, tm)
-    steps = k // kc // splits
     blk = BLOCK[fmt]
     data_item = w.data.dtype.itemsize
-    data_cols = kc // VALUES_PER_ITEM[fmt]  # data items (bf16 values, or words) per step of a row
-    scale_rows = kc // blk  # MXFP8: one scale byte per block; NVFP4: four in a word per 64 K values
     wgs = _compute_wgs(n)
     cta_rows = wgs * LANES  # weight rows per work item: 64 per compute warpgroup (the wgmma M tile)
-    scale_bytes = 0 if fmt == PLAIN else scale_rows * cta_rows * w.scales.dtype.itemsize
-    scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
-    stage_bytes = cta_rows * data_cols * data_item + tm * kc * 2 + scale_bytes
     staging = wgs * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
-    fits = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
-    stages = max(d for d in range(1, fits + 1) if steps % d == 0)  # the items' pipelines chain on whole rings
+    for kc in dict.fromkeys((_step_k(fmt, k, tm), 128)):  # the items' pipelines chain on whole rings of stages:
+        steps = k // kc // splits  # halve the steps where no ring of 2-4 divides them
+        data_cols = kc // VALUES_PER_ITEM[fmt]  # data items (bf16 values, or words) per step of a row
+        scale_rows = kc // blk  # MXFP8: one scale byte per block; NVFP4: four in a word per 64 K values
+        scale_bytes = 0 if fmt == PLAIN else scale_rows * cta_rows * w.scales.dtype.itemsize
+        scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
+        stage_bytes = cta_rows * data_cols * data_item + tm * kc * 2 + scale_bytes
+        fits = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
+        stages = max(d for d in range(1, fits + 1) if steps % d == 0)
+        if stages > 1:
+            break
 
     # a row's bytes per SMEM load: one block's 64 bytes of bf16, or up to four 32-byte runs of words (swizzled by
     # 128 bytes: the TMA copies of rows narrower than that cap the weights' streaming rate)
@@ -507,19 +510,24 @@ def _grouped(
             context = functools.partial(compute, e, row, nt, s)
             pipeline(state, context)(*operands(e, row, nt, s), allocations=allocations)
 
-        # one pipeline over all of this CTA's items: the next item's weights stream in under this one's last
-        # steps and epilogue (no drain between items); the last item skips the pipeline's final wait on its
-        # consumers, which only readies the barriers for reuse
+        # one pipeline over all of this CTA's items (START, STEADY ..., STOP; a lone item a whole pipeline): the
+        # next item's weights stream in under this one's last steps and epilogue (no drain between items)
         count = (real_ref[0] * per_visit - cta + ctas - 1) // ctas
 
         def scoped(allocations):
-            @pl.when(count > 0)
+            @pl.when(count == 1)
+            def _():
+                run_item(0, None, allocations)
+
+            @pl.when(count > 1)
             def _():
                 run_item(0, plgpu.PipelinePipeline.START, allocations)
 
-            @pl.loop(1, count)
-            def _(j):
-                run_item(j, plgpu.PipelinePipeline.STEADY, allocations)
+                @pl.loop(1, count - 1)
+                def _(j):
+                    run_item(j, plgpu.PipelinePipeline.STEADY, allocations)
+
+                run_item(count - 1, plgpu.PipelinePipeline.STOP, allocations)
 
         example = operands(*item(jnp.int32(0)))
         pl.run_scoped(
