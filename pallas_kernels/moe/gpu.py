@@ -13,12 +13,12 @@ multiplying it with the activations' matching columns while the next block decod
 accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's
 ragged_dot_mgpu), so visits that share rows never write each other's.
 
-Decode (a few tokens): the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one
-tile per chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes
-read once per column tile; K is split into shares when the (visit, column tile) pairs fall unevenly on the CTAs,
-each share written as fp32 partial sums that XLA adds. Prefill: each expert's copies
-are visited in windows of 96 rows of their own (no row multiplied twice). Between the matmuls XLA applies the softcapped
-SwiGLU; after them it combines the copies (`routing.combine`).
+Decode (a few tokens): the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one tile per
+chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per
+column tile; K is split into shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share
+written as fp32 partial sums that XLA adds. Prefill: each expert's copies are visited in windows of 96 rows of
+their own (no row multiplied twice). Between the matmuls XLA applies the softcapped SwiGLU; after them it combines
+the copies (`routing.combine`).
 
 The values are the oracle's bit for bit: MXFP8 E4M3 bytes become bf16 e4m3 * 2^-120 by moving their bits (inline
 PTX: PRMT, shifts; subnormals included), then a bf16 multiply by 2^(scale - 7), exact (scale bytes up to 134, which
