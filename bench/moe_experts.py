@@ -148,13 +148,18 @@ def main(argv: list[str] | None = None) -> None:
         measure_format(fmt, args, record)
 
 
-def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
-    """The decode and prefill rows of one weight format (its weights freed on return)."""
-    num_experts, hidden, inter = args.shape
+def stored_experts(num_experts: int, hidden: int, inter: int, fmt: str) -> tuple:
+    """Random gate_up [E, 2I, H] and down [E, H, I] as stored in `fmt`, and one expert's stored bytes."""
     keys = jax.random.split(jax.random.key(0), 2)
     gate_up = stored(keys[0], (num_experts, 2 * inter, hidden), fmt)
     down = stored(keys[1], (num_experts, hidden, inter), fmt)
-    per_expert = (nbytes(gate_up) + nbytes(down)) // num_experts
+    return gate_up, down, (nbytes(gate_up) + nbytes(down)) // num_experts
+
+
+def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
+    """The decode and prefill rows of one weight format (its weights freed on return)."""
+    num_experts, hidden, inter = args.shape
+    gate_up, down, per_expert = stored_experts(num_experts, hidden, inter, fmt)
     laid = (jax.jit(for_gpu)(gate_up), jax.jit(for_gpu)(down)) if jax.default_backend() == "gpu" else None
     kernel = jax.jit(lambda x, gate_up, down, experts, weights: moe_experts(
         x, gate_up, down, experts, weights, **CAPS, backend="gpu"))  # fmt: skip

@@ -11,12 +11,12 @@ stored bytes at the H200's 4.3 TB/s copy bandwidth. `--brief`: kernels of 0.1 ms
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import jax
 import numpy as np
 
-from bench.moe_experts import CAPS, COPY_TB_S, EXPERTS, HIDDEN, INTER, nbytes, routing_case, stored
+from bench.moe_experts import CAPS, COPY_TB_S, EXPERTS, HIDDEN, INTER, routing_case, stored_experts
+from bench.timing import kernels_ms
 from pallas_kernels.moe import for_gpu, moe_experts
 
 
@@ -27,29 +27,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--brief", action="store_true")
     args = parser.parse_args(argv)
-    from jax.experimental.mosaic.gpu import profiler
-
     for fmt in args.formats:
-        keys = jax.random.split(jax.random.key(0), 2)
-        gate_up = stored(keys[0], (EXPERTS, 2 * INTER, HIDDEN), fmt)
-        down = stored(keys[1], (EXPERTS, HIDDEN, INTER), fmt)
-        per_expert = (nbytes(gate_up) + nbytes(down)) // EXPERTS
+        gate_up, down, per_expert = stored_experts(EXPERTS, HIDDEN, INTER, fmt)
         gate_up, down = jax.jit(for_gpu)(gate_up), jax.jit(for_gpu)(down)
         call = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))
         for tokens in args.tokens:
             x, experts, weights = routing_case(tokens, tokens, EXPERTS, HIDDEN)
             distinct = len(np.unique(np.asarray(experts)))
-            jax.block_until_ready(call(x, gate_up, down, experts, weights))
-            operands = (x, gate_up, down, experts, weights)
-            _, runs = profiler.measure(call, aggregate=False, iterations=args.repeats)(*operands)
-            names = [name for name, _ in runs[0]]
-            ms = [statistics.median(run[i][1] for run in runs) for i in range(len(names))]
-            total = sum(ms)
+            kernels = kernels_ms(call, x, gate_up, down, experts, weights, repeats=args.repeats)
+            total = sum(ms for _, ms in kernels)
             percent = 100 * distinct * per_expert / total / 1e9 / COPY_TB_S
             print(f"== {fmt} tokens {tokens}: total {total * 1e3:.1f} us, {percent:.1f}% of copy", flush=True)
-            for name, kernel_ms in zip(names, ms, strict=True):
-                if not args.brief or kernel_ms > 0.1:
-                    print(f"   {kernel_ms * 1e3:8.1f} us  {name[:110]}")
+            for name, ms in kernels:
+                if not args.brief or ms > 0.1:
+                    print(f"   {ms * 1e3:8.1f} us  {name[:110]}")
         del gate_up, down
 
 

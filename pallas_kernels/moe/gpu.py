@@ -79,9 +79,10 @@ def _multiprocessors() -> int:
     return device.core_count if device.platform == "gpu" else SMS
 
 
-def _compute_wgs(n: int) -> int:
-    """Compute warpgroups per CTA for N weight rows."""
-    return next(wgs for wgs in COMPUTE_WGS if n % (wgs * LANES) == 0)
+def _item_rows(n: int) -> int:
+    """Weight rows per work item for N rows: 64 per compute warpgroup (the wgmma M tile), as many warpgroups of
+    COMPUTE_WGS as divide N."""
+    return next(wgs * LANES for wgs in COMPUTE_WGS if n % (wgs * LANES) == 0)
 
 
 def _step_k(fmt: str, k: int, tm: int) -> int:
@@ -401,8 +402,8 @@ def _grouped(
     _, n, k = w.shape
     blk = BLOCK[fmt]
     data_item = w.data.dtype.itemsize
-    wgs = _compute_wgs(n)
-    cta_rows = wgs * LANES  # weight rows per work item: 64 per compute warpgroup (the wgmma M tile)
+    cta_rows = _item_rows(n)
+    wgs = cta_rows // LANES
     staging = wgs * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
     for kc in dict.fromkeys((_step_k(fmt, k, tm), 128)):  # the items' pipelines chain on whole rings of stages:
         steps = k // kc // splits  # halve the steps where no ring of 2-4 divides them
@@ -559,7 +560,7 @@ def grouped_matmul(rows: jax.Array, w: GpuWeight, tiles: Tiles, *, interpret: bo
     _, n, k = w.shape
     if w.format == NVFP4:  # the K order of the decoded fragments
         rows = rows[:, nvfp4_gpu_columns(k)]
-    splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // (LANES * _compute_wgs(n))))
+    splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // _item_rows(n)))
     dtype = rows.dtype if splits == 1 else jnp.float32
     out = _grouped(rows, w, tiles, splits=splits, out_dtype=dtype, interpret=interpret)
     return out[0] if splits == 1 else round_to(out.sum(axis=0), rows.dtype)
