@@ -20,6 +20,7 @@ random.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -160,7 +161,8 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
     """The decode and prefill rows of one weight format (its weights freed on return)."""
     num_experts, hidden, inter = args.shape
     gate_up, down, per_expert = stored_experts(num_experts, hidden, inter, fmt)
-    laid = (jax.jit(for_gpu)(gate_up), jax.jit(for_gpu)(down)) if jax.default_backend() == "gpu" else None
+    pair = functools.partial(for_gpu, paired=True)
+    laid = (jax.jit(pair)(gate_up), jax.jit(for_gpu)(down)) if jax.default_backend() == "gpu" else None
     kernel = jax.jit(lambda x, gate_up, down, experts, weights: moe_experts(
         x, gate_up, down, experts, weights, **CAPS, backend="gpu"))  # fmt: skip
     for tokens in args.tokens:

@@ -11,6 +11,7 @@ stored bytes at the H200's 4.3 TB/s copy bandwidth. `--brief`: kernels of 0.1 ms
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import numpy as np
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for fmt in args.formats:
         gate_up, down, per_expert = stored_experts(EXPERTS, HIDDEN, INTER, fmt)
-        gate_up, down = jax.jit(for_gpu)(gate_up), jax.jit(for_gpu)(down)
+        gate_up, down = jax.jit(functools.partial(for_gpu, paired=True))(gate_up), jax.jit(for_gpu)(down)
         call = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))
         for tokens in args.tokens:
             x, experts, weights = routing_case(tokens, tokens, EXPERTS, HIDDEN)

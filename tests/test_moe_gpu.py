@@ -15,7 +15,7 @@ import pytest
 from jax import export
 
 from pallas_kernels.moe import gpu, moe_experts, reference
-from pallas_kernels.moe.layouts import PLAIN, GpuWeight, for_gpu
+from pallas_kernels.moe.layouts import PLAIN, GpuWeight, for_gpu, gpu_k_order, nvfp4_gpu_columns, paired_rows
 from pallas_kernels.moe.routing import route
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
@@ -61,10 +61,16 @@ def assert_same_values(got: jax.Array, want: jax.Array) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_layout_round_trip(fmt):
+@pytest.mark.parametrize("paired", [False, True])
+def test_gpu_layout_round_trip(fmt, paired):
     weight = every_value(jax.random.key(1), 128, 256, fmt)
-    laid = for_gpu(weight)
-    assert laid.shape == weight.shape
+    laid = for_gpu(weight, paired=paired)
+    assert laid.shape == weight.shape and laid.paired == paired
+    if paired:  # a warpgroup's 64 rows: 32 hidden units' gate rows, then their up rows (NVFP4: in down's K order)
+        rows = np.asarray(for_gpu(weight).data)[:, paired_rows(128, laid.format)]
+        np.testing.assert_array_equal(np.asarray(laid.data), rows)
+        units = np.arange(64) if fmt != NVFP4 else nvfp4_gpu_columns(64)
+        np.testing.assert_array_equal(paired_rows(128, laid.format)[:64], np.r_[units[:32], units[:32] + 64])
     back = laid.checkpoint_layout()
     if fmt == NVFP4:  # the global scale comes back broadcast over the rows
         broadcast = jnp.broadcast_to(weight.global_scale, (*weight.shape[:2], 1))
@@ -93,7 +99,8 @@ def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
     """Identity rows through the kernel give back the weight [1, N, K]'s values, bit for bit the oracle's."""
     k = weight.shape[-1]
     tiles = gpu.tile_copies(route(jnp.zeros((k, 1), jnp.int32), jnp.ones((k, 1)), 1))  # k copies of one expert
-    rows = jnp.eye(k, dtype=jnp.bfloat16)[tiles.source]
+    order = gpu_k_order("plain" if not isinstance(weight, QuantizedArray) else weight.format, k)
+    rows = jnp.eye(k, dtype=jnp.bfloat16)[:, slice(None) if order is None else order][tiles.source]
     run = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, tiles, interpret=CPU)[tiles.row_of])
     got = run(rows, for_gpu(weight))
     want = weight.dequantize(jnp.bfloat16) if isinstance(weight, QuantizedArray) else weight
@@ -131,6 +138,31 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
             np.testing.assert_array_equal(tiles.source[rows[kept]], np.flatnonzero(kept))
             assert tiles.rows <= kept.size + 7 * experts + tiles.tm + 7
         assert writes.sum() == kept.sum() and int(tiles.real[0]) <= tiles.expert.shape[0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
+    """gate_up with the SwiGLU in its epilogue (K in one pipeline step: never split) on shared tiles of 8 rows whose
+    groups start at odd rows: each copy's capped SwiGLU of its expert's gate and up rows, in down's K order."""
+    experts, tokens, hidden, inter = 6, 21, 256, 192  # 2I = 384: three compute warpgroups
+    keys = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(keys[0], (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+    gate_up = expert_weight(keys[1], (experts, 2 * inter, hidden), fmt)
+    ids = jax.random.randint(keys[2], (tokens, 1), 0, experts)
+    routing = route(ids, jnp.ones((tokens, 1)), experts)
+    tiles = gpu.tile_copies(routing)
+    assert tiles.tm == 8 and np.any(np.asarray(tiles.starts) % 2)
+    order = gpu_k_order(fmt, hidden)
+    rows = x[:, slice(None) if order is None else order][routing.token_of]
+    run = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, tiles, swiglu=(4.0, 25.0), interpret=CPU)[:tokens])
+    got = run(jnp.pad(rows, ((0, tiles.rows - tokens), (0, 0))), for_gpu(gate_up, paired=True))
+    values = gate_up.dequantize(jnp.bfloat16) if fmt != PLAIN else gate_up
+    chosen = values[ids.reshape(-1)[routing.order]]  # each sorted copy's expert, [C, 2I, H]
+    products = jnp.einsum("ch,cnh->cn", x[routing.token_of], chosen, preferred_element_type=jnp.float32)
+    products = products.astype(jnp.bfloat16)
+    want = reference.capped_swiglu(products[:, :inter], products[:, inter:], 4.0, 25.0)
+    units = gpu_k_order(fmt, inter)
+    assert_close_to_oracle(got, want if units is None else want[:, units])
 
 
 @pytest.mark.parametrize(
@@ -177,7 +209,7 @@ def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, foreign, num_experts)
     out_dtype = jnp.float32 if foreign else None
     want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS, out_dtype=out_dtype)
-    laid = (for_gpu(gate_up), for_gpu(down))
+    laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, out_dtype=out_dtype, backend="gpu"))(x, *laid, experts, weights)
     assert got.dtype == want.dtype
     assert_close_to_oracle(got, want)
@@ -191,20 +223,22 @@ def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
     monkeypatch.setattr(gpu, "_multiprocessors", lambda: 3)
     x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, hidden=768 if CPU else HIDDEN)
     want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
-    laid = (for_gpu(gate_up), for_gpu(down))
+    laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))(x, *laid, experts, weights)
     assert_close_to_oracle(got, want)
 
 
 def test_all_copies_dropped_gives_zeros():
     x, gate_up, down, experts, weights = routed_case(0, 2, 2, MXFP8)
-    got = moe_experts(x, for_gpu(gate_up), for_gpu(down), experts + EXPERTS, weights, **CAPS, backend="gpu")
+    got = moe_experts(
+        x, for_gpu(gate_up, paired=True), for_gpu(down), experts + EXPERTS, weights, **CAPS, backend="gpu"
+    )
     np.testing.assert_array_equal(np.asarray(got, np.float32), 0.0)
 
 
 def test_bad_input_is_named():
     x, gate_up, down, experts, weights = routed_case(0, 2, 2, MXFP8)
-    laid_up, laid_down = for_gpu(gate_up), for_gpu(down)
+    laid_up, laid_down = for_gpu(gate_up, paired=True), for_gpu(down)
     with pytest.raises(ValueError, match="do not match"):
         gpu.moe_experts(x, laid_up, laid_up, experts, weights, **CAPS)
     with pytest.raises(ValueError, match="takes bf16 activations .and bf16 plain weights., got float32"):
@@ -213,6 +247,10 @@ def test_bad_input_is_named():
         gpu.moe_experts(x, laid_up, for_gpu(down.dequantize(jnp.bfloat16)), experts, weights, **CAPS)
     with pytest.raises(ValueError, match="for_gpu"):
         moe_experts(x, gate_up, down, experts, weights, **CAPS, backend="gpu")
+    with pytest.raises(ValueError, match=r"gate_up laid out by for_gpu\(w, paired=True\), down unpaired"):
+        gpu.moe_experts(x, for_gpu(gate_up), laid_down, experts, weights, **CAPS)
+    with pytest.raises(ValueError, match=r"paired gate_up needs I \(8\) to be a multiple of 32"):
+        for_gpu(jnp.zeros((1, 16, 256), jnp.bfloat16), paired=True)
     too_large = QuantizedArray(gate_up.data, gate_up.scales.at[0, 0, 0].set(140), None, MXFP8)
     with pytest.raises(ValueError, match="scale byte 140"):
         for_gpu(too_large)
@@ -232,20 +270,21 @@ def test_bad_input_is_named():
         with pytest.raises(ValueError, match="global scale is negative, subnormal or not finite"):
             for_gpu(dataclasses.replace(small, global_scale=global_scale.astype(jnp.float32)))
     for_gpu(QuantizedArray(nv.data, nv.scales.at[0, 1, 2].set(0.0), nv.global_scale, NVFP4))  # zero steps decode
-    narrow = (GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN),
+    narrow = (GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN, paired=True),
               GpuWeight(jnp.zeros((2, 384, 128), jnp.bfloat16), None, None, PLAIN))  # fmt: skip
     with pytest.raises(ValueError, match=r"H \(384\) and I \(128\) to be multiples of 256"):
         gpu.moe_experts(jnp.zeros((2, 384), jnp.bfloat16), *narrow, experts, weights, **CAPS)
 
 
-def abstract_weight(fmt: str, experts: int, n: int, k: int) -> GpuWeight:
+def abstract_weight(fmt: str, experts: int, n: int, k: int, paired: bool = False) -> GpuWeight:
     spec = jax.ShapeDtypeStruct
     if fmt == PLAIN:
-        return GpuWeight(spec((experts, n, k), jnp.bfloat16), None, None, PLAIN)
+        return GpuWeight(spec((experts, n, k), jnp.bfloat16), None, None, PLAIN, paired)
     if fmt == MXFP8:
-        return GpuWeight(spec((experts, n, k // 4), jnp.uint32), spec((experts, k // 32, n), jnp.uint8), None, MXFP8)
+        data, scales = spec((experts, n, k // 4), jnp.uint32), spec((experts, k // 32, n), jnp.uint8)
+        return GpuWeight(data, scales, None, MXFP8, paired)
     scales, global_scale = spec((experts, k // 64, n), jnp.uint32), spec((experts, 1, n), jnp.float32)
-    return GpuWeight(spec((experts, n, k // 8), jnp.uint32), scales, global_scale, NVFP4)
+    return GpuWeight(spec((experts, n, k // 8), jnp.uint32), scales, global_scale, NVFP4, paired)
 
 
 @pytest.mark.parametrize("fmt, tokens, experts", [(PLAIN, 8, 384), (MXFP8, 1, 384), (MXFP8, 4096, 384),
@@ -254,7 +293,7 @@ def test_lowers_for_cuda_at_production_shapes(fmt, tokens, experts):
     hidden, inter = 4608, 2304
     args = (
         jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16),
-        abstract_weight(fmt, experts, 2 * inter, hidden),
+        abstract_weight(fmt, experts, 2 * inter, hidden, paired=True),
         abstract_weight(fmt, experts, hidden, inter),
         jax.ShapeDtypeStruct((tokens, 8), jnp.int32),
         jax.ShapeDtypeStruct((tokens, 8), jnp.float32),

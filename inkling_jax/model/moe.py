@@ -75,11 +75,12 @@ EXPERT_AXES = {"gate_up_proj": ("experts", "expert_mlp", "embed"), "down_proj": 
 class LaidOutWeight(nnx.Module):
     """An expert weight [E, N, K] in a platform's kernel layout (`pallas_kernels.moe.layouts`), each array split
     over experts as the weight it was made from. TPU: K before N (NVFP4 codes in planes); GPU: the data as
-    stored, the block scales K before N."""
+    stored, the block scales K before N (gate_up's rows paired for the kernel's SwiGLU)."""
 
     def __init__(self, weight: TpuWeight | GpuWeight, axes: tuple[str, str, str]):
         experts, n, k = axes
         self.format, self.platform = weight.format, "tpu" if isinstance(weight, TpuWeight) else "gpu"
+        self.paired = self.platform == "gpu" and weight.paired
         if self.platform == "gpu":
             data_axes = axes
         else:
@@ -93,8 +94,9 @@ class LaidOutWeight(nnx.Module):
     def array(self) -> TpuWeight | GpuWeight:
         scales = self.scales[...] if self.format in (MXFP8, NVFP4) else None
         global_scale = self.global_scale[...] if self.format == NVFP4 else None
-        laid_out = TpuWeight if self.platform == "tpu" else GpuWeight
-        return laid_out(self.data[...], scales, global_scale, self.format)
+        if self.platform == "tpu":
+            return TpuWeight(self.data[...], scales, global_scale, self.format)
+        return GpuWeight(self.data[...], scales, global_scale, self.format, self.paired)
 
 
 class Experts(nnx.Module):
@@ -125,15 +127,15 @@ class Experts(nnx.Module):
         if isinstance(gate_up, TpuWeight | GpuWeight):
             return
         if platform == "tpu" and moe_tpu.supports(*gate_up.shape[1:]):
-            lay_out = for_tpu
+            lay_out = {"gate_up_proj": for_tpu, "down_proj": for_tpu}
         elif platform == "gpu" and moe_gpu.supports(*gate_up.shape[1:], _format(gate_up)):
             check_for_gpu(gate_up)
             check_for_gpu(down)
-            lay_out = for_gpu
+            lay_out = {"gate_up_proj": functools.partial(for_gpu, paired=True), "down_proj": for_gpu}
         else:
             return
         for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
-            setattr(self, name, LaidOutWeight(jax.jit(lay_out)(weight), EXPERT_AXES[name]))
+            setattr(self, name, LaidOutWeight(jax.jit(lay_out[name])(weight), EXPERT_AXES[name]))
 
 
 def _format(weight: jax.Array | QuantizedArray) -> str:

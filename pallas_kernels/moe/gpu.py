@@ -17,8 +17,9 @@ Decode (a few tokens): the copies share tiles of TM rows (TM twice the mean grou
 chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per
 column tile; K is split into shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share
 written as fp32 partial sums that XLA adds. Prefill: each expert's copies are visited in windows of 96 rows of
-their own (no row multiplied twice). Between the matmuls XLA applies the softcapped SwiGLU; after them it combines
-the copies (`routing.combine`).
+their own (no row multiplied twice). The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows
+laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows), but where
+K is split, when XLA adds the shares first; after the matmuls XLA combines the copies (`routing.combine`).
 
 The values are the oracle's bit for bit: MXFP8 E4M3 bytes become bf16 e4m3 * 2^-120 by moving their bits (inline
 PTX: PRMT, shifts; subnormals included), then a bf16 multiply by 2^(scale - 7), exact (scale bytes up to 134, which
@@ -44,15 +45,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import (
+    PAIR_UNITS,
     PLAIN,
     GpuWeight,
     check_experts,
     e2m1_value,
+    gpu_k_order,
     gpu_run_order,
-    nvfp4_gpu_columns,
     nvfp4_word_codes,
 )
-from pallas_kernels.moe.reference import capped_swiglu
+from pallas_kernels.moe.reference import capped_swiglu, capped_swiglu_f32
 from pallas_kernels.moe.routing import Routing, combine, group_of, group_offsets, prefix_sum, route, visits
 from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4
@@ -393,10 +395,12 @@ def tile_copies(routing: Routing) -> Tiles:
 
 
 def _grouped(
-    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, splits: int, out_dtype: jnp.dtype, interpret: bool
-) -> jax.Array:
+    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, splits: int, out_dtype: jnp.dtype,
+    swiglu: tuple[float, float] | None, interpret: bool,
+) -> jax.Array:  # fmt: skip
     """rows [R, K] x the visits' experts' w [E, N, K] -> [S, R, N] (`out_dtype`): each row's product with its
-    own expert, summed over one share of K per leading index."""
+    own expert, summed over one share of K per leading index; with `swiglu` (caps; a paired w, one share) the
+    capped SwiGLU of each warpgroup's 32 gate and 32 up columns instead, [1, R, N / 2]."""
     tm = tiles.tm
     fmt = w.format
     _, n, k = w.shape
@@ -404,7 +408,8 @@ def _grouped(
     data_item = w.data.dtype.itemsize
     cta_rows = _item_rows(n)
     wgs = cta_rows // LANES
-    staging = wgs * LANES * (tm * jnp.dtype(out_dtype).itemsize + (64 if interpret else 0))
+    epilogue_values = tm * LANES + ((tm + 2) * PAIR_UNITS if swiglu else 0)  # [tm, 64] products, the SwiGLU's rows
+    staging = wgs * (epilogue_values * jnp.dtype(out_dtype).itemsize + (LANES * 64 if interpret else 0))
     for kc in dict.fromkeys((_step_k(fmt, k, tm), 128)):  # the items' pipelines chain on whole rings of stages:
         steps = k // kc // splits  # halve the steps where no ring of 2-4 divides them
         data_cols = kc // VALUES_PER_ITEM[fmt]  # data items (bf16 values, or words) per step of a row
@@ -431,15 +436,14 @@ def _grouped(
         specs.append(plgpu.BlockSpec((1, cta_rows), lambda kk: (kk * 0, 0)))
 
     n_tiles = n // cta_rows
+    weight_operands = {PLAIN: 0, MXFP8: 1, NVFP4: 2}[fmt]  # the weight's scales, global scales
     per_visit = n_tiles * splits  # work items per visit: (column tile, share of K) pairs
     ctas = min(_multiprocessors(), per_visit * tiles.expert.shape[0])
 
     def body(expert_ref, first_row_ref, starts_ref, ends_ref, real_ref, x_gmem, data_gmem, *refs):
-        if fmt == NVFP4:
-            scales_gmem, global_gmem, out_gmem, out_smem, *a_smem = refs
-        else:
-            scales_gmem = refs[0] if fmt == MXFP8 else None
-            out_gmem, out_smem, *a_smem = refs[fmt == MXFP8 :]
+        scales_gmem, global_gmem = (*refs[:weight_operands], None, None)[:2]
+        out_gmem, out_smem, *a_smem = refs[weight_operands:]
+        hidden_smem = a_smem.pop(0) if swiglu else None
         wg, cta = lax.axis_index("wg"), lax.axis_index("sm")
         lanes = pl.ds(pl.multiple_of(wg * LANES, LANES), LANES)
 
@@ -496,8 +500,17 @@ def _grouped(
             plgpu.commit_smem()
             first = jnp.maximum(starts_ref[e], row)
             last = jnp.minimum(ends_ref[e], row + tm)
-            columns = pl.ds(nt * cta_rows + wg * LANES, LANES)
-            _store_rows(out_smem.at[wg], out_gmem.at[s, pl.ds(row, tm), columns], first - row, last - first)
+            if swiglu:  # [tm, 32 gate | 32 up] -> [tm, 32] hidden units nt * wgs + wg's block
+                gate, up = (out_smem.at[wg, :, pl.ds(i * PAIR_UNITS, PAIR_UNITS)][...] for i in (0, 1))
+                # TMA copies SMEM from 128-byte aligned addresses: the 64-byte hidden rows go one row down where the
+                # first row to write back is odd, so that every box of the ladder starts at an even row
+                staged = hidden_smem.at[wg, pl.ds((first - row) % 2, tm)]
+                staged[...] = capped_swiglu_f32(gate, up, *swiglu).astype(out_dtype)
+                plgpu.commit_smem()
+                columns = pl.ds((nt * wgs + wg) * PAIR_UNITS, PAIR_UNITS)
+            else:
+                staged, columns = out_smem.at[wg], pl.ds(nt * cta_rows + wg * LANES, LANES)
+            _store_rows(staged, out_gmem.at[s, pl.ds(row, tm), columns], first - row, last - first)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def pipeline(state, context=None):
@@ -538,12 +551,14 @@ def _grouped(
         )
 
     scratch = [plgpu.SMEM((wgs, tm, LANES), out_dtype)]
+    if swiglu:
+        scratch.append(plgpu.SMEM((wgs, tm + 2, PAIR_UNITS), out_dtype))  # a row either side: see the epilogue
     if interpret:
         scratch.append(plgpu.SMEM((wgs, LANES, 32), jnp.bfloat16, transforms=_transforms(64, 2)))
-    weight_operands = [] if fmt == PLAIN else [w.scales] + ([w.global_scale] if fmt == NVFP4 else [])
+    weights = [w.scales, w.global_scale][:weight_operands]
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((splits, rows.shape[0], n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((splits, rows.shape[0], n // 2 if swiglu else n), out_dtype),
         grid=(ctas,),
         grid_names=("sm",),
         num_threads=wgs + 1,
@@ -551,19 +566,29 @@ def _grouped(
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(tiles.expert, tiles.first_row, tiles.starts, tiles.ends, tiles.real, rows, w.data, *weight_operands)
+    )(tiles.expert, tiles.first_row, tiles.starts, tiles.ends, tiles.real, rows, w.data, *weights)
 
 
-def grouped_matmul(rows: jax.Array, w: GpuWeight, tiles: Tiles, *, interpret: bool = False) -> jax.Array:
-    """rows [R, K] laid out by `tiles` -> [R, N]: each row times its expert's w^T, accumulated in fp32 and rounded
-    to the rows' dtype; rows of no expert are left unwritten."""
+def grouped_matmul(
+    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, swiglu: tuple[float, float] | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # fmt: skip
+    """rows [R, K] laid out by `tiles`, K in `layouts.gpu_k_order` -> [R, N]: each row times its expert's w^T,
+    accumulated in fp32 and rounded to the rows' dtype; rows of no expert are left unwritten. With `swiglu`
+    (gate_cap, up_cap) and a paired gate_up w: the capped SwiGLU of the products, [R, N / 2] in the hidden units'
+    `paired_rows` order (down's K order)."""
     _, n, k = w.shape
-    if w.format == NVFP4:  # the K order of the decoded fragments
-        rows = rows[:, nvfp4_gpu_columns(k)]
+    if swiglu and not w.paired:
+        raise ValueError("the GPU expert kernel applies the SwiGLU to a gate_up laid out by for_gpu(w, paired=True)")
     splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // _item_rows(n)))
-    dtype = rows.dtype if splits == 1 else jnp.float32
-    out = _grouped(rows, w, tiles, splits=splits, out_dtype=dtype, interpret=interpret)
-    return out[0] if splits == 1 else round_to(out.sum(axis=0), rows.dtype)
+    if splits == 1:
+        return _grouped(rows, w, tiles, splits=1, out_dtype=rows.dtype, swiglu=swiglu, interpret=interpret)[0]
+    partial = _grouped(rows, w, tiles, splits=splits, out_dtype=jnp.float32, swiglu=None, interpret=interpret)
+    out = round_to(partial.sum(axis=0), rows.dtype)
+    if not swiglu:
+        return out
+    pairs = out.reshape(out.shape[0], -1, 2, PAIR_UNITS)  # [R, I / 32, gate | up, 32]
+    return capped_swiglu(pairs[:, :, 0], pairs[:, :, 1], *swiglu).reshape(out.shape[0], n // 2)
 
 
 def check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
@@ -572,6 +597,8 @@ def check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
     _, two_i, hidden = gate_up.shape
     if not supports(two_i, hidden, gate_up.format):
         raise ValueError(f"the GPU expert kernel needs H ({hidden}) and I ({two_i // 2}) to be multiples of 256")
+    if not gate_up.paired or down.paired:
+        raise ValueError("the GPU expert kernels take gate_up laid out by for_gpu(w, paired=True), down unpaired")
     plain = [w.data.dtype for w in (gate_up, down) if w.format == PLAIN]
     if x.dtype != jnp.bfloat16 or any(dtype != jnp.bfloat16 for dtype in plain):
         weights = f" and {', '.join(map(str, plain))} weights" if plain else ""
@@ -593,17 +620,18 @@ def moe_experts(
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_gpu` (`interpret`: run the
     kernels in Mosaic GPU's interpreter)."""
     check(x, gate_up, down)
-    num_experts, two_i, hidden = gate_up.shape
+    num_experts, _, hidden = gate_up.shape
     routing = route(experts, weights, num_experts)
     copies = routing.order.shape[0]
     if copies == 0:
         return jnp.zeros((experts.shape[0], hidden), x.dtype if out_dtype is None else out_dtype)
     tiles = tile_copies(routing)
+    order = gpu_k_order(gate_up.format, hidden)
+    x_in_order = x if order is None else x[:, order]
     if tiles.source is None:
-        rows = jnp.pad(x[routing.token_of], ((0, tiles.rows - copies), (0, 0)))
+        rows = jnp.pad(x_in_order[routing.token_of], ((0, tiles.rows - copies), (0, 0)))
     else:
-        rows = x[routing.token_of[tiles.source]]
-    gate_up_rows = grouped_matmul(rows, gate_up, tiles, interpret=interpret)
-    hidden_rows = capped_swiglu(gate_up_rows[:, : two_i // 2], gate_up_rows[:, two_i // 2 :], gate_cap, up_cap)
+        rows = x_in_order[routing.token_of[tiles.source]]
+    hidden_rows = grouped_matmul(rows, gate_up, tiles, swiglu=(gate_cap, up_cap), interpret=interpret)
     out_rows = grouped_matmul(hidden_rows, down, tiles, interpret=interpret)
     return combine(out_rows, routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype, tiles.row_of)

@@ -130,6 +130,7 @@ def run_bytes(words: jax.Array) -> jax.Array:
 
 
 MX_SCALE_MAX_GPU = 134  # the GPU kernel's bf16 factor 2^(byte - 7) needs byte - 7 <= 127
+PAIR_UNITS = 32  # hidden units per block of a paired gate_up's rows (a compute warpgroup's 64 rows: gate, then up)
 
 
 @jax.tree_util.register_dataclass
@@ -145,13 +146,17 @@ class GpuWeight:
     bytes [E, K / 32, N]. NVFP4: word m of a row holds the codes of K indices 8m ... 8m + 7 (`nvfp4_word`), so a
     thread's two words of a 64-index run are one scale block's 16 codes, as uint32 [E, N, K / 8]; each 64-index
     run's four E4M3 block scale bytes as one uint32 (block b in byte b), [E, K / 64, N]; fp32 global scale
-    [E, 1, N]. The NVFP4 kernel contracts against the activations' K axis in `nvfp4_gpu_columns`' order.
+    [E, 1, N]. The kernel contracts against the activations' K axis in `gpu_k_order`.
+
+    `paired` (gate_up [E, 2I, H] only): the rows in `paired_rows` order, so that a compute warpgroup's 64 rows
+    are the gate and up rows of the same 32 hidden units, whose SwiGLU the kernel applies before writing them.
     """
 
     data: jax.Array
     scales: jax.Array | None
     global_scale: jax.Array | None
     format: str = dataclasses.field(metadata={"static": True})
+    paired: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -161,6 +166,8 @@ class GpuWeight:
 
     def checkpoint_layout(self) -> jax.Array | QuantizedArray:
         """The weight as `for_gpu` took it (an NVFP4 global scale comes back broadcast to [E, N, 1])."""
+        if self.paired:
+            return _permute_rows(self, np.argsort(paired_rows(self.shape[1], self.format))).checkpoint_layout()
         if self.format == PLAIN:
             return self.data
         if self.format == MXFP8:
@@ -251,22 +258,50 @@ def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
         )
 
 
-def for_gpu(weight: jax.Array | QuantizedArray) -> GpuWeight:
-    """An expert weight [E, N, K] (plain or quantized) in the GPU kernel's layout. Run once, at load (`check_for_gpu`
-    runs here on concrete arrays only)."""
+def gpu_k_order(fmt: str, k: int) -> np.ndarray | None:
+    """The order in which the GPU kernel takes a K axis of the activations (None: as it is): NVFP4's
+    `nvfp4_gpu_columns`."""
+    return nvfp4_gpu_columns(k) if fmt == NVFP4 else None
+
+
+def paired_rows(two_i: int, fmt: str) -> np.ndarray:
+    """A paired gate_up's row order: for each PAIR_UNITS hidden units in turn, their gate rows then their up rows;
+    the units in down's `gpu_k_order`, so that the SwiGLU's output comes in the order down takes."""
+    inter = two_i // 2
+    units = gpu_k_order(fmt, inter)
+    blocks = (np.arange(inter) if units is None else units).reshape(-1, PAIR_UNITS)
+    return np.concatenate([blocks, blocks + inter], axis=1).reshape(-1)
+
+
+def _permute_rows(weight: GpuWeight, rows: np.ndarray) -> GpuWeight:
+    """The weight's rows (N) taken in the order `rows`, flipping `paired`."""
+    fields = [None if a is None else jnp.take(a, rows, axis=1 if a is weight.data else 2)
+              for a in (weight.data, weight.scales, weight.global_scale)]  # fmt: skip
+    return GpuWeight(*fields, weight.format, not weight.paired)
+
+
+def for_gpu(weight: jax.Array | QuantizedArray, paired: bool = False) -> GpuWeight:
+    """An expert weight [E, N, K] (plain or quantized) in the GPU kernel's layout; `paired` for gate_up [E, 2I, H]
+    (see `GpuWeight`). Run once, at load (`check_for_gpu` runs here on concrete arrays only)."""
     check_for_gpu(weight)
+    unit = 64 if isinstance(weight, QuantizedArray) and weight.format == NVFP4 else PAIR_UNITS  # NVFP4: K runs
+    if paired and weight.shape[1] % (2 * unit):
+        raise ValueError(f"a paired gate_up needs I ({weight.shape[1] // 2}) to be a multiple of {unit}")
     if not isinstance(weight, QuantizedArray):
-        return GpuWeight(weight, None, None, PLAIN)
-    scale_bytes = jax.lax.bitcast_convert_type(weight.scales, jnp.uint8)
-    if weight.format == MXFP8:
+        laid = GpuWeight(weight, None, None, PLAIN)
+    elif weight.format == MXFP8:
+        scale_bytes = jax.lax.bitcast_convert_type(weight.scales, jnp.uint8)
         data = run_words(jax.lax.bitcast_convert_type(weight.data, jnp.uint8))
-        return GpuWeight(data, jnp.swapaxes(scale_bytes, 1, 2), None, MXFP8)
-    experts, n, half = weight.data.shape
-    codes = jnp.stack([weight.data & 0xF, weight.data >> 4], axis=-1).astype(jnp.uint32)
-    data = nvfp4_word(codes.reshape(experts, n, half // 4, 8))
-    scales = jax.lax.bitcast_convert_type(scale_bytes.reshape(experts, n, half // 32, 4), jnp.uint32)
-    global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
-    return GpuWeight(data, jnp.swapaxes(scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
+        laid = GpuWeight(data, jnp.swapaxes(scale_bytes, 1, 2), None, MXFP8)
+    else:
+        experts, n, half = weight.data.shape
+        codes = jnp.stack([weight.data & 0xF, weight.data >> 4], axis=-1).astype(jnp.uint32)
+        data = nvfp4_word(codes.reshape(experts, n, half // 4, 8))
+        scale_bytes = jax.lax.bitcast_convert_type(weight.scales, jnp.uint8)
+        scales = jax.lax.bitcast_convert_type(scale_bytes.reshape(experts, n, half // 32, 4), jnp.uint32)
+        global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
+        laid = GpuWeight(data, jnp.swapaxes(scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
+    return _permute_rows(laid, paired_rows(weight.shape[1], laid.format)) if paired else laid
 
 
 def check_experts(x: jax.Array, gate_up: TpuWeight | GpuWeight, down: TpuWeight | GpuWeight) -> None:

@@ -29,10 +29,15 @@ def softcap(x: jax.Array, cap: float) -> jax.Array:
     return jnp.tanh(x / cap) * cap
 
 
-def capped_swiglu(gate: jax.Array, up: jax.Array, gate_cap: float, up_cap: float) -> jax.Array:
-    """SwiGLU whose linear gate factor and up projection are softcapped; fp32, cast back."""
+def capped_swiglu_f32(gate: jax.Array, up: jax.Array, gate_cap: float, up_cap: float) -> jax.Array:
+    """SwiGLU whose linear gate factor and up projection are softcapped, in fp32 (what kernels round themselves)."""
     g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-    return round_to(softcap(g, gate_cap) * jax.nn.sigmoid(g) * softcap(u, up_cap), gate.dtype)
+    return softcap(g, gate_cap) * jax.nn.sigmoid(g) * softcap(u, up_cap)
+
+
+def capped_swiglu(gate: jax.Array, up: jax.Array, gate_cap: float, up_cap: float) -> jax.Array:
+    """`capped_swiglu_f32` cast back to the inputs' dtype."""
+    return round_to(capped_swiglu_f32(gate, up, gate_cap, up_cap), gate.dtype)
 
 
 def moe_experts(
