@@ -270,6 +270,10 @@ def test_bad_input_is_named():
         with pytest.raises(ValueError, match="global scale is negative, subnormal or not finite"):
             for_gpu(dataclasses.replace(small, global_scale=global_scale.astype(jnp.float32)))
     for_gpu(QuantizedArray(nv.data, nv.scales.at[0, 1, 2].set(0.0), nv.global_scale, NVFP4))  # zero steps decode
+    per_row = jnp.broadcast_to(nv.global_scale, (2, 256, 1)).at[1, 7].multiply(2.0)  # per-expert decode tables
+    with pytest.raises(ValueError, match="global scales that differ between rows of one expert"):
+        for_gpu(QuantizedArray(nv.data, nv.scales, per_row, NVFP4))
+    for_gpu(QuantizedArray(nv.data, nv.scales, jnp.broadcast_to(nv.global_scale, (2, 256, 1)), NVFP4))
     narrow = (GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN, paired=True),
               GpuWeight(jnp.zeros((2, 384, 128), jnp.bfloat16), None, None, PLAIN))  # fmt: skip
     with pytest.raises(ValueError, match=r"H \(384\) and I \(128\) to be multiples of 256"):

@@ -144,9 +144,9 @@ class GpuWeight:
     `gpu_run_order` (the 8 bytes one thread of a wgmma register operand holds of a row, columns 2c, 2c + 1,
     2c + 8, 2c + 9, 2c + 16, ..., 2c + 25 for c = lane % 4, are adjacent), as uint32 words [E, N, K / 4]; E8M0
     bytes [E, K / 32, N]. NVFP4: word m of a row holds the codes of K indices 8m ... 8m + 7 (`nvfp4_word`), so a
-    thread's two words of a 64-index run are one scale block's 16 codes, as uint32 [E, N, K / 8]; each 64-index
-    run's four E4M3 block scale bytes as one uint32 (block b in byte b), [E, K / 64, N]; fp32 global scale
-    [E, 1, N]. The kernel contracts against the activations' K axis in `gpu_k_order`.
+    thread's two words of a 64-index run are one scale block's 16 codes, as uint32 [E, N, K / 8]; each 64-index run's
+    four E4M3 block scale bytes as one uint32 (block b in byte b), [E, K / 64, N]; fp32 global scale (one per expert,
+    broadcast) [E, 1, N]. The kernel contracts against the activations' K axis in `gpu_k_order`.
 
     `paired` (gate_up [E, 2I, H] only): the rows in `paired_rows` order, so that a compute warpgroup's 64 rows
     are the gate and up rows of the same 32 hidden units, whose SwiGLU the kernel applies before writing them.
@@ -229,9 +229,9 @@ def _nvfp4_steps_outside(scales: jax.Array, global_scale: jax.Array, global_zero
 
 def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
     """Raise on what the GPU kernel cannot decode as the oracle does: an MXFP8 scale byte above
-    MX_SCALE_MAX_GPU (NaN included) or a NaN element; an NVFP4 global scale that is negative (-0 included),
-    subnormal or not finite, a block scale that is negative or NaN, or a step (block scale * global scale) nonzero
-    outside [2^-125, 2^125] (where the kernel's table of the step's multiples stays exact). Concrete arrays only
+    MX_SCALE_MAX_GPU (NaN included) or a NaN element; an NVFP4 global scale that is negative (-0 included), subnormal or
+    not finite, or not one per expert, a block scale that is negative or NaN, or a step (block scale * global scale)
+    nonzero outside [2^-125, 2^125] (where the kernel's table of the step's multiples stays exact). Concrete arrays only
     (traced ones cannot be inspected): call it before any jit that lays the weight out."""
     if not isinstance(weight, QuantizedArray) or isinstance(weight.scales, jax.core.Tracer):
         return
@@ -250,6 +250,11 @@ def check_for_gpu(weight: jax.Array | QuantizedArray) -> None:
     if np.any((global_bits >> 31 == 1) | (exponent == 0xFF) | ((exponent == 0) & ~zero)):
         raise ValueError(
             "nvfp4 global scale is negative, subnormal or not finite, which the GPU expert kernel does not decode"
+        )
+    if global_bits.ndim >= 2 and np.any(global_bits != global_bits[..., :1, :]):
+        raise ValueError(
+            "nvfp4 weight has global scales that differ between rows of one expert; the GPU expert kernel takes one"
+            " per expert (its decode tables are per expert)"
         )
     if bool(_nvfp4_steps_outside(weight.scales, jnp.asarray(weight.global_scale, jnp.float32), jnp.asarray(zero))):
         raise ValueError(
