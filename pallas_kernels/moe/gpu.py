@@ -298,29 +298,46 @@ def _nv_step_table():
 
 
 @functools.cache
-def _e2m1_by_table(run: int):
-    """NVFP4 words [64, 8R] (`layouts.nvfp4_word`), the rows' four block scales of run `run` ([64, 8] uint32,
-    one value per row) and the warpgroup's `_nv_step_table` -> the run's two bf16 [64, 32] fragments, in
-    `layouts.nvfp4_gpu_columns` order: a thread's 16 values of a row are block c = lane % 4's. Per row and run, a
-    thread loads its block's table entry (16 bytes); then 4 codes per PRMT look their bytes up and the stored signs
-    are ORed into the high bytes."""
-    values = plgpu.ShapeDtypeStruct((LANES, 32), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+def _nv_entries():
+    """The rows' four block scales of a run ([64, 8] uint32, one value per row) and the warpgroup's
+    `_nv_step_table` -> each row's entry for the block of this thread (c = lane % 4), as [64, 16] uint32 in the
+    wgmma layout: a thread's four values of a row are the entry's four words. Loaded ahead of the runs' lookups,
+    so that the shared-memory latency is not in their dependency chains."""
+    entries = plgpu.ShapeDtypeStruct((LANES, 16), jnp.uint32, layout=plgpu.Layout.WGMMA)
 
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType()), return_type=(values, values)
-    )
-    def decode_run(_, data, scales, table):
-        i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()), return_type=entries)
+    def load(_, scales, table):
+        i32 = ir.IntegerType.get_signless(32)
         lane = mgpu.utils.thread_idx()  # i32
         byte_of_lane = arith.ori(arith.andi(lane, arith.constant(i32, 3)), arith.constant(i32, 0x4440))
-        entries = mgpu.utils.memref_ptr(table)
+        first = mgpu.utils.memref_ptr(table)
+        shape = plgpu.Layout.WGMMA.to_mgpu().registers_shape((LANES, 16))
+        registers = np.empty(shape, object)
+        for index, register in np.ndenumerate(scales.registers):
+            scale = _words(register)[0]
+            byte = mgpu.utils.inline_ptx("prmt.b32 $0, $1, 0, $2;", scale, byte_of_lane, result_types=i32)
+            entry = llvm.load(_vec4_i32(), mgpu.utils.getelementptr(first, [byte], _vec4_i32()), alignment=16)
+            for half in (0, 1):  # words 0-1, then 2-3, in the row's two registers
+                registers[(index[0], half, *index[2:])] = mgpu.utils.vector_slice(entry, slice(2 * half, 2 * half + 2))
+        return mgpu.FragmentedArray(_registers=registers, _layout=scales.layout, _is_signed=False)
+
+    return load
+
+
+@functools.cache
+def _e2m1_by_table(run: int):
+    """NVFP4 words [64, 8R] (`layouts.nvfp4_word`) and the rows' `_nv_entries` of run `run` -> the run's two bf16
+    [64, 32] fragments, in `layouts.nvfp4_gpu_columns` order: a thread's 16 values of a row are block c = lane %
+    4's. 4 codes per PRMT look their bytes up in the entry and the stored signs are ORed into the high bytes."""
+    values = plgpu.ShapeDtypeStruct((LANES, 32), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA), return_type=(values, values))
+    def decode_run(_, data, entries):
+        i32, bf16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.BF16Type.get())
 
         def decode(index, words):
-            scale = _words(scales.registers[(index[0], 0, *index[2:])])[0]
-            byte = mgpu.utils.inline_ptx("prmt.b32 $0, $1, 0, $2;", scale, byte_of_lane, result_types=i32)
-            entry = llvm.load(_vec4_i32(), mgpu.utils.getelementptr(entries, [byte], _vec4_i32()), alignment=16)
-            table_words = [vector.extract(entry, [], [i]) for i in range(4)]
-            outs = mgpu.utils.inline_ptx(NV_LOOKUP_ASM, *words, *table_words, result_types=[i32] * 8)
+            table = [w for half in (0, 1) for w in _words(entries.registers[(index[0], half, *index[2:])])]
+            outs = mgpu.utils.inline_ptx(NV_LOOKUP_ASM, *words, *table, result_types=[i32] * 8)
             outs = [mgpu.utils.bitcast(out, bf16x2) for out in outs]
             return [outs[:4], outs[4:]]
 
@@ -331,14 +348,14 @@ def _e2m1_by_table(run: int):
 
 
 def _nv_values(
-    data: jax.Array, run: int, scales: jax.Array, global_scale: jax.Array | None, table, interpret: bool
+    data: jax.Array, run: int, scales: jax.Array, global_scale: jax.Array | None, interpret: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """NVFP4 words [64, 8R], the run to decode (64 K indices of each row), the rows' four block scales of it
-    ([64] uint32, block b in byte b) and the warpgroup's `_nv_step_table` (the interpreter: the rows' global scales,
-    [64] fp32, instead) -> the run's bf16 values, bf16(fp32(code value * step)) as the oracle rounds them, as two
-    [64, 32] fragments in `layouts.nvfp4_gpu_columns` order."""
+    """NVFP4 words [64, 8R], the run to decode (64 K indices of each row) and the rows' `_nv_entries` of it (the
+    interpreter: the rows' four block scales, [64] uint32 with block b in byte b, and global scales, [64] fp32)
+    -> the run's bf16 values, bf16(fp32(code value * step)) as the oracle rounds them, as two [64, 32] fragments
+    in `layouts.nvfp4_gpu_columns` order."""
     if not interpret:
-        return _e2m1_by_table(run)(data, _across(scales, 8), table)
+        return _e2m1_by_table(run)(data, scales)
     codes = nvfp4_word_codes(data[:, 8 * run : 8 * run + 8]).reshape(LANES, 64)
     scale_bytes = (scales[:, None] >> jnp.arange(0, 32, 8, dtype=jnp.uint32)) & 0xFF
     e4m3 = lax.bitcast_convert_type(scale_bytes.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
@@ -512,9 +529,11 @@ def _grouped(
 
         def mma(indices, data_smem, x_smem, *refs):
             scale_refs, acc_ref = refs[:-1], refs[-1]
-            global_scale = table = None
+            global_scale = None
             if fmt == NVFP4 and interpret:  # this warpgroup's rows' global scales, [64] fp32
                 global_scale = _row(scale_refs[1].at[0, lanes])
+            if fmt != PLAIN:  # the rows' scales of each block ([64]: MXFP8 E8M0 bytes, NVFP4 four E4M3 in a word)
+                scales = [_row(scale_refs[0].at[j, lanes]) for j in range(kc // blk)]
             if tabled:  # at an item's first step: its expert's table (after the last item's epilogue's barrier)
                 table = table_smem.at[wg]
 
@@ -522,6 +541,7 @@ def _grouped(
                 def _():
                     _nv_step_table()(_across(_row(scale_refs[1].at[0, lanes]), 8), table)
 
+                scales = [_nv_entries()(_across(scale, 8), table) for scale in scales]  # every run's, up front
             for j in range(kc // blk):
                 cols = pl.ds(j * blk, blk)
                 if fmt == PLAIN:
@@ -531,9 +551,9 @@ def _grouped(
                     if run == 0:
                         words = _tile(data_smem.at[lanes, pl.ds(load * load_items, load_items)])
                 if fmt == MXFP8:
-                    parts = [(_mx_values(words, run, _row(scale_refs[0].at[j, lanes]), interpret), cols)]
+                    parts = [(_mx_values(words, run, scales[j], interpret), cols)]
                 elif fmt == NVFP4:
-                    low, high = _nv_values(words, run, _row(scale_refs[0].at[j, lanes]), global_scale, table, interpret)
+                    low, high = _nv_values(words, run, scales[j], global_scale, interpret)
                     parts = [(low, pl.ds(j * blk, 32)), (high, pl.ds(j * blk + 32, 32))]
                 for values, x_cols in parts:
                     if interpret:  # the interpreter's wgmma takes its A operand from SMEM only
