@@ -274,6 +274,8 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="global scales that differ between rows of one expert"):
         for_gpu(QuantizedArray(nv.data, nv.scales, per_row, NVFP4))
     for_gpu(QuantizedArray(nv.data, nv.scales, jnp.broadcast_to(nv.global_scale, (2, 256, 1)), NVFP4))
+    unchecked = jax.jit(for_gpu)(QuantizedArray(nv.data, nv.scales, per_row, NVFP4)).global_scale  # traced: no check
+    assert np.isnan(unchecked[1]).all() and np.array_equal(unchecked[0, 0], jnp.full(256, nv.global_scale[0, 0, 0]))
     narrow = (GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN, paired=True),
               GpuWeight(jnp.zeros((2, 384, 128), jnp.bfloat16), None, None, PLAIN))  # fmt: skip
     with pytest.raises(ValueError, match=r"H \(384\) and I \(128\) to be multiples of 256"):

@@ -18,8 +18,9 @@ chosen expert, so each wgmma's N side is no wider than the groups need), each ch
 column tile; K is split into shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share
 written as fp32 partial sums that XLA adds. Prefill: each expert's copies are visited in windows of 96 rows of
 their own (no row multiplied twice). The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows
-laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows), but where
-K is split, when XLA adds the shares first; after the matmuls XLA combines the copies (`routing.combine`).
+laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows), except
+where K is split: there XLA adds the shares, then applies the SwiGLU. After the matmuls XLA combines the copies
+(`routing.combine`).
 
 The values are the oracle's bit for bit: MXFP8 E4M3 bytes become bf16 e4m3 * 2^-120 by moving their bits (inline PTX:
 PRMT, shifts; subnormals included), then a bf16 multiply by 2^(scale - 7), exact (scale bytes up to 134, which
@@ -27,9 +28,10 @@ PRMT, shifts; subnormals included), then a bf16 multiply by 2^(scale - 7), exact
 fp32(m * block scale * global scale) rounded once: each warpgroup tabulates them in SMEM for every E4M3 block scale byte
 at a work item's start (the global scale is the expert's), and a thread loads its block's 16 bytes once per row and 64 K
 values (the activations' K permuted so that a thread's values are one scale block's; tables built by each thread per row
-and block, 20 instructions for 16 codes, ran the NVFP4 decode at 57% of the copy rate). Mosaic GPU's interpreter runs no
-inline PTX and its XLA:CPU flushes subnormals, so there the values are decoded through float conversions and the wgmma
-takes them from SMEM."""
+and block, 20 instructions for 16 codes, ran the NVFP4 decode at 57% of the copy rate). Each pipeline step loads all its
+runs' scales (and table entries) up front, so that no shared-memory latency heads a run's dependency chain. Mosaic GPU's
+interpreter runs no inline PTX and its XLA:CPU flushes subnormals, so there the values are decoded through float
+conversions and the wgmma takes them from SMEM."""
 
 import dataclasses
 import functools
@@ -266,6 +268,7 @@ NV_LOOKUP_ASM = (
     + _nv_lookup("$9", 4)
     + "\n}"
 )
+NV_INDEX_ASM = "{\n    prmt.b32 $0, $1, 0, $2;\n    and.b32 $0, $0, 0x7F;\n}"
 TABLE_ENTRIES = 128  # the E4M3 block scale bytes a table covers: every one not negative (NaN's entry never read)
 
 
@@ -279,7 +282,9 @@ def _nv_step_table():
     scale byte b and the expert's global scale g (from the rows' global scales, [64, 8] fp32): entry b holds
     fp32(m * fp32(e4m3(b) * g)) rounded as the oracle rounds them, bf16(step) and bf16(fp32(1.5 step)) times 1/2,
     2 and 4 (exact for steps in [2^-125, 2^125] or 0, which `layouts.check_for_gpu` checks), as the high bytes of
-    magnitudes 0-3, 4-7, then their low bytes. Each thread writes the entry of its index in the warpgroup."""
+    magnitudes 0-3, 4-7, then their low bytes. Each thread writes the entry of its index in the warpgroup, under its
+    own row's global scale: the rows must share one (`layouts.for_gpu` makes an expert's rows NaN where they do
+    not)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def build(_, global_scale, table):
@@ -315,7 +320,8 @@ def _nv_entries():
         registers = np.empty(shape, object)
         for index, register in np.ndenumerate(scales.registers):
             scale = _words(register)[0]
-            byte = mgpu.utils.inline_ptx("prmt.b32 $0, $1, 0, $2;", scale, byte_of_lane, result_types=i32)
+            # the byte as the entry's index; & 0x7F keeps a negative scale (which the load refuses) inside the table
+            byte = mgpu.utils.inline_ptx(NV_INDEX_ASM, scale, byte_of_lane, result_types=i32)
             entry = llvm.load(_vec4_i32(), mgpu.utils.getelementptr(first, [byte], _vec4_i32()), alignment=16)
             for half in (0, 1):  # words 0-1, then 2-3, in the row's two registers
                 registers[(index[0], half, *index[2:])] = mgpu.utils.vector_slice(entry, slice(2 * half, 2 * half + 2))
@@ -347,15 +353,11 @@ def _e2m1_by_table(run: int):
     return decode_run
 
 
-def _nv_values(
-    data: jax.Array, run: int, scales: jax.Array, global_scale: jax.Array | None, interpret: bool
-) -> tuple[jax.Array, jax.Array]:
-    """NVFP4 words [64, 8R], the run to decode (64 K indices of each row) and the rows' `_nv_entries` of it (the
-    interpreter: the rows' four block scales, [64] uint32 with block b in byte b, and global scales, [64] fp32)
-    -> the run's bf16 values, bf16(fp32(code value * step)) as the oracle rounds them, as two [64, 32] fragments
-    in `layouts.nvfp4_gpu_columns` order."""
-    if not interpret:
-        return _e2m1_by_table(run)(data, scales)
+def _nv_values(data: jax.Array, run: int, scales: jax.Array, global_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The interpreter's NVFP4 decode (it runs no inline PTX): words [64, 8R], the run to decode (64 K indices of
+    each row), the rows' four block scales of it ([64] uint32, block b in byte b) and global scales ([64] fp32) ->
+    the run's bf16 values, bf16(fp32(code value * step)) as the oracle rounds them, as `_e2m1_by_table` gives
+    them: two [64, 32] fragments in `layouts.nvfp4_gpu_columns` order."""
     codes = nvfp4_word_codes(data[:, 8 * run : 8 * run + 8]).reshape(LANES, 64)
     scale_bytes = (scales[:, None] >> jnp.arange(0, 32, 8, dtype=jnp.uint32)) & 0xFF
     e4m3 = lax.bitcast_convert_type(scale_bytes.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
@@ -401,9 +403,9 @@ class Tiles:
     (`routing.visits`: one visit per (tile, expert) pair that meet). Own windows (prefill): each expert's group
     starts at a multiple of 8 rows and is visited in windows of tm rows from there, one visit per window (the
     last may run into the next group's rows, multiplied and not written back): no row is multiplied twice by its
-    own expert, each expert's weights are read once per window, and the rows (what XLA gathers before the kernels
-    and applies the SwiGLU to between them) exceed the copies by at most 7 per expert, 7 more and a window, where
-    groups padded to whole tiles of their own nearly doubled them at 4096 tokens.
+    own expert, each expert's weights are read once per window, and the rows (what XLA gathers before the kernels)
+    exceed the copies by at most 7 per expert, 7 more and a window, where groups padded to whole tiles of their own
+    nearly doubled them at 4096 tokens.
     """
 
     expert: jax.Array  # [V] int32: each visit's expert (padding visits repeat the last real one)
@@ -541,7 +543,7 @@ def _grouped(
                 def _():
                     _nv_step_table()(_across(_row(scale_refs[1].at[0, lanes]), 8), table)
 
-                scales = [_nv_entries()(_across(scale, 8), table) for scale in scales]  # every run's, up front
+                entries = [_nv_entries()(_across(scale, 8), table) for scale in scales]  # up front
             for j in range(kc // blk):
                 cols = pl.ds(j * blk, blk)
                 if fmt == PLAIN:
@@ -553,7 +555,10 @@ def _grouped(
                 if fmt == MXFP8:
                     parts = [(_mx_values(words, run, scales[j], interpret), cols)]
                 elif fmt == NVFP4:
-                    low, high = _nv_values(words, run, scales[j], global_scale, interpret)
+                    if interpret:
+                        low, high = _nv_values(words, run, scales[j], global_scale)
+                    else:
+                        low, high = _e2m1_by_table(run)(words, entries[j])
                     parts = [(low, pl.ds(j * blk, 32)), (high, pl.ds(j * blk + 32, 32))]
                 for values, x_cols in parts:
                     if interpret:  # the interpreter's wgmma takes its A operand from SMEM only
@@ -625,7 +630,8 @@ def _grouped(
 
     scratch = [plgpu.SMEM((wgs, tm, LANES), out_dtype)]
     if swiglu:
-        scratch.append(plgpu.SMEM((wgs, tm + 2, PAIR_UNITS), out_dtype))  # a row either side: see the epilogue
+        # one row below for odd starts (see the epilogue), one more to keep each warpgroup's block 128-byte aligned
+        scratch.append(plgpu.SMEM((wgs, tm + 2, PAIR_UNITS), out_dtype))
     if tabled:
         scratch.append(plgpu.SMEM((wgs, TABLE_ENTRIES, 4), jnp.uint32))
     if interpret:

@@ -305,6 +305,10 @@ def for_gpu(weight: jax.Array | QuantizedArray, paired: bool = False) -> GpuWeig
         scale_bytes = jax.lax.bitcast_convert_type(weight.scales, jnp.uint8)
         scales = jax.lax.bitcast_convert_type(scale_bytes.reshape(experts, n, half // 32, 4), jnp.uint32)
         global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
+        # one per expert (the kernel's decode tables): where traced arrays passed unchecked, an expert whose rows
+        # differ gets NaN, so that its products are NaN rather than silently wrong
+        one_each = jnp.all(global_scale == global_scale[:, :1], axis=1, keepdims=True)
+        global_scale = jnp.where(one_each, global_scale, jnp.nan)
         laid = GpuWeight(data, jnp.swapaxes(scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
     return _permute_rows(laid, paired_rows(weight.shape[1], laid.format)) if paired else laid
 
