@@ -387,6 +387,7 @@ def _grouped(
         grid_names=("sm",),
         num_threads=wgs + 1,
         thread_name="wg",
+        kernel_name=f"experts_{fmt}_{'swiglu' if swiglu else 'matmul'}" + (f"_{splits}_shares" if splits > 1 else ""),
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
