@@ -6,7 +6,7 @@ Mosaic GPU expert kernels (`kernel`) side by side with XLA's paths.
 
 Decode (a few tokens): memory-bound on the chosen experts' weights; reported as the distinct chosen experts'
 stored bytes per second against the H200's measured 4.3 TB/s copy bandwidth. `kernel`: `moe_experts` with
-backend "gpu" over the weights laid out by `for_gpu` (the whole call: routing, both grouped matmuls, the
+backend "gpu" over the weights laid out by `for_gpu_experts` (the whole call: routing, both grouped matmuls, the
 SwiGLU, the combine; `kernel_longest_ms` its longest kernel alone). `gather`: each copy's expert
 weights gathered in their stored format, dequantized in XLA and multiplied (a naive XLA path); `xla_read`: XLA
 reducing the same distinct experts' stored bytes, what one memory-bound kernel reaches at that size.
@@ -20,7 +20,6 @@ random.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -30,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.timing import device_ms
-from pallas_kernels.moe import for_gpu, moe_experts
+from pallas_kernels.moe import moe_experts
+from pallas_kernels.moe.layouts import for_gpu_experts
 from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import combine, route
 from pallas_kernels.numerics import round_to
@@ -161,8 +161,7 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
     """The decode and prefill rows of one weight format (its weights freed on return)."""
     num_experts, hidden, inter = args.shape
     gate_up, down, per_expert = stored_experts(num_experts, hidden, inter, fmt)
-    pair = functools.partial(for_gpu, paired=True)
-    laid = (jax.jit(pair)(gate_up), jax.jit(for_gpu)(down)) if jax.default_backend() == "gpu" else None
+    laid = for_gpu_experts(gate_up, down) if jax.default_backend() == "gpu" else None
     kernel = jax.jit(lambda x, gate_up, down, experts, weights: moe_experts(
         x, gate_up, down, experts, weights, **CAPS, backend="gpu"))  # fmt: skip
     for tokens in args.tokens:

@@ -13,14 +13,14 @@ stored bytes at the H200's 4.3 TB/s copy bandwidth. `--brief`: kernels of 0.1 ms
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import numpy as np
 
 from bench.moe_experts import CAPS, COPY_TB_S, EXPERTS, HIDDEN, INTER, routing_case, stored_experts
 from bench.timing import kernels_ms
-from pallas_kernels.moe import for_gpu, moe_experts
+from pallas_kernels.moe import moe_experts
+from pallas_kernels.moe.layouts import for_gpu_experts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for fmt in args.formats:
         gate_up, down, per_expert = stored_experts(EXPERTS, HIDDEN, INTER, fmt)
-        gate_up, down = jax.jit(functools.partial(for_gpu, paired=True))(gate_up), jax.jit(for_gpu)(down)
+        gate_up, down = for_gpu_experts(gate_up, down)
         call = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))
         for tokens in args.tokens:
             x, experts, weights = routing_case(tokens, tokens, EXPERTS, HIDDEN)

@@ -15,7 +15,15 @@ import pytest
 from jax import export
 
 from pallas_kernels.moe import gpu, moe_experts, reference
-from pallas_kernels.moe.layouts import PLAIN, GpuWeight, for_gpu, gpu_k_order, nvfp4_gpu_columns, paired_rows
+from pallas_kernels.moe.layouts import (
+    PLAIN,
+    GpuWeight,
+    for_gpu,
+    gpu_k_order,
+    in_gpu_k_order,
+    nvfp4_gpu_columns,
+    paired_rows,
+)
 from pallas_kernels.moe.routing import route
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
@@ -90,7 +98,7 @@ def test_every_value_decodes_exactly(fmt):
 @pytest.mark.parametrize("exponent", [-116, 116])
 def test_nvfp4_steps_at_the_tables_edges_decode_exactly(exponent):
     """Global scales 2^-116 and 2^116 under every finite block scale: steps from 2^-125 to 448 * 2^116, the ends
-    of the range where the kernel's per-thread tables (bf16 multiples of the step) stay exact."""
+    of the range where the kernel's decode tables (bf16 multiples of the step) stay exact."""
     weight = every_value(jax.random.key(3), *DECODE_SHAPE, NVFP4)
     assert_decodes_exactly(dataclasses.replace(weight, global_scale=jnp.full((1, 1, 1), 2.0**exponent, jnp.float32)))
 
@@ -99,8 +107,8 @@ def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
     """Identity rows through the kernel give back the weight [1, N, K]'s values, bit for bit the oracle's."""
     k = weight.shape[-1]
     tiles = gpu.tile_copies(route(jnp.zeros((k, 1), jnp.int32), jnp.ones((k, 1)), 1))  # k copies of one expert
-    order = gpu_k_order("plain" if not isinstance(weight, QuantizedArray) else weight.format, k)
-    rows = jnp.eye(k, dtype=jnp.bfloat16)[:, slice(None) if order is None else order][tiles.source]
+    fmt = weight.format if isinstance(weight, QuantizedArray) else PLAIN
+    rows = in_gpu_k_order(jnp.eye(k, dtype=jnp.bfloat16), fmt)[tiles.source]
     run = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, tiles, interpret=CPU)[tiles.row_of])
     got = run(rows, for_gpu(weight))
     want = weight.dequantize(jnp.bfloat16) if isinstance(weight, QuantizedArray) else weight
@@ -152,8 +160,7 @@ def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
     routing = route(ids, jnp.ones((tokens, 1)), experts)
     tiles = gpu.tile_copies(routing)
     assert tiles.tm == 8 and np.any(np.asarray(tiles.starts) % 2)
-    order = gpu_k_order(fmt, hidden)
-    rows = x[:, slice(None) if order is None else order][routing.token_of]
+    rows = in_gpu_k_order(x, fmt)[routing.token_of]
     run = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, tiles, swiglu=(4.0, 25.0), interpret=CPU)[:tokens])
     got = run(jnp.pad(rows, ((0, tiles.rows - tokens), (0, 0))), for_gpu(gate_up, paired=True))
     values = gate_up.dequantize(jnp.bfloat16) if fmt != PLAIN else gate_up

@@ -15,10 +15,10 @@ from jax.sharding import PartitionSpec as P
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from inkling_jax.sharding import MODEL
-from pallas_kernels.moe import GpuWeight, TpuWeight, for_gpu, for_tpu, moe_experts
+from pallas_kernels.moe import GpuWeight, TpuWeight, for_tpu, moe_experts
 from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe import tpu as moe_tpu
-from pallas_kernels.moe.layouts import PLAIN, check_for_gpu
+from pallas_kernels.moe.layouts import PLAIN, for_gpu_experts
 from pallas_kernels.numerics import einsum, round_to
 from pallas_kernels.platform import on_hopper
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
@@ -127,15 +127,13 @@ class Experts(nnx.Module):
         if isinstance(gate_up, TpuWeight | GpuWeight):
             return
         if platform == "tpu" and moe_tpu.supports(*gate_up.shape[1:]):
-            lay_out = {"gate_up_proj": for_tpu, "down_proj": for_tpu}
+            laid = jax.jit(for_tpu)(gate_up), jax.jit(for_tpu)(down)
         elif platform == "gpu" and moe_gpu.supports(*gate_up.shape[1:], _format(gate_up)):
-            check_for_gpu(gate_up)
-            check_for_gpu(down)
-            lay_out = {"gate_up_proj": functools.partial(for_gpu, paired=True), "down_proj": for_gpu}
+            laid = for_gpu_experts(gate_up, down)
         else:
             return
-        for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
-            setattr(self, name, LaidOutWeight(jax.jit(lay_out[name])(weight), EXPERT_AXES[name]))
+        for name, weight in zip(("gate_up_proj", "down_proj"), laid, strict=True):
+            setattr(self, name, LaidOutWeight(weight, EXPERT_AXES[name]))
 
 
 def _format(weight: jax.Array | QuantizedArray) -> str:

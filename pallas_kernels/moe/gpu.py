@@ -45,7 +45,7 @@ from pallas_kernels.moe.gpu_decode import (
     nv_step_table,
     nv_values,
 )
-from pallas_kernels.moe.layouts import PAIR_UNITS, PLAIN, GpuWeight, check_experts, gpu_k_order
+from pallas_kernels.moe.layouts import PAIR_UNITS, PLAIN, GpuWeight, check_experts, in_gpu_k_order
 from pallas_kernels.moe.reference import capped_swiglu, capped_swiglu_f32
 from pallas_kernels.moe.routing import Routing, combine, group_of, group_offsets, prefix_sum, route, visits
 from pallas_kernels.numerics import round_to
@@ -451,8 +451,7 @@ def moe_experts(
     if copies == 0:
         return jnp.zeros((experts.shape[0], hidden), x.dtype if out_dtype is None else out_dtype)
     tiles = tile_copies(routing)
-    order = gpu_k_order(gate_up.format, hidden)
-    x_in_order = x if order is None else x[:, order]
+    x_in_order = in_gpu_k_order(x, gate_up.format)
     if tiles.source is None:
         rows = jnp.pad(x_in_order[routing.token_of], ((0, tiles.rows - copies), (0, 0)))
     else:

@@ -269,6 +269,12 @@ def gpu_k_order(fmt: str, k: int) -> np.ndarray | None:
     return nvfp4_gpu_columns(k) if fmt == NVFP4 else None
 
 
+def in_gpu_k_order(x: jax.Array, fmt: str) -> jax.Array:
+    """x [..., K] with its last axis in `gpu_k_order`, as the GPU kernel contracts it against `fmt` weights."""
+    order = gpu_k_order(fmt, x.shape[-1])
+    return x if order is None else x[..., order]
+
+
 def paired_rows(two_i: int, fmt: str) -> np.ndarray:
     """A paired gate_up's row order: for each PAIR_UNITS hidden units in turn, their gate rows then their up rows;
     the units in down's `gpu_k_order`, so that the SwiGLU's output comes in the order down takes."""
@@ -311,6 +317,20 @@ def for_gpu(weight: jax.Array | QuantizedArray, paired: bool = False) -> GpuWeig
         global_scale = jnp.where(one_each, global_scale, jnp.nan)
         laid = GpuWeight(data, jnp.swapaxes(scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
     return _permute_rows(laid, paired_rows(weight.shape[1], laid.format)) if paired else laid
+
+
+_GATE_UP_FOR_GPU = jax.jit(functools.partial(for_gpu, paired=True))  # compiled once per shape, not per layer
+_DOWN_FOR_GPU = jax.jit(for_gpu)
+
+
+def for_gpu_experts(
+    gate_up: jax.Array | QuantizedArray, down: jax.Array | QuantizedArray
+) -> tuple[GpuWeight, GpuWeight]:
+    """gate_up [E, 2I, H] (paired) and down [E, H, I] in the GPU kernels' layouts, checked (`check_for_gpu`) and
+    laid out one at a time (one's temporaries freed before the other's)."""
+    check_for_gpu(gate_up)
+    check_for_gpu(down)
+    return _GATE_UP_FOR_GPU(gate_up), _DOWN_FOR_GPU(down)
 
 
 def check_experts(x: jax.Array, gate_up: TpuWeight | GpuWeight, down: TpuWeight | GpuWeight) -> None:
