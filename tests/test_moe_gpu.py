@@ -148,6 +148,27 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
         assert writes.sum() == kept.sum() and int(tiles.real[0]) <= tiles.expert.shape[0]
 
 
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1)])
+def test_few_tokens_visit_each_chosen_expert_once(tokens, top_k, experts):
+    """At most 8 tokens: one visit per distinct kept expert (real visits first, within the static bound), each
+    reading the token rows and writing 8 rows of its own; each kept copy's visit is its expert's."""
+    rng = np.random.default_rng(tokens * experts + top_k)
+    for _ in range(10):
+        ids = rng.integers(-1, experts + 1, (tokens, top_k))  # repeats, and dropped ids (-1, E)
+        if rng.random() < 0.5:
+            ids = np.argsort(rng.random((tokens, experts + 2)), axis=1)[:, :top_k] - 1
+        tiles, visit = jax.tree.map(np.asarray, gpu.chosen_experts(jnp.asarray(ids, jnp.int32), experts))
+        kept = (ids >= 0) & (ids < experts)
+        real = int(tiles.real[0])
+        assert real == len(np.unique(ids[kept])) <= tiles.expert.shape[0] == min(experts, ids.size)
+        np.testing.assert_array_equal(tiles.expert[:real], np.unique(ids[kept]))
+        np.testing.assert_array_equal(tiles.expert[visit[kept]], ids[kept])
+        np.testing.assert_array_equal(tiles.read_row, 0)
+        np.testing.assert_array_equal(tiles.first_row, np.arange(tiles.expert.shape[0]) * tiles.tm)
+        assert tiles.tm == 8 and tiles.rows == tiles.expert.shape[0] * 8
+        assert (tiles.starts <= tiles.first_row.min()).all() and (tiles.ends >= tiles.rows).all()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
     """gate_up with the SwiGLU in its epilogue (K in one pipeline step: never split) on shared tiles of 8 rows whose
@@ -181,6 +202,16 @@ def test_k_is_split_where_it_balances_the_ctas(k, pairs, splits, monkeypatch):
     assert gpu._splits(k, 256, pairs) == splits
 
 
+@pytest.mark.parametrize(
+    "fmt, k, tm, pairs, steps",
+    [(MXFP8, 4608, 8, 192, (256, 2)), (MXFP8, 2304, 8, 192, (128, 2)), (NVFP4, 2304, 8, 1536, (256, 1)),
+     (PLAIN, 2304, 8, 192, (128, 2)), (MXFP8, 4608, 96, 12000, (128, 1))],
+)  # fmt: skip  # gate_up and down at 1 token, down at 8 tokens, bf16 down at 1 token, prefill
+def test_k_steps_narrow_where_they_balance_the_ctas(fmt, k, tm, pairs, steps, monkeypatch):
+    monkeypatch.setattr(gpu, "_multiprocessors", lambda: 132)
+    assert gpu._k_steps(fmt, k, tm, pairs) == steps
+
+
 def routed_case(
     seed: int, tokens: int, top_k: int, fmt: str, foreign: bool = False, experts: int = EXPERTS, hidden: int = HIDDEN
 ):
@@ -206,7 +237,8 @@ def assert_close_to_oracle(got: jax.Array, want: jax.Array) -> None:
 
 CASES = [  # (format, tokens, top_k, foreign ids + fp32 out, experts); each format's decode is checked exactly above
     (NVFP4, 32, 2, False, 2),  # prefill: each expert's copies in tiles of their own (>= 32 copies per expert)
-    (NVFP4, 3, 4, True, EXPERTS),  # decode: shared tiles, K split over CTAs; expert parallelism's dropped ids
+    (NVFP4, 3, 4, True, EXPERTS),  # decode of few tokens: each chosen expert's visit; expert parallelism's drops
+    (MXFP8, 12, 2, True, EXPERTS),  # decode: shared tiles, K split over CTAs; dropped ids
 ] + ([] if CPU else [(MXFP8, 5, 2, False, EXPERTS), (PLAIN, 1, 2, False, EXPERTS), (MXFP8, 64, 8, False, EXPERTS),
                      (NVFP4, 40, 8, False, EXPERTS), (PLAIN, 9, 8, True, EXPERTS)])  # fmt: skip
 

@@ -13,7 +13,9 @@ multiplying it with the activations' matching columns while the next block decod
 accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's
 ragged_dot_mgpu), so visits that share rows never write each other's.
 
-Decode (a few tokens): the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one tile per
+Up to 8 tokens (`chosen_experts`): one visit per distinct chosen expert, multiplying every token (8 rows, wgmma's
+narrowest N side) into rows of its own: no sort, no row gather, three small reductions for the plan. Decode of
+more tokens: the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one tile per
 chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per
 column tile; K is split into shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share
 written as fp32 partial sums that XLA adds. Prefill: each expert's copies are visited in windows of 96 rows of
@@ -47,7 +49,16 @@ from pallas_kernels.moe.gpu_decode import (
 )
 from pallas_kernels.moe.layouts import PAIR_UNITS, PLAIN, GpuWeight, check_experts, in_gpu_k_order
 from pallas_kernels.moe.reference import capped_swiglu, capped_swiglu_f32
-from pallas_kernels.moe.routing import Routing, combine, group_of, group_offsets, prefix_sum, route, visits
+from pallas_kernels.moe.routing import (
+    Routing,
+    combine,
+    group_of,
+    group_offsets,
+    prefix_sum,
+    route,
+    visits,
+    weighted_sum,
+)
 from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4
 
@@ -94,15 +105,28 @@ def _splits(k: int, kc: int, pairs: int) -> int:
     token: 192 (visit, column tile) pairs of gate_up on 132 CTAs take 3 halves of K, against 2 wholes; 64
     tokens' 10.7K pairs stay whole). The shares, so the grouping of a split K's partial sums and their last
     bits, follow the GPU's multiprocessor count."""
-    steps, ctas = k // kc, _multiprocessors()
+    steps = k // kc
     shares = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_SHARE_STEPS)]
-    busy = [s for s in shares if pairs * s >= ctas] or shares[-1:]
+    busy = [s for s in shares if pairs * s >= _multiprocessors()] or shares[-1:]
+    best = min(busy, key=lambda s: (_makespan(pairs, s), s))
+    return best if _makespan(pairs, best) <= (1 - SPLIT_GAIN) * _makespan(pairs, busy[0]) else busy[0]
 
-    def makespan(s: int) -> Fraction:
-        return Fraction(-(-pairs * s // ctas), s)
 
-    best = min(busy, key=lambda s: (makespan(s), s))
-    return best if makespan(best) <= (1 - SPLIT_GAIN) * makespan(busy[0]) else busy[0]
+def _makespan(pairs: int, shares: int) -> Fraction:
+    """The busiest CTA's work, in whole Ks: ceil(pairs * shares / CTAs) items of 1 / shares of K."""
+    return Fraction(-(-pairs * shares // _multiprocessors()), shares)
+
+
+def _k_steps(fmt: str, k: int, tm: int, pairs: int) -> tuple[int, int]:
+    """(K per pipeline step, shares of K) for `pairs` (visit, column tile) pairs: `_step_k`'s steps, or steps of
+    128 where their shares keep more CTAs busy (down's K of 2304 at one token: 18 steps in 2 shares, 97% of the
+    CTAs' time busy, against 9 in 3 shares, 87%: 29 us against 32 on the H200)."""
+    kc = _step_k(fmt, k, tm)
+    shares = _splits(k, kc, pairs)
+    narrow = _splits(k, 128, pairs)
+    if kc > 128 and _makespan(pairs, narrow) < _makespan(pairs, shares):
+        return 128, narrow
+    return kc, shares
 
 
 def _transforms(row_bytes: int, itemsize: int) -> tuple:
@@ -155,9 +179,10 @@ class Tiles:
     first_row: jax.Array  # [V] int32: each visit's first row, a multiple of 8 (shared tiles: of tm)
     starts: jax.Array  # [E] int32: each expert's first row
     ends: jax.Array  # [E] int32: one past its last row
-    real: jax.Array  # [1] int32: the number of real visits
+    real: jax.Array  # [>= 1] int32: the number of real visits, in its first element
     source: jax.Array | None  # [R] int32: the sorted copy in each row (None: the rows are the sorted copies)
     row_of: jax.Array | None  # [N * k] int32: the row of each sorted copy (None: the same)
+    read_row: jax.Array | None  # [V] int32: each visit's first row read, where not first_row (the rows it writes)
     tm: int = dataclasses.field(metadata={"static": True})
     rows: int = dataclasses.field(metadata={"static": True})  # R: every visit's window within them
 
@@ -179,7 +204,7 @@ def tile_copies(routing: Routing) -> Tiles:
         tm = shared_rows(copies, num_experts)
         tiles = -(-copies // tm)
         expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
-        return Tiles(expert, tile * tm, offsets[:-1], offsets[1:], real, None, None, tm, tiles * tm)
+        return Tiles(expert, tile * tm, offsets[:-1], offsets[1:], real, None, None, None, tm, tiles * tm)
     tm = OWN_TM
     count = -(-copies // tm) + min(num_experts, copies)  # windows, at most
     padded = -(-group_sizes // 8) * 8
@@ -195,16 +220,43 @@ def tile_copies(routing: Routing) -> Tiles:
     copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
     row_of = starts[copy_expert] + copy - offsets[copy_expert]  # dropped copies: past every group, within the rows
     source = jnp.zeros(rows, jnp.int32).at[row_of].set(copy)
-    return Tiles(expert, first_row, starts, starts + group_sizes, real.reshape(1), source, row_of, tm, rows)
+    return Tiles(expert, first_row, starts, starts + group_sizes, real.reshape(1), source, row_of, None, tm, rows)
+
+
+def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Array]:
+    """The plan for at most SHARED_TM[0] tokens: one visit per distinct chosen expert (in id order), each
+    multiplying every token (rows 0 ... tm - 1: the tokens, padded; wgmma's narrowest N side, what a shared tile
+    of those copies costs) and writing rows v * tm ... v * tm + tm - 1 of its own. There is nothing to sort or
+    gather; three small reductions over the copies' pairs make the plan. Also each copy's visit, [N, k] int32
+    (meaningless for a dropped copy): copy (n, j)'s product is row visit * tm + n."""
+    tokens, top_k = experts.shape
+    tm, count = SHARED_TM[0], min(num_experts, tokens * top_k)
+    flat = experts.reshape(-1)
+    kept = (flat >= 0) & (flat < num_experts)
+    copy = jnp.arange(flat.shape[0])
+    earlier_same = (flat[None, :] == flat[:, None]) & (copy[None, :] < copy[:, None])
+    first = kept & ~jnp.any(earlier_same, axis=1)  # the first copy of each chosen expert
+    # each copy's visit: the distinct chosen experts below its id; a sentinel id past them all (first) counts them
+    ids = jnp.concatenate([jnp.full(1, num_experts, flat.dtype), flat])
+    below = jnp.sum(first[None, :] & (flat[None, :] < ids[:, None]), axis=1, dtype=jnp.int32)  # [1 + N * k]
+    visit = below[1:]
+    chosen = first[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
+    expert = jnp.sum(jnp.where(chosen, flat[None, :], 0), axis=1, dtype=jnp.int32)  # padding visits: expert 0
+    rows = count * tm
+    visits = jnp.arange(count, dtype=jnp.int32) * tm
+    every_row = (jnp.zeros(num_experts, jnp.int32), jnp.full(num_experts, rows, jnp.int32))  # starts, ends
+    tiles = Tiles(expert, visits, *every_row, below, None, None, jnp.zeros(count, jnp.int32), tm, rows)
+    return tiles, visit.reshape(tokens, top_k)
 
 
 def _grouped(
-    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, splits: int, out_dtype: jnp.dtype,
+    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, step_k: int, splits: int, out_dtype: jnp.dtype,
     swiglu: tuple[float, float] | None, interpret: bool,
 ) -> jax.Array:  # fmt: skip
-    """rows [R, K] x the visits' experts' w [E, N, K] -> [S, R, N] (`out_dtype`): each row's product with its
-    own expert, summed over one share of K per leading index; with `swiglu` (caps; a paired w, one share) the
-    capped SwiGLU of each warpgroup's 32 gate and 32 up columns instead, [1, R, N / 2]."""
+    """rows [R', K] (those the visits read) x the visits' experts' w [E, N, K] -> [S, R, N] (`out_dtype`, R the
+    tiles' rows): each row's product with its own expert, summed over one share of K per leading index, in
+    pipeline steps of `step_k` (of 128 where no ring of stages divides those); with `swiglu` (caps; a paired w,
+    one share) the capped SwiGLU of each warpgroup's 32 gate and 32 up columns instead, [1, R, N / 2]."""
     tm = tiles.tm
     fmt = w.format
     _, n, k = w.shape
@@ -216,7 +268,7 @@ def _grouped(
     tabled = fmt == NVFP4 and not interpret  # a table per warpgroup of each block scale byte's magnitudes
     staging = wgs * (epilogue_values * jnp.dtype(out_dtype).itemsize + (LANES * 64 if interpret else 0))
     staging += wgs * TABLE_ENTRIES * 16 if tabled else 0
-    for kc in dict.fromkeys((_step_k(fmt, k, tm), 128)):  # the items' pipelines chain on whole rings of stages:
+    for kc in dict.fromkeys((step_k, 128)):  # the items' pipelines chain on whole rings of stages:
         steps = k // kc // splits  # halve the steps where no ring of 2-4 divides them
         data_cols = kc // VALUES_PER_ITEM[fmt]  # data items (bf16 values, or words) per step of a row
         scale_rows = kc // blk  # MXFP8: one scale byte per block; NVFP4: four in a word per 64 K values
@@ -246,7 +298,11 @@ def _grouped(
     per_visit = n_tiles * splits  # work items per visit: (column tile, share of K) pairs
     ctas = min(_multiprocessors(), per_visit * tiles.expert.shape[0])
 
-    def body(expert_ref, first_row_ref, starts_ref, ends_ref, real_ref, x_gmem, data_gmem, *refs):
+    reads_apart = tiles.read_row is not None  # visits read other rows than they write
+
+    def body(expert_ref, first_row_ref, starts_ref, ends_ref, real_ref, *refs):
+        read_row_ref = refs[0] if reads_apart else first_row_ref
+        x_gmem, data_gmem, *refs = refs[1:] if reads_apart else refs
         scales_gmem, global_gmem = (*refs[:weight_operands], None, None)[:2]
         out_gmem, out_smem, *a_smem = refs[weight_operands:]
         hidden_smem = a_smem.pop(0) if swiglu else None
@@ -255,16 +311,17 @@ def _grouped(
         lanes = pl.ds(pl.multiple_of(wg * LANES, LANES), LANES)
 
         def item(j: jax.Array) -> tuple[jax.Array, ...]:
-            """This CTA's work item j (items cta, cta + ctas, ...): its expert, first row, column tile and share."""
+            """This CTA's work item j (items cta, cta + ctas, ...): its expert, first rows read and written, column
+            tile and share."""
             v, rest = jnp.divmod(cta + ctas * j, per_visit)
             nt, s = jnp.divmod(rest, splits)
-            return expert_ref[v], first_row_ref[v], nt, s
+            return expert_ref[v], read_row_ref[v], first_row_ref[v], nt, s
 
-        def operands(e, row, nt, s) -> list:
+        def operands(e, read, row, nt, s) -> list:
             n_rows = pl.ds(pl.multiple_of(nt * cta_rows, cta_rows), cta_rows)
             k_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
             data_share = pl.ds(pl.multiple_of(s * steps * data_cols, data_cols), steps * data_cols)
-            refs = [data_gmem.at[e, n_rows, data_share], x_gmem.at[pl.ds(pl.multiple_of(row, 8), tm), k_share]]
+            refs = [data_gmem.at[e, n_rows, data_share], x_gmem.at[pl.ds(pl.multiple_of(read, 8), tm), k_share]]
             if fmt != PLAIN:
                 blocks_share = pl.ds(pl.multiple_of(s * steps * scale_rows, scale_rows), steps * scale_rows)
                 refs.append(scales_gmem.at[e, blocks_share, n_rows])
@@ -341,9 +398,9 @@ def _grouped(
             )  # fmt: skip
 
         def run_item(j, state, allocations):
-            e, row, nt, s = item(j)
+            e, read, row, nt, s = item(j)
             context = functools.partial(compute, e, row, nt, s)
-            pipeline(state, context)(*operands(e, row, nt, s), allocations=allocations)
+            pipeline(state, context)(*operands(e, read, row, nt, s), allocations=allocations)
 
         # one pipeline over all of this CTA's items (START, STEADY ..., STOP; a lone item a whole pipeline): the
         # next item's weights stream in under this one's last steps and epilogue (no drain between items)
@@ -380,9 +437,10 @@ def _grouped(
     if interpret:
         scratch.append(plgpu.SMEM((wgs, LANES, 32), jnp.bfloat16, transforms=_transforms(64, 2)))
     weights = [w.scales, w.global_scale][:weight_operands]
+    plan = [tiles.expert, tiles.first_row, tiles.starts, tiles.ends, tiles.real] + ([tiles.read_row] * reads_apart)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((splits, rows.shape[0], n // 2 if swiglu else n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((splits, tiles.rows, n // 2 if swiglu else n), out_dtype),
         grid=(ctas,),
         grid_names=("sm",),
         num_threads=wgs + 1,
@@ -391,7 +449,7 @@ def _grouped(
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(tiles.expert, tiles.first_row, tiles.starts, tiles.ends, tiles.real, rows, w.data, *weights)
+    )(*plan, rows, w.data, *weights)
 
 
 def grouped_matmul(
@@ -405,10 +463,13 @@ def grouped_matmul(
     _, n, k = w.shape
     if swiglu and not w.paired:
         raise ValueError("the GPU expert kernel applies the SwiGLU to a gate_up laid out by for_gpu(w, paired=True)")
-    splits = _splits(k, _step_k(w.format, k, tiles.tm), tiles.expert.shape[0] * (n // _item_rows(n)))
+    step_k, splits = _k_steps(w.format, k, tiles.tm, tiles.expert.shape[0] * (n // _item_rows(n)))
     if splits == 1:
-        return _grouped(rows, w, tiles, splits=1, out_dtype=rows.dtype, swiglu=swiglu, interpret=interpret)[0]
-    partial = _grouped(rows, w, tiles, splits=splits, out_dtype=jnp.float32, swiglu=None, interpret=interpret)
+        out = _grouped(rows, w, tiles, step_k=step_k, splits=1, out_dtype=rows.dtype, swiglu=swiglu,
+                       interpret=interpret)  # fmt: skip
+        return out[0]
+    partial = _grouped(rows, w, tiles, step_k=step_k, splits=splits, out_dtype=jnp.float32, swiglu=None,
+                       interpret=interpret)  # fmt: skip
     out = round_to(partial.sum(axis=0), rows.dtype)
     if not swiglu:
         return out
@@ -443,19 +504,30 @@ def moe_experts(
     gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_gpu` (`interpret`: run the
-    kernels in Mosaic GPU's interpreter)."""
+    kernels in Mosaic GPU's interpreter): at most SHARED_TM[0] tokens by `chosen_experts`, more by the copies
+    sorted by expert (`tile_copies`)."""
     check(x, gate_up, down)
     num_experts, _, hidden = gate_up.shape
-    routing = route(experts, weights, num_experts)
-    copies = routing.order.shape[0]
-    if copies == 0:
-        return jnp.zeros((experts.shape[0], hidden), x.dtype if out_dtype is None else out_dtype)
-    tiles = tile_copies(routing)
+    tokens = experts.shape[0]
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if experts.size == 0:
+        return jnp.zeros((tokens, hidden), out_dtype)
     x_in_order = in_gpu_k_order(x, gate_up.format)
+    caps = (gate_cap, up_cap)
+    if tokens <= SHARED_TM[0]:
+        tiles, visit = chosen_experts(experts, num_experts)
+        rows = jnp.pad(x_in_order, ((0, tiles.tm - tokens), (0, 0)))
+        hidden_rows = grouped_matmul(rows, gate_up, tiles, swiglu=caps, interpret=interpret)
+        written = dataclasses.replace(tiles, read_row=None)  # down reads the rows gate_up wrote
+        out_rows = grouped_matmul(hidden_rows, down, written, interpret=interpret)
+        kept = (experts >= 0) & (experts < num_experts)
+        return weighted_sum(out_rows[visit * tiles.tm + jnp.arange(tokens)[:, None]], weights, kept, out_dtype)
+    routing = route(experts, weights, num_experts)
+    tiles = tile_copies(routing)
     if tiles.source is None:
-        rows = jnp.pad(x_in_order[routing.token_of], ((0, tiles.rows - copies), (0, 0)))
+        rows = jnp.pad(x_in_order[routing.token_of], ((0, tiles.rows - routing.order.shape[0]), (0, 0)))
     else:
         rows = x_in_order[routing.token_of[tiles.source]]
-    hidden_rows = grouped_matmul(rows, gate_up, tiles, swiglu=(gate_cap, up_cap), interpret=interpret)
+    hidden_rows = grouped_matmul(rows, gate_up, tiles, swiglu=caps, interpret=interpret)
     out_rows = grouped_matmul(hidden_rows, down, tiles, interpret=interpret)
-    return combine(out_rows, routing, experts.shape[0], x.dtype if out_dtype is None else out_dtype, tiles.row_of)
+    return combine(out_rows, routing, tokens, out_dtype, tiles.row_of)

@@ -85,9 +85,17 @@ def combine(
     rows = rows[source].reshape(num_tokens, top_k, rows.shape[-1])
     weights = routing.weight_of[routing.position].reshape(num_tokens, top_k)
     kept = routing.kept[routing.position].reshape(num_tokens, top_k)
-    out = jnp.zeros((num_tokens, rows.shape[-1]), jnp.float32)
-    for j in range(top_k):
-        out = out + jnp.where(kept[:, j, None], rows[:, j].astype(jnp.float32) * weights[:, j, None], 0.0)
+    return weighted_sum(rows, weights, kept, out_dtype)
+
+
+def weighted_sum(rows: jax.Array, weights: jax.Array, kept: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """sum_j w[n, j] * rows[n, j] over the kept copies, in fp32, j = 0 ... k - 1 in order, rounded once to
+    out_dtype: [N, H] from each token's copies' rows [N, k, H], weights [N, k] and kept [N, k] (a dropped copy's
+    row adds nothing, whatever it holds)."""
+    rows, weights = rows.astype(jnp.float32), weights.astype(jnp.float32)
+    out = jnp.zeros((rows.shape[0], rows.shape[-1]), jnp.float32)
+    for j in range(rows.shape[1]):
+        out = out + jnp.where(kept[:, j, None], rows[:, j] * weights[:, j, None], 0.0)
     return round_to(out, out_dtype)
 
 
