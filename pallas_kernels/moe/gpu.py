@@ -32,6 +32,7 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -177,14 +178,15 @@ class Tiles:
 
     expert: jax.Array  # [V] int32: each visit's expert (padding visits repeat the last real one)
     first_row: jax.Array  # [V] int32: each visit's first row, a multiple of 8 (shared tiles: of tm)
-    starts: jax.Array  # [E] int32: each expert's first row
-    ends: jax.Array  # [E] int32: one past its last row
+    starts: jax.Array | None  # [E] int32: each expert's first row (None: every visit writes its tm rows)
+    ends: jax.Array | None  # [E] int32: one past its last row
     real: jax.Array  # [>= 1] int32: the number of real visits, in its first element
     source: jax.Array | None  # [R] int32: the sorted copy in each row (None: the rows are the sorted copies)
     row_of: jax.Array | None  # [N * k] int32: the row of each sorted copy (None: the same)
-    read_row: jax.Array | None  # [V] int32: each visit's first row read, where not first_row (the rows it writes)
     tm: int = dataclasses.field(metadata={"static": True})
     rows: int = dataclasses.field(metadata={"static": True})  # R: every visit's window within them
+    reads_tokens: bool = dataclasses.field(default=False, metadata={"static": True})  # every visit reads rows 0 ...
+    # tm - 1 (the tokens), not the rows it writes
 
 
 def shared_rows(copies: int, num_experts: int) -> int:
@@ -204,7 +206,7 @@ def tile_copies(routing: Routing) -> Tiles:
         tm = shared_rows(copies, num_experts)
         tiles = -(-copies // tm)
         expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
-        return Tiles(expert, tile * tm, offsets[:-1], offsets[1:], real, None, None, None, tm, tiles * tm)
+        return Tiles(expert, tile * tm, offsets[:-1], offsets[1:], real, None, None, tm, tiles * tm)
     tm = OWN_TM
     count = -(-copies // tm) + min(num_experts, copies)  # windows, at most
     padded = -(-group_sizes // 8) * 8
@@ -220,7 +222,7 @@ def tile_copies(routing: Routing) -> Tiles:
     copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
     row_of = starts[copy_expert] + copy - offsets[copy_expert]  # dropped copies: past every group, within the rows
     source = jnp.zeros(rows, jnp.int32).at[row_of].set(copy)
-    return Tiles(expert, first_row, starts, starts + group_sizes, real.reshape(1), source, row_of, None, tm, rows)
+    return Tiles(expert, first_row, starts, starts + group_sizes, real.reshape(1), source, row_of, tm, rows)
 
 
 def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Array]:
@@ -242,10 +244,8 @@ def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Arr
     visit = below[1:]
     chosen = first[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
     expert = jnp.sum(jnp.where(chosen, flat[None, :], 0), axis=1, dtype=jnp.int32)  # padding visits: expert 0
-    rows = count * tm
-    visits = jnp.arange(count, dtype=jnp.int32) * tm
-    every_row = (jnp.zeros(num_experts, jnp.int32), jnp.full(num_experts, rows, jnp.int32))  # starts, ends
-    tiles = Tiles(expert, visits, *every_row, below, None, None, jnp.zeros(count, jnp.int32), tm, rows)
+    own_rows = np.arange(count, dtype=np.int32) * tm  # a constant (in jnp, a kernel of XLA's)
+    tiles = Tiles(expert, own_rows, None, None, below, None, None, tm, count * tm, reads_tokens=True)
     return tiles, visit.reshape(tokens, top_k)
 
 
@@ -298,11 +298,10 @@ def _grouped(
     per_visit = n_tiles * splits  # work items per visit: (column tile, share of K) pairs
     ctas = min(_multiprocessors(), per_visit * tiles.expert.shape[0])
 
-    reads_apart = tiles.read_row is not None  # visits read other rows than they write
+    whole = tiles.starts is None  # every visit writes all its rows
 
-    def body(expert_ref, first_row_ref, starts_ref, ends_ref, real_ref, *refs):
-        read_row_ref = refs[0] if reads_apart else first_row_ref
-        x_gmem, data_gmem, *refs = refs[1:] if reads_apart else refs
+    def body(expert_ref, first_row_ref, real_ref, *refs):
+        starts_ref, ends_ref, x_gmem, data_gmem, *refs = (None, None, *refs) if whole else refs
         scales_gmem, global_gmem = (*refs[:weight_operands], None, None)[:2]
         out_gmem, out_smem, *a_smem = refs[weight_operands:]
         hidden_smem = a_smem.pop(0) if swiglu else None
@@ -315,7 +314,8 @@ def _grouped(
             tile and share."""
             v, rest = jnp.divmod(cta + ctas * j, per_visit)
             nt, s = jnp.divmod(rest, splits)
-            return expert_ref[v], read_row_ref[v], first_row_ref[v], nt, s
+            row = first_row_ref[v]
+            return expert_ref[v], 0 if tiles.reads_tokens else row, row, nt, s
 
         def operands(e, read, row, nt, s) -> list:
             n_rows = pl.ds(pl.multiple_of(nt * cta_rows, cta_rows), cta_rows)
@@ -376,8 +376,8 @@ def _grouped(
             acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
             out_smem.at[wg].transpose((1, 0))[...] = acc
             plgpu.commit_smem()
-            first = jnp.maximum(starts_ref[e], row)
-            last = jnp.minimum(ends_ref[e], row + tm)
+            first = row if whole else jnp.maximum(starts_ref[e], row)
+            last = row + tm if whole else jnp.minimum(ends_ref[e], row + tm)
             if swiglu:  # [tm, 32 gate | 32 up] -> [tm, 32] hidden units nt * wgs + wg's block
                 gate, up = (out_smem.at[wg, :, pl.ds(i * PAIR_UNITS, PAIR_UNITS)][...] for i in (0, 1))
                 # TMA copies SMEM from 128-byte aligned addresses: the 64-byte hidden rows go one row down where the
@@ -437,7 +437,7 @@ def _grouped(
     if interpret:
         scratch.append(plgpu.SMEM((wgs, LANES, 32), jnp.bfloat16, transforms=_transforms(64, 2)))
     weights = [w.scales, w.global_scale][:weight_operands]
-    plan = [tiles.expert, tiles.first_row, tiles.starts, tiles.ends, tiles.real] + ([tiles.read_row] * reads_apart)
+    plan = [tiles.expert, tiles.first_row, tiles.real] + ([] if whole else [tiles.starts, tiles.ends])
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((splits, tiles.rows, n // 2 if swiglu else n), out_dtype),
@@ -518,7 +518,7 @@ def moe_experts(
         tiles, visit = chosen_experts(experts, num_experts)
         rows = jnp.pad(x_in_order, ((0, tiles.tm - tokens), (0, 0)))
         hidden_rows = grouped_matmul(rows, gate_up, tiles, swiglu=caps, interpret=interpret)
-        written = dataclasses.replace(tiles, read_row=None)  # down reads the rows gate_up wrote
+        written = dataclasses.replace(tiles, reads_tokens=False)  # down reads the rows gate_up wrote
         out_rows = grouped_matmul(hidden_rows, down, written, interpret=interpret)
         kept = (experts >= 0) & (experts < num_experts)
         return weighted_sum(out_rows[visit * tiles.tm + jnp.arange(tokens)[:, None]], weights, kept, out_dtype)
