@@ -204,8 +204,8 @@ def test_k_is_split_where_it_balances_the_ctas(k, pairs, splits, monkeypatch):
 @pytest.mark.parametrize(
     "fmt, k, tm, pairs, steps",
     [(MXFP8, 4608, 8, 192, (256, 2)), (MXFP8, 2304, 8, 192, (128, 2)), (NVFP4, 2304, 8, 1536, (256, 1)),
-     (PLAIN, 2304, 8, 192, (128, 2)), (MXFP8, 4608, 96, 12000, (128, 1))],
-)  # fmt: skip  # gate_up and down at 1 token, down at 8 tokens, bf16 down at 1 token, prefill
+     (PLAIN, 2304, 8, 192, (128, 2)), (MXFP8, 4608, 96, 12000, (128, 1)), (MXFP8, 1280, 8, 8, (256, 1))],
+)  # fmt: skip  # gate_up and down at 1 token, down at 8 tokens, bf16 down at 1 token, prefill, 128s in no ring
 def test_k_steps_narrow_where_they_balance_the_ctas(fmt, k, tm, pairs, steps, monkeypatch):
     monkeypatch.setattr(gpu, "_multiprocessors", lambda: 132)
     assert gpu._k_steps(fmt, k, tm, pairs) == steps
@@ -253,7 +253,8 @@ def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     assert_close_to_oracle(got, want)
 
 
-@pytest.mark.parametrize("fmt, tokens, top_k", [(MXFP8, 6, 4), (NVFP4, 64, 2)])  # shared tiles; own windows (CPU)
+@pytest.mark.parametrize("fmt, tokens, top_k", [(MXFP8, 6, 4), (MXFP8, 12, 4), (NVFP4, 64, 2)])  # chosen experts;
+# shared tiles; own windows (CPU)
 def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
     """Three CTAs, each walking many work items through one pipeline (START, STEADY ..., STOP; gate_up's K in
     three steps of 256 at decode, six of 128 in own windows: rings of 3): the oracle's result (at 132 CTAs the

@@ -1,5 +1,6 @@
-"""Routed experts on Hopper (sm90) through Mosaic GPU: two grouped matmuls over the token copies sorted by expert, each
-weight decoded in registers right before the wgmma that takes it (never in HBM or SMEM).
+"""Routed experts on Hopper (sm90) through Mosaic GPU: two grouped matmuls over the token copies (sorted by expert, or
+up to 8 tokens each chosen expert's), each weight decoded in registers right before the wgmma that takes it (never
+in HBM or SMEM).
 
 The copies are walked in visits of TM rows each (`Tiles`), every visit one expert's. A work item is one visit's
 product for one tile of 128 or 192 weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M
@@ -22,7 +23,7 @@ written as fp32 partial sums that XLA adds. Prefill: each expert's copies are vi
 their own (no row multiplied twice). The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows
 laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows), except
 where K is split: there XLA adds the shares, then applies the SwiGLU. After the matmuls XLA combines the copies
-(`routing.combine`).
+(`routing.combine`, `routing.weighted_sum`).
 
 The weights are decoded to bf16 wgmma register operands by `gpu_decode`, the oracle's values bit for bit."""
 
@@ -120,12 +121,14 @@ def _makespan(pairs: int, shares: int) -> Fraction:
 
 def _k_steps(fmt: str, k: int, tm: int, pairs: int) -> tuple[int, int]:
     """(K per pipeline step, shares of K) for `pairs` (visit, column tile) pairs: `_step_k`'s steps, or steps of
-    128 where their shares keep more CTAs busy (down's K of 2304 at one token: 18 steps in 2 shares, 97% of the
-    CTAs' time busy, against 9 in 3 shares, 87%: 29 us against 32 on the H200)."""
+    128 where their shares keep more CTAs busy and a ring of 2-4 stages divides a share's steps (down's K of 2304
+    at one token: 18 steps in 2 shares, 97% of the CTAs' time busy, against 9 in 3 shares, 87%: 29 us against 32
+    on the H200)."""
     kc = _step_k(fmt, k, tm)
     shares = _splits(k, kc, pairs)
     narrow = _splits(k, 128, pairs)
-    if kc > 128 and _makespan(pairs, narrow) < _makespan(pairs, shares):
+    ringed = any((k // 128 // narrow) % stages == 0 for stages in (2, 3, 4))
+    if kc > 128 and ringed and _makespan(pairs, narrow) < _makespan(pairs, shares):
         return 128, narrow
     return kc, shares
 
@@ -163,9 +166,10 @@ def _store_rows(tile_smem, tile_gmem, start: jax.Array, size: jax.Array) -> None
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Where the sorted copies sit in the kernels' rows, and the visits over them: visit v multiplies rows
-    first_row[v] ... first_row[v] + tm - 1 (starting at a multiple of 8: TMA reads GMEM rows in tiles of 8) by
-    expert[v]'s weights and writes back the rows of that expert's group among them.
+    """Where the copies sit in the kernels' rows, and the visits over them: visit v multiplies rows first_row[v] ...
+    first_row[v] + tm - 1 (starting at a multiple of 8: TMA reads GMEM rows in tiles of 8) by expert[v]'s weights
+    and writes back the rows of that expert's group among them (with `reads_tokens`: multiplies the token rows 0
+    ... tm - 1 and writes all of its rows first_row[v] ...; `chosen_experts`).
 
     Shared tiles (decode): the rows are the sorted copies, groups follow each other and several share a tile
     (`routing.visits`: one visit per (tile, expert) pair that meet). Own windows (prefill): each expert's group
@@ -176,7 +180,7 @@ class Tiles:
     nearly doubled them at 4096 tokens.
     """
 
-    expert: jax.Array  # [V] int32: each visit's expert (padding visits repeat the last real one)
+    expert: jax.Array  # [V] int32: each visit's expert (padding visits, never run, name a valid one)
     first_row: jax.Array  # [V] int32: each visit's first row, a multiple of 8 (shared tiles: of tm)
     starts: jax.Array | None  # [E] int32: each expert's first row (None: every visit writes its tm rows)
     ends: jax.Array | None  # [E] int32: one past its last row
@@ -456,10 +460,10 @@ def grouped_matmul(
     rows: jax.Array, w: GpuWeight, tiles: Tiles, *, swiglu: tuple[float, float] | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
-    """rows [R, K] laid out by `tiles`, K in `layouts.gpu_k_order` -> [R, N]: each row times its expert's w^T,
-    accumulated in fp32 and rounded to the rows' dtype; rows of no expert are left unwritten. With `swiglu`
-    (gate_cap, up_cap) and a paired gate_up w: the capped SwiGLU of the products, [R, N / 2] in the hidden units'
-    `paired_rows` order (down's K order)."""
+    """rows [R, K] laid out by `tiles` (with `reads_tokens`: the tokens [tm, K]), K in `layouts.gpu_k_order` ->
+    [R, N] (R = tiles.rows): each row times its expert's w^T, accumulated in fp32 and rounded to the rows' dtype;
+    rows of no expert are left unwritten. With `swiglu` (gate_cap, up_cap) and a paired gate_up w: the capped
+    SwiGLU of the products, [R, N / 2] in the hidden units' `paired_rows` order (down's K order)."""
     _, n, k = w.shape
     if swiglu and not w.paired:
         raise ValueError("the GPU expert kernel applies the SwiGLU to a gate_up laid out by for_gpu(w, paired=True)")
