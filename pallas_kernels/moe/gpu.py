@@ -231,7 +231,7 @@ def tile_copies(routing: Routing) -> Tiles:
 
 def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Array]:
     """The plan for at most SHARED_TM[0] tokens: one visit per distinct chosen expert (in id order), each
-    multiplying every token (rows 0 ... tm - 1: the tokens, padded; wgmma's narrowest N side, what a shared tile
+    multiplying every token (rows 0 ... tm - 1: the tokens, then zeros; wgmma's narrowest N side, what a shared tile
     of those copies costs) and writing rows v * tm ... v * tm + tm - 1 of its own. There is nothing to sort or
     gather; three small reductions over the copies' pairs make the plan. Also each copy's visit, [N, k] int32
     (meaningless for a dropped copy): copy (n, j)'s product is row visit * tm + n."""
@@ -460,7 +460,7 @@ def grouped_matmul(
     rows: jax.Array, w: GpuWeight, tiles: Tiles, *, swiglu: tuple[float, float] | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
-    """rows [R, K] laid out by `tiles` (with `reads_tokens`: the tokens [tm, K]), K in `layouts.gpu_k_order` ->
+    """rows [R, K] laid out by `tiles` (with `reads_tokens`: the tokens [<= tm, K]), K in `layouts.gpu_k_order` ->
     [R, N] (R = tiles.rows): each row times its expert's w^T, accumulated in fp32 and rounded to the rows' dtype;
     rows of no expert are left unwritten. With `swiglu` (gate_cap, up_cap) and a paired gate_up w: the capped
     SwiGLU of the products, [R, N / 2] in the hidden units' `paired_rows` order (down's K order)."""
@@ -520,8 +520,8 @@ def moe_experts(
     caps = (gate_cap, up_cap)
     if tokens <= SHARED_TM[0]:
         tiles, visit = chosen_experts(experts, num_experts)
-        rows = jnp.pad(x_in_order, ((0, tiles.tm - tokens), (0, 0)))
-        hidden_rows = grouped_matmul(rows, gate_up, tiles, swiglu=caps, interpret=interpret)
+        # the token rows as they are: TMA reads the tile's rows past them as zeros (no padded copy)
+        hidden_rows = grouped_matmul(x_in_order, gate_up, tiles, swiglu=caps, interpret=interpret)
         written = dataclasses.replace(tiles, reads_tokens=False)  # down reads the rows gate_up wrote
         out_rows = grouped_matmul(hidden_rows, down, written, interpret=interpret)
         kept = (experts >= 0) & (experts < num_experts)
