@@ -56,6 +56,7 @@ from pallas_kernels.moe.routing import (
     combine,
     group_of,
     group_offsets,
+    kept_copies,
     prefix_sum,
     route,
     visits,
@@ -238,7 +239,7 @@ def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Arr
     tokens, top_k = experts.shape
     tm, count = SHARED_TM[0], min(num_experts, tokens * top_k)
     flat = experts.reshape(-1)
-    kept = (flat >= 0) & (flat < num_experts)
+    kept = kept_copies(flat, num_experts)
     copy = jnp.arange(flat.shape[0])
     earlier_same = (flat[None, :] == flat[:, None]) & (copy[None, :] < copy[:, None])
     first = kept & ~jnp.any(earlier_same, axis=1)  # the first copy of each chosen expert
@@ -468,13 +469,12 @@ def grouped_matmul(
     if swiglu and not w.paired:
         raise ValueError("the GPU expert kernel applies the SwiGLU to a gate_up laid out by for_gpu(w, paired=True)")
     step_k, splits = _k_steps(w.format, k, tiles.tm, tiles.expert.shape[0] * (n // _item_rows(n)))
-    if splits == 1:
-        out = _grouped(rows, w, tiles, step_k=step_k, splits=1, out_dtype=rows.dtype, swiglu=swiglu,
-                       interpret=interpret)  # fmt: skip
+    whole = splits == 1  # K unsplit: the kernel rounds its products, and applies the SwiGLU, itself
+    out = _grouped(rows, w, tiles, step_k=step_k, splits=splits, out_dtype=rows.dtype if whole else jnp.float32,
+                   swiglu=swiglu if whole else None, interpret=interpret)  # fmt: skip
+    if whole:
         return out[0]
-    partial = _grouped(rows, w, tiles, step_k=step_k, splits=splits, out_dtype=jnp.float32, swiglu=None,
-                       interpret=interpret)  # fmt: skip
-    out = round_to(partial.sum(axis=0), rows.dtype)
+    out = round_to(out.sum(axis=0), rows.dtype)
     if not swiglu:
         return out
     pairs = out.reshape(out.shape[0], -1, 2, PAIR_UNITS)  # [R, I / 32, gate | up, 32]
@@ -524,8 +524,8 @@ def moe_experts(
         hidden_rows = grouped_matmul(x_in_order, gate_up, tiles, swiglu=caps, interpret=interpret)
         written = dataclasses.replace(tiles, reads_tokens=False)  # down reads the rows gate_up wrote
         out_rows = grouped_matmul(hidden_rows, down, written, interpret=interpret)
-        kept = (experts >= 0) & (experts < num_experts)
-        return weighted_sum(out_rows[visit * tiles.tm + jnp.arange(tokens)[:, None]], weights, kept, out_dtype)
+        token_rows = out_rows[visit * tiles.tm + jnp.arange(tokens)[:, None]]  # [N, k, H]
+        return weighted_sum(token_rows, weights, kept_copies(experts, num_experts), out_dtype)
     routing = route(experts, weights, num_experts)
     tiles = tile_copies(routing)
     if tiles.source is None:

@@ -40,10 +40,15 @@ def prefix_sum(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(i[None, :] <= i[:, None], x[None, :], 0), axis=1, dtype=jnp.int32)
 
 
+def kept_copies(experts: jax.Array, num_experts: int) -> jax.Array:
+    """Whether each copy's expert id is one of [0, E) (outside: another shard's expert, dropped); experts' shape."""
+    return (experts >= 0) & (experts < num_experts)
+
+
 def route(experts: jax.Array, weights: jax.Array, num_experts: int) -> Routing:
     """experts [N, k] int32 ids, weights [N, k] float32 -> the copies sorted by expert."""
     top_k = experts.shape[1]
-    kept = (experts >= 0) & (experts < num_experts)
+    kept = kept_copies(experts, num_experts)
     flat = jnp.where(kept, experts, num_experts).reshape(-1)
     copies = jnp.arange(flat.shape[0], dtype=jnp.int32)
     if flat.shape[0] <= RANKED_UP_TO:  # each copy's place: the copies before it in (expert, copy) order
