@@ -3,11 +3,17 @@
 are named `experts_{format}_swiglu` (gate_up with the SwiGLU in its epilogue), `experts_{format}_matmul` (down),
 with `_{S}_shares` where K is split S ways (the fp32 shares summed, and gate_up's SwiGLU applied, in XLA).
 
-    python -m bench.moe_profile [--formats mxfp8 nvfp4] [--tokens 1 8 64 4096] [--repeats 7] [--brief]
+    python -m bench.moe_profile [--formats mxfp8 nvfp4] [--tokens 1 8 64 4096] [--repeats 7] [--brief] [--once]
 
 Weights and routing as in `bench.moe_experts` (each token's 8 distinct experts uniformly at random); CUPTI times
 every kernel of the call, the median of `repeats` per kernel; the total against the distinct chosen experts'
-stored bytes at the H200's 4.3 TB/s copy bandwidth. `--brief`: kernels of 0.1 ms and more only.
+stored bytes at the H200's 4.3 TB/s copy bandwidth. `--brief`: kernels of 0.1 ms and more only. `--once`: each
+call run once and not timed, for a profiler outside (CUPTI is then free), e.g. Nsight Compute's counters of the
+expert kernels (on the H200 machine, ~2 minutes for both formats at 1, 8 and 4096 tokens):
+
+    ncu --clock-control none --set full --kernel-name regex:experts_ -o prof \\
+        python -m bench.moe_profile --once --tokens 1 8 4096
+    ncu --import prof.ncu-rep --page raw --csv > raw.csv
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 4096])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--brief", action="store_true")
+    parser.add_argument("--once", action="store_true")
     args = parser.parse_args(argv)
     for fmt in args.formats:
         gate_up, down, per_expert = stored_experts(EXPERTS, HIDDEN, INTER, fmt)
@@ -36,6 +43,10 @@ def main(argv: list[str] | None = None) -> None:
         call = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))
         for tokens in args.tokens:
             x, experts, weights = routing_case(tokens, tokens, EXPERTS, HIDDEN)
+            if args.once:
+                jax.block_until_ready(call(x, gate_up, down, experts, weights))
+                print(f"== {fmt} tokens {tokens}: ran once", flush=True)
+                continue
             distinct = len(np.unique(np.asarray(experts)))
             kernels = kernels_ms(call, x, gate_up, down, experts, weights, repeats=args.repeats)
             total = sum(ms for _, ms in kernels)
