@@ -15,10 +15,10 @@ from jax.sharding import PartitionSpec as P
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from inkling_jax.sharding import MODEL
-from pallas_kernels.moe import GpuWeight, TpuWeight, for_tpu, moe_experts
+from pallas_kernels.moe import GpuWeight, TpuWeight, moe_experts
 from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe import tpu as moe_tpu
-from pallas_kernels.moe.layouts import PLAIN, for_gpu_experts
+from pallas_kernels.moe.layouts import PLAIN, for_gpu_experts, for_tpu_experts
 from pallas_kernels.numerics import einsum, round_to
 from pallas_kernels.platform import on_hopper
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
@@ -127,7 +127,7 @@ class Experts(nnx.Module):
         if isinstance(gate_up, TpuWeight | GpuWeight):
             return
         if platform == "tpu" and moe_tpu.supports(*gate_up.shape[1:]):
-            laid = jax.jit(for_tpu)(gate_up), jax.jit(for_tpu)(down)
+            laid = for_tpu_experts(gate_up, down)
         elif platform == "gpu" and moe_gpu.supports(*gate_up.shape[1:], _format(gate_up)):
             laid = for_gpu_experts(gate_up, down)
         else:

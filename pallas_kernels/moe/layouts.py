@@ -107,6 +107,17 @@ def for_tpu(weight: jax.Array | QuantizedArray) -> TpuWeight:
     return TpuWeight(planes, jnp.swapaxes(weight.scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
 
 
+_FOR_TPU = jax.jit(for_tpu)  # compiled once per shape, not per layer
+
+
+def for_tpu_experts(
+    gate_up: jax.Array | QuantizedArray, down: jax.Array | QuantizedArray
+) -> tuple[TpuWeight, TpuWeight]:
+    """gate_up [E, 2I, H] and down [E, H, I] in the TPU kernels' layout, laid out one at a time (one's temporaries
+    freed before the other's)."""
+    return _FOR_TPU(gate_up), _FOR_TPU(down)
+
+
 def gpu_run_order(run: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
     """Bytes [..., 32] in row order -> in `GpuWeight`'s storage order, or back (the same swap: an involution).
     Row byte 8a + 2c + b (a, c < 4, b < 2) goes to position 8c + 2a + b: a wgmma register thread c's bytes."""
