@@ -88,6 +88,13 @@ def test_gpu_layout_round_trip(fmt, paired):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_activations_take_the_kernels_k_order(fmt):
+    x = jax.random.normal(jax.random.key(5), (3, 2, 512), jnp.float32).astype(jnp.bfloat16)
+    order = gpu_k_order(fmt, 512)
+    np.testing.assert_array_equal(np.asarray(in_gpu_k_order(x, fmt)), np.asarray(x if order is None else x[..., order]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_every_value_decodes_exactly(fmt):
     """Identity rows times w^T is w: the kernel's weight values, bit for bit the oracle's (three compute warpgroups
     of 64 rows; the routed cases below run two)."""
@@ -250,6 +257,25 @@ def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, out_dtype=out_dtype, backend="gpu"))(x, *laid, experts, weights)
     assert got.dtype == want.dtype
+    assert_close_to_oracle(got, want)
+
+
+def test_few_tokens_sum_split_k_over_their_rows():
+    """Two tokens whose gate_up K (6 steps of 256) is split over the CTAs: the shares are summed over each visit's
+    token rows alone, its other rows zeros, and the call is the oracle's."""
+    hidden = 1536
+    x, gate_up, down, experts, weights = routed_case(7, 2, 2, MXFP8, hidden=hidden)
+    laid = (for_gpu(gate_up, paired=True), for_gpu(down))
+    tiles, _ = gpu.chosen_experts(experts, EXPERTS)
+    pairs = tiles.expert.shape[0] * (2 * INTER // gpu._item_rows(2 * INTER))
+    assert gpu._k_steps(MXFP8, hidden, tiles.tm, pairs)[1] > 1  # the case splits K
+    swiglu = tuple(CAPS.values())
+    hidden_rows = gpu.grouped_matmul(in_gpu_k_order(x, MXFP8), laid[0], tiles, swiglu=swiglu, interpret=CPU)
+    visits = np.asarray(hidden_rows, np.float32).reshape(-1, tiles.tm, INTER)
+    assert np.abs(visits[:, :2]).max() > 0
+    np.testing.assert_array_equal(visits[:, 2:], 0.0)
+    want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
+    got = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))(x, *laid, experts, weights)
     assert_close_to_oracle(got, want)
 
 

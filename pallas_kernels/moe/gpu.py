@@ -192,6 +192,8 @@ class Tiles:
     rows: int = dataclasses.field(metadata={"static": True})  # R: every visit's window within them
     reads_tokens: bool = dataclasses.field(default=False, metadata={"static": True})  # every visit reads rows 0 ...
     # tm - 1 (the tokens), not the rows it writes
+    tokens: int | None = dataclasses.field(default=None, metadata={"static": True})  # `chosen_experts`: of each
+    # visit's tm rows, the first `tokens` hold products read afterwards (the rest multiply zeros)
 
 
 def shared_rows(copies: int, num_experts: int) -> int:
@@ -250,7 +252,7 @@ def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Arr
     chosen = first[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
     expert = jnp.sum(jnp.where(chosen, flat[None, :], 0), axis=1, dtype=jnp.int32)  # padding visits: expert 0
     own_rows = np.arange(count, dtype=np.int32) * tm  # a constant (in jnp, a kernel of XLA's)
-    tiles = Tiles(expert, own_rows, None, None, below, None, None, tm, count * tm, reads_tokens=True)
+    tiles = Tiles(expert, own_rows, None, None, below, None, None, tm, count * tm, reads_tokens=True, tokens=tokens)
     return tiles, visit.reshape(tokens, top_k)
 
 
@@ -463,7 +465,8 @@ def grouped_matmul(
 ) -> jax.Array:  # fmt: skip
     """rows [R, K] laid out by `tiles` (with `reads_tokens`: the tokens [<= tm, K]), K in `layouts.gpu_k_order` ->
     [R, N] (R = tiles.rows): each row times its expert's w^T, accumulated in fp32 and rounded to the rows' dtype;
-    rows of no expert are left unwritten. With `swiglu` (gate_cap, up_cap) and a paired gate_up w: the capped
+    rows of no expert are left unwritten (with `tiles.tokens` and K split, each visit's rows past its tokens are
+    zeros: only the token rows' shares are summed). With `swiglu` (gate_cap, up_cap) and a paired gate_up w: the capped
     SwiGLU of the products, [R, N / 2] in the hidden units' `paired_rows` order (down's K order)."""
     _, n, k = w.shape
     if swiglu and not w.paired:
@@ -474,11 +477,16 @@ def grouped_matmul(
                    swiglu=swiglu if whole else None, interpret=interpret)  # fmt: skip
     if whole:
         return out[0]
+    if tiles.tokens is not None:  # few tokens: the shares summed over the token rows alone, the rest zeros
+        out = out.reshape(splits, -1, tiles.tm, n)[:, :, : tiles.tokens].reshape(splits, -1, n)
     out = round_to(out.sum(axis=0), rows.dtype)
-    if not swiglu:
+    if swiglu:
+        pairs = out.reshape(out.shape[0], -1, 2, PAIR_UNITS)  # [R, I / 32, gate | up, 32]
+        out = capped_swiglu(pairs[:, :, 0], pairs[:, :, 1], *swiglu).reshape(out.shape[0], n // 2)
+    if tiles.tokens is None:
         return out
-    pairs = out.reshape(out.shape[0], -1, 2, PAIR_UNITS)  # [R, I / 32, gate | up, 32]
-    return capped_swiglu(pairs[:, :, 0], pairs[:, :, 1], *swiglu).reshape(out.shape[0], n // 2)
+    visits = out.reshape(-1, tiles.tokens, out.shape[1])
+    return jnp.pad(visits, ((0, 0), (0, tiles.tm - tiles.tokens), (0, 0))).reshape(tiles.rows, -1)
 
 
 def check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:
