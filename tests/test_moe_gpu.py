@@ -268,9 +268,16 @@ def test_few_tokens_sum_split_k_over_their_rows():
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     tiles, _ = gpu.chosen_experts(experts, EXPERTS)
     pairs = tiles.expert.shape[0] * (2 * INTER // gpu._item_rows(2 * INTER))
-    assert gpu._k_steps(MXFP8, hidden, tiles.tm, pairs)[1] > 1  # the case splits K
+    splits = gpu._k_steps(MXFP8, hidden, tiles.tm, pairs)[1]
+    assert splits > 1  # the case splits K
     swiglu = tuple(CAPS.values())
-    hidden_rows = gpu.grouped_matmul(in_gpu_k_order(x, MXFP8), laid[0], tiles, swiglu=swiglu, interpret=CPU)
+
+    def gate_up_rows(rows):
+        return gpu.grouped_matmul(rows, laid[0], tiles, swiglu=swiglu, interpret=CPU)
+
+    summed = [e.invars[0].aval.shape for e in jax.make_jaxpr(gate_up_rows)(x).eqns if e.primitive.name == "reduce_sum"]
+    assert summed == [(splits, tiles.expert.shape[0] * 2, 2 * INTER)]  # the shares of the 2 token rows alone
+    hidden_rows = gate_up_rows(in_gpu_k_order(x, MXFP8))
     visits = np.asarray(hidden_rows, np.float32).reshape(-1, tiles.tm, INTER)
     assert np.abs(visits[:, :2]).max() > 0
     np.testing.assert_array_equal(visits[:, 2:], 0.0)
