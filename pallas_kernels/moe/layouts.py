@@ -107,7 +107,7 @@ def for_tpu(weight: jax.Array | QuantizedArray) -> TpuWeight:
     return TpuWeight(planes, jnp.swapaxes(weight.scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
 
 
-_FOR_TPU = jax.jit(for_tpu)  # compiled once per shape, not per layer
+_FOR_TPU = jax.jit(for_tpu)  # one jitted function for every layer, as for_gpu_experts'
 
 
 def for_tpu_experts(
@@ -210,13 +210,19 @@ def nvfp4_word_codes(words: jax.Array) -> jax.Array:
     return jnp.stack([(words >> (4 * i)) & 7 | ((words >> _sign_bit(i)) & 1) << 3 for i in range(8)], axis=-1)
 
 
+def _in_nvfp4_runs_order(a: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
+    """a [..., K] with each run of 64 along K permuted as `nvfp4_gpu_columns` says (a transposition of its index
+    16c + 8f + 2j + b to column 32f + 8j + 2c + b)."""
+    *lead, k = a.shape
+    n = len(lead) + 1  # the runs' axis, then c, f, j, b
+    return a.reshape(*lead, k // 64, 4, 2, 4, 2).transpose(*range(n), n + 1, n + 2, n, n + 3).reshape(*lead, k)
+
+
 def nvfp4_gpu_columns(k: int) -> np.ndarray:
     """The order of a K axis the GPU's NVFP4 kernel contracts over: in each run of 64, the two bf16 [64, 32]
     wgmma operands' columns (32f + p, where a register thread c = (p % 8) // 2 holds p = 8j + 2c + b) take the
     index 16c + 8f + 2j + b: each thread's 16 values are its one scale block's."""
-    f, j, c, b = np.meshgrid(*(np.arange(n) for n in (2, 4, 4, 2)), indexing="ij")  # column 32f + 8j + 2c + b
-    local = (16 * c + 8 * f + 2 * j + b).reshape(-1)
-    return (np.arange(0, k, 64)[:, None] + local[None, :]).reshape(-1)
+    return _in_nvfp4_runs_order(np.arange(k))
 
 
 @jax.jit
@@ -282,13 +288,8 @@ def gpu_k_order(fmt: str, k: int) -> np.ndarray | None:
 
 def in_gpu_k_order(x: jax.Array, fmt: str) -> jax.Array:
     """x [..., K] with its last axis in `gpu_k_order`, as the GPU kernel contracts it against `fmt` weights (NVFP4's
-    `nvfp4_gpu_columns` as a transposition within each run of 64: a copy, where XLA's gather took 1.7 us for one
-    token on the H200)."""
-    if fmt != NVFP4:
-        return x
-    *lead, k = x.shape
-    runs = x.reshape(*lead, k // 64, 4, 2, 4, 2)  # index 16c + 8f + 2j + b of a run
-    return jnp.moveaxis(runs, -4, -2).reshape(*lead, k)  # at column 32f + 8j + 2c + b
+    runs transposed: a copy, where XLA's gather by `nvfp4_gpu_columns` took 1.7 us for one token on the H200)."""
+    return _in_nvfp4_runs_order(x) if fmt == NVFP4 else x
 
 
 def paired_rows(two_i: int, fmt: str) -> np.ndarray:
