@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels.moe import gpu, moe_experts, reference
+from pallas_kernels.moe import gpu, gpu_work, moe_experts, reference
 from pallas_kernels.moe.layouts import (
     PLAIN,
     GpuWeight,
@@ -204,8 +204,8 @@ def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
     [(4608, 192, 2), (2304, 192, 3), (4608, 1704, 1), (4608, 10728, 1), (1536, 104, 2), (1024, 10, 1), (256, 8, 1)],
 )  # gate_up and down at 1 token, gate_up at 8 and 64 tokens (384 experts), the GPU tests' split, unsplittable Ks
 def test_k_is_split_where_it_balances_the_ctas(k, pairs, splits, monkeypatch):
-    monkeypatch.setattr(gpu, "_multiprocessors", lambda: 132)
-    assert gpu._splits(k, 256, pairs) == splits
+    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 132)
+    assert gpu_work.splits(k, 256, pairs) == splits
 
 
 @pytest.mark.parametrize(
@@ -214,8 +214,8 @@ def test_k_is_split_where_it_balances_the_ctas(k, pairs, splits, monkeypatch):
      (PLAIN, 2304, 8, 192, (128, 2)), (MXFP8, 4608, 96, 12000, (128, 1)), (MXFP8, 1280, 8, 8, (256, 1))],
 )  # fmt: skip  # gate_up and down at 1 token, down at 8 tokens, bf16 down at 1 token, prefill, 128s in no ring
 def test_k_steps_narrow_where_they_balance_the_ctas(fmt, k, tm, pairs, steps, monkeypatch):
-    monkeypatch.setattr(gpu, "_multiprocessors", lambda: 132)
-    assert gpu._k_steps(fmt, k, tm, pairs) == steps
+    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 132)
+    assert gpu_work.k_steps(fmt, k, tm, pairs) == steps
 
 
 def routed_case(
@@ -267,8 +267,8 @@ def test_few_tokens_sum_split_k_over_their_rows():
     x, gate_up, down, experts, weights = routed_case(7, 2, 2, MXFP8, hidden=hidden)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     tiles, _ = gpu.chosen_experts(experts, EXPERTS)
-    pairs = tiles.expert.shape[0] * (2 * INTER // gpu._item_rows(2 * INTER))
-    splits = gpu._k_steps(MXFP8, hidden, tiles.tm, pairs)[1]
+    pairs = tiles.expert.shape[0] * (2 * INTER // gpu_work.item_rows(2 * INTER))
+    splits = gpu_work.k_steps(MXFP8, hidden, tiles.tm, pairs)[1]
     assert splits > 1  # the case splits K
     swiglu = tuple(CAPS.values())
 
@@ -292,7 +292,7 @@ def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
     """Three CTAs, each walking many work items through one pipeline (START, STEADY ..., STOP; gate_up's K in
     three steps of 256 at decode, six of 128 in own windows: rings of 3): the oracle's result (at 132 CTAs the
     interpreter's cases give most CTAs one item)."""
-    monkeypatch.setattr(gpu, "_multiprocessors", lambda: 3)
+    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 3)
     x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, hidden=768 if CPU else HIDDEN)
     want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))

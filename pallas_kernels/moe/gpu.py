@@ -29,7 +29,6 @@ The weights are decoded to bf16 wgmma register operands by `gpu_decode`, the ora
 
 import dataclasses
 import functools
-from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -38,19 +37,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import block_formats
-from pallas_kernels.moe.gpu_decode import (
-    LANES,
-    TABLE_ENTRIES,
-    across,
-    e2m1_by_table,
-    mx_values,
-    nv_entries,
-    nv_step_table,
-    nv_values,
-)
+from pallas_kernels.moe import gpu_work as work
+from pallas_kernels.moe.gpu_decode import LANES, TABLE_ENTRIES
 from pallas_kernels.moe.layouts import PAIR_UNITS, PLAIN, GpuWeight, check_experts, in_gpu_k_order
-from pallas_kernels.moe.reference import capped_swiglu, capped_swiglu_f32
+from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import (
     Routing,
     combine,
@@ -65,103 +55,11 @@ from pallas_kernels.moe.routing import (
 from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4
 
-COMPUTE_WGS = (3, 2)  # compute warpgroups per CTA, the most that divide N's tiles of 64 rows (3: 8% faster than 2 at
-# 8 tokens on the H200, more warps hiding the decode's latencies; a CTA of 4 compute warpgroups hung there)
-SHARED_TM = (8, 64)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group)
+SHARED_TM = work.SHARED_TM
+
 OWN_TM = 96  # prefill: rows per window of an expert's own (96: 9% faster than 128 at 4096 tokens on the H200, where
 # the groups average 85 copies)
 OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get windows of their own
-SMS = 132  # H200 multiprocessors (the interpreter's CTAs)
-SMEM_BYTES = 232448  # per-block shared memory on sm90
-MIN_SHARE_STEPS = 3  # pipeline steps in a share of K, at least (a ring of three stages inside each item)
-SPLIT_GAIN = Fraction(1, 8)  # how much sooner more shares of K must end the work (64 tokens split in two for a 0.6%
-# better balance ran 6% slower on the H200)
-BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (quantized: 32 bytes a row)
-VALUES_PER_ITEM = {PLAIN: 1, MXFP8: 4, NVFP4: 8}  # K values per item of GpuWeight.data (bf16, or uint32 words)
-
-
-def _multiprocessors() -> int:
-    """The GPU's multiprocessors (SMS off the GPU: the interpreter's)."""
-    device = jax.devices()[0]
-    return device.core_count if device.platform == "gpu" else SMS
-
-
-def _item_rows(n: int) -> int:
-    """Weight rows per work item for N rows: 64 per compute warpgroup (the wgmma M tile), as many warpgroups of
-    COMPUTE_WGS as divide N."""
-    return next(wgs * LANES for wgs in COMPUTE_WGS if n % (wgs * LANES) == 0)
-
-
-def _step_k(fmt: str, k: int, tm: int) -> int:
-    """K values per pipeline step: 256 for quantized weights in shared tiles, else 128 (a stage's weight and
-    activation tiles of 8-64 KB each)."""
-    kc = 256 if fmt != PLAIN and tm <= SHARED_TM[1] else 128
-    if k % kc:
-        raise ValueError(f"the GPU expert kernel needs K ({k}) to be a multiple of {kc}")
-    return kc
-
-
-def _splits(k: int, kc: int, pairs: int) -> int:
-    """S: the shares of K (whole pipeline steps, MIN_SHARE_STEPS at least) that give every CTA work (pairs * S >=
-    CTAs, else the most shares), split further only where that ends the work at least SPLIT_GAIN sooner: the
-    busiest CTA runs ceil(pairs * S / CTAs) items of 1 / S of K each, and each share costs fp32 partial sums (one
-    token: 192 (visit, column tile) pairs of gate_up on 132 CTAs take 3 halves of K, against 2 wholes; 64
-    tokens' 10.7K pairs stay whole). The shares, so the grouping of a split K's partial sums and their last
-    bits, follow the GPU's multiprocessor count."""
-    steps = k // kc
-    shares = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_SHARE_STEPS)]
-    busy = [s for s in shares if pairs * s >= _multiprocessors()] or shares[-1:]
-    best = min(busy, key=lambda s: (_makespan(pairs, s), s))
-    return best if _makespan(pairs, best) <= (1 - SPLIT_GAIN) * _makespan(pairs, busy[0]) else busy[0]
-
-
-def _makespan(pairs: int, shares: int) -> Fraction:
-    """The busiest CTA's work, in whole Ks: ceil(pairs * shares / CTAs) items of 1 / shares of K."""
-    return Fraction(-(-pairs * shares // _multiprocessors()), shares)
-
-
-def _k_steps(fmt: str, k: int, tm: int, pairs: int) -> tuple[int, int]:
-    """(K per pipeline step, shares of K) for `pairs` (visit, column tile) pairs: `_step_k`'s steps, or steps of
-    128 where their shares keep more CTAs busy and a ring of 2-4 stages divides a share's steps (down's K of 2304
-    at one token: 18 steps in 2 shares, 97% of the CTAs' time busy, against 9 in 3 shares, 87%: 29 us against 32
-    on the H200)."""
-    kc = _step_k(fmt, k, tm)
-    shares = _splits(k, kc, pairs)
-    narrow = _splits(k, 128, pairs)
-    ringed = any((k // 128 // narrow) % stages == 0 for stages in (2, 3, 4))
-    if kc > 128 and ringed and _makespan(pairs, narrow) < _makespan(pairs, shares):
-        return 128, narrow
-    return kc, shares
-
-
-def _transforms(row_bytes: int, itemsize: int) -> tuple:
-    swizzle = min(128, row_bytes)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
-def _tile(ref) -> jax.Array:
-    """A [64, C] SMEM tile in registers, in the layout of wgmma's register operand."""
-    return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-
-
-def _row(ref) -> jax.Array:
-    """A [64] SMEM vector in registers, one value per row of a `_tile`."""
-    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-
-
-def _store_rows(tile_smem, tile_gmem, start: jax.Array, size: jax.Array) -> None:
-    """Rows [start, start + size) of a [TM, C] SMEM tile to the same rows of tile_gmem, in TMA boxes of 2^i rows
-    (box shapes are static; the rows are not)."""
-    height = tile_smem.shape[0]
-    while height:
-        rows = 1 << (height.bit_length() - 1)
-        height //= 2
-
-        @pl.when(size & rows != 0)
-        def _(rows=rows, start=start):
-            plgpu.copy_smem_to_gmem(tile_smem.at[pl.ds(start, rows)], tile_gmem.at[pl.ds(start, rows)])
-
-        start = start + (size & rows)
 
 
 @jax.tree_util.register_dataclass
@@ -266,44 +164,19 @@ def _grouped(
     one share) the capped SwiGLU of each warpgroup's 32 gate and 32 up columns instead, [1, R, N / 2]."""
     tm = tiles.tm
     fmt = w.format
-    _, n, k = w.shape
-    blk = BLOCK[fmt]
-    data_item = w.data.dtype.itemsize
-    cta_rows = _item_rows(n)
+    n = w.shape[1]
+    cta_rows = work.item_rows(n)
     wgs = cta_rows // LANES
     epilogue_values = tm * LANES + ((tm + 2) * PAIR_UNITS if swiglu else 0)  # [tm, 64] products, the SwiGLU's rows
     tabled = fmt == NVFP4 and not interpret  # a table per warpgroup of each block scale byte's magnitudes
     staging = wgs * (epilogue_values * jnp.dtype(out_dtype).itemsize + (LANES * 64 if interpret else 0))
     staging += wgs * TABLE_ENTRIES * 16 if tabled else 0
-    for kc in dict.fromkeys((step_k, 128)):  # the items' pipelines chain on whole rings of stages:
-        steps = k // kc // splits  # halve the steps where no ring of 2-4 divides them
-        data_cols = kc // VALUES_PER_ITEM[fmt]  # data items (bf16 values, or words) per step of a row
-        scale_rows = kc // blk  # MXFP8: one scale byte per block; NVFP4: four in a word per 64 K values
-        scale_bytes = 0 if fmt == PLAIN else scale_rows * cta_rows * w.scales.dtype.itemsize
-        scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
-        stage_bytes = cta_rows * data_cols * data_item + tm * kc * 2 + scale_bytes
-        fits = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
-        stages = max(d for d in range(1, fits + 1) if steps % d == 0)
-        if stages > 1:
-            break
-
-    # a row's bytes per SMEM load: one block's 64 bytes of bf16, or up to four 32-byte runs of words (swizzled by
-    # 128 bytes: the TMA copies of rows narrower than that cap the weights' streaming rate)
-    load_bytes = blk * 2 if fmt == PLAIN else min(128, data_cols * data_item)
-    load_items, runs = load_bytes // data_item, load_bytes // 32
-    data_transforms = _transforms(load_bytes, data_item)
-    data_spec = plgpu.BlockSpec((cta_rows, data_cols), lambda kk: (0, kk), transforms=data_transforms)
-    x_spec = plgpu.BlockSpec((tm, kc), lambda kk: (0, kk), transforms=_transforms(64, 2))  # 32-column slices
-    specs = [data_spec, x_spec]
-    if fmt != PLAIN:
-        specs.append(plgpu.BlockSpec((scale_rows, cta_rows), lambda kk: (kk, 0)))
-    if fmt == NVFP4:  # the rows' global scales again in every stage (kk * 0: a per-step copy, multi-buffered)
-        specs.append(plgpu.BlockSpec((1, cta_rows), lambda kk: (kk * 0, 0)))
-
+    kc, steps, stages = work.ring(w, tm, step_k, splits, staging)
+    specs = work.stage_specs(w, kc, tm)
     n_tiles = n // cta_rows
     weight_operands = {PLAIN: 0, MXFP8: 1, NVFP4: 2}[fmt]  # the weight's scales, global scales
     per_visit = n_tiles * splits  # work items per visit: (column tile, share of K) pairs
-    ctas = min(_multiprocessors(), per_visit * tiles.expert.shape[0])
+    ctas = min(work.multiprocessors(), per_visit * tiles.expert.shape[0])
 
     whole = tiles.starts is None  # every visit writes all its rows
 
@@ -314,7 +187,7 @@ def _grouped(
         hidden_smem = a_smem.pop(0) if swiglu else None
         table_smem = a_smem.pop(0) if tabled else None
         wg, cta = lax.axis_index("wg"), lax.axis_index("sm")
-        lanes = pl.ds(pl.multiple_of(wg * LANES, LANES), LANES)
+        step_mma = work.multiply_step(fmt, kc, w.data.dtype.itemsize, wg, table_smem, (a_smem or [None])[0], interpret)
 
         def item(j: jax.Array) -> tuple[jax.Array, ...]:
             """This CTA's work item j (items cta, cta + ctas, ...): its expert, first rows read and written, column
@@ -325,60 +198,15 @@ def _grouped(
             return expert_ref[v], 0 if tiles.reads_tokens else row, row, nt, s
 
         def operands(e, read, row, nt, s) -> list:
-            n_rows = pl.ds(pl.multiple_of(nt * cta_rows, cta_rows), cta_rows)
-            k_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
-            data_share = pl.ds(pl.multiple_of(s * steps * data_cols, data_cols), steps * data_cols)
-            refs = [data_gmem.at[e, n_rows, data_share], x_gmem.at[pl.ds(pl.multiple_of(read, 8), tm), k_share]]
-            if fmt != PLAIN:
-                blocks_share = pl.ds(pl.multiple_of(s * steps * scale_rows, scale_rows), steps * scale_rows)
-                refs.append(scales_gmem.at[e, blocks_share, n_rows])
-            if fmt == NVFP4:
-                refs.append(global_gmem.at[e, :, n_rows])
-            return refs
+            x_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
+            x_rows = x_gmem.at[pl.ds(pl.multiple_of(read, 8), tm), x_share]
+            return work.weight_blocks(w, (data_gmem, scales_gmem, global_gmem), e, nt, s * steps, steps, kc, [x_rows])
 
         def mma(indices, data_smem, x_smem, *refs):
-            scale_refs, acc_ref = refs[:-1], refs[-1]
-            global_scale = None
-            if fmt == NVFP4 and interpret:  # this warpgroup's rows' global scales, [64] fp32
-                global_scale = _row(scale_refs[1].at[0, lanes])
-            if fmt != PLAIN:  # the rows' scales of each block ([64]: MXFP8 E8M0 bytes, NVFP4 four E4M3 in a word)
-                scales = [_row(scale_refs[0].at[j, lanes]) for j in range(kc // blk)]
-            if tabled:  # at an item's first step: its expert's table (after the last item's epilogue's barrier)
-                table = table_smem.at[wg]
-
-                @pl.when(indices[0] == 0)
-                def _():
-                    nv_step_table()(across(_row(scale_refs[1].at[0, lanes]), 8), table)
-
-                entries = [nv_entries()(across(scale, 8), table) for scale in scales]  # up front
-            for j in range(kc // blk):
-                cols = pl.ds(j * blk, blk)
-                if fmt == PLAIN:
-                    parts = [(_tile(data_smem.at[lanes, cols]), cols)]
-                else:
-                    load, run = divmod(j, runs)
-                    if run == 0:
-                        words = _tile(data_smem.at[lanes, pl.ds(load * load_items, load_items)])
-                if fmt == MXFP8:
-                    parts = [(mx_values(words, run, scales[j], interpret), cols)]
-                elif fmt == NVFP4:
-                    if interpret:
-                        low, high = nv_values(words, run, scales[j], global_scale)
-                    else:
-                        low, high = e2m1_by_table(run)(words, entries[j])
-                    parts = [(low, pl.ds(j * blk, 32)), (high, pl.ds(j * blk + 32, 32))]
-                for values, x_cols in parts:
-                    if interpret:  # the interpreter's wgmma takes its A operand from SMEM only
-                        a_smem[0].at[wg, :, pl.ds(0, values.shape[1])][...] = values
-                        plgpu.commit_smem()
-                        values = a_smem[0].at[wg, :, pl.ds(0, values.shape[1])]
-                    plgpu.wgmma(acc_ref, values, x_smem.at[:, x_cols].transpose((1, 0)))
-                    plgpu.wgmma_wait(0 if interpret else 1)  # the next block decodes under this one's wgmma
-            plgpu.wgmma_wait(0)  # the stage is read before the pipeline releases it
-            return acc_ref
+            return step_mma(indices[0], data_smem, x_smem, refs[:-1], refs[-1])
 
         def compute(e, row, nt, s, run):
-            acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((LANES, tm), jnp.float32))
+            acc = work.accumulate(run, tm)
             # pairs of rows in each thread's registers: adjacent in the transposed view
             acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
             out_smem.at[wg].transpose((1, 0))[...] = acc
@@ -386,16 +214,14 @@ def _grouped(
             first = row if whole else jnp.maximum(starts_ref[e], row)
             last = row + tm if whole else jnp.minimum(ends_ref[e], row + tm)
             if swiglu:  # [tm, 32 gate | 32 up] -> [tm, 32] hidden units nt * wgs + wg's block
-                gate, up = (out_smem.at[wg, :, pl.ds(i * PAIR_UNITS, PAIR_UNITS)][...] for i in (0, 1))
                 # TMA copies SMEM from 128-byte aligned addresses: the 64-byte hidden rows go one row down where the
                 # first row to write back is odd, so that every box of the ladder starts at an even row
                 staged = hidden_smem.at[wg, pl.ds((first - row) % 2, tm)]
-                staged[...] = capped_swiglu_f32(gate, up, *swiglu).astype(out_dtype)
-                plgpu.commit_smem()
+                work.paired_swiglu(out_smem.at[wg], staged, swiglu)
                 columns = pl.ds((nt * wgs + wg) * PAIR_UNITS, PAIR_UNITS)
             else:
                 staged, columns = out_smem.at[wg], pl.ds(nt * cta_rows + wg * LANES, LANES)
-            _store_rows(staged, out_gmem.at[s, pl.ds(row, tm), columns], first - row, last - first)
+            work.store_rows(staged, out_gmem.at[s, pl.ds(row, tm), columns], first - row, last - first)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def pipeline(state, context=None):
@@ -409,29 +235,11 @@ def _grouped(
             context = functools.partial(compute, e, row, nt, s)
             pipeline(state, context)(*operands(e, read, row, nt, s), allocations=allocations)
 
-        # one pipeline over all of this CTA's items (START, STEADY ..., STOP; a lone item a whole pipeline): the
-        # next item's weights stream in under this one's last steps and epilogue (no drain between items)
+        # one pipeline over all of this CTA's items
         count = (real_ref[0] * per_visit - cta + ctas - 1) // ctas
-
-        def scoped(allocations):
-            @pl.when(count == 1)
-            def _():
-                run_item(0, None, allocations)
-
-            @pl.when(count > 1)
-            def _():
-                run_item(0, plgpu.PipelinePipeline.START, allocations)
-
-                @pl.loop(1, count - 1)
-                def _(j):
-                    run_item(j, plgpu.PipelinePipeline.STEADY, allocations)
-
-                run_item(count - 1, plgpu.PipelinePipeline.STOP, allocations)
-
-        example = operands(*item(jnp.int32(0)))
         pl.run_scoped(
-            scoped,
-            allocations=pipeline(plgpu.PipelinePipeline.START).get_allocations(*example),
+            lambda allocations: work.chain(functools.partial(run_item, allocations=allocations), 0, count),
+            allocations=pipeline(plgpu.PipelinePipeline.START).get_allocations(*operands(*item(jnp.int32(0)))),
             collective_axes="wg",
         )
 
@@ -442,7 +250,7 @@ def _grouped(
     if tabled:
         scratch.append(plgpu.SMEM((wgs, TABLE_ENTRIES, 4), jnp.uint32))
     if interpret:
-        scratch.append(plgpu.SMEM((wgs, LANES, 32), jnp.bfloat16, transforms=_transforms(64, 2)))
+        scratch.append(plgpu.SMEM((wgs, LANES, 32), jnp.bfloat16, transforms=work.X_TRANSFORMS))
     weights = [w.scales, w.global_scale][:weight_operands]
     plan = [tiles.expert, tiles.first_row, tiles.real] + ([] if whole else [tiles.starts, tiles.ends])
     return plgpu.kernel(
@@ -471,7 +279,7 @@ def grouped_matmul(
     _, n, k = w.shape
     if swiglu and not w.paired:
         raise ValueError("the GPU expert kernel applies the SwiGLU to a gate_up laid out by for_gpu(w, paired=True)")
-    step_k, splits = _k_steps(w.format, k, tiles.tm, tiles.expert.shape[0] * (n // _item_rows(n)))
+    step_k, splits = work.k_steps(w.format, k, tiles.tm, tiles.expert.shape[0] * (n // work.item_rows(n)))
     whole = splits == 1  # K unsplit: the kernel rounds its products, and applies the SwiGLU, itself
     out = _grouped(rows, w, tiles, step_k=step_k, splits=splits, out_dtype=rows.dtype if whole else jnp.float32,
                    swiglu=swiglu if whole else None, interpret=interpret)  # fmt: skip
@@ -511,6 +319,20 @@ def supports(two_i: int, hidden: int, fmt: str) -> bool:
     return hidden % 256 == 0 and (two_i // 2) % 256 == 0 and fmt in (PLAIN, MXFP8, NVFP4)
 
 
+def few_tokens(
+    x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
+    caps: tuple[float, float], out_dtype: jnp.dtype, interpret: bool = False,
+) -> jax.Array:  # fmt: skip
+    """At most SHARED_TM[0] tokens (x in gate_up's `layouts.gpu_k_order`) by `chosen_experts`, in two kernels."""
+    tiles, visit = chosen_experts(experts, gate_up.shape[0])
+    # the token rows as they are: TMA reads the tile's rows past them as zeros (no padded copy)
+    hidden_rows = grouped_matmul(x, gate_up, tiles, swiglu=caps, interpret=interpret)
+    written = dataclasses.replace(tiles, reads_tokens=False)  # down reads the rows gate_up wrote
+    out_rows = grouped_matmul(hidden_rows, down, written, interpret=interpret)
+    token_rows = out_rows[visit * tiles.tm + jnp.arange(experts.shape[0])[:, None]]  # [N, k, H]
+    return weighted_sum(token_rows, weights, kept_copies(experts, gate_up.shape[0]), out_dtype)
+
+
 def moe_experts(
     x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
     gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, interpret: bool = False,
@@ -527,13 +349,8 @@ def moe_experts(
     x_in_order = in_gpu_k_order(x, gate_up.format)
     caps = (gate_cap, up_cap)
     if tokens <= SHARED_TM[0]:
-        tiles, visit = chosen_experts(experts, num_experts)
-        # the token rows as they are: TMA reads the tile's rows past them as zeros (no padded copy)
-        hidden_rows = grouped_matmul(x_in_order, gate_up, tiles, swiglu=caps, interpret=interpret)
-        written = dataclasses.replace(tiles, reads_tokens=False)  # down reads the rows gate_up wrote
-        out_rows = grouped_matmul(hidden_rows, down, written, interpret=interpret)
-        token_rows = out_rows[visit * tiles.tm + jnp.arange(tokens)[:, None]]  # [N, k, H]
-        return weighted_sum(token_rows, weights, kept_copies(experts, num_experts), out_dtype)
+        return few_tokens(x_in_order, gate_up, down, experts, weights, caps=caps, out_dtype=out_dtype,
+                          interpret=interpret)  # fmt: skip
     routing = route(experts, weights, num_experts)
     tiles = tile_copies(routing)
     if tiles.source is None:

@@ -1,0 +1,271 @@
+"""The work of the Mosaic GPU expert kernels (`gpu`, `gpu_one_token`): how a grouped matmul's weight rows (N) and
+K are cut into work items over the CTAs, the ring of SMEM stages an item streams through, the pipeline step that
+decodes a compute warpgroup's 64 weight rows and multiplies them with the activations (wgmma, "swap AB": the
+weights are its M side, in registers; the activation rows its N side, from SMEM), and the chain of items one CTA
+walks through one pipeline."""
+
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import block_formats
+from pallas_kernels.moe.gpu_decode import LANES, across, e2m1_by_table, mx_values, nv_entries, nv_step_table, nv_values
+from pallas_kernels.moe.layouts import PAIR_UNITS, PLAIN, GpuWeight
+from pallas_kernels.moe.reference import capped_swiglu_f32
+from pallas_kernels.quantized import MXFP8, NVFP4
+
+COMPUTE_WGS = (3, 2)  # compute warpgroups per CTA, the most that divide N's tiles of 64 rows (3: 8% faster than 2 at
+# 8 tokens on the H200, more warps hiding the decode's latencies; a CTA of 4 compute warpgroups hung there)
+SHARED_TM = (8, 64)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group)
+SMS = 132  # H200 multiprocessors (the interpreter's CTAs)
+SMEM_BYTES = 232448  # per-block shared memory on sm90
+MIN_SHARE_STEPS = 3  # pipeline steps in a share of K, at least (a ring of three stages inside each item)
+SPLIT_GAIN = Fraction(1, 8)  # how much sooner more shares of K must end the work (64 tokens split in two for a 0.6%
+# better balance ran 6% slower on the H200)
+BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (quantized: 32 bytes a row)
+VALUES_PER_ITEM = {PLAIN: 1, MXFP8: 4, NVFP4: 8}  # K values per item of GpuWeight.data (bf16, or uint32 words)
+
+
+def multiprocessors() -> int:
+    """The GPU's multiprocessors (SMS off the GPU: the interpreter's)."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else SMS
+
+
+def item_rows(n: int) -> int:
+    """Weight rows per work item for N rows: 64 per compute warpgroup (the wgmma M tile), as many warpgroups of
+    COMPUTE_WGS as divide N."""
+    return next(wgs * LANES for wgs in COMPUTE_WGS if n % (wgs * LANES) == 0)
+
+
+def step_k(fmt: str, k: int, tm: int) -> int:
+    """K values per pipeline step: 256 for quantized weights in shared tiles, else 128 (a stage's weight and
+    activation tiles of 8-64 KB each)."""
+    kc = 256 if fmt != PLAIN and tm <= SHARED_TM[1] else 128
+    if k % kc:
+        raise ValueError(f"the GPU expert kernel needs K ({k}) to be a multiple of {kc}")
+    return kc
+
+
+def splits(k: int, kc: int, pairs: int) -> int:
+    """S: the shares of K (whole pipeline steps, MIN_SHARE_STEPS at least) that give every CTA work (pairs * S >=
+    CTAs, else the most shares), split further only where that ends the work at least SPLIT_GAIN sooner: the
+    busiest CTA runs ceil(pairs * S / CTAs) items of 1 / S of K each, and each share costs fp32 partial sums (one
+    token: 192 (visit, column tile) pairs of gate_up on 132 CTAs take 3 halves of K, against 2 wholes; 64
+    tokens' 10.7K pairs stay whole). The shares, so the grouping of a split K's partial sums and their last
+    bits, follow the GPU's multiprocessor count."""
+    steps = k // kc
+    shares = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_SHARE_STEPS)]
+    busy = [s for s in shares if pairs * s >= multiprocessors()] or shares[-1:]
+    best = min(busy, key=lambda s: (makespan(pairs, s), s))
+    return best if makespan(pairs, best) <= (1 - SPLIT_GAIN) * makespan(pairs, busy[0]) else busy[0]
+
+
+def makespan(pairs: int, shares: int) -> Fraction:
+    """The busiest CTA's work, in whole Ks: ceil(pairs * shares / CTAs) items of 1 / shares of K."""
+    return Fraction(-(-pairs * shares // multiprocessors()), shares)
+
+
+def k_steps(fmt: str, k: int, tm: int, pairs: int) -> tuple[int, int]:
+    """(K per pipeline step, shares of K) for `pairs` (visit, column tile) pairs: `step_k`'s steps, or steps of
+    128 where their shares keep more CTAs busy and a ring of 2-4 stages divides a share's steps (down's K of 2304
+    at one token: 18 steps in 2 shares, 97% of the CTAs' time busy, against 9 in 3 shares, 87%: 29 us against 32
+    on the H200)."""
+    kc = step_k(fmt, k, tm)
+    shares = splits(k, kc, pairs)
+    narrow = splits(k, 128, pairs)
+    ringed = any((k // 128 // narrow) % stages == 0 for stages in (2, 3, 4))
+    if kc > 128 and ringed and makespan(pairs, narrow) < makespan(pairs, shares):
+        return 128, narrow
+    return kc, shares
+
+
+def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int, streams_x: bool = True) -> tuple[int, int, int]:
+    """(K per step, steps per share, stages) of the SMEM ring an item of w streams through: steps of `kc`, halved
+    to 128 where no ring of 2-4 stages that fits beside `staging` bytes of SMEM divides a share's steps (the items'
+    pipelines chain on whole rings). A stage holds the CTA's weight rows' bytes and scales of one step, and the
+    activations' [tm, step] unless `streams_x` is false (they are then resident in SMEM for the item)."""
+    fmt = w.format
+    _, n, k = w.shape
+    cta_rows = item_rows(n)
+    for step in dict.fromkeys((kc, 128)):
+        steps = k // step // shares
+        scale_bytes = 0 if fmt == PLAIN else step // BLOCK[fmt] * cta_rows * w.scales.dtype.itemsize
+        scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
+        weight_bytes = cta_rows * step // VALUES_PER_ITEM[fmt] * w.data.dtype.itemsize
+        stage_bytes = weight_bytes + (tm * step * 2 if streams_x else 0) + scale_bytes
+        fits = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
+        stages = max(d for d in range(1, fits + 1) if steps % d == 0)
+        if stages > 1:
+            break
+    return step, steps, stages
+
+
+def transforms(row_bytes: int, itemsize: int) -> tuple:
+    swizzle = min(128, row_bytes)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+X_TRANSFORMS = transforms(64, 2)  # an activation tile's: 32-column slices, one wgmma's K each
+
+
+def _load_bytes(fmt: str, kc: int, data_item: int) -> int:
+    """A row's bytes per SMEM load: one block's 64 bytes of bf16, or up to four 32-byte runs of words (swizzled by
+    128 bytes: the TMA copies of rows narrower than that cap the weights' streaming rate)."""
+    return BLOCK[fmt] * 2 if fmt == PLAIN else min(128, kc // VALUES_PER_ITEM[fmt] * data_item)
+
+
+def stage_specs(w: GpuWeight, kc: int, tm: int | None) -> list:
+    """BlockSpecs of one pipeline step of an item: the CTA's weight rows' data over `kc` K values, the activations
+    [tm, kc] (tm None: none), the rows' block scales, NVFP4's global scales (again in every stage: kk * 0, a
+    per-step copy, multi-buffered)."""
+    fmt = w.format
+    cta_rows = item_rows(w.shape[1])
+    data_cols = kc // VALUES_PER_ITEM[fmt]
+    data_transforms = transforms(_load_bytes(fmt, kc, w.data.dtype.itemsize), w.data.dtype.itemsize)
+    specs = [plgpu.BlockSpec((cta_rows, data_cols), lambda kk: (0, kk), transforms=data_transforms)]
+    if tm is not None:
+        specs.append(plgpu.BlockSpec((tm, kc), lambda kk: (0, kk), transforms=X_TRANSFORMS))
+    if fmt != PLAIN:
+        specs.append(plgpu.BlockSpec((kc // BLOCK[fmt], cta_rows), lambda kk: (kk, 0)))
+    if fmt == NVFP4:
+        specs.append(plgpu.BlockSpec((1, cta_rows), lambda kk: (kk * 0, 0)))
+    return specs
+
+
+def weight_blocks(w: GpuWeight, refs: tuple, e: jax.Array, nt: jax.Array, first_step: jax.Array, steps: int, kc: int,
+                  activations: list) -> list:  # fmt: skip
+    """An item's GMEM operands, in `stage_specs`' order: expert e's column tile nt of w (`refs`: its data,
+    scales and global scales in GMEM) over pipeline steps first_step ... first_step + steps - 1 of kc K values,
+    the `activations` (none, or the item's rows over the same K), the tile's block scales and global scales."""
+    fmt = w.format
+    data_gmem, scales_gmem, global_gmem = refs
+    cta_rows = item_rows(w.shape[1])
+    n_rows = pl.ds(pl.multiple_of(nt * cta_rows, cta_rows), cta_rows)
+
+    def share(per_step: int) -> pl.Slice:
+        return pl.ds(pl.multiple_of(first_step * per_step, per_step), steps * per_step)
+
+    blocks = [data_gmem.at[e, n_rows, share(kc // VALUES_PER_ITEM[fmt])], *activations]
+    if fmt != PLAIN:
+        blocks.append(scales_gmem.at[e, share(kc // BLOCK[fmt]), n_rows])
+    if fmt == NVFP4:
+        blocks.append(global_gmem.at[e, :, n_rows])
+    return blocks
+
+
+def paired_swiglu(products, staged, caps: tuple[float, float]) -> None:
+    """A warpgroup's products [tm, 32 gate | 32 up] (SMEM, rounded to the activations' dtype) -> the capped SwiGLU
+    of its 32 hidden units into `staged` [tm, 32] SMEM."""
+    gate, up = (products.at[:, pl.ds(i * PAIR_UNITS, PAIR_UNITS)][...] for i in (0, 1))
+    staged[...] = capped_swiglu_f32(gate, up, *caps).astype(staged.dtype)
+    plgpu.commit_smem()
+
+
+def _tile(ref) -> jax.Array:
+    """A [64, C] SMEM tile in registers, in the layout of wgmma's register operand."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
+
+
+def row(ref) -> jax.Array:
+    """A [64] SMEM vector in registers, one value per row of a `_tile`."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+
+def multiply_step(fmt: str, kc: int, data_item: int, wg: jax.Array, tables, a_smem, interpret: bool):
+    """The pipeline step of compute warpgroup `wg`: mma(step, data_smem, x_smem [tm, kc], scale_refs, acc_ref)
+    decodes its 64 rows of the stage's weights block by block, each into wgmma's register operand right before the
+    wgmma that multiplies it with the activations' matching columns (the next block decodes under that wgmma).
+    NVFP4 on the GPU (`tables`: [wgs, TABLE_ENTRIES, 4] SMEM) looks its codes up in a table per scale byte, built
+    at an item's first step; in the interpreter (`a_smem`: [wgs, 64, 32] bf16) values are decoded by float
+    conversions and the wgmma takes them from SMEM."""
+    blk = BLOCK[fmt]
+    load_items = _load_bytes(fmt, kc, data_item) // data_item
+    runs = load_items * data_item // 32
+    lanes = pl.ds(pl.multiple_of(wg * LANES, LANES), LANES)
+
+    def mma(step, data_smem, x_smem, scale_refs, acc_ref):
+        global_scale = None
+        if fmt == NVFP4 and interpret:  # this warpgroup's rows' global scales, [64] fp32
+            global_scale = row(scale_refs[1].at[0, lanes])
+        if fmt != PLAIN:  # the rows' scales of each block ([64]: MXFP8 E8M0 bytes, NVFP4 four E4M3 in a word)
+            scales = [row(scale_refs[0].at[j, lanes]) for j in range(kc // blk)]
+        if tables is not None:  # at an item's first step: its expert's table (after the last item's epilogue)
+            table = tables.at[wg]
+
+            @pl.when(step == 0)
+            def _():
+                nv_step_table()(across(row(scale_refs[1].at[0, lanes]), 8), table)
+
+            entries = [nv_entries()(across(scale, 8), table) for scale in scales]  # up front
+        for j in range(kc // blk):
+            cols = pl.ds(j * blk, blk)
+            if fmt == PLAIN:
+                parts = [(_tile(data_smem.at[lanes, cols]), cols)]
+            else:
+                load, run = divmod(j, runs)
+                if run == 0:
+                    words = _tile(data_smem.at[lanes, pl.ds(load * load_items, load_items)])
+            if fmt == MXFP8:
+                parts = [(mx_values(words, run, scales[j], interpret), cols)]
+            elif fmt == NVFP4:
+                if interpret:
+                    low, high = nv_values(words, run, scales[j], global_scale)
+                else:
+                    low, high = e2m1_by_table(run)(words, entries[j])
+                parts = [(low, pl.ds(j * blk, 32)), (high, pl.ds(j * blk + 32, 32))]
+            for values, x_cols in parts:
+                if interpret:  # the interpreter's wgmma takes its A operand from SMEM only
+                    a_smem.at[wg, :, pl.ds(0, values.shape[1])][...] = values
+                    plgpu.commit_smem()
+                    values = a_smem.at[wg, :, pl.ds(0, values.shape[1])]
+                plgpu.wgmma(acc_ref, values, x_smem.at[:, x_cols].transpose((1, 0)))
+                plgpu.wgmma_wait(0 if interpret else 1)  # the next block decodes under this one's wgmma
+        plgpu.wgmma_wait(0)  # the stage is read before the pipeline releases it
+        return acc_ref
+
+    return mma
+
+
+def accumulate(run, tm: int) -> jax.Array:
+    """An item's products [64, tm] in fp32: the pipeline's steps (`run`, a compute context's) over one
+    accumulator."""
+    return pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((LANES, tm), jnp.float32))
+
+
+def chain(run_item, start: jax.Array, stop: jax.Array) -> None:
+    """Items start ... stop - 1 (`run_item(j, pipeline_state)`) through one pipeline (START, STEADY ..., STOP; a
+    lone item a whole pipeline): the next item's weights stream in under this one's last steps and epilogue (a
+    pipeline per item drained at every item's end: 8-15% of the decode's bandwidth)."""
+
+    @pl.when(stop - start == 1)
+    def _():
+        run_item(start, None)
+
+    @pl.when(stop - start > 1)
+    def _():
+        run_item(start, plgpu.PipelinePipeline.START)
+
+        @pl.loop(start + 1, stop - 1)
+        def _(j):
+            run_item(j, plgpu.PipelinePipeline.STEADY)
+
+        run_item(stop - 1, plgpu.PipelinePipeline.STOP)
+
+
+def store_rows(tile_smem, tile_gmem, start: jax.Array, size: jax.Array) -> None:
+    """Rows [start, start + size) of a [TM, C] SMEM tile to the same rows of tile_gmem, in TMA boxes of 2^i rows
+    (box shapes are static; the rows are not)."""
+    height = tile_smem.shape[0]
+    while height:
+        rows = 1 << (height.bit_length() - 1)
+        height //= 2
+
+        @pl.when(size & rows != 0)
+        def _(rows=rows, start=start):
+            plgpu.copy_smem_to_gmem(tile_smem.at[pl.ds(start, rows)], tile_gmem.at[pl.ds(start, rows)])
+
+        start = start + (size & rows)
