@@ -218,6 +218,17 @@ def test_k_steps_narrow_where_they_balance_the_ctas(fmt, k, tm, pairs, steps, mo
     assert gpu_work.k_steps(fmt, k, tm, pairs) == steps
 
 
+def test_the_ring_fits_shared_memory():
+    """Where two stages of 256 K values do not fit beside the epilogue (prefill's: 2 x 99.8 KB and 55.7 KB), the
+    steps fall back to 128 (3 stages of 49.9 KB); a stage that fits nowhere is named. The ring's stages divide a
+    share's steps."""
+    weight = abstract_weight(MXFP8, 384, 4608, 4608, paired=True)
+    assert gpu_work.ring(weight, 96, 256, 1, staging=55_680) == (128, 36, 3)  # prefill at 256: 2 x 99.8 KB
+    assert gpu_work.ring(weight, 8, 256, 2, staging=6_000) == (256, 9, 3)  # one token's gate_up
+    with pytest.raises(ValueError, match="does not fit"):
+        gpu_work.ring(weight, 96, 128, 1, staging=200_000)
+
+
 def routed_case(
     seed: int, tokens: int, top_k: int, fmt: str, foreign: bool = False, experts: int = EXPERTS, hidden: int = HIDDEN
 ):

@@ -86,8 +86,9 @@ def k_steps(fmt: str, k: int, tm: int, pairs: int) -> tuple[int, int]:
 def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int, streams_x: bool = True) -> tuple[int, int, int]:
     """(K per step, steps per share, stages) of the SMEM ring an item of w streams through: steps of `kc`, halved
     to 128 where no ring of 2-4 stages that fits beside `staging` bytes of SMEM divides a share's steps (the items'
-    pipelines chain on whole rings). A stage holds the CTA's weight rows' bytes and scales of one step, and the
-    activations' [tm, step] unless `streams_x` is false (they are then resident in SMEM for the item)."""
+    pipelines chain on whole rings; at 128, one stage if no more divides them). A stage holds the CTA's weight
+    rows' bytes and scales of one step, and the activations' [tm, step] unless `streams_x` is false (they are then
+    resident in SMEM for the item). Raises ValueError where not even one stage of 128 fits."""
     fmt = w.format
     _, n, k = w.shape
     cta_rows = item_rows(n)
@@ -97,10 +98,15 @@ def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int, streams_x: b
         scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
         weight_bytes = cta_rows * step // VALUES_PER_ITEM[fmt] * w.data.dtype.itemsize
         stage_bytes = weight_bytes + (tm * step * 2 if streams_x else 0) + scale_bytes
-        fits = max(2, min(4, (SMEM_BYTES - staging - 1024) // stage_bytes))
-        stages = max(d for d in range(1, fits + 1) if steps % d == 0)
+        fits = min(4, (SMEM_BYTES - staging - 1024) // stage_bytes)
+        stages = max((d for d in range(1, fits + 1) if steps % d == 0), default=0)
         if stages > 1:
             break
+    if not stages:
+        raise ValueError(
+            f"the GPU expert kernel's pipeline stage ({stage_bytes} bytes: {cta_rows} weight rows, {tm} activation"
+            f" rows, K step {step}) does not fit the {SMEM_BYTES}-byte SMEM beside {staging} bytes of epilogue"
+        )
     return step, steps, stages
 
 
