@@ -219,12 +219,15 @@ def test_k_steps_narrow_where_they_balance_the_ctas(fmt, k, tm, pairs, steps, mo
 
 
 def test_the_ring_fits_shared_memory():
-    """Where two stages of 256 K values do not fit beside the epilogue (prefill's: 2 x 99.8 KB and 55.7 KB), the
-    steps fall back to 128 (3 stages of 49.9 KB); a stage that fits nowhere is named. The ring's stages divide a
-    share's steps."""
+    """The ring's stages fit SMEM beside the rest and divide a share's steps: where two stages of 256 K values do
+    not fit (96 activation rows: 2 x 99.8 KB beside 55.7 KB), steps of 128 (3 stages of 49.9 KB); where two of 128
+    do not fit either (bf16 weights of 192 rows beside the interpreter's 86 KB), one stage; a stage that fits nowhere
+    is named."""
     weight = abstract_weight(MXFP8, 384, 4608, 4608, paired=True)
-    assert gpu_work.ring(weight, 96, 256, 1, staging=55_680) == (128, 36, 3)  # prefill at 256: 2 x 99.8 KB
-    assert gpu_work.ring(weight, 8, 256, 2, staging=6_000) == (256, 9, 3)  # one token's gate_up
+    assert gpu_work.ring(weight, 96, 256, 1, staging=55_680) == (128, 36, 3)
+    assert gpu_work.ring(weight, 8, 256, 2, staging=6_144) == (256, 9, 3)  # one token's gate_up
+    plain = abstract_weight(PLAIN, 2, 4608, 2304)
+    assert gpu_work.ring(plain, 96, 128, 2, staging=86_016) == (128, 9, 1)
     with pytest.raises(ValueError, match="does not fit"):
         gpu_work.ring(weight, 96, 128, 1, staging=200_000)
 

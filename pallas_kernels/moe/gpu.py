@@ -160,8 +160,9 @@ def _grouped(
 ) -> jax.Array:  # fmt: skip
     """rows [R', K] (those the visits read) x the visits' experts' w [E, N, K] -> [S, R, N] (`out_dtype`, R the
     tiles' rows): each row's product with its own expert, summed over one share of K per leading index, in
-    pipeline steps of `step_k` (of 128 where no ring of stages divides those); with `swiglu` (caps; a paired w,
-    one share) the capped SwiGLU of each warpgroup's 32 gate and 32 up columns instead, [1, R, N / 2]."""
+    pipeline steps of `step_k` (of 128 where no ring of stages fits SMEM and divides those: `gpu_work.ring`); with
+    `swiglu` (caps; a paired w, one share) the capped SwiGLU of each warpgroup's 32 gate and 32 up columns instead,
+    [1, R, N / 2]."""
     tm = tiles.tm
     fmt = w.format
     n = w.shape[1]
@@ -200,7 +201,7 @@ def _grouped(
         def operands(e, read, row, nt, s) -> list:
             x_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
             x_rows = x_gmem.at[pl.ds(pl.multiple_of(read, 8), tm), x_share]
-            return work.weight_blocks(w, (data_gmem, scales_gmem, global_gmem), e, nt, s * steps, steps, kc, [x_rows])
+            return work.weight_blocks(w, (data_gmem, scales_gmem, global_gmem), e, nt, s * steps, steps, kc, x_rows)
 
         def mma(indices, data_smem, x_smem, *refs):
             return step_mma(indices[0], data_smem, x_smem, refs[:-1], refs[-1])
@@ -319,11 +320,12 @@ def supports(two_i: int, hidden: int, fmt: str) -> bool:
     return hidden % 256 == 0 and (two_i // 2) % 256 == 0 and fmt in (PLAIN, MXFP8, NVFP4)
 
 
-def few_tokens(
+def _few_tokens(
     x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
     caps: tuple[float, float], out_dtype: jnp.dtype, interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
-    """At most SHARED_TM[0] tokens (x in gate_up's `layouts.gpu_k_order`) by `chosen_experts`, in two kernels."""
+    """At most SHARED_TM[0] tokens, at least one expert each (x in gate_up's `layouts.gpu_k_order`, checked by
+    `check`) by `chosen_experts`, in two kernels."""
     tiles, visit = chosen_experts(experts, gate_up.shape[0])
     # the token rows as they are: TMA reads the tile's rows past them as zeros (no padded copy)
     hidden_rows = grouped_matmul(x, gate_up, tiles, swiglu=caps, interpret=interpret)
@@ -349,7 +351,7 @@ def moe_experts(
     x_in_order = in_gpu_k_order(x, gate_up.format)
     caps = (gate_cap, up_cap)
     if tokens <= SHARED_TM[0]:
-        return few_tokens(x_in_order, gate_up, down, experts, weights, caps=caps, out_dtype=out_dtype,
+        return _few_tokens(x_in_order, gate_up, down, experts, weights, caps=caps, out_dtype=out_dtype,
                           interpret=interpret)  # fmt: skip
     routing = route(experts, weights, num_experts)
     tiles = tile_copies(routing)

@@ -1,8 +1,8 @@
-"""The work of the Mosaic GPU expert kernels (`gpu`, `gpu_one_token`): how a grouped matmul's weight rows (N) and
-K are cut into work items over the CTAs, the ring of SMEM stages an item streams through, the pipeline step that
-decodes a compute warpgroup's 64 weight rows and multiplies them with the activations (wgmma, "swap AB": the
-weights are its M side, in registers; the activation rows its N side, from SMEM), and the chain of items one CTA
-walks through one pipeline."""
+"""The work of the Mosaic GPU expert kernel (`gpu`): how a grouped matmul's weight rows (N) and K are cut into
+work items over the CTAs, the ring of SMEM stages an item streams through, the pipeline step that decodes a compute
+warpgroup's 64 weight rows and multiplies them with the activations (wgmma, "swap AB": the weights are its M side,
+in registers; the activation rows its N side, from SMEM), and the chain of items one CTA walks through one
+pipeline."""
 
 from fractions import Fraction
 
@@ -83,12 +83,12 @@ def k_steps(fmt: str, k: int, tm: int, pairs: int) -> tuple[int, int]:
     return kc, shares
 
 
-def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int, streams_x: bool = True) -> tuple[int, int, int]:
+def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int) -> tuple[int, int, int]:
     """(K per step, steps per share, stages) of the SMEM ring an item of w streams through: steps of `kc`, halved
-    to 128 where no ring of 2-4 stages that fits beside `staging` bytes of SMEM divides a share's steps (the items'
-    pipelines chain on whole rings; at 128, one stage if no more divides them). A stage holds the CTA's weight
-    rows' bytes and scales of one step, and the activations' [tm, step] unless `streams_x` is false (they are then
-    resident in SMEM for the item). Raises ValueError where not even one stage of 128 fits."""
+    to 128 where no ring of 2-4 stages that fits beside `staging` bytes of SMEM (the epilogue's, NVFP4's tables)
+    divides a share's steps (the items' pipelines chain on whole rings; at 128, fewer stages, down to one, if no
+    more fit or divide them). A stage holds the CTA's weight rows' bytes and scales of one step and the
+    activations' [tm, step]. Raises ValueError where not even one stage of 128 fits."""
     fmt = w.format
     _, n, k = w.shape
     cta_rows = item_rows(n)
@@ -97,7 +97,7 @@ def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int, streams_x: b
         scale_bytes = 0 if fmt == PLAIN else step // BLOCK[fmt] * cta_rows * w.scales.dtype.itemsize
         scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
         weight_bytes = cta_rows * step // VALUES_PER_ITEM[fmt] * w.data.dtype.itemsize
-        stage_bytes = weight_bytes + (tm * step * 2 if streams_x else 0) + scale_bytes
+        stage_bytes = weight_bytes + tm * step * 2 + scale_bytes
         fits = min(4, (SMEM_BYTES - staging - 1024) // stage_bytes)
         stages = max((d for d in range(1, fits + 1) if steps % d == 0), default=0)
         if stages > 1:
@@ -105,7 +105,7 @@ def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int, streams_x: b
     if not stages:
         raise ValueError(
             f"the GPU expert kernel's pipeline stage ({stage_bytes} bytes: {cta_rows} weight rows, {tm} activation"
-            f" rows, K step {step}) does not fit the {SMEM_BYTES}-byte SMEM beside {staging} bytes of epilogue"
+            f" rows, K step {step}) does not fit the {SMEM_BYTES}-byte SMEM beside {staging} other bytes"
         )
     return step, steps, stages
 
@@ -124,17 +124,16 @@ def _load_bytes(fmt: str, kc: int, data_item: int) -> int:
     return BLOCK[fmt] * 2 if fmt == PLAIN else min(128, kc // VALUES_PER_ITEM[fmt] * data_item)
 
 
-def stage_specs(w: GpuWeight, kc: int, tm: int | None) -> list:
+def stage_specs(w: GpuWeight, kc: int, tm: int) -> list:
     """BlockSpecs of one pipeline step of an item: the CTA's weight rows' data over `kc` K values, the activations
-    [tm, kc] (tm None: none), the rows' block scales, NVFP4's global scales (again in every stage: kk * 0, a
-    per-step copy, multi-buffered)."""
+    [tm, kc], the rows' block scales, NVFP4's global scales (again in every stage: kk * 0, a per-step copy,
+    multi-buffered)."""
     fmt = w.format
     cta_rows = item_rows(w.shape[1])
     data_cols = kc // VALUES_PER_ITEM[fmt]
     data_transforms = transforms(_load_bytes(fmt, kc, w.data.dtype.itemsize), w.data.dtype.itemsize)
     specs = [plgpu.BlockSpec((cta_rows, data_cols), lambda kk: (0, kk), transforms=data_transforms)]
-    if tm is not None:
-        specs.append(plgpu.BlockSpec((tm, kc), lambda kk: (0, kk), transforms=X_TRANSFORMS))
+    specs.append(plgpu.BlockSpec((tm, kc), lambda kk: (0, kk), transforms=X_TRANSFORMS))
     if fmt != PLAIN:
         specs.append(plgpu.BlockSpec((kc // BLOCK[fmt], cta_rows), lambda kk: (kk, 0)))
     if fmt == NVFP4:
@@ -143,10 +142,10 @@ def stage_specs(w: GpuWeight, kc: int, tm: int | None) -> list:
 
 
 def weight_blocks(w: GpuWeight, refs: tuple, e: jax.Array, nt: jax.Array, first_step: jax.Array, steps: int, kc: int,
-                  activations: list) -> list:  # fmt: skip
+                  activations) -> list:  # fmt: skip
     """An item's GMEM operands, in `stage_specs`' order: expert e's column tile nt of w (`refs`: its data,
     scales and global scales in GMEM) over pipeline steps first_step ... first_step + steps - 1 of kc K values,
-    the `activations` (none, or the item's rows over the same K), the tile's block scales and global scales."""
+    the `activations` (the item's rows over the same K), the tile's block scales and global scales."""
     fmt = w.format
     data_gmem, scales_gmem, global_gmem = refs
     cta_rows = item_rows(w.shape[1])
@@ -155,7 +154,7 @@ def weight_blocks(w: GpuWeight, refs: tuple, e: jax.Array, nt: jax.Array, first_
     def share(per_step: int) -> pl.Slice:
         return pl.ds(pl.multiple_of(first_step * per_step, per_step), steps * per_step)
 
-    blocks = [data_gmem.at[e, n_rows, share(kc // VALUES_PER_ITEM[fmt])], *activations]
+    blocks = [data_gmem.at[e, n_rows, share(kc // VALUES_PER_ITEM[fmt])], activations]
     if fmt != PLAIN:
         blocks.append(scales_gmem.at[e, share(kc // BLOCK[fmt]), n_rows])
     if fmt == NVFP4:
@@ -242,7 +241,7 @@ def accumulate(run, tm: int) -> jax.Array:
     return pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((LANES, tm), jnp.float32))
 
 
-def chain(run_item, start: jax.Array, stop: jax.Array) -> None:
+def chain(run_item, start: jax.Array | int, stop: jax.Array) -> None:
     """Items start ... stop - 1 (`run_item(j, pipeline_state)`) through one pipeline (START, STEADY ..., STOP; a
     lone item a whole pipeline): the next item's weights stream in under this one's last steps and epilogue (a
     pipeline per item drained at every item's end: 8-15% of the decode's bandwidth)."""
