@@ -39,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import gpu_work as work
 from pallas_kernels.moe.gpu_decode import LANES, TABLE_ENTRIES
+from pallas_kernels.moe.gpu_work import SHARED_TM
 from pallas_kernels.moe.layouts import PAIR_UNITS, PLAIN, GpuWeight, check_experts, in_gpu_k_order
 from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import (
@@ -54,8 +55,6 @@ from pallas_kernels.moe.routing import (
 )
 from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4
-
-SHARED_TM = work.SHARED_TM
 
 OWN_TM = 96  # prefill: rows per window of an expert's own (96: 9% faster than 128 at 4096 tokens on the H200, where
 # the groups average 85 copies)

@@ -110,12 +110,12 @@ def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int) -> tuple[int
     return step, steps, stages
 
 
-def transforms(row_bytes: int, itemsize: int) -> tuple:
+def _transforms(row_bytes: int, itemsize: int) -> tuple:
     swizzle = min(128, row_bytes)
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-X_TRANSFORMS = transforms(64, 2)  # an activation tile's: 32-column slices, one wgmma's K each
+X_TRANSFORMS = _transforms(64, 2)  # an activation tile's: 32-column slices, one wgmma's K each
 
 
 def _load_bytes(fmt: str, kc: int, data_item: int) -> int:
@@ -131,7 +131,7 @@ def stage_specs(w: GpuWeight, kc: int, tm: int) -> list:
     fmt = w.format
     cta_rows = item_rows(w.shape[1])
     data_cols = kc // VALUES_PER_ITEM[fmt]
-    data_transforms = transforms(_load_bytes(fmt, kc, w.data.dtype.itemsize), w.data.dtype.itemsize)
+    data_transforms = _transforms(_load_bytes(fmt, kc, w.data.dtype.itemsize), w.data.dtype.itemsize)
     specs = [plgpu.BlockSpec((cta_rows, data_cols), lambda kk: (0, kk), transforms=data_transforms)]
     specs.append(plgpu.BlockSpec((tm, kc), lambda kk: (0, kk), transforms=X_TRANSFORMS))
     if fmt != PLAIN:
@@ -175,7 +175,7 @@ def _tile(ref) -> jax.Array:
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
 
 
-def row(ref) -> jax.Array:
+def _row(ref) -> jax.Array:
     """A [64] SMEM vector in registers, one value per row of a `_tile`."""
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
@@ -195,15 +195,15 @@ def multiply_step(fmt: str, kc: int, data_item: int, wg: jax.Array, tables, a_sm
     def mma(step, data_smem, x_smem, scale_refs, acc_ref):
         global_scale = None
         if fmt == NVFP4 and interpret:  # this warpgroup's rows' global scales, [64] fp32
-            global_scale = row(scale_refs[1].at[0, lanes])
+            global_scale = _row(scale_refs[1].at[0, lanes])
         if fmt != PLAIN:  # the rows' scales of each block ([64]: MXFP8 E8M0 bytes, NVFP4 four E4M3 in a word)
-            scales = [row(scale_refs[0].at[j, lanes]) for j in range(kc // blk)]
+            scales = [_row(scale_refs[0].at[j, lanes]) for j in range(kc // blk)]
         if tables is not None:  # at an item's first step: its expert's table (after the last item's epilogue)
             table = tables.at[wg]
 
             @pl.when(step == 0)
             def _():
-                nv_step_table()(across(row(scale_refs[1].at[0, lanes]), 8), table)
+                nv_step_table()(across(_row(scale_refs[1].at[0, lanes]), 8), table)
 
             entries = [nv_entries()(across(scale, 8), table) for scale in scales]  # up front
         for j in range(kc // blk):
