@@ -124,12 +124,13 @@ def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
 
 @pytest.mark.parametrize(
     "tokens, top_k, experts",
-    [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 96), (5, 3, 4), (300, 8, 8), (63, 2, 4), (7, 3, 1)],
-)  # tm 8, 56, 96, 64, 48
+    [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 96), (5, 3, 4), (300, 8, 8), (150, 8, 16), (7, 3, 1)],
+)  # shared tiles of 8, 56, 64, 48; own windows: 300 copies per expert (each in windows of ~100), 75 (one each)
 def test_visits_write_every_copy_once(tokens, top_k, experts):
-    """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole tile
-    that meets its expert's group, within the rows; the visits stay within their static bound; own windows'
-    rows hold their copies and exceed them by at most 7 per expert and a window."""
+    """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole window of
+    its width within the rows and writes rows of it; the visits come in width order within their static bound; own
+    windows are the narrowest width that holds them, their rows hold their copies and exceed them by at most 7 per
+    expert and a window."""
     rng = np.random.default_rng(tokens * experts)
     for _ in range(10):
         ids = np.argsort(rng.random((tokens, experts + 2)), axis=1)[:, :top_k] - 1  # some dropped (-1, E)
@@ -138,21 +139,29 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
             ids = np.where(np.arange(top_k) == 0, ids, (ids + np.arange(top_k)) % experts)
         routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
         tiles = jax.tree.map(np.asarray, gpu.tile_copies(routing))
-        assert tiles.tm % 8 == 0 and tiles.rows % 8 == 0
-        writes = np.zeros(tiles.rows, int)
-        for v in range(int(tiles.real[0])):
-            e, row = tiles.expert[v], tiles.first_row[v]
-            first, last = max(row, tiles.starts[e]), min(row + tiles.tm, tiles.ends[e])
-            assert row % (8 if tiles.source is not None else tiles.tm) == 0  # own windows: from a multiple of 8
-            assert row + tiles.tm <= tiles.rows and first < last
-            writes[first:last] += 1
+        own = tiles.source is not None
+        assert tiles.widths == (gpu.OWN_TMS if own else (tiles.tm,)) and tiles.rows % 8 == 0
         kept = np.asarray(routing.kept)
         rows = np.arange(kept.size) if tiles.row_of is None else tiles.row_of
+        row_expert = np.full(tiles.rows, -1)  # each kept copy's row holds its expert's product
+        row_expert[rows[kept]] = np.repeat(np.arange(experts), np.asarray(routing.group_sizes))
+        writes = np.zeros(tiles.rows, int)
+        ends = tiles.real[: len(tiles.widths)]
+        for c, width in enumerate(tiles.widths):
+            for v in range(ends[c - 1] if c else 0, ends[c]):
+                row, first, last = tiles.first_row[v], tiles.writes_from[v], tiles.writes_to[v]
+                assert row % (8 if own else width) == 0 and row + width <= tiles.rows
+                assert row <= first < last <= row + width
+                assert own or width == tiles.tm
+                if own:  # the narrowest width that holds the window
+                    assert first == row and (c == 0 or last - first > tiles.widths[c - 1])
+                np.testing.assert_array_equal(row_expert[first:last], tiles.expert[v])
+                writes[first:last] += 1
         np.testing.assert_array_equal(writes[rows[kept]], 1)
-        if tiles.source is not None:  # own windows: each kept copy gathered into its row, few rows besides
+        if own:  # each kept copy gathered into its row, few rows besides
             np.testing.assert_array_equal(tiles.source[rows[kept]], np.flatnonzero(kept))
             assert tiles.rows <= kept.size + 7 * experts + tiles.tm + 7
-        assert writes.sum() == kept.sum() and int(tiles.real[0]) <= tiles.expert.shape[0]
+        assert writes.sum() == kept.sum() and ends[-1] <= tiles.expert.shape[0]
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1)])
@@ -172,7 +181,7 @@ def test_few_tokens_visit_each_chosen_expert_once(tokens, top_k, experts):
         np.testing.assert_array_equal(tiles.expert[visit[kept]], ids[kept])
         np.testing.assert_array_equal(tiles.first_row, np.arange(tiles.expert.shape[0]) * tiles.tm)
         assert tiles.tm == 8 and tiles.rows == tiles.expert.shape[0] * 8
-        assert tiles.reads_tokens and tiles.starts is None and tiles.ends is None  # whole tiles of their own
+        assert tiles.reads_tokens and tiles.writes_from is None and tiles.writes_to is None  # whole tiles of their own
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -186,7 +195,7 @@ def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
     ids = jax.random.randint(keys[2], (tokens, 1), 0, experts)
     routing = route(ids, jnp.ones((tokens, 1)), experts)
     tiles = gpu.tile_copies(routing)
-    assert tiles.tm == 8 and np.any(np.asarray(tiles.starts) % 2)
+    assert tiles.tm == 8 and np.any(np.asarray(tiles.writes_from) % 2)
     rows = in_gpu_k_order(x, fmt)[routing.token_of]
     run = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, tiles, swiglu=(4.0, 25.0), interpret=CPU)[:tokens])
     got = run(jnp.pad(rows, ((0, tiles.rows - tokens), (0, 0))), for_gpu(gate_up, paired=True))

@@ -1,29 +1,30 @@
 """Routed experts on Hopper (sm90) through Mosaic GPU: two grouped matmuls over the token copies (sorted by expert, or
-up to 8 tokens each chosen expert's), each weight decoded in registers right before the wgmma that takes it (never
-in HBM or SMEM).
+up to 8 tokens each chosen expert's), each weight decoded in registers right before the wgmma that takes it (never in
+HBM or SMEM).
 
-The copies are walked in visits of TM rows each (`Tiles`), every visit one expert's. A work item is one visit's
-product for one tile of 128 or 192 weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M
-side, in registers; the visit's copies its N side, from SMEM). One CTA per multiprocessor walks its items (cta,
-cta + CTAs, ...) through one software pipeline: the next item's first stages stream in under the last steps and
-the epilogue of the one before (a CTA per item drained its pipeline at every item's end: 8-15% of the decode's
-bandwidth). One warpgroup issues the TMA copies of each K step (the weight tile's bytes, its block scales, the
-tile's activations) into a ring of SMEM stages; three compute (two where N is no multiple of 192), 64 weight rows
-each, decoding each run of their rows (32 MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and
-multiplying it with the activations' matching columns while the next block decodes. The epilogue stores the
-accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's
-ragged_dot_mgpu), so visits that share rows never write each other's.
+The copies are walked in visits of a few rows each (`Tiles`: 8 ... 112), every visit one expert's. A work item is one
+visit's product for one tile of 128 or 192 weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M
+side, in registers; the visit's copies its N side, from SMEM). One CTA per multiprocessor walks its items (cta, cta +
+CTAs, ...) through one software pipeline per visit width: the next item's first stages stream in under the last steps
+and the epilogue of the one before (a CTA per item drained its pipeline at every item's end: 8-15% of the decode's
+bandwidth). One warpgroup issues the TMA copies of each K step (the weight tile's bytes, its block scales, the tile's
+activations) into a ring of SMEM stages; three compute (two where N is no multiple of 192), 64 weight rows each,
+decoding each run of their rows (32 MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and multiplying it with
+the activations' matching columns while the next block decodes. The epilogue stores the accumulator transposed into SMEM
+and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's ragged_dot_mgpu), so visits that share
+rows never write each other's.
 
 Up to 8 tokens (`chosen_experts`): one visit per distinct chosen expert, multiplying every token (8 rows, wgmma's
-narrowest N side) into rows of its own: no sort, no row gather, three small reductions for the plan. Decode of
-more tokens: the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one tile per
-chosen expert, so each wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per
-column tile; K is split into shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share
-written as fp32 partial sums that XLA adds. Prefill: each expert's copies are visited in windows of 96 rows of
-their own (no row multiplied twice). The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows
-laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows), except
-where K is split: there XLA adds the shares, then applies the SwiGLU. After the matmuls XLA combines the copies
-(`routing.combine`, `routing.weighted_sum`).
+narrowest N side) into rows of its own: no sort, no row gather, three small reductions for the plan. Decode of more
+tokens: the copies share tiles of TM rows (TM twice the mean group, 8 ... 64: about one tile per chosen expert, so each
+wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per column tile; K is split into
+shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share written as fp32 partial sums that XLA
+adds. Prefill: each expert's copies are visited in windows of their own (no row multiplied twice), each in the narrowest
+of a few widths (64 ... 112 rows) that holds it: one pipeline per width in each CTA, the items of all widths dealt round
+the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows laid out in pairs,
+`layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows), except where K is split: there XLA
+adds the shares, then applies the SwiGLU. After the matmuls XLA combines the copies (`routing.combine`,
+`routing.weighted_sum`).
 
 The weights are decoded to bf16 wgmma register operands by `gpu_decode`, the oracle's values bit for bit."""
 
@@ -56,8 +57,9 @@ from pallas_kernels.moe.routing import (
 from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4
 
-OWN_TM = 96  # prefill: rows per window of an expert's own (96: 9% faster than 128 at 4096 tokens on the H200, where
-# the groups average 85 copies)
+OWN_TMS = (64, 80, 96, 112)  # prefill: the widths (rows) of the windows of an expert's own, each window the narrowest
+# that holds its copies (at 4096 tokens the groups average 85 copies: one width of 96, two windows for groups past
+# it, multiplied 41K rows; these, 36K); 112 the widest where every format keeps a ring of 3 SMEM stages
 OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get windows of their own
 
 
@@ -65,32 +67,38 @@ OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Where the copies sit in the kernels' rows, and the visits over them: visit v multiplies rows first_row[v] ...
-    first_row[v] + tm - 1 (starting at a multiple of 8: TMA reads GMEM rows in tiles of 8) by expert[v]'s weights
-    and writes back the rows of that expert's group among them (with `reads_tokens`: multiplies the token rows 0
-    ... tm - 1 and writes all of its rows first_row[v] ...; `chosen_experts`).
+    first_row[v] + width - 1 (starting at a multiple of 8: TMA reads GMEM rows in tiles of 8; width its class's,
+    one of `widths`) by expert[v]'s weights and writes back rows writes_from[v] ... writes_to[v] - 1 of them (with
+    `reads_tokens`: multiplies the token rows 0 ... width - 1 and writes all of its rows first_row[v] ...;
+    `chosen_experts`).
 
-    Shared tiles (decode): the rows are the sorted copies, groups follow each other and several share a tile
-    (`routing.visits`: one visit per (tile, expert) pair that meet). Own windows (prefill): each expert's group
-    starts at a multiple of 8 rows and is visited in windows of tm rows from there, one visit per window (the
-    last may run into the next group's rows, multiplied and not written back): no row is multiplied twice by its
-    own expert, each expert's weights are read once per window, and the rows (what XLA gathers before the kernels)
-    exceed the copies by at most 7 per expert, 7 more and a window, where groups padded to whole tiles of their own
-    nearly doubled them at 4096 tokens.
-    """
+    Shared tiles (decode, one width): the rows are the sorted copies, groups follow each other and several share a
+    tile (`routing.visits`: one visit per (tile, expert) pair that meet). Own windows (prefill): each expert's group
+    starts at a multiple of 8 rows and is cut into windows of at most the widest width, near equal in whole tiles
+    of 8; each window is visited once, in the narrowest width that holds it (rows past it, multiplied and not
+    written back, belong to the next window or group): no row is written twice, each expert's weights are read once
+    per window, few rows are multiplied for nothing, and the rows (what XLA gathers before the kernels) exceed the
+    copies by at most 7 per expert, 7 more and a window. The visits come in width order: class c's are visits
+    real[c - 1] ... real[c] - 1 (real[-1] meaning 0)."""
 
     expert: jax.Array  # [V] int32: each visit's expert (padding visits, never run, name a valid one)
-    first_row: jax.Array  # [V] int32: each visit's first row, a multiple of 8 (shared tiles: of tm)
-    starts: jax.Array | None  # [E] int32: each expert's first row (None: every visit writes its tm rows)
-    ends: jax.Array | None  # [E] int32: one past its last row
-    real: jax.Array  # [>= 1] int32: the number of real visits, in its first element
+    first_row: jax.Array  # [V] int32: each visit's first row, a multiple of 8 (shared tiles: of the width)
+    writes_from: jax.Array | None  # [V] int32: the first row each visit writes (None: every visit writes its rows)
+    writes_to: jax.Array | None  # [V] int32: one past its last
+    real: jax.Array  # [>= C] int32: one past each width's last real visit (one width: the real visits' count)
     source: jax.Array | None  # [R] int32: the sorted copy in each row (None: the rows are the sorted copies)
     row_of: jax.Array | None  # [N * k] int32: the row of each sorted copy (None: the same)
-    tm: int = dataclasses.field(metadata={"static": True})
+    widths: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # C ascending visit widths (rows)
     rows: int = dataclasses.field(metadata={"static": True})  # R: every visit's window within them
     reads_tokens: bool = dataclasses.field(default=False, metadata={"static": True})  # every visit reads rows 0 ...
-    # tm - 1 (the tokens), not the rows it writes
+    # width - 1 (the tokens), not the rows it writes
     tokens: int | None = dataclasses.field(default=None, metadata={"static": True})  # `chosen_experts`: of each
-    # visit's tm rows, the first `tokens` hold products read afterwards (the rest multiply zeros)
+    # visit's rows, the first `tokens` hold products read afterwards (the rest multiply zeros)
+
+    @property
+    def tm(self) -> int:
+        """The widest visit's rows."""
+        return self.widths[-1]
 
 
 def shared_rows(copies: int, num_experts: int) -> int:
@@ -110,23 +118,35 @@ def tile_copies(routing: Routing) -> Tiles:
         tm = shared_rows(copies, num_experts)
         tiles = -(-copies // tm)
         expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
-        return Tiles(expert, tile * tm, offsets[:-1], offsets[1:], real, None, None, tm, tiles * tm)
-    tm = OWN_TM
-    count = -(-copies // tm) + min(num_experts, copies)  # windows, at most
+        row = tile * tm
+        writes_from, writes_to = jnp.maximum(offsets[expert], row), jnp.minimum(offsets[expert + 1], row + tm)
+        return Tiles(expert, row, writes_from, writes_to, real, None, None, (tm,), tiles * tm)
+    widest = OWN_TMS[-1]
+    count = -(-copies // widest) + min(num_experts, copies)  # windows, at most
     padded = -(-group_sizes // 8) * 8
     starts = prefix_sum(padded) - padded
-    rows = -(-(copies + 7 * min(num_experts, copies)) // 8) * 8 + tm  # the groups padded to 8, the last window
-    per_expert = -(-group_sizes // tm)
+    rows = -(-(copies + 7 * min(num_experts, copies)) // 8) * 8 + widest  # the groups padded to 8, the last window
+    per_expert = -(-group_sizes // widest)  # windows
+    window_copies = -(-group_sizes // jnp.maximum(per_expert, 1))
+    window_rows = -(-window_copies // 8) * 8  # near equal, in whole tiles of 8
     window_ends = prefix_sum(per_expert)
     real = window_ends[-1]
-    v = jnp.minimum(jnp.arange(count, dtype=jnp.int32), jnp.maximum(real - 1, 0))
-    expert = jnp.minimum(group_of(window_ends, v), num_experts - 1)
-    first_row = starts[expert] + (v - window_ends[expert] + per_expert[expert]) * tm
+    v = jnp.arange(count, dtype=jnp.int32)
+    visit = jnp.minimum(v, jnp.maximum(real - 1, 0))  # padding visits repeat the last real one
+    expert = jnp.minimum(group_of(window_ends, visit), num_experts - 1)
+    first_copy = (visit - window_ends[expert] + per_expert[expert]) * window_rows[expert]  # within the group
+    width = jnp.minimum(window_rows[expert], group_sizes[expert] - first_copy)
+    widths = jnp.asarray(OWN_TMS, jnp.int32)
+    width_class = jnp.where(v < real, jnp.sum(width[:, None] > widths[None, :], axis=1), len(OWN_TMS))
+    order = jnp.argsort(width_class, stable=True)  # by width, padding visits last
+    expert, first_row = expert[order], (starts[expert] + first_copy)[order]
+    class_ends = jnp.sum(width_class[None, :] <= jnp.arange(len(OWN_TMS))[:, None], axis=1, dtype=jnp.int32)
     copy = jnp.arange(copies, dtype=jnp.int32)
     copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
     row_of = starts[copy_expert] + copy - offsets[copy_expert]  # dropped copies: past every group, within the rows
     source = jnp.zeros(rows, jnp.int32).at[row_of].set(copy)
-    return Tiles(expert, first_row, starts, starts + group_sizes, real.reshape(1), source, row_of, tm, rows)
+    writes_to = first_row + width[order]
+    return Tiles(expert, first_row, first_row, writes_to, class_ends, source, row_of, OWN_TMS, rows)
 
 
 def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Array]:
@@ -149,7 +169,7 @@ def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Arr
     chosen = first[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
     expert = jnp.sum(jnp.where(chosen, flat[None, :], 0), axis=1, dtype=jnp.int32)  # padding visits: expert 0
     own_rows = np.arange(count, dtype=np.int32) * tm  # a constant (in jnp, a kernel of XLA's)
-    tiles = Tiles(expert, own_rows, None, None, below, None, None, tm, count * tm, reads_tokens=True, tokens=tokens)
+    tiles = Tiles(expert, own_rows, None, None, below, None, None, (tm,), count * tm, reads_tokens=True, tokens=tokens)
     return tiles, visit.reshape(tokens, top_k)
 
 
@@ -162,7 +182,7 @@ def _grouped(
     pipeline steps of `step_k` (of 128 where no ring of stages fits SMEM and divides those: `gpu_work.ring`); with
     `swiglu` (caps; a paired w, one share) the capped SwiGLU of each warpgroup's 32 gate and 32 up columns instead,
     [1, R, N / 2]."""
-    tm = tiles.tm
+    tm = tiles.tm  # the widest visit: the epilogue's staging holds its rows
     fmt = w.format
     n = w.shape[1]
     cta_rows = work.item_rows(n)
@@ -171,77 +191,89 @@ def _grouped(
     tabled = fmt == NVFP4 and not interpret  # a table per warpgroup of each block scale byte's magnitudes
     staging = wgs * (epilogue_values * jnp.dtype(out_dtype).itemsize + (LANES * 64 if interpret else 0))
     staging += wgs * TABLE_ENTRIES * 16 if tabled else 0
-    kc, steps, stages = work.ring(w, tm, step_k, splits, staging)
-    specs = work.stage_specs(w, kc, tm)
+    rings = [work.ring(w, width, step_k, splits, staging) for width in tiles.widths]  # (kc, steps, stages) each
     n_tiles = n // cta_rows
     weight_operands = {PLAIN: 0, MXFP8: 1, NVFP4: 2}[fmt]  # the weight's scales, global scales
     per_visit = n_tiles * splits  # work items per visit: (column tile, share of K) pairs
-    ctas = min(work.multiprocessors(), per_visit * tiles.expert.shape[0])
+    visit_bound = tiles.expert.shape[0]
+    ctas = min(work.multiprocessors(), per_visit * visit_bound)
 
-    whole = tiles.starts is None  # every visit writes all its rows
+    whole = tiles.writes_from is None  # every visit writes all its rows
 
     def body(expert_ref, first_row_ref, real_ref, *refs):
-        starts_ref, ends_ref, x_gmem, data_gmem, *refs = (None, None, *refs) if whole else refs
+        from_ref, to_ref, x_gmem, data_gmem, *refs = (None, None, *refs) if whole else refs
         scales_gmem, global_gmem = (*refs[:weight_operands], None, None)[:2]
         out_gmem, out_smem, *a_smem = refs[weight_operands:]
         hidden_smem = a_smem.pop(0) if swiglu else None
         table_smem = a_smem.pop(0) if tabled else None
         wg, cta = lax.axis_index("wg"), lax.axis_index("sm")
-        step_mma = work.multiply_step(fmt, kc, w.data.dtype.itemsize, wg, table_smem, (a_smem or [None])[0], interpret)
 
-        def item(j: jax.Array) -> tuple[jax.Array, ...]:
-            """This CTA's work item j (items cta, cta + ctas, ...): its expert, first rows read and written, column
-            tile and share."""
-            v, rest = jnp.divmod(cta + ctas * j, per_visit)
-            nt, s = jnp.divmod(rest, splits)
-            row = first_row_ref[v]
-            return expert_ref[v], 0 if tiles.reads_tokens else row, row, nt, s
+        def run_width(c: int, width: int) -> None:
+            """This CTA's items of the visits of width c through one pipeline: the items of all widths in turn are
+            dealt round the CTAs (cta, cta + ctas, ...), so that no CTA runs more than one item above another."""
+            kc, steps, stages = rings[c]
+            specs = work.stage_specs(w, kc, width)
+            step_mma = work.multiply_step(fmt, kc, w.data.dtype.itemsize, wg, table_smem, (a_smem or [None])[0],
+                                          interpret)  # fmt: skip
+            first_item = 0 if c == 0 else real_ref[c - 1] * per_visit
+            mine = first_item + (cta - first_item % ctas + ctas) % ctas  # this CTA's first item of the width
 
-        def operands(e, read, row, nt, s) -> list:
-            x_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
-            x_rows = x_gmem.at[pl.ds(pl.multiple_of(read, 8), tm), x_share]
-            return work.weight_blocks(w, (data_gmem, scales_gmem, global_gmem), e, nt, s * steps, steps, kc, x_rows)
+            def item(j: jax.Array) -> tuple[jax.Array, ...]:
+                """This CTA's work item j of the width: its expert, first row read, rows written [first, last), column
+                tile and share."""
+                v, rest = jnp.divmod(mine + ctas * j, per_visit)
+                v = jnp.minimum(v, visit_bound - 1)  # past the visits only where the CTA has no item of the width
+                nt, s = jnp.divmod(rest, splits)
+                row = first_row_ref[v]
+                first, last = (row, row + width) if whole else (from_ref[v], to_ref[v])
+                return expert_ref[v], 0 if tiles.reads_tokens else row, row, first, last, nt, s
 
-        def mma(indices, data_smem, x_smem, *refs):
-            return step_mma(indices[0], data_smem, x_smem, refs[:-1], refs[-1])
+            def operands(e, read, row, first, last, nt, s) -> list:
+                x_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
+                x_rows = x_gmem.at[pl.ds(pl.multiple_of(read, 8), width), x_share]
+                blocks = (data_gmem, scales_gmem, global_gmem)
+                return work.weight_blocks(w, blocks, e, nt, s * steps, steps, kc, x_rows)
 
-        def compute(e, row, nt, s, run):
-            acc = work.accumulate(run, tm)
-            # pairs of rows in each thread's registers: adjacent in the transposed view
-            acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-            out_smem.at[wg].transpose((1, 0))[...] = acc
-            plgpu.commit_smem()
-            first = row if whole else jnp.maximum(starts_ref[e], row)
-            last = row + tm if whole else jnp.minimum(ends_ref[e], row + tm)
-            if swiglu:  # [tm, 32 gate | 32 up] -> [tm, 32] hidden units nt * wgs + wg's block
-                # TMA copies SMEM from 128-byte aligned addresses: the 64-byte hidden rows go one row down where the
-                # first row to write back is odd, so that every box of the ladder starts at an even row
-                staged = hidden_smem.at[wg, pl.ds((first - row) % 2, tm)]
-                work.paired_swiglu(out_smem.at[wg], staged, swiglu)
-                columns = pl.ds((nt * wgs + wg) * PAIR_UNITS, PAIR_UNITS)
-            else:
-                staged, columns = out_smem.at[wg], pl.ds(nt * cta_rows + wg * LANES, LANES)
-            work.store_rows(staged, out_gmem.at[s, pl.ds(row, tm), columns], first - row, last - first)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            def mma(indices, data_smem, x_smem, *refs):
+                return step_mma(indices[0], data_smem, x_smem, refs[:-1], refs[-1])
 
-        def pipeline(state, context=None):
-            return plgpu.emit_pipeline_warp_specialized(
-                mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=wgs,
-                max_concurrent_steps=stages, compute_context=context, pipeline_state=state,
-            )  # fmt: skip
+            def compute(e, read, row, first, last, nt, s, run):
+                acc = work.accumulate(run, width)
+                # pairs of rows in each thread's registers: adjacent in the transposed view
+                acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                products = out_smem.at[wg, pl.ds(0, width)]
+                products.transpose((1, 0))[...] = acc
+                plgpu.commit_smem()
+                if swiglu:  # [width, 32 gate | 32 up] -> [width, 32] hidden units nt * wgs + wg's block
+                    # TMA copies SMEM from 128-byte aligned addresses: the 64-byte hidden rows go one row down where
+                    # the first row to write back is odd, so that every box of the ladder starts at an even row
+                    staged = hidden_smem.at[wg, pl.ds((first - row) % 2, width)]
+                    work.paired_swiglu(products, staged, swiglu)
+                    columns = pl.ds((nt * wgs + wg) * PAIR_UNITS, PAIR_UNITS)
+                else:
+                    staged, columns = products, pl.ds(nt * cta_rows + wg * LANES, LANES)
+                work.store_rows(staged, out_gmem.at[s, pl.ds(row, width), columns], first - row, last - first)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        def run_item(j, state, allocations):
-            e, read, row, nt, s = item(j)
-            context = functools.partial(compute, e, row, nt, s)
-            pipeline(state, context)(*operands(e, read, row, nt, s), allocations=allocations)
+            def pipeline(state, context=None):
+                return plgpu.emit_pipeline_warp_specialized(
+                    mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=wgs,
+                    max_concurrent_steps=stages, compute_context=context, pipeline_state=state,
+                )  # fmt: skip
 
-        # one pipeline over all of this CTA's items
-        count = (real_ref[0] * per_visit - cta + ctas - 1) // ctas
-        pl.run_scoped(
-            lambda allocations: work.chain(functools.partial(run_item, allocations=allocations), 0, count),
-            allocations=pipeline(plgpu.PipelinePipeline.START).get_allocations(*operands(*item(jnp.int32(0)))),
-            collective_axes="wg",
-        )
+            def run_item(j, state, allocations):
+                where = item(j)
+                pipeline(state, functools.partial(compute, *where))(*operands(*where), allocations=allocations)
+
+            count = jnp.maximum((real_ref[c] * per_visit - mine + ctas - 1) // ctas, 0)
+            pl.run_scoped(
+                lambda allocations: work.chain(functools.partial(run_item, allocations=allocations), 0, count),
+                allocations=pipeline(plgpu.PipelinePipeline.START).get_allocations(*operands(*item(jnp.int32(0)))),
+                collective_axes="wg",
+            )
+
+        for c, width in enumerate(tiles.widths):  # one pipeline per width, over the same SMEM
+            run_width(c, width)
 
     scratch = [plgpu.SMEM((wgs, tm, LANES), out_dtype)]
     if swiglu:
@@ -252,7 +284,7 @@ def _grouped(
     if interpret:
         scratch.append(plgpu.SMEM((wgs, LANES, 32), jnp.bfloat16, transforms=work.X_TRANSFORMS))
     weights = [w.scales, w.global_scale][:weight_operands]
-    plan = [tiles.expert, tiles.first_row, tiles.real] + ([] if whole else [tiles.starts, tiles.ends])
+    plan = [tiles.expert, tiles.first_row, tiles.real] + ([] if whole else [tiles.writes_from, tiles.writes_to])
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((splits, tiles.rows, n // 2 if swiglu else n), out_dtype),
