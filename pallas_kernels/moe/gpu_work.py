@@ -124,6 +124,11 @@ def _load_bytes(fmt: str, kc: int, data_item: int) -> int:
     return BLOCK[fmt] * 2 if fmt == PLAIN else min(128, kc // VALUES_PER_ITEM[fmt] * data_item)
 
 
+def weight_transforms(fmt: str, kc: int, data_item: int) -> tuple:
+    """The SMEM tiling and swizzle of a stage's weight rows (`kc` K values of `data_item`-byte items each)."""
+    return _transforms(_load_bytes(fmt, kc, data_item), data_item)
+
+
 def stage_specs(w: GpuWeight, kc: int, tm: int) -> list:
     """BlockSpecs of one pipeline step of an item: the CTA's weight rows' data over `kc` K values, the activations
     [tm, kc], the rows' block scales, NVFP4's global scales (again in every stage: kk * 0, a per-step copy,
@@ -131,7 +136,7 @@ def stage_specs(w: GpuWeight, kc: int, tm: int) -> list:
     fmt = w.format
     cta_rows = item_rows(w.shape[1])
     data_cols = kc // VALUES_PER_ITEM[fmt]
-    data_transforms = _transforms(_load_bytes(fmt, kc, w.data.dtype.itemsize), w.data.dtype.itemsize)
+    data_transforms = weight_transforms(fmt, kc, w.data.dtype.itemsize)
     specs = [plgpu.BlockSpec((cta_rows, data_cols), lambda kk: (0, kk), transforms=data_transforms)]
     specs.append(plgpu.BlockSpec((tm, kc), lambda kk: (0, kk), transforms=X_TRANSFORMS))
     if fmt != PLAIN:
