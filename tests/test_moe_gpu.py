@@ -124,8 +124,9 @@ def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
 
 @pytest.mark.parametrize(
     "tokens, top_k, experts",
-    [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 96), (5, 3, 4), (300, 8, 8), (150, 8, 16), (7, 3, 1)],
-)  # shared tiles of 8, 56, 64, 48; own windows: 300 copies per expert (each in windows of ~100), 75 (one each)
+    [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 96), (5, 3, 4), (63, 2, 4), (7, 3, 1), (300, 8, 8),
+     (150, 8, 16)],
+)  # fmt: skip  # shared tiles of 8, 56, 48, 64; own windows (groups of up to 300 copies, several windows each; ~75)
 def test_visits_write_every_copy_once(tokens, top_k, experts):
     """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole window of
     its width within the rows and writes rows of it; the visits come in width order within their static bound; own
@@ -280,6 +281,25 @@ def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, out_dtype=out_dtype, backend="gpu"))(x, *laid, experts, weights)
     assert got.dtype == want.dtype
+    assert_close_to_oracle(got, want)
+
+
+@pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
+def test_own_windows_of_every_width_match_oracle(fmt, monkeypatch):
+    """Prefill groups of 60, 75, 90, 105 and 130 copies: windows multiplied at each of the widths (64, 80, 96, 112;
+    130 as two windows of 72 and 58 rows), each writing back its own rows, on 5 CTAs that each run the pipelines of
+    several widths in turn: the oracle's result."""
+    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 5)
+    sizes = (60, 75, 90, 105, 130)
+    ids = np.random.default_rng(5).permutation(np.repeat(np.arange(len(sizes)), sizes)).reshape(-1, 1)
+    x, gate_up, down, _, weights = routed_case(11, ids.shape[0], 1, fmt, experts=len(sizes))
+    experts = jnp.asarray(ids, jnp.int32)
+    tiles = gpu.tile_copies(route(experts, weights, len(sizes)))
+    ends = np.asarray(tiles.real[: len(tiles.widths)])
+    assert tiles.widths == gpu.OWN_TMS and np.all(np.diff(ends, prepend=0) > 0)  # every width visited
+    want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
+    laid = (for_gpu(gate_up, paired=True), for_gpu(down))
+    got = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))(x, *laid, experts, weights)
     assert_close_to_oracle(got, want)
 
 

@@ -59,7 +59,7 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 
 OWN_TMS = (64, 80, 96, 112)  # prefill: the widths (rows) of the windows of an expert's own, each window the narrowest
 # that holds its copies (at 4096 tokens the groups average 85 copies: one width of 96, two windows for groups past
-# it, multiplied 41K rows; these, 36K); 112 the widest where every format keeps a ring of 3 SMEM stages
+# it, multiplied 41K rows; these, 36K); 112 the widest where the quantized formats keep rings of 3 SMEM stages
 OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get windows of their own
 
 
@@ -265,7 +265,7 @@ def _grouped(
                 where = item(j)
                 pipeline(state, functools.partial(compute, *where))(*operands(*where), allocations=allocations)
 
-            count = jnp.maximum((real_ref[c] * per_visit - mine + ctas - 1) // ctas, 0)
+            count = (real_ref[c] * per_visit - mine + ctas - 1) // ctas
             pl.run_scoped(
                 lambda allocations: work.chain(functools.partial(run_item, allocations=allocations), 0, count),
                 allocations=pipeline(plgpu.PipelinePipeline.START).get_allocations(*operands(*item(jnp.int32(0)))),

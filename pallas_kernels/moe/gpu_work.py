@@ -2,7 +2,7 @@
 work items over the CTAs, the ring of SMEM stages an item streams through, the pipeline step that decodes a compute
 warpgroup's 64 weight rows and multiplies them with the activations (wgmma, "swap AB": the weights are its M side,
 in registers; the activation rows its N side, from SMEM), and the chain of items one CTA walks through one
-pipeline."""
+pipeline (one per visit width)."""
 
 from fractions import Fraction
 
