@@ -80,22 +80,48 @@ def test_visits_cover_every_copy_once(seed):
     assert all((t, e) == visited[-1] for t, e in zip(tile[real:], expert[real:], strict=True))  # padding repeats
 
 
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(70, 4, 8), (300, 8, 16), (40, 8, 2), (16, 4, 8)])
+def test_prefill_tiles_are_each_experts_own(tokens, top_k, experts):
+    """From OWN_FROM copies per expert: every kept copy in a row of a tile that only its expert's visit multiplies,
+    each tile visited once, the rows few beyond the copies (whole tiles per group)."""
+    rng = np.random.default_rng(tokens)
+    ids = np.argsort(rng.random((tokens, experts + 2)), axis=1)[:, :top_k] - 1  # some dropped (-1, E)
+    routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
+    plan = jax.tree.map(np.asarray, tpu._plan(routing))
+    mean = -(-ids.size // experts)
+    assert plan.source is not None and plan.rows % plan.tm == 0 and max(16, mean) <= plan.tm < max(32, 2 * mean)
+    real = int(plan.real[0])
+    tiles, owners = plan.tile[:real], plan.expert[:real]
+    assert len(set(tiles)) == real  # no tile visited twice
+    row_expert = np.full(plan.rows, -1)
+    for t, e in zip(tiles, owners, strict=True):
+        assert plan.starts[e] <= t * plan.tm and (t + 1) * plan.tm <= plan.starts[e + 1]
+        row_expert[t * plan.tm : (t + 1) * plan.tm] = e
+    kept = np.asarray(routing.kept)
+    rows = plan.row_of[kept]
+    np.testing.assert_array_equal(row_expert[rows], np.repeat(np.arange(experts), np.asarray(routing.group_sizes)))
+    np.testing.assert_array_equal(plan.source[rows], np.flatnonzero(kept))
+    assert real * plan.tm < kept.sum() + experts * plan.tm
+
+
 def interpreted(*args, **kwargs) -> jax.Array:
     """The TPU kernels' output in interpret mode, failing on any race between their DMAs and compute."""
     return race_checked(lambda params: tpu.moe_experts(*args, **kwargs, interpret=params))
 
 
 @pytest.mark.parametrize(
-    ("fmt", "tokens", "top_k", "ids"),
+    ("fmt", "tokens", "top_k", "ids", "experts"),
     [
-        (PLAIN, 1, 4, (0, EXPERTS)),  # one decode token
-        (MXFP8, 5, 4, (-3, EXPERTS + 3)),  # decode, some copies on other shards' experts
-        (NVFP4, 3, 8, (0, EXPERTS)),
-        (NVFP4, 70, 4, (-2, EXPERTS)),  # 280 copies: two tiles, groups across the boundary
+        (PLAIN, 1, 4, (0, EXPERTS), EXPERTS),  # one decode token
+        (MXFP8, 5, 4, (-3, EXPERTS + 3), EXPERTS),  # decode, some copies on other shards' experts
+        (NVFP4, 3, 8, (0, EXPERTS), EXPERTS),
+        (NVFP4, 70, 4, (-2, EXPERTS), EXPERTS),  # 280 copies, ~35 per expert: tiles of each one's own (prefill), drops
+        (MXFP8, 70, 4, (0, 16), 16),  # 280 copies over 16 experts: two shared tiles, groups across the boundary
+        (PLAIN, 24, 4, (0, EXPERTS), EXPERTS),  # 12 copies per expert: tiles of 16 rows of each one's own
     ],
 )
-def test_tpu_kernels_match_the_reference(fmt, tokens, top_k, ids):
-    gate_up, down = expert_weights(10 + tokens, fmt)
+def test_tpu_kernels_match_the_reference(fmt, tokens, top_k, ids, experts):
+    gate_up, down = expert_weights(10 + tokens, fmt, experts)
     x, chosen, weights = routed(tokens, tokens, top_k, ids)
     got = np.asarray(interpreted(x, for_tpu(gate_up), for_tpu(down), chosen, weights, **CAPS), np.float32)
     want = np.asarray(reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS), np.float32)
@@ -146,7 +172,9 @@ def laid_out_spec(fmt: str, experts: int, n: int, k: int) -> TpuWeight:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("fmt", "tokens", "experts"), [(MXFP8, 8, 384), (NVFP4, 64, 96), (MXFP8, 4096, 96)])
+@pytest.mark.parametrize(
+    ("fmt", "tokens", "experts"), [(MXFP8, 8, 384), (NVFP4, 64, 96), (MXFP8, 4096, 96), (NVFP4, 512, 384)]
+)  # decode (one tile, shared tiles), prefill in tiles of each expert's own (256 rows, 16)
 def test_tpu_kernels_lower_at_production_shapes(fmt, tokens, experts):
     """Hidden 4608, intermediate 2304, top-8, for TPU v7x: all 384 experts, or a quarter (tp4's expert share)."""
     spec = jax.ShapeDtypeStruct
