@@ -91,6 +91,7 @@ def test_prefill_tiles_are_each_experts_own(tokens, top_k, experts):
     mean = -(-ids.size // experts)
     assert plan.source is not None and plan.rows % plan.tm == 0 and max(16, mean) <= plan.tm < max(32, 2 * mean)
     real = int(plan.real[0])
+    assert real <= plan.expert.shape[0] and plan.row_of.max() < plan.rows  # within the static bounds
     tiles, owners = plan.tile[:real], plan.expert[:real]
     assert len(set(tiles)) == real  # no tile visited twice
     row_expert = np.full(plan.rows, -1)
@@ -116,11 +117,13 @@ def interpreted(*args, **kwargs) -> jax.Array:
         (MXFP8, 5, 4, (-3, EXPERTS + 3), EXPERTS),  # decode, some copies on other shards' experts
         (NVFP4, 3, 8, (0, EXPERTS), EXPERTS),
         (NVFP4, 70, 4, (-2, EXPERTS), EXPERTS),  # 280 copies, ~35 per expert: tiles of each one's own (prefill), drops
-        (MXFP8, 70, 4, (0, 16), 16),  # 280 copies over 16 experts: two shared tiles, groups across the boundary
+        (MXFP8, 70, 4, (0, 40), 40),  # 280 copies over 40 experts: two shared tiles, groups across the boundary
         (PLAIN, 24, 4, (0, EXPERTS), EXPERTS),  # 12 copies per expert: tiles of 16 rows of each one's own
     ],
 )
 def test_tpu_kernels_match_the_reference(fmt, tokens, top_k, ids, experts):
+    own = tokens * top_k >= tpu.OWN_FROM * experts
+    assert own == (experts == EXPERTS and tokens >= 16)  # the cases' plans as their comments say
     gate_up, down = expert_weights(10 + tokens, fmt, experts)
     x, chosen, weights = routed(tokens, tokens, top_k, ids)
     got = np.asarray(interpreted(x, for_tpu(gate_up), for_tpu(down), chosen, weights, **CAPS), np.float32)

@@ -1,7 +1,7 @@
 """Routed experts on TPU (Mosaic): two grouped matmuls over the token copies sorted by expert, the expert
 weights dequantized in VMEM, CHUNK rows of K at a time, right before the MXU takes them (never in HBM).
 
-The sorted copies are cut into tiles of TM rows. A "visit" is one (tile, expert) pair whose rows meet: an
+The copies' rows are cut into tiles of TM rows (`_plan`). A "visit" is one (tile, expert) pair whose rows meet: an
 expert's copies are contiguous, so it visits one tile, or a few when its group crosses tile boundaries, and a
 tile holding several experts' copies is visited once per expert (megablox's grouped matmul). Visits walk the
 experts in order, so a tile's visits are consecutive grid steps: its output block stays in VMEM between them
@@ -73,7 +73,7 @@ def _plan(routing: Routing) -> _Plan:
     per column tile). Prefill: each expert's copies in tiles of their own (its group from a tile's start, padded to
     whole tiles of the mean group's next power of two, 16 ... 256 rows), so no visit multiplies another expert's
     rows: shared tiles of 256 rows, visited by every expert they meet, multiplied 25x the copies at 512 tokens (384
-    experts, top-8), 4x at 4096; these, 1.4-1.5x."""
+    experts, top-8), 4x at 4096; these, 1.4-1.55x (2x at 384)."""
     group_sizes, copies = routing.group_sizes, routing.order.shape[0]
     num_experts = group_sizes.shape[0]
     offsets = group_offsets(routing)
@@ -88,7 +88,7 @@ def _plan(routing: Routing) -> _Plan:
     expert, tile, real = visits(starts, tm, tiles)
     copy = jnp.arange(copies, dtype=jnp.int32)
     copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
-    row_of = starts[copy_expert] + copy - offsets[copy_expert]  # dropped copies: past every group, within the rows
+    row_of = starts[copy_expert] + copy - offsets[copy_expert]  # dropped copies: after the last group's, in the rows
     source = jnp.zeros(tiles * tm, jnp.int32).at[row_of].set(copy)
     return _Plan(expert, tile, starts, real, source, row_of, tm, tiles * tm)
 
@@ -112,7 +112,7 @@ def _weight_specs(w: TpuWeight, tn: int, column_block) -> list[pl.BlockSpec]:
     """Blocks of expert e's K x TN column tile `column_block(n)` of each operand of w."""
 
     def at(*lead):
-        return lambda n, v, expert, tile, offsets, real: (expert[v], *lead, column_block(n))
+        return lambda n, v, expert, tile, starts, real: (expert[v], *lead, column_block(n))
 
     k = w.shape[2]
     if w.format == PLAIN:
@@ -172,14 +172,14 @@ def _matmul(x: jax.Array, w: jax.Array, widen: bool) -> jax.Array:
                            preferred_element_type=jnp.float32)  # fmt: skip
 
 
-def _in_group(tile_ref, expert_ref, offsets_ref, v, tm: int) -> jax.Array:
-    """[TM, 1]: which rows of visit v's tile are copies of its expert."""
+def _in_group(tile_ref, expert_ref, starts_ref, v, tm: int) -> jax.Array:
+    """[TM, 1]: which rows of visit v's tile are its expert's (its copies; with tiles of its own, the padding too)."""
     rows = tile_ref[v] * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
     e = expert_ref[v]
-    return (rows >= offsets_ref[e]) & (rows < offsets_ref[e + 1])
+    return (rows >= starts_ref[e]) & (rows < starts_ref[e + 1])
 
 
-def _gate_up_kernel(expert_ref, tile_ref, offsets_ref, real_ref, x_ref, *refs, fmt, chunks, caps, widen):
+def _gate_up_kernel(expert_ref, tile_ref, starts_ref, real_ref, x_ref, *refs, fmt, chunks, caps, widen):
     count = OPERANDS[fmt]
     gate_refs, up_refs = refs[:count], refs[count : 2 * count]
     out_ref, *scratch = refs[2 * count :]
@@ -203,11 +203,11 @@ def _gate_up_kernel(expert_ref, tile_ref, offsets_ref, real_ref, x_ref, *refs, f
         # the reference's rounding of the projection, then its SwiGLU in fp32
         gate, up = (y.astype(out_ref.dtype).astype(jnp.float32) for y in (gate, up))
         hidden = softcap(gate, caps[0]) * jax.nn.sigmoid(gate) * softcap(up, caps[1])
-        in_group = _in_group(tile_ref, expert_ref, offsets_ref, v, tm)
+        in_group = _in_group(tile_ref, expert_ref, starts_ref, v, tm)
         out_ref[...] = jnp.where(in_group, hidden.astype(out_ref.dtype), out_ref[...])
 
 
-def _down_kernel(expert_ref, tile_ref, offsets_ref, real_ref, h_ref, *refs, fmt, chunks, widen):
+def _down_kernel(expert_ref, tile_ref, starts_ref, real_ref, h_ref, *refs, fmt, chunks, widen):
     count = OPERANDS[fmt]
     weight_refs, (out_ref, *scratch) = refs[:count], refs[count:]
     v = pl.program_id(1)
@@ -223,7 +223,7 @@ def _down_kernel(expert_ref, tile_ref, offsets_ref, real_ref, h_ref, *refs, fmt,
 
         tm, tn = out_ref.shape
         acc = lax.fori_loop(0, chunks, step, jnp.zeros((tm, tn), jnp.float32))
-        in_group = _in_group(tile_ref, expert_ref, offsets_ref, v, tm)
+        in_group = _in_group(tile_ref, expert_ref, starts_ref, v, tm)
         out_ref[...] = jnp.where(in_group, acc.astype(out_ref.dtype), out_ref[...])
 
 
@@ -232,11 +232,11 @@ def _grouped(
     interpret: pltpu.InterpretParams | None, **options,
 ) -> jax.Array:  # fmt: skip
     """One grouped matmul pallas_call over the visits: rows [R, K] (resident per tile) -> [R, N]."""
-    expert, tile, offsets, real, tm = plan.expert, plan.tile, plan.starts, plan.real, plan.tm
+    expert, tile, starts, real, tm = plan.expert, plan.tile, plan.starts, plan.real, plan.tm
     k = rows.shape[1]
     grid = (n // tn, expert.shape[0])
-    row_spec = pl.BlockSpec((tm, k), lambda n, v, expert, tile, offsets, real: (tile[v], 0))
-    out_spec = pl.BlockSpec((tm, tn), lambda n, v, expert, tile, offsets, real: (tile[v], n))
+    row_spec = pl.BlockSpec((tm, k), lambda n, v, expert, tile, starts, real: (tile[v], 0))
+    out_spec = pl.BlockSpec((tm, tn), lambda n, v, expert, tile, starts, real: (tile[v], n))
     scratch = [s for w in weights for s in _scale_scratch(w, tn)]
     operands = [x for w in weights for x in _weight_operands(w)]
     return pl.pallas_call(
@@ -249,7 +249,7 @@ def _grouped(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
         ),
         interpret=False if interpret is None else interpret,
-    )(expert, tile, offsets, real, rows, *operands)
+    )(expert, tile, starts, real, rows, *operands)
 
 
 def supports(two_i: int, hidden: int) -> bool:
