@@ -49,6 +49,7 @@ from pallas_kernels.moe.routing import (
     group_of,
     group_offsets,
     kept_copies,
+    placed_copies,
     prefix_sum,
     route,
     visits,
@@ -141,10 +142,7 @@ def tile_copies(routing: Routing) -> Tiles:
     order = jnp.argsort(width_class, stable=True)  # by width, padding visits last
     expert, first_row = expert[order], (starts[expert] + first_copy)[order]
     class_ends = jnp.sum(width_class[None, :] <= jnp.arange(len(OWN_TMS))[:, None], axis=1, dtype=jnp.int32)
-    copy = jnp.arange(copies, dtype=jnp.int32)
-    copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
-    row_of = starts[copy_expert] + copy - offsets[copy_expert]  # dropped copies: past every group, within the rows
-    source = jnp.zeros(rows, jnp.int32).at[row_of].set(copy)
+    row_of, source = placed_copies(routing, starts, rows)
     writes_to = first_row + width[order]
     return Tiles(expert, first_row, first_row, writes_to, class_ends, source, row_of, OWN_TMS, rows)
 

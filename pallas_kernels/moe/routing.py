@@ -123,3 +123,14 @@ def visits(offsets: jax.Array, tm: int, count: int) -> tuple[jax.Array, jax.Arra
     expert = jnp.minimum(group_of(ends, v), sizes.shape[0] - 1)
     tile = (first[expert] + v - (ends[expert] - per_expert[expert])).astype(jnp.int32)
     return expert, jnp.where(real > 0, tile, 0), real.reshape(1).astype(jnp.int32)
+
+
+def placed_copies(routing: Routing, starts: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """The sorted copies laid out with expert e's group from row starts[e]: each sorted copy's row [N * k] (dropped
+    copies after the last group's, within the `rows`) and the sorted copy in each of the rows [R] (0 in rows of
+    none), both int32."""
+    offsets = group_offsets(routing)
+    copy = jnp.arange(routing.order.shape[0], dtype=jnp.int32)
+    copy_expert = jnp.minimum(group_of(offsets[1:], copy), routing.group_sizes.shape[0] - 1)
+    row_of = starts[copy_expert] + copy - offsets[copy_expert]
+    return row_of, jnp.zeros(rows, jnp.int32).at[row_of].set(copy)

@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, check_experts, e2m1_value, nvfp4_codes, nvfp4_order
 from pallas_kernels.moe.reference import softcap
-from pallas_kernels.moe.routing import Routing, combine, group_of, group_offsets, prefix_sum, route, visits
+from pallas_kernels.moe.routing import Routing, combine, group_offsets, placed_copies, prefix_sum, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 CHUNK = 256  # K rows dequantized per matmul: 8 MXFP8 scale rows, 16 NVFP4 scale rows (whole (8, 128) tiles)
@@ -86,10 +86,7 @@ def _plan(routing: Routing) -> _Plan:
     tiles = -(-copies // tm) + min(num_experts, copies)  # each group's tiles, at most
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(-(-group_sizes // tm) * tm)])
     expert, tile, real = visits(starts, tm, tiles)
-    copy = jnp.arange(copies, dtype=jnp.int32)
-    copy_expert = jnp.minimum(group_of(offsets[1:], copy), num_experts - 1)
-    row_of = starts[copy_expert] + copy - offsets[copy_expert]  # dropped copies: after the last group's, in the rows
-    source = jnp.zeros(tiles * tm, jnp.int32).at[row_of].set(copy)
+    row_of, source = placed_copies(routing, starts, tiles * tm)
     return _Plan(expert, tile, starts, real, source, row_of, tm, tiles * tm)
 
 
@@ -275,9 +272,9 @@ def moe_experts(
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
     routing = route(experts, weights, num_experts)
-    copies = routing.order.shape[0]
-    if copies == 0:
-        return jnp.zeros((experts.shape[0], hidden), x.dtype if out_dtype is None else out_dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if routing.order.shape[0] == 0:
+        return jnp.zeros((experts.shape[0], hidden), out_dtype)
     plan = _plan(routing)
     token_rows = routing.token_of if plan.source is None else routing.token_of[plan.source]
     itemsize = {PLAIN: gate_up.data.dtype.itemsize, MXFP8: 1, NVFP4: 0.5}[gate_up.format]
@@ -300,5 +297,4 @@ def moe_experts(
         _down_kernel, rows_in_order(hidden_rows, inter), [down], _weight_specs(down, th, lambda n: n), hidden, th,
         plan, interpret=interpret,
     )  # fmt: skip
-    out_dtype = x.dtype if out_dtype is None else out_dtype
     return combine(out_rows, routing, experts.shape[0], out_dtype, plan.row_of)
