@@ -1,8 +1,9 @@
 """What a multiprocessor of the Mosaic GPU expert kernels can do with no memory traffic: the ceilings their
 measured rates are read against.
 
-- `wgmma`: each CTA's compute warpgroups multiply a [64, 32] bf16 weight block (registers, "RS", as the kernels
-  do; or SMEM, "SS") by a [32, N] SMEM activation block, one wgmma left in flight, ITERS x 4 blocks per warpgroup.
+- `wgmma`: each CTA's compute warpgroups multiply a [64, 64] bf16 weight block (registers, "RS", as the kernels
+  do; or SMEM, "SS") by a [64, N] SMEM activation block (`gpu_work.WGMMA_K`), one wgmma left in flight, ITERS x 2
+  blocks per warpgroup.
 - `body`: the kernels' pipeline step itself (`gpu_work.multiply_step`: decode of the stage's weight rows, then
   wgmma) over SMEM stage buffers that never change: 3 compute warpgroups of 64 weight rows, `tm` activation rows,
   K steps of `kc`; no TMA, no pipeline, no epilogue.
@@ -60,13 +61,13 @@ def _kernel(body, wgs: int, n: int, scratch: list, interpret: bool):
 
 
 def wgmma_kernel(n: int, registers: bool, wgs: int, iters: int, interpret: bool):
-    """wgmma alone: [64, 32] weights (registers or SMEM) x [32, n] activations, `iters` x 4 blocks per warpgroup."""
+    """wgmma alone: [64, 64] weights (registers or SMEM) x [64, n] activations, `iters` x 2 blocks per warpgroup."""
 
     def body(wg, acc_ref, a_smem, b_smem):
         @pl.loop(0, iters)
         def _(i):
-            for j in range(4):
-                cols = pl.ds(j * 32, 32)
+            for j in range(128 // work.WGMMA_K):
+                cols = pl.ds(j * work.WGMMA_K, work.WGMMA_K)
                 a = a_smem.at[wg, :, cols]
                 if registers:
                     a = plgpu.load(a, layout=plgpu.Layout.WGMMA)
@@ -108,7 +109,7 @@ def body_kernel(fmt: str, tm: int, kc: int, iters: int, interpret: bool):
     if tabled:
         scratch.append(plgpu.SMEM((WGS, TABLE_ENTRIES, 4), jnp.uint32))
     if interpret:
-        scratch.append(plgpu.SMEM((WGS, LANES, 32), jnp.bfloat16, transforms=work.X_TRANSFORMS))
+        scratch.append(plgpu.SMEM((WGS, LANES, work.WGMMA_K), jnp.bfloat16, transforms=work.X_TRANSFORMS))
     return _kernel(body, WGS, tm, scratch, interpret)
 
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.wgmma_n:
             for registers in [False] if interpret else [True, False]:
                 kernel = jax.jit(wgmma_kernel(n, registers, wgs, iters, interpret))
-                rate = tflops(kernel, wgs * iters * 4 * LANES * n * 32 * 2, interpret)
+                rate = tflops(kernel, wgs * iters * LANES * n * 128 * 2, interpret)
                 print(f"wgmma: {wgs} warpgroups, N {n}, {'RS' if registers else 'SS'}: {_rate(rate)}", flush=True)
     iters = 2 if interpret else 3000
     for fmt in args.body_formats:

@@ -9,10 +9,10 @@ CTAs, ...) through one software pipeline per visit width: the next item's first 
 and the epilogue of the one before (a CTA per item drained its pipeline at every item's end: 8-15% of the decode's
 bandwidth). One warpgroup issues the TMA copies of each K step (the weight tile's bytes, its block scales, the tile's
 activations) into a ring of SMEM stages; three compute (two where N is no multiple of 192), 64 weight rows each,
-decoding each run of their rows (32 MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and multiplying it with
-the activations' matching columns while the next block decodes. The epilogue stores the accumulator transposed into SMEM
-and copies only the visit's own rows out (a log ladder of TMA boxes, as in jax's ragged_dot_mgpu), so visits that share
-rows never write each other's.
+decoding each run of their rows (32 MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and multiplying 64 K
+values at a time with the activations' matching columns (128-byte swizzled) while the next 64 decode. The epilogue
+stores the accumulator transposed into SMEM and copies only the visit's own rows out (a log ladder of TMA boxes, as in
+jax's ragged_dot_mgpu), so visits that share rows never write each other's.
 
 Up to 8 tokens (`chosen_experts`): one visit per distinct chosen expert, multiplying every token (8 rows, wgmma's
 narrowest N side) into rows of its own: no sort, no row gather, three small reductions for the plan. Decode of more
@@ -280,7 +280,7 @@ def _grouped(
     if tabled:
         scratch.append(plgpu.SMEM((wgs, TABLE_ENTRIES, 4), jnp.uint32))
     if interpret:
-        scratch.append(plgpu.SMEM((wgs, LANES, 32), jnp.bfloat16, transforms=work.X_TRANSFORMS))
+        scratch.append(plgpu.SMEM((wgs, LANES, work.WGMMA_K), jnp.bfloat16, transforms=work.X_TRANSFORMS))
     weights = [w.scales, w.global_scale][:weight_operands]
     plan = [tiles.expert, tiles.first_row, tiles.real] + ([] if whole else [tiles.writes_from, tiles.writes_to])
     return plgpu.kernel(

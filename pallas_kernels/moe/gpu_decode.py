@@ -103,6 +103,25 @@ def _e4m3_as_bf16_bits(run: int):
     return decode
 
 
+@functools.cache
+def _joined():
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((LANES, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )
+    def join(_, left: mgpu.FragmentedArray, right: mgpu.FragmentedArray) -> mgpu.FragmentedArray:
+        registers = np.concatenate([left.registers, right.registers], axis=1)  # axis 1: 8-column groups
+        return mgpu.FragmentedArray(_registers=registers, _layout=left.layout, _is_signed=None)
+
+    return join
+
+
+def joined(left: jax.Array, right: jax.Array, interpret: bool) -> jax.Array:
+    """Two bf16 [64, 32] register operands -> [64, 64]: left's columns, then right's (no data moves: the wgmma
+    layout holds a thread's values of each 8-column group in registers of their own)."""
+    return jnp.concatenate([left, right], axis=1) if interpret else _joined()(left, right)
+
+
 def _run_bytes(words: jax.Array, run: int) -> jax.Array:
     """Words [64, 8R] -> run `run`'s bytes [64, 32] in row order (the interpreter's view)."""
     shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
