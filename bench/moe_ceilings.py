@@ -7,14 +7,20 @@ measured rates are read against.
 - `body`: the kernels' pipeline step itself (`gpu_work.multiply_step`: decode of the stage's weight rows, then
   wgmma) over SMEM stage buffers that never change: 3 compute warpgroups of 64 weight rows, `tm` activation rows,
   K steps of `kc`; no TMA, no pipeline, no epilogue.
+- `stream`: the other side, the kernels' stage streaming with no compute: each CTA's pipeline (one TMA warpgroup, 3
+  compute warpgroups that release each stage at once) over ITEMS items of an expert's column tile of 192 rows and
+  K = 4608 in steps of 128 (the weight rows and their scales, `tm` activation rows, or both, in the kernels' block
+  shapes and swizzles), the experts' weights in HBM (one expert per CTA, ~3 GB), the activations L2-resident.
 
-One CTA per multiprocessor; TFLOP/s over all of them (the buffers are never written: the values are whatever SMEM
-held, the time is not).
+One CTA per multiprocessor; TFLOP/s (or TB/s) over all of them (the buffers are never written: the values are
+whatever SMEM held, the time is not).
 
     python -m bench.moe_ceilings [--wgmma-wgs 3 2] [--wgmma-n 64 96 128 192 256] [--body-formats plain mxfp8 nvfp4]
-                                 [--body-tm 96 128] [--body-kc 128 256]
+                                 [--body-tm 96 128] [--body-kc 128 256] [--stream-formats mxfp8 nvfp4]
+                                 [--stream-tm 112] [--stream-operands weights activations both]
 
-Off the GPU the kernels run once in Mosaic GPU's interpreter (a check that they build; SS wgmma only, 2 CTAs).
+Off the GPU the kernels run once in Mosaic GPU's interpreter (a check that they build; SS wgmma only, 2 CTAs, small
+streams).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 WGS = 3  # the kernels' compute warpgroups
 DATA = {"plain": jnp.bfloat16, MXFP8: jnp.uint32, NVFP4: jnp.uint32}  # a stage's weight items
 SCALES = {MXFP8: jnp.uint8, NVFP4: jnp.uint32}
+ITEMS, STREAM_K = 70, 4608  # `stream`: items per CTA (prefill's gate_up at 4096 tokens: ~9.2K over 132 CTAs), K
 
 
 def _kernel(body, wgs: int, n: int, scratch: list, interpret: bool):
@@ -113,6 +120,64 @@ def body_kernel(fmt: str, tm: int, kc: int, iters: int, interpret: bool):
     return _kernel(body, WGS, tm, scratch, interpret)
 
 
+def stream_kernel(fmt: str, tm: int, operands: str, interpret: bool):
+    """The kernels' stage streaming alone: (weights [E, N, K / items], scales [E, K / block, N], x [R, K]) -> an
+    unwritten output; CTA c streams expert c's column tiles (c + i) % 24, and activation rows (c + i) % (R / tm)."""
+    ctas = 2 if interpret else work.multiprocessors()
+    rows, kc = WGS * LANES, 128
+    items, steps = (2, 3) if interpret else (ITEMS, STREAM_K // kc)
+    item = jnp.dtype(DATA[fmt]).itemsize
+    weight_specs = [
+        plgpu.BlockSpec((rows, kc // work.VALUES_PER_ITEM[fmt]), lambda i, kk: (i % 24, kk),
+                        transforms=work.weight_transforms(fmt, kc, item)),
+        plgpu.BlockSpec((kc // work.BLOCK[fmt], rows), lambda i, kk: (kk, i % 24)),
+    ]  # fmt: skip
+    x_spec = plgpu.BlockSpec((tm, kc), lambda i, kk: (i % 36, kk), transforms=work.X_TRANSFORMS)
+    specs = {"weights": weight_specs, "activations": [x_spec], "both": [*weight_specs, x_spec]}[operands]
+
+    def kernel(w_gmem, s_gmem, x_gmem, out_gmem):
+        e = lax.axis_index("sm") % w_gmem.shape[0]
+        refs = {"weights": [w_gmem.at[e], s_gmem.at[e]], "activations": [x_gmem]}
+        refs["both"] = [*refs["weights"], x_gmem]
+
+        def release(indices, *stage):
+            pass
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            release, grid=(items, steps), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=WGS,
+            max_concurrent_steps=3,
+        )  # fmt: skip
+        pipeline(*refs[operands])
+
+    return items * steps, plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((8, 128), jnp.float32), grid=(ctas,), grid_names=("sm",),
+        num_threads=WGS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )  # fmt: skip
+
+
+def stream_rate(fmt: str, tm: int, operands: str, interpret: bool) -> str:
+    """`stream_kernel`'s bytes per second over all CTAs."""
+    experts = 2 if interpret else work.multiprocessors()
+    k = 3 * 128 if interpret else STREAM_K
+    per_item = work.VALUES_PER_ITEM[fmt]
+    keys = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.bits(keys[0], (experts, 4608, k // per_item), DATA[fmt])
+    s = jax.random.bits(keys[1], (experts, k // work.BLOCK[fmt], 4608), SCALES[fmt])
+    x = jax.random.normal(keys[2], (36 * tm, k), jnp.bfloat16)
+    steps, kernel = stream_kernel(fmt, tm, operands, interpret)
+    kernel = jax.jit(kernel)
+    if interpret:
+        jax.block_until_ready(kernel(w, s, x))
+        return "ran in the interpreter (untimed)"
+    ms = sum(ms for _, ms in kernels_ms(kernel, w, s, x, repeats=5))
+    weight_bytes = WGS * LANES * 128 * (w.dtype.itemsize / per_item + s.dtype.itemsize / work.BLOCK[fmt])
+    step_bytes = {"weights": weight_bytes, "activations": tm * 256, "both": weight_bytes + tm * 256}[operands]
+    total = work.multiprocessors() * steps * step_bytes
+    return f"{total / ms / 1e9:.2f} TB/s ({ms * 1e3:.0f} us)"
+
+
 def tflops(kernel, flops_per_cta: float, interpret: bool) -> float | None:
     """The kernel's rate over all CTAs (None in the interpreter: run once, untimed)."""
     if interpret:
@@ -133,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--body-formats", nargs="*", default=["plain", MXFP8, NVFP4])
     parser.add_argument("--body-tm", type=int, nargs="*", default=[96, 128])
     parser.add_argument("--body-kc", type=int, nargs="*", default=[128, 256])
+    parser.add_argument("--stream-formats", nargs="*", default=[MXFP8, NVFP4])
+    parser.add_argument("--stream-tm", type=int, nargs="*", default=[112])
+    parser.add_argument("--stream-operands", nargs="*", default=["weights", "activations", "both"])
     args = parser.parse_args(argv)
     interpret = jax.default_backend() != "gpu"
     iters = 2 if interpret else 4000
@@ -149,6 +217,10 @@ def main(argv: list[str] | None = None) -> None:
                 kernel = jax.jit(body_kernel(fmt, tm, kc, iters, interpret))
                 rate = tflops(kernel, WGS * iters * LANES * tm * kc * 2, interpret)
                 print(f"body: {fmt}, tm {tm}, kc {kc}: {_rate(rate)}", flush=True)
+    for fmt in args.stream_formats:
+        for tm in args.stream_tm:
+            for operands in args.stream_operands:
+                print(f"stream: {fmt}, tm {tm}, {operands}: {stream_rate(fmt, tm, operands, interpret)}", flush=True)
 
 
 if __name__ == "__main__":
