@@ -23,6 +23,7 @@ from pallas_kernels.moe.layouts import (
     in_gpu_k_order,
     nvfp4_gpu_columns,
     paired_rows,
+    rows_in_gpu_k_order,
 )
 from pallas_kernels.moe.routing import route
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
@@ -92,6 +93,12 @@ def test_activations_take_the_kernels_k_order(fmt):
     x = jax.random.normal(jax.random.key(5), (3, 2, 512), jnp.float32).astype(jnp.bfloat16)
     order = gpu_k_order(fmt, 512)
     np.testing.assert_array_equal(np.asarray(in_gpu_k_order(x, fmt)), np.asarray(x if order is None else x[..., order]))
+    rows = jax.random.randint(jax.random.key(6), (11,), 0, 6)  # gathered as 32-bit words: the same bits
+    flat = x.reshape(6, 512)
+    np.testing.assert_array_equal(
+        np.asarray(rows_in_gpu_k_order(flat, rows, fmt)).view(np.uint16),
+        np.asarray(in_gpu_k_order(flat, fmt)[rows]).view(np.uint16),
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -41,7 +41,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.moe import gpu_work as work
 from pallas_kernels.moe.gpu_decode import LANES, TABLE_ENTRIES
 from pallas_kernels.moe.gpu_work import SHARED_TM
-from pallas_kernels.moe.layouts import PAIR_UNITS, PLAIN, GpuWeight, check_experts, in_gpu_k_order
+from pallas_kernels.moe.layouts import (
+    PAIR_UNITS,
+    PLAIN,
+    GpuWeight,
+    check_experts,
+    in_gpu_k_order,
+    rows_in_gpu_k_order,
+)
 from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import (
     Routing,
@@ -377,17 +384,17 @@ def moe_experts(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if experts.size == 0:
         return jnp.zeros((tokens, hidden), out_dtype)
-    x_in_order = in_gpu_k_order(x, gate_up.format)
     caps = (gate_cap, up_cap)
     if tokens <= SHARED_TM[0]:
-        return _few_tokens(x_in_order, gate_up, down, experts, weights, caps=caps, out_dtype=out_dtype,
-                          interpret=interpret)  # fmt: skip
+        return _few_tokens(in_gpu_k_order(x, gate_up.format), gate_up, down, experts, weights, caps=caps,
+                           out_dtype=out_dtype, interpret=interpret)  # fmt: skip
     routing = route(experts, weights, num_experts)
     tiles = tile_copies(routing)
     if tiles.source is None:
-        rows = jnp.pad(x_in_order[routing.token_of], ((0, tiles.rows - routing.order.shape[0]), (0, 0)))
+        rows = rows_in_gpu_k_order(x, routing.token_of, gate_up.format)
+        rows = jnp.pad(rows, ((0, tiles.rows - routing.order.shape[0]), (0, 0)))
     else:
-        rows = x_in_order[routing.token_of[tiles.source]]
+        rows = rows_in_gpu_k_order(x, routing.token_of[tiles.source], gate_up.format)
     hidden_rows = grouped_matmul(rows, gate_up, tiles, swiglu=caps, interpret=interpret)
     out_rows = grouped_matmul(hidden_rows, down, tiles, interpret=interpret)
     return combine(out_rows, routing, tokens, out_dtype, tiles.row_of)
