@@ -5,8 +5,8 @@ The copies' rows are cut into tiles of TM rows (`_plan`). A "visit" is one (tile
 expert's copies are contiguous, so it visits one tile, or a few when its group crosses tile boundaries, and a
 tile holding several experts' copies is visited once per expert (megablox's grouped matmul). Visits walk the
 experts in order, so a tile's visits are consecutive grid steps: its output block stays in VMEM between them
-and each visit writes only its own rows. Padding visits repeat the last one's blocks (nothing is fetched
-again) and compute nothing.
+and each visit writes only its own rows. The grid steps through the real visits alone (a dynamic count); the plan
+pads its arrays to their static bound.
 
 - gate_up: grid (N tiles of the I columns [parallel], visits): the tile's x rows [TM, H] stay resident over
   its visits; a step reads the expert's gate and up columns [H, TN] each (the weight bytes of the chosen
@@ -109,7 +109,7 @@ def _weight_specs(w: TpuWeight, tn: int, column_block) -> list[pl.BlockSpec]:
     """Blocks of expert e's K x TN column tile `column_block(n)` of each operand of w."""
 
     def at(*lead):
-        return lambda n, v, expert, tile, starts, real: (expert[v], *lead, column_block(n))
+        return lambda n, v, expert, tile, starts: (expert[v], *lead, column_block(n))
 
     k = w.shape[2]
     if w.format == PLAIN:
@@ -176,52 +176,44 @@ def _in_group(tile_ref, expert_ref, starts_ref, v, tm: int) -> jax.Array:
     return (rows >= starts_ref[e]) & (rows < starts_ref[e + 1])
 
 
-def _gate_up_kernel(expert_ref, tile_ref, starts_ref, real_ref, x_ref, *refs, fmt, chunks, caps, widen):
+def _gate_up_kernel(expert_ref, tile_ref, starts_ref, x_ref, *refs, fmt, chunks, caps, widen):
     count = OPERANDS[fmt]
     gate_refs, up_refs = refs[:count], refs[count : 2 * count]
     out_ref, *scratch = refs[2 * count :]
-    v = pl.program_id(1)
+    gate_scales, up_scales = (scratch[0], scratch[1]) if scratch else (None, None)
+    _decode_scales(fmt, gate_refs, gate_scales)
+    _decode_scales(fmt, up_refs, up_scales)
 
-    @pl.when(v < real_ref[0])
-    def _():
-        gate_scales, up_scales = (scratch[0], scratch[1]) if scratch else (None, None)
-        _decode_scales(fmt, gate_refs, gate_scales)
-        _decode_scales(fmt, up_refs, up_scales)
+    def step(c, accs):
+        x = x_ref[:, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
+        gate = _matmul(x, _chunk(fmt, gate_refs, gate_scales, c, x.dtype), widen)
+        up = _matmul(x, _chunk(fmt, up_refs, up_scales, c, x.dtype), widen)
+        return accs[0] + gate, accs[1] + up
 
-        def step(c, accs):
-            x = x_ref[:, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
-            gate = _matmul(x, _chunk(fmt, gate_refs, gate_scales, c, x.dtype), widen)
-            up = _matmul(x, _chunk(fmt, up_refs, up_scales, c, x.dtype), widen)
-            return accs[0] + gate, accs[1] + up
-
-        tm, tn = out_ref.shape
-        zeros = jnp.zeros((tm, tn), jnp.float32)
-        gate, up = lax.fori_loop(0, chunks, step, (zeros, zeros))
-        # the reference's rounding of the projection, then its SwiGLU in fp32
-        gate, up = (y.astype(out_ref.dtype).astype(jnp.float32) for y in (gate, up))
-        hidden = softcap(gate, caps[0]) * jax.nn.sigmoid(gate) * softcap(up, caps[1])
-        in_group = _in_group(tile_ref, expert_ref, starts_ref, v, tm)
-        out_ref[...] = jnp.where(in_group, hidden.astype(out_ref.dtype), out_ref[...])
+    tm, tn = out_ref.shape
+    zeros = jnp.zeros((tm, tn), jnp.float32)
+    gate, up = lax.fori_loop(0, chunks, step, (zeros, zeros))
+    # the reference's rounding of the projection, then its SwiGLU in fp32
+    gate, up = (y.astype(out_ref.dtype).astype(jnp.float32) for y in (gate, up))
+    hidden = softcap(gate, caps[0]) * jax.nn.sigmoid(gate) * softcap(up, caps[1])
+    in_group = _in_group(tile_ref, expert_ref, starts_ref, pl.program_id(1), tm)
+    out_ref[...] = jnp.where(in_group, hidden.astype(out_ref.dtype), out_ref[...])
 
 
-def _down_kernel(expert_ref, tile_ref, starts_ref, real_ref, h_ref, *refs, fmt, chunks, widen):
+def _down_kernel(expert_ref, tile_ref, starts_ref, h_ref, *refs, fmt, chunks, widen):
     count = OPERANDS[fmt]
     weight_refs, (out_ref, *scratch) = refs[:count], refs[count:]
-    v = pl.program_id(1)
+    scales = scratch[0] if scratch else None
+    _decode_scales(fmt, weight_refs, scales)
 
-    @pl.when(v < real_ref[0])
-    def _():
-        scales = scratch[0] if scratch else None
-        _decode_scales(fmt, weight_refs, scales)
+    def step(c, acc):
+        h = h_ref[:, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
+        return acc + _matmul(h, _chunk(fmt, weight_refs, scales, c, h.dtype), widen)
 
-        def step(c, acc):
-            h = h_ref[:, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
-            return acc + _matmul(h, _chunk(fmt, weight_refs, scales, c, h.dtype), widen)
-
-        tm, tn = out_ref.shape
-        acc = lax.fori_loop(0, chunks, step, jnp.zeros((tm, tn), jnp.float32))
-        in_group = _in_group(tile_ref, expert_ref, starts_ref, v, tm)
-        out_ref[...] = jnp.where(in_group, acc.astype(out_ref.dtype), out_ref[...])
+    tm, tn = out_ref.shape
+    acc = lax.fori_loop(0, chunks, step, jnp.zeros((tm, tn), jnp.float32))
+    in_group = _in_group(tile_ref, expert_ref, starts_ref, pl.program_id(1), tm)
+    out_ref[...] = jnp.where(in_group, acc.astype(out_ref.dtype), out_ref[...])
 
 
 def _grouped(
@@ -231,22 +223,23 @@ def _grouped(
     """One grouped matmul pallas_call over the visits: rows [R, K] (resident per tile) -> [R, N]."""
     expert, tile, starts, real, tm = plan.expert, plan.tile, plan.starts, plan.real, plan.tm
     k = rows.shape[1]
-    grid = (n // tn, expert.shape[0])
-    row_spec = pl.BlockSpec((tm, k), lambda n, v, expert, tile, starts, real: (tile[v], 0))
-    out_spec = pl.BlockSpec((tm, tn), lambda n, v, expert, tile, starts, real: (tile[v], n))
+    grid = (n // tn, real[0])  # a dynamic count: the real visits alone (their static bound stepped through up to
+    # ~2.3K skipped grid steps over both kernels at 4096 tokens)
+    row_spec = pl.BlockSpec((tm, k), lambda n, v, expert, tile, starts: (tile[v], 0))
+    out_spec = pl.BlockSpec((tm, tn), lambda n, v, expert, tile, starts: (tile[v], n))
     scratch = [s for w in weights for s in _scale_scratch(w, tn)]
     operands = [x for w in weights for x in _weight_operands(w)]
     return pl.pallas_call(
         functools.partial(kernel, fmt=weights[0].format, chunks=k // CHUNK, widen=interpret is not None, **options),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=grid, in_specs=[row_spec, *specs], out_specs=out_spec, scratch_shapes=scratch
+            num_scalar_prefetch=3, grid=grid, in_specs=[row_spec, *specs], out_specs=out_spec, scratch_shapes=scratch
         ),
         out_shape=jax.ShapeDtypeStruct((rows.shape[0], n), rows.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
         ),
         interpret=False if interpret is None else interpret,
-    )(expert, tile, starts, real, rows, *operands)
+    )(expert, tile, starts, rows, *operands)
 
 
 def supports(two_i: int, hidden: int) -> bool:
