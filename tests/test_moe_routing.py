@@ -33,6 +33,13 @@ def test_combine_sums_each_tokens_copies_in_order(tokens, top_k, experts):
     assert np.isfinite(got).all() and np.abs(got).max() > 0
 
 
+def test_expected_copies_count_only_these_experts_share():
+    """All N * k copies, or under expert parallelism the share routed to these E of routed_experts (rounded up)."""
+    ids = jax.random.randint(jax.random.key(3), (10, 4), 0, 30)
+    assert route(ids, jnp.ones((10, 4)), 8).expected == 40
+    assert route(ids, jnp.ones((10, 4)), 8, routed_experts=30).expected == 11  # 40 * 8 / 30 = 10.7
+
+
 def test_group_of_finds_each_positions_group():
     rng = np.random.default_rng(0)
     sizes = rng.integers(0, 5, 40).astype(np.int32)  # empty groups included

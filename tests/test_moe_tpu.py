@@ -160,9 +160,27 @@ def test_entry_point_picks_a_backend_and_names_bad_input():
         moe_experts(x, gate_up, down, chosen, weights, **CAPS, backend="tpu")
     with pytest.raises(ValueError, match="expert shapes do not match"):
         tpu.moe_experts(x, laid_out[0], laid_out[0], chosen, weights, **CAPS)
+    with pytest.raises(ValueError, match=r"routed_experts \(3\) is fewer than the 4 experts the weights hold"):
+        moe_experts(x, *laid_out, chosen, weights, **CAPS, routed_experts=3)
     small = for_tpu(jnp.zeros((2, 2 * 200, 256), jnp.bfloat16)), for_tpu(jnp.zeros((2, 256, 200), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"I \(200\) to be multiples of 256"):
         tpu.moe_experts(jnp.zeros((1, 256), jnp.bfloat16), *small, chosen[:1] % 2, weights[:1], **CAPS)
+
+
+def test_expert_parallel_tiles_are_sized_for_the_kept_copies():
+    """One shard of four (ids over 4 x EXPERTS, three quarters dropped here): with routed_experts the own tiles
+    are sized for the copies expected to stay (16 rows for ~8 per expert, not 32 for all 32 per expert), and the
+    output is the same."""
+    gate_up, down = expert_weights(8, MXFP8)
+    x, chosen, weights = routed(9, 32, 8, (0, 4 * EXPERTS))
+    sizes = [tpu._plan(route(chosen, weights, EXPERTS, routed)).tm for routed in (None, 4 * EXPERTS)]
+    assert sizes == [32, 16]
+    args = (x, for_tpu(gate_up), for_tpu(down), chosen, weights)
+    got = interpreted(*args, **CAPS, routed_experts=4 * EXPERTS)
+    want = reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS)
+    assert np.abs(np.asarray(want, np.float32)).max() > 0.1
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-6,
+                               atol=2**-8 * np.abs(np.asarray(want, np.float32)).max())  # fmt: skip
 
 
 def laid_out_spec(fmt: str, experts: int, n: int, k: int) -> TpuWeight:

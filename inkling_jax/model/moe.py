@@ -175,7 +175,7 @@ def expert_parallel(run, mesh, x, gate_up, down, experts, weights) -> jax.Array:
     def local(x, gate_up, down, experts, weights):  # gate_up, down: this device's experts
         per_device = jax.tree.leaves(gate_up)[0].shape[0]
         mine = experts - jax.lax.axis_index(MODEL) * per_device  # ids outside [0, per_device) are dropped
-        partial = run(x, gate_up, down, mine, weights, out_dtype=jnp.float32)
+        partial = run(x, gate_up, down, mine, weights, out_dtype=jnp.float32, routed_experts=per_device * tp)
         partial = jnp.pad(partial, ((0, padded - tokens), (0, 0)))
         summed = jax.lax.psum_scatter(partial, MODEL, scatter_dimension=0, tiled=True)
         return jax.lax.all_gather(round_to(summed, x.dtype), MODEL, axis=0, tiled=True)[:tokens]

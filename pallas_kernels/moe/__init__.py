@@ -20,11 +20,16 @@ Weight = jax.Array | QuantizedArray | TpuWeight | GpuWeight
 
 def moe_experts(
     x: jax.Array, gate_up: Weight, down: Weight, experts: jax.Array, weights: jax.Array, *, gate_cap: float,
-    up_cap: float, out_dtype: jnp.dtype | None = None, backend: str = "auto",
+    up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None, backend: str = "auto",
 ) -> jax.Array:  # fmt: skip
-    """`reference.moe_experts`'s contract ([N, H]: each token's weighted sum over its experts), by `backend`."""
+    """`reference.moe_experts`'s contract ([N, H]: each token's weighted sum over its experts), by `backend`.
+    `routed_experts`: under expert parallelism, the experts the ids were chosen among (these weights hold only
+    some; the others' ids are dropped here): the kernels size their tiles for the copies expected to stay."""
     if backend not in BACKENDS:
         raise ValueError(f"MoE backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    held = gate_up.shape[0]
+    if routed_experts is not None and routed_experts < held:
+        raise ValueError(f"routed_experts ({routed_experts}) is fewer than the {held} experts the weights hold")
     for_tpu_kernels = isinstance(gate_up, TpuWeight) and isinstance(down, TpuWeight)
     for_gpu_kernels = isinstance(gate_up, GpuWeight) and isinstance(down, GpuWeight)
     if backend == "auto":
@@ -44,6 +49,7 @@ def moe_experts(
             f"the {backend.upper()} expert kernels take weights laid out by pallas_kernels.moe.layouts.{layout}"
             f" (once, at load); got {type(gate_up).__name__} and {type(down).__name__}"
         )
+    options["routed_experts"] = routed_experts
     if backend == "tpu":
         return tpu.moe_experts(x, gate_up, down, experts, weights, **options)
     return gpu.moe_experts(x, gate_up, down, experts, weights, **options, interpret=jax.default_backend() == "cpu")

@@ -27,6 +27,8 @@ class Routing:
     kept: jax.Array  # [N * k] bool: whether it belongs to a group
     group_sizes: jax.Array  # [E] int32: copies per expert
     top_k: int = dataclasses.field(metadata={"static": True})  # k: copies per token
+    expected: int = dataclasses.field(metadata={"static": True})  # the copies expected to be kept, which the kernels'
+    # tiles are sized for: all N * k, or under expert parallelism the share routed to these experts
 
 
 RANKED_UP_TO = 2048  # copies up to which the sort and the group sizes are comparisons of every pair (a few fused
@@ -45,8 +47,10 @@ def kept_copies(experts: jax.Array, num_experts: int) -> jax.Array:
     return (experts >= 0) & (experts < num_experts)
 
 
-def route(experts: jax.Array, weights: jax.Array, num_experts: int) -> Routing:
-    """experts [N, k] int32 ids, weights [N, k] float32 -> the copies sorted by expert."""
+def route(experts: jax.Array, weights: jax.Array, num_experts: int, routed_experts: int | None = None) -> Routing:
+    """experts [N, k] int32 ids, weights [N, k] float32 -> the copies sorted by expert. `routed_experts`: the
+    experts the ids were chosen among where these are only some of them (expert parallelism: the ids of other
+    shards' experts are dropped here), so that about N * k * E / routed_experts copies are expected to be kept."""
     top_k = experts.shape[1]
     kept = kept_copies(experts, num_experts)
     flat = jnp.where(kept, experts, num_experts).reshape(-1)
@@ -70,6 +74,7 @@ def route(experts: jax.Array, weights: jax.Array, num_experts: int) -> Routing:
         kept=kept.reshape(-1)[order],
         group_sizes=group_sizes,
         top_k=top_k,
+        expected=flat.shape[0] if routed_experts is None else -(-flat.shape[0] * num_experts // routed_experts),
     )
 
 

@@ -74,15 +74,15 @@ def _plan(routing: Routing) -> _Plan:
     whole tiles of the mean group's next power of two, 16 ... 256 rows), so no visit multiplies another expert's
     rows: shared tiles of 256 rows, visited by every expert they meet, multiplied 25x the copies at 512 tokens (384
     experts, top-8), 4x at 4096; these, 1.4-1.55x (2x at 384)."""
-    group_sizes, copies = routing.group_sizes, routing.order.shape[0]
+    group_sizes, copies, expected = routing.group_sizes, routing.order.shape[0], routing.expected
     num_experts = group_sizes.shape[0]
     offsets = group_offsets(routing)
-    if copies < OWN_FROM * num_experts:
-        tm = _rows_per_tile(copies)
+    if expected < OWN_FROM * num_experts:
+        tm = _rows_per_tile(expected)
         tiles = -(-copies // tm)
         expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
         return _Plan(expert, tile, offsets, real, None, None, tm, tiles * tm)
-    tm = min(MAX_TM, max(16, 1 << (-(-copies // num_experts) - 1).bit_length()))
+    tm = min(MAX_TM, max(16, 1 << (-(-expected // num_experts) - 1).bit_length()))
     tiles = -(-copies // tm) + min(num_experts, copies)  # each group's tiles, at most
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(-(-group_sizes // tm) * tm)])
     expert, tile, real = visits(starts, tm, tiles)
@@ -256,15 +256,16 @@ def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight) -> None:
 
 def moe_experts(
     x: jax.Array, gate_up: TpuWeight, down: TpuWeight, experts: jax.Array, weights: jax.Array, *,
-    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None,
+    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
     interpret: pltpu.InterpretParams | None = None,
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_tpu` (`interpret`: run the
-    kernels in Pallas' TPU interpreter with these parameters)."""
+    kernels in Pallas' TPU interpreter with these parameters; the tiles sized as `routing.route` expects for
+    `routed_experts`)."""
     _check(x, gate_up, down)
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
-    routing = route(experts, weights, num_experts)
+    routing = route(experts, weights, num_experts, routed_experts)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if routing.order.shape[0] == 0:
         return jnp.zeros((experts.shape[0], hidden), out_dtype)
