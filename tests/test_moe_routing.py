@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.routing import RANKED_UP_TO, combine, group_of, group_offsets, prefix_sum, route
+from pallas_kernels.moe.routing import RANKED_UP_TO, combine, group_of, group_offsets, prefix_sum, route, visits
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 16), (37, 4, 8)])
@@ -69,3 +69,25 @@ def test_copies_sorted_stably_by_expert(tokens):
     np.testing.assert_array_equal(np.asarray(routing.group_sizes), sizes)
     np.testing.assert_array_equal(np.asarray(group_offsets(routing)), np.concatenate([[0], np.cumsum(sizes)]))
     np.testing.assert_array_equal(np.asarray(prefix_sum(jnp.asarray(sizes, jnp.int32))), np.cumsum(sizes))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_visits_cover_every_copy_once(seed):
+    """One visit per (tile, expert) pair whose rows meet, a tile's visits consecutive, padding repeating the last."""
+    rng = np.random.default_rng(seed)
+    experts = int(rng.integers(1, 12))
+    tokens, top_k = int(rng.integers(1, 60)), int(rng.integers(1, 5))
+    ids = jnp.asarray(rng.integers(-2, experts + 2, size=(tokens, top_k)), jnp.int32)  # some dropped
+    routing = route(ids, jnp.ones(ids.shape), experts)
+    copies = tokens * top_k
+    tm = min(256, -(-copies // 16) * 16)  # shared tiles (the GPU's decode): up to 256 rows, all the copies
+    count = -(-copies // tm) + min(experts, copies) - 1
+    expert, tile, real = (np.asarray(a) for a in visits(group_offsets(routing), tm, count))
+    real = int(real[0])
+    flat = np.asarray(ids).reshape(-1)
+    group = np.sort(np.where((flat >= 0) & (flat < experts), flat, experts))
+    visited = [(t, e) for t, e in zip(tile[:real], expert[:real], strict=True)]
+    assert sorted(set(visited)) == sorted({(r // tm, g) for r, g in enumerate(group) if g < experts})
+    assert len(visited) == len(set(visited))
+    assert (np.diff(tile[:real]) >= 0).all()  # a tile's visits are consecutive steps
+    assert all((t, e) == visited[-1] for t, e in zip(tile[real:], expert[real:], strict=True))  # padding repeats

@@ -1,25 +1,18 @@
 """Routed experts on TPU (Mosaic): two grouped matmuls over the token copies sorted by expert, the expert
 weights dequantized in VMEM, CHUNK rows of K at a time, right before the MXU takes them (never in HBM).
 
-The copies' rows are cut into tiles of TM rows (`_plan`). A "visit" is one (tile, expert) pair whose rows meet: an
-expert's copies are contiguous, so it visits one tile, or a few when its group crosses tile boundaries, and a
-tile holding several experts' copies is visited once per expert (megablox's grouped matmul). Visits walk the
-experts in order, so a tile's visits are consecutive grid steps: its output block stays in VMEM between them
-and each visit writes only its own rows. The grid steps through the real visits alone (a dynamic count); the plan
-pads its arrays to their static bound.
+Each expert's copies are gathered into row tiles of its own, TM rows each (`_plan`); a "visit" is one of those
+tiles with its expert. Visits walk the experts in order, so an expert's tiles are consecutive grid steps and its
+weight blocks are fetched once per column tile. The grid steps through the real visits alone (a dynamic count);
+the plan pads its arrays to their static bound.
 
-- gate_up: grid (N tiles of the I columns [parallel], visits): the tile's x rows [TM, H] stay resident over
-  its visits; a step reads the expert's gate and up columns [H, TN] each (the weight bytes of the chosen
-  experts, once per column tile), accumulates both products in fp32, rounds them to the activation dtype
-  (the reference's ragged_dot output), applies the softcapped SwiGLU in fp32 and rounds again.
+- gate_up: grid (N tiles of the I columns [parallel], visits): a step reads the tile's x rows [TM, H] and the
+  expert's gate and up columns [H, TN] (the weight bytes of the chosen experts, once per column tile),
+  accumulates both products in fp32, rounds them to the activation dtype (the reference's ragged_dot output),
+  applies the softcapped SwiGLU in fp32 and rounds again.
 - down: grid (N tiles of the H columns [parallel], visits), the same over the hidden rows [TM, I]; its rows
   rounded to the activation dtype.
-- XLA: the weighted sum of each token's copies (`routing.combine`).
-
-Decode (a few tokens: k copies each) reads each chosen expert's weights once, as long as its copies share a
-tile (TM covers up to 256 copies). Prefill (from OWN_FROM copies per expert on average) gives each expert's copies
-tiles of their own (`_plan`), so a visit multiplies its own expert's rows only, and reuses each dequantized chunk
-over them.
+- XLA: the row gather before, the weighted sum of each token's copies after (`routing.combine`).
 """
 
 import dataclasses
@@ -34,60 +27,48 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, check_experts, e2m1_value, nvfp4_codes, nvfp4_order
 from pallas_kernels.moe.reference import softcap
-from pallas_kernels.moe.routing import Routing, combine, group_offsets, placed_copies, prefix_sum, route, visits
+from pallas_kernels.moe.routing import Routing, combine, placed_copies, prefix_sum, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 CHUNK = 256  # K rows dequantized per matmul: 8 MXFP8 scale rows, 16 NVFP4 scale rows (whole (8, 128) tiles)
-MAX_TM = 256  # copies per tile
-OWN_FROM = 8  # copies per expert (on average) from which each expert's copies get tiles of their own (prefill)
+MAX_TM = 256  # rows per tile
 LANE_OPTIONS = (768, 512, 384, 256, 128)  # output columns per step, the widest that divides N and fits
 WEIGHT_BUFFER = 8 << 20  # bytes of one weight operand's block, double-buffered
 VMEM_LIMIT = 48 << 20  # v7x: 64 MiB per core
 
 
-def _rows_per_tile(copies: int) -> int:
-    """TM: all the copies in one tile up to MAX_TM (a decode step reads each expert once), 16-row aligned."""
-    return min(MAX_TM, -(-copies // 16) * 16)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """The kernels' rows and their visits: visit v multiplies row tile tile[v] (rows tile[v] * tm ...) by
-    expert[v]'s weights and writes the rows of that tile in [starts[e], starts[e + 1]); the copies sit in rows
-    `row_of` (None: the sorted copies in order), gathered from sorted copies `source` (None: the same)."""
+    """The kernels' rows and their visits: visit v multiplies row tile tile[v] (rows tile[v] * tm ...), one of
+    expert[v]'s, by its weights and writes the tile; the copies sit in rows `row_of`, gathered from sorted copies
+    `source`."""
 
     expert: jax.Array  # [V] int32
     tile: jax.Array  # [V] int32
-    starts: jax.Array  # [E + 1] int32
     real: jax.Array  # [1] int32: the real visits
-    source: jax.Array | None  # [R] int32
-    row_of: jax.Array | None  # [N * k] int32
+    source: jax.Array  # [R] int32
+    row_of: jax.Array  # [N * k] int32
     tm: int = dataclasses.field(metadata={"static": True})
     rows: int = dataclasses.field(metadata={"static": True})  # R, whole tiles
 
 
 def _plan(routing: Routing) -> _Plan:
-    """Decode (below OWN_FROM copies per expert): the sorted copies in shared tiles of `_rows_per_tile` rows, a
-    tile visited once per expert whose copies it holds (megablox's plan: each chosen expert's weights read once
-    per column tile). Prefill: each expert's copies in tiles of their own (its group from a tile's start, padded to
-    whole tiles of the mean group's next power of two, 16 ... 256 rows), so no visit multiplies another expert's
-    rows: shared tiles of 256 rows, visited by every expert they meet, multiplied 25x the copies at 512 tokens (384
-    experts, top-8), 4x at 4096; these, 1.4-1.55x (2x at 384)."""
-    group_sizes, copies, expected = routing.group_sizes, routing.order.shape[0], routing.expected
+    """Each expert's copies in row tiles of their own: its group from a tile's start, padded to whole tiles of the
+    expected mean group's next power of two (16 ... 256 rows), so a visit multiplies its own expert's rows alone
+    and writes its whole tile. Megablox's shared tiles (the sorted copies cut into tiles of up to 256 rows, each
+    visited once per expert it meets) read the same weight blocks but multiplied 33-192x the copies from 32 to 383
+    tokens (384 experts, top-8: one tile of 256 rows per chosen expert), 25x at 512, 4x at 4096; these, 16 rows
+    per chosen expert in decode and 1.4-1.55x the copies in prefill, for rows gathered up to 16 per chosen expert
+    beyond the copies."""
+    group_sizes, copies = routing.group_sizes, routing.order.shape[0]
     num_experts = group_sizes.shape[0]
-    offsets = group_offsets(routing)
-    if expected < OWN_FROM * num_experts:
-        tm = _rows_per_tile(expected)
-        tiles = -(-copies // tm)
-        expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
-        return _Plan(expert, tile, offsets, real, None, None, tm, tiles * tm)
-    tm = min(MAX_TM, max(16, 1 << (-(-expected // num_experts) - 1).bit_length()))
+    tm = min(MAX_TM, max(16, 1 << (-(-routing.expected // num_experts) - 1).bit_length()))
     tiles = -(-copies // tm) + min(num_experts, copies)  # each group's tiles, at most
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(-(-group_sizes // tm) * tm)])
     expert, tile, real = visits(starts, tm, tiles)
     row_of, source = placed_copies(routing, starts, tiles * tm)
-    return _Plan(expert, tile, starts, real, source, row_of, tm, tiles * tm)
+    return _Plan(expert, tile, real, source, row_of, tm, tiles * tm)
 
 
 def _columns_per_step(n: int, k: int, itemsize: float) -> int:
@@ -109,7 +90,7 @@ def _weight_specs(w: TpuWeight, tn: int, column_block) -> list[pl.BlockSpec]:
     """Blocks of expert e's K x TN column tile `column_block(n)` of each operand of w."""
 
     def at(*lead):
-        return lambda n, v, expert, tile, starts: (expert[v], *lead, column_block(n))
+        return lambda n, v, expert, tile: (expert[v], *lead, column_block(n))
 
     k = w.shape[2]
     if w.format == PLAIN:
@@ -169,14 +150,7 @@ def _matmul(x: jax.Array, w: jax.Array, widen: bool) -> jax.Array:
                            preferred_element_type=jnp.float32)  # fmt: skip
 
 
-def _in_group(tile_ref, expert_ref, starts_ref, v, tm: int) -> jax.Array:
-    """[TM, 1]: which rows of visit v's tile are its expert's (its copies; with tiles of its own, the padding too)."""
-    rows = tile_ref[v] * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
-    e = expert_ref[v]
-    return (rows >= starts_ref[e]) & (rows < starts_ref[e + 1])
-
-
-def _gate_up_kernel(expert_ref, tile_ref, starts_ref, x_ref, *refs, fmt, chunks, caps, widen):
+def _gate_up_kernel(expert_ref, tile_ref, x_ref, *refs, fmt, chunks, caps, widen):
     count = OPERANDS[fmt]
     gate_refs, up_refs = refs[:count], refs[count : 2 * count]
     out_ref, *scratch = refs[2 * count :]
@@ -196,11 +170,10 @@ def _gate_up_kernel(expert_ref, tile_ref, starts_ref, x_ref, *refs, fmt, chunks,
     # the reference's rounding of the projection, then its SwiGLU in fp32
     gate, up = (y.astype(out_ref.dtype).astype(jnp.float32) for y in (gate, up))
     hidden = softcap(gate, caps[0]) * jax.nn.sigmoid(gate) * softcap(up, caps[1])
-    in_group = _in_group(tile_ref, expert_ref, starts_ref, pl.program_id(1), tm)
-    out_ref[...] = jnp.where(in_group, hidden.astype(out_ref.dtype), out_ref[...])
+    out_ref[...] = hidden.astype(out_ref.dtype)
 
 
-def _down_kernel(expert_ref, tile_ref, starts_ref, h_ref, *refs, fmt, chunks, widen):
+def _down_kernel(expert_ref, tile_ref, h_ref, *refs, fmt, chunks, widen):
     count = OPERANDS[fmt]
     weight_refs, (out_ref, *scratch) = refs[:count], refs[count:]
     scales = scratch[0] if scratch else None
@@ -212,8 +185,7 @@ def _down_kernel(expert_ref, tile_ref, starts_ref, h_ref, *refs, fmt, chunks, wi
 
     tm, tn = out_ref.shape
     acc = lax.fori_loop(0, chunks, step, jnp.zeros((tm, tn), jnp.float32))
-    in_group = _in_group(tile_ref, expert_ref, starts_ref, pl.program_id(1), tm)
-    out_ref[...] = jnp.where(in_group, acc.astype(out_ref.dtype), out_ref[...])
+    out_ref[...] = acc.astype(out_ref.dtype)
 
 
 def _grouped(
@@ -221,25 +193,25 @@ def _grouped(
     interpret: pltpu.InterpretParams | None, **options,
 ) -> jax.Array:  # fmt: skip
     """One grouped matmul pallas_call over the visits: rows [R, K] (resident per tile) -> [R, N]."""
-    expert, tile, starts, real, tm = plan.expert, plan.tile, plan.starts, plan.real, plan.tm
+    expert, tile, real, tm = plan.expert, plan.tile, plan.real, plan.tm
     k = rows.shape[1]
     grid = (n // tn, real[0])  # a dynamic count: the real visits alone (their static bound stepped through up to
     # ~2.3K skipped grid steps over both kernels at 4096 tokens)
-    row_spec = pl.BlockSpec((tm, k), lambda n, v, expert, tile, starts: (tile[v], 0))
-    out_spec = pl.BlockSpec((tm, tn), lambda n, v, expert, tile, starts: (tile[v], n))
+    row_spec = pl.BlockSpec((tm, k), lambda n, v, expert, tile: (tile[v], 0))
+    out_spec = pl.BlockSpec((tm, tn), lambda n, v, expert, tile: (tile[v], n))
     scratch = [s for w in weights for s in _scale_scratch(w, tn)]
     operands = [x for w in weights for x in _weight_operands(w)]
     return pl.pallas_call(
         functools.partial(kernel, fmt=weights[0].format, chunks=k // CHUNK, widen=interpret is not None, **options),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=grid, in_specs=[row_spec, *specs], out_specs=out_spec, scratch_shapes=scratch
+            num_scalar_prefetch=2, grid=grid, in_specs=[row_spec, *specs], out_specs=out_spec, scratch_shapes=scratch
         ),
         out_shape=jax.ShapeDtypeStruct((rows.shape[0], n), rows.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
         ),
         interpret=False if interpret is None else interpret,
-    )(expert, tile, starts, rows, *operands)
+    )(expert, tile, rows, *operands)
 
 
 def supports(two_i: int, hidden: int) -> bool:
@@ -270,11 +242,10 @@ def moe_experts(
     if routing.order.shape[0] == 0:
         return jnp.zeros((experts.shape[0], hidden), out_dtype)
     plan = _plan(routing)
-    token_rows = routing.token_of if plan.source is None else routing.token_of[plan.source]
+    token_rows = routing.token_of[plan.source]
     itemsize = {PLAIN: gate_up.data.dtype.itemsize, MXFP8: 1, NVFP4: 0.5}[gate_up.format]
 
     def rows_in_order(rows: jax.Array, k: int) -> jax.Array:  # [R, K], K in the order the weight's rows are
-        rows = jnp.pad(rows, ((0, plan.rows - rows.shape[0]), (0, 0)))
         return rows[:, nvfp4_order(k, CHUNK)] if gate_up.format == NVFP4 else rows
 
     tn = _columns_per_step(inter, hidden, itemsize)
