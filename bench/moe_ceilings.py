@@ -10,7 +10,8 @@ measured rates are read against.
 - `stream`: the other side, the kernels' stage streaming with no compute: each CTA's pipeline (one TMA warpgroup, 3
   compute warpgroups that release each stage at once) over ITEMS items of an expert's column tile of 192 rows and
   K = 4608 in steps of 128 (the weight rows and their scales, `tm` activation rows, or both, in the kernels' block
-  shapes and swizzles), the experts' weights in HBM (one expert per CTA, ~3 GB), the activations L2-resident.
+  shapes and swizzles), the experts' weights in HBM (one expert per CTA: 2.8 GB MXFP8), the activations
+  L2-resident.
 
 One CTA per multiprocessor; TFLOP/s (or TB/s) over all of them (the buffers are never written: the values are
 whatever SMEM held, the time is not).
@@ -122,21 +123,23 @@ def body_kernel(fmt: str, tm: int, kc: int, iters: int, interpret: bool):
 
 def stream_kernel(fmt: str, tm: int, operands: str, interpret: bool):
     """The kernels' stage streaming alone: (weights [E, N, K / items], scales [E, K / block, N], x [R, K]) -> an
-    unwritten output; CTA c streams expert c's column tiles (c + i) % 24, and activation rows (c + i) % (R / tm)."""
+    unwritten output; CTA c's item i streams expert c's column tile (c + i) % 24 and activation rows (c + i) % 36
+    (NVFP4's per-step copy of the tile's global scales, 768 bytes, left out)."""
     ctas = 2 if interpret else work.multiprocessors()
     rows, kc = WGS * LANES, 128
     items, steps = (2, 3) if interpret else (ITEMS, STREAM_K // kc)
     item = jnp.dtype(DATA[fmt]).itemsize
-    weight_specs = [
-        plgpu.BlockSpec((rows, kc // work.VALUES_PER_ITEM[fmt]), lambda i, kk: (i % 24, kk),
-                        transforms=work.weight_transforms(fmt, kc, item)),
-        plgpu.BlockSpec((kc // work.BLOCK[fmt], rows), lambda i, kk: (kk, i % 24)),
-    ]  # fmt: skip
-    x_spec = plgpu.BlockSpec((tm, kc), lambda i, kk: (i % 36, kk), transforms=work.X_TRANSFORMS)
-    specs = {"weights": weight_specs, "activations": [x_spec], "both": [*weight_specs, x_spec]}[operands]
 
     def kernel(w_gmem, s_gmem, x_gmem, out_gmem):
-        e = lax.axis_index("sm") % w_gmem.shape[0]
+        c = lax.axis_index("sm")
+        e = c % w_gmem.shape[0]
+        weight_specs = [
+            plgpu.BlockSpec((rows, kc // work.VALUES_PER_ITEM[fmt]), lambda i, kk: ((c + i) % 24, kk),
+                            transforms=work.weight_transforms(fmt, kc, item)),
+            plgpu.BlockSpec((kc // work.BLOCK[fmt], rows), lambda i, kk: (kk, (c + i) % 24)),
+        ]  # fmt: skip
+        x_spec = plgpu.BlockSpec((tm, kc), lambda i, kk: ((c + i) % 36, kk), transforms=work.X_TRANSFORMS)
+        specs = {"weights": weight_specs, "activations": [x_spec], "both": [*weight_specs, x_spec]}[operands]
         refs = {"weights": [w_gmem.at[e], s_gmem.at[e]], "activations": [x_gmem]}
         refs["both"] = [*refs["weights"], x_gmem]
 
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--body-formats", nargs="*", default=["plain", MXFP8, NVFP4])
     parser.add_argument("--body-tm", type=int, nargs="*", default=[96, 128])
     parser.add_argument("--body-kc", type=int, nargs="*", default=[128, 256])
-    parser.add_argument("--stream-formats", nargs="*", default=[MXFP8, NVFP4])
+    parser.add_argument("--stream-formats", nargs="*", default=[MXFP8, NVFP4], choices=[MXFP8, NVFP4])
     parser.add_argument("--stream-tm", type=int, nargs="*", default=[112])
     parser.add_argument("--stream-operands", nargs="*", default=["weights", "activations", "both"])
     args = parser.parse_args(argv)

@@ -99,6 +99,8 @@ def test_activations_take_the_kernels_k_order(fmt):
         np.asarray(rows_in_gpu_k_order(flat, rows, fmt)).view(np.uint16),
         np.asarray(in_gpu_k_order(flat, fmt)[rows]).view(np.uint16),
     )
+    with pytest.raises(ValueError, match="16-bit activations as pairs, got float32"):
+        rows_in_gpu_k_order(flat.astype(jnp.float32), rows, fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

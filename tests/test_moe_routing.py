@@ -80,7 +80,7 @@ def test_visits_cover_every_copy_once(seed):
     ids = jnp.asarray(rng.integers(-2, experts + 2, size=(tokens, top_k)), jnp.int32)  # some dropped
     routing = route(ids, jnp.ones(ids.shape), experts)
     copies = tokens * top_k
-    tm = min(256, -(-copies // 16) * 16)  # shared tiles (the GPU's decode): up to 256 rows, all the copies
+    tm = min(256, -(-copies // 16) * 16)  # shared tiles of all the copies, up to 256 rows
     count = -(-copies // tm) + min(experts, copies) - 1
     expert, tile, real = (np.asarray(a) for a in visits(group_offsets(routing), tm, count))
     real = int(real[0])

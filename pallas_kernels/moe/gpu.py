@@ -194,7 +194,7 @@ def _grouped(
     wgs = cta_rows // LANES
     epilogue_values = tm * LANES + ((tm + 2) * PAIR_UNITS if swiglu else 0)  # [tm, 64] products, the SwiGLU's rows
     tabled = fmt == NVFP4 and not interpret  # a table per warpgroup of each block scale byte's magnitudes
-    staging = wgs * (epilogue_values * jnp.dtype(out_dtype).itemsize + (LANES * 64 if interpret else 0))
+    staging = wgs * (epilogue_values * jnp.dtype(out_dtype).itemsize + (LANES * work.WGMMA_K * 2 if interpret else 0))
     staging += wgs * TABLE_ENTRIES * 16 if tabled else 0
     rings = [work.ring(w, width, step_k, splits, staging) for width in tiles.widths]  # (kc, steps, stages) each
     n_tiles = n // cta_rows

@@ -204,6 +204,8 @@ def multiply_step(fmt: str, kc: int, data_item: int, wg: jax.Array, tables, a_sm
     NVFP4 on the GPU (`tables`: [wgs, TABLE_ENTRIES, 4] SMEM) looks its codes up in a table per scale byte, built
     at an item's first step; in the interpreter (`a_smem`: [wgs, 64, WGMMA_K] bf16) values are decoded by float
     conversions and the wgmma takes them from SMEM."""
+    if kc % WGMMA_K:
+        raise ValueError(f"a pipeline step's K ({kc}) is no multiple of a wgmma's ({WGMMA_K})")
     blk = BLOCK[fmt]
     load_items = _load_bytes(fmt, kc, data_item) // data_item
     runs = load_items * data_item // 32

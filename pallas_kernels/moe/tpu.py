@@ -192,7 +192,7 @@ def _grouped(
     kernel, rows: jax.Array, weights: list[TpuWeight], specs, n: int, tn: int, plan: _Plan, *,
     interpret: pltpu.InterpretParams | None, **options,
 ) -> jax.Array:  # fmt: skip
-    """One grouped matmul pallas_call over the visits: rows [R, K] (resident per tile) -> [R, N]."""
+    """One grouped matmul pallas_call over the visits: rows [R, K] (a visit's tile of them in VMEM) -> [R, N]."""
     expert, tile, real, tm = plan.expert, plan.tile, plan.real, plan.tm
     k = rows.shape[1]
     grid = (n // tn, real[0])  # a dynamic count: the real visits alone (their static bound stepped through up to
