@@ -147,8 +147,7 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
         if rng.random() < 0.5:  # skewed: most copies on a few experts
             ids = np.where(rng.random(ids.shape) < 0.7, rng.integers(0, 3, ids.shape), ids)
             ids = np.where(np.arange(top_k) == 0, ids, (ids + np.arange(top_k)) % experts)
-        routed = None if rng.random() < 0.5 else 4 * experts  # or sized for a shard's share (the rest dropped)
-        routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts, routed)
+        routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
         tiles = jax.tree.map(np.asarray, gpu.tile_copies(routing))
         own = tiles.source is not None
         assert tiles.widths == (gpu.OWN_TMS if own else (tiles.tm,)) and tiles.rows % 8 == 0
@@ -173,14 +172,6 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
             np.testing.assert_array_equal(tiles.source[rows[kept]], np.flatnonzero(kept))
             assert tiles.rows <= kept.size + 7 * experts + tiles.tm + 7
         assert writes.sum() == kept.sum() and ends[-1] <= tiles.expert.shape[0]
-
-
-def test_expert_parallel_sizes_tiles_for_the_kept_copies():
-    """One shard of four (96 of 384 experts) at 1024 tokens: ~85 copies per local expert counting every id, ~21
-    expected to stay: shared tiles of 48 rows (twice the expected group), not windows of their own."""
-    ids = jax.random.randint(jax.random.key(7), (1024, 8), 0, 384)
-    every, share = (gpu.tile_copies(route(ids, jnp.ones((1024, 8)), 96, routed)) for routed in (None, 384))
-    assert every.widths == gpu.OWN_TMS and share.widths == (48,)
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1)])

@@ -122,8 +122,8 @@ def tile_copies(routing: Routing) -> Tiles:
     group_sizes, copies = routing.group_sizes, routing.order.shape[0]
     num_experts = group_sizes.shape[0]
     offsets = group_offsets(routing)
-    if routing.expected < OWN_TILES_FROM * num_experts:
-        tm = shared_rows(routing.expected, num_experts)
+    if copies < OWN_TILES_FROM * num_experts:
+        tm = shared_rows(copies, num_experts)
         tiles = -(-copies // tm)
         expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
         row = tile * tm
@@ -373,12 +373,11 @@ def _few_tokens(
 
 def moe_experts(
     x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
-    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
-    interpret: bool = False,
+    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_gpu` (`interpret`: run the
     kernels in Mosaic GPU's interpreter): at most SHARED_TM[0] tokens by `chosen_experts`, more by the copies
-    sorted by expert (`tile_copies`, its tiles sized as `routing.route` expects for `routed_experts`)."""
+    sorted by expert (`tile_copies`)."""
     check(x, gate_up, down)
     num_experts, _, hidden = gate_up.shape
     tokens = experts.shape[0]
@@ -389,7 +388,7 @@ def moe_experts(
     if tokens <= SHARED_TM[0]:
         return _few_tokens(in_gpu_k_order(x, gate_up.format), gate_up, down, experts, weights, caps=caps,
                            out_dtype=out_dtype, interpret=interpret)  # fmt: skip
-    routing = route(experts, weights, num_experts, routed_experts)
+    routing = route(experts, weights, num_experts)
     tiles = tile_copies(routing)
     if tiles.source is None:
         rows = rows_in_gpu_k_order(x, routing.token_of, gate_up.format)
