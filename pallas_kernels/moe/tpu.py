@@ -59,8 +59,9 @@ def _plan(routing: Routing) -> _Plan:
     and writes its whole tile. Megablox's shared tiles (the sorted copies cut into tiles of up to 256 rows, each
     visited once per expert it meets) read the same weight blocks but multiplied 33-192x the copies from 32 to 383
     tokens (384 experts, top-8: one tile of 256 rows per chosen expert), 25x at 512, 4x at 4096; these, 16 rows
-    per chosen expert in decode and 1.4-1.55x the copies in prefill, for rows gathered up to 16 per chosen expert
-    beyond the copies."""
+    per chosen expert in decode and 1.4-1.55x the copies in prefill, for up to TM - 1 rows gathered beyond the
+    copies per expert that may hold some (the static bound: min(E, copies) of them; at 64 tokens 6,656 rows for 512
+    copies)."""
     group_sizes, copies = routing.group_sizes, routing.order.shape[0]
     num_experts = group_sizes.shape[0]
     tm = min(MAX_TM, max(16, 1 << (-(-routing.expected // num_experts) - 1).bit_length()))
