@@ -1,0 +1,102 @@
+"""What the TPU expert kernels (`pallas_kernels.moe.tpu`) do for one routed-experts call at Inkling 2 Small's
+shapes, counted from their plan, and the least time that work can take on a TPU v7x chip: no TPU is at hand, so
+this model is what the kernels' plans are weighed by until one is.
+
+    python -m bench.moe_tpu_plan [--tokens 1 8 64 512 4096] [--formats bf16 mxfp8 nvfp4] [--shards 1 4]
+
+For each call (routing as `bench.moe_experts`: each token's 8 distinct experts uniformly at random; with
+`--shards S`, shard 0 of S holding 384 / S experts, the other ids dropped there): the real visits and their tile
+height TM; the rows the kernels multiply against the copies kept; the HBM bytes of each kernel (weight blocks
+fetched whenever a grid step's expert or column tile changes, the visit's row tile and output tile every step)
+and of XLA's steps around them (the row gather over the plan's static rows, NVFP4's K permutation of the
+hidden rows, the combine); the MXU's multiply-adds. `shared/kept`: the rows megablox's plan would multiply
+per kept copy (the sorted copies in shared tiles of up to 256 rows, each visited once per expert it meets; the
+TPU kernels' plan below 8 copies per expert until the eleventh session). `floor_ms`: each kernel at the slower
+of its bytes at 7.38 TB/s and its flops at bf16's 2307 TFLOP/s (one v7x chip's peaks), XLA's steps at their
+bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from bench.moe_experts import EXPERTS, HIDDEN, INTER, routing_case
+from pallas_kernels import block_formats
+from pallas_kernels.moe import tpu
+from pallas_kernels.moe.routing import group_offsets, route, visits
+from pallas_kernels.quantized import MXFP8, NVFP4
+
+HBM_TB_S, MXU_TFLOP_S = 7.38, 2307.0  # TPU v7x per chip (research notes: quant_and_kernels.md)
+WEIGHT_BYTES = {"bf16": 2.0, MXFP8: 1 + 1 / block_formats.MX_BLOCK, NVFP4: 0.5 + 1 / block_formats.NV_BLOCK}
+
+
+def kernel_work(expert: np.ndarray, tm: int, k: int, tiles: int, block: int, out: int, per_value: float):
+    """(HBM bytes, flops) of one grouped matmul over the visits' experts `expert` [V], its grid `tiles` column
+    tiles then the visits: each step's weight block(s) [K, block] fetched where the expert or the column tile
+    changes, its row tile [TM, K] in and output tile [TM, out] out (bf16)."""
+    runs = 1 + int(np.sum(expert[1:] != expert[:-1]))
+    steps = tiles * len(expert)
+    weights = tiles * runs * k * block * per_value
+    return weights + steps * tm * (k + out) * 2, 2.0 * steps * tm * k * block
+
+
+def shared_rows(routing) -> int:
+    """Rows multiplied by megablox's plan: tiles of all the copies up to 256 rows, one visit per (tile, expert)."""
+    copies, experts = routing.order.shape[0], routing.group_sizes.shape[0]
+    tm = min(tpu.MAX_TM, -(-copies // 16) * 16)
+    _, _, real = visits(group_offsets(routing), tm, -(-copies // tm) + min(experts, copies) - 1)
+    return int(real[0]) * tm
+
+
+def call_work(tokens: int, fmt: str, shards: int) -> dict:
+    """The plan's counts and the call's bytes, flops and floor for `tokens` on shard 0 of `shards`."""
+    local = EXPERTS // shards
+    _, ids, weights = routing_case(tokens, tokens, EXPERTS, HIDDEN)
+    routing = route(ids, weights, local, EXPERTS if shards > 1 else None)
+    plan = tpu._plan(routing)
+    real = int(plan.real[0])
+    expert = np.asarray(plan.expert)[:real]
+    per_value = WEIGHT_BYTES[fmt]
+    itemsize = {"bf16": 2, MXFP8: 1, NVFP4: 0.5}[fmt]
+    tn, th = tpu._columns_per_step(INTER, HIDDEN, itemsize), tpu._columns_per_step(HIDDEN, INTER, itemsize)
+    gate_up = kernel_work(expert, plan.tm, HIDDEN, INTER // tn, 2 * tn, tn, per_value)  # gate and up blocks
+    down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value)
+    kept = int(np.asarray(routing.kept).sum())
+    xla = plan.rows * HIDDEN * 2 * 2 + kept * HIDDEN * 2 + tokens * HIDDEN * 2  # gather; combine
+    xla += plan.rows * INTER * 2 * 2 if fmt == NVFP4 else 0  # the hidden rows' K permutation
+    floor = sum(max(b / HBM_TB_S, f / MXU_TFLOP_S) for b, f in (gate_up, down)) / 1e9 + xla / HBM_TB_S / 1e9
+    stored = len(np.unique(expert)) * 3 * HIDDEN * INTER * per_value
+    return {
+        "tokens": tokens, "format": fmt, "shards": shards, "visits": real, "tm": plan.tm,
+        "rows_per_kept": real * plan.tm / max(kept, 1), "shared_per_kept": shared_rows(routing) / max(kept, 1),
+        "static_rows": plan.rows,
+        "weights_gb": stored / 1e9, "kernel_gb": (gate_up[0] + down[0]) / 1e9, "xla_gb": xla / 1e9,
+        "tflop": (gate_up[1] + down[1]) / 1e12, "floor_ms": floor, "weights_ms": stored / HBM_TB_S / 1e9,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
+    parser.add_argument("--formats", nargs="+", default=["bf16", MXFP8, NVFP4], choices=list(WEIGHT_BYTES))
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 4])
+    args = parser.parse_args(argv)
+    head = "tokens format shards visits TM rows/kept shared/kept static weights_GB kernels_GB XLA_GB TFLOP floor_ms"
+    head += " weights_ms"
+    print(" ".join(f"{name:>6}" for name in head.split()))
+    for shards in args.shards:
+        for fmt in args.formats:
+            for tokens in args.tokens:
+                w = call_work(tokens, fmt, shards)
+                cells = [tokens, fmt, shards, w["visits"], w["tm"], f"{w['rows_per_kept']:.2f}",
+                         f"{w['shared_per_kept']:.2f}", w["static_rows"], f"{w['weights_gb']:.2f}",
+                         f"{w['kernel_gb']:.2f}", f"{w['xla_gb']:.3f}", f"{w['tflop']:.2f}", f"{w['floor_ms']:.3f}",
+                         f"{w['weights_ms']:.3f}"]  # fmt: skip
+                widths = [max(6, len(name)) for name in head.split()]
+                print(" ".join(f"{cell:>{width}}" for cell, width in zip(cells, widths, strict=True)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
