@@ -13,7 +13,8 @@ hidden rows, the combine); the MXU's multiply-adds. `shared/kept`: the rows mega
 per kept copy (the sorted copies in shared tiles of up to 256 rows, each visited once per expert it meets; the
 TPU kernels' plan below 8 copies per expert until the eleventh session). `floor_ms`: each kernel at the slower
 of its bytes at 7.38 TB/s and its flops at bf16's 2307 TFLOP/s (one v7x chip's peaks), XLA's steps at their
-bytes.
+bytes. Not counted: the VPU's dequantization of every weight block a visit reads (a few vector operations per
+value, whatever the rows), which at decode may well be the bound a TPU run finds.
 """
 
 from __future__ import annotations
