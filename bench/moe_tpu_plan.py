@@ -8,13 +8,14 @@ For each call (routing as `bench.moe_experts`: each token's 8 distinct experts u
 `--shards S`, shard 0 of S holding 384 / S experts, the other ids dropped there): the real visits and their tile
 height TM; the rows the kernels multiply against the copies kept; the HBM bytes of each kernel (weight blocks
 fetched whenever a grid step's expert or column tile changes, the visit's row tile and output tile every step)
-and of XLA's steps around them (the row gather over the plan's static rows, NVFP4's K permutation of the
-hidden rows, the combine); the MXU's multiply-adds. `shared/kept`: the rows megablox's plan would multiply
-per kept copy (the sorted copies in shared tiles of up to 256 rows, each visited once per expert it meets; the
-TPU kernels' plan below 8 copies per expert until the eleventh session). `floor_ms`: each kernel at the slower
-of its bytes at 7.38 TB/s and its flops at bf16's 2307 TFLOP/s (one v7x chip's peaks), XLA's steps at their
-bytes. Not counted: the VPU's dequantization of every weight block a visit reads (a few vector operations per
-value, whatever the rows), which at decode may well be the bound a TPU run finds.
+and of XLA's steps around them (the row gather over the plan's static rows, the combine; NVFP4's gate_up is laid
+out in down's K order, so nothing between the kernels); the MXU's multiply-adds. `shared/kept`: the rows
+megablox's plan would multiply per kept copy (the sorted copies in shared tiles of up to 256 rows, each visited
+once per expert it meets; the TPU kernels' plan below 8 copies per expert until the eleventh session).
+`floor_ms`: each kernel at the slower of its bytes at 7.38 TB/s and its flops at bf16's 2307 TFLOP/s (one v7x
+chip's peaks), XLA's steps at their bytes. Not counted: the VPU's dequantization of every weight block a visit
+reads (a few vector operations per value, whatever the rows), which at decode may well be the bound a TPU run
+finds.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ def call_work(tokens: int, fmt: str, shards: int) -> dict:
     down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value)
     kept = int(np.asarray(routing.kept).sum())
     xla = plan.rows * HIDDEN * 2 * 2 + kept * HIDDEN * 2 + tokens * HIDDEN * 2  # gather; combine
-    xla += plan.rows * INTER * 2 * 2 if fmt == NVFP4 else 0  # the hidden rows' K permutation
     floor = sum(max(b / HBM_TB_S, f / MXU_TFLOP_S) for b, f in (gate_up, down)) / 1e9 + xla / HBM_TB_S / 1e9
     stored = len(np.unique(expert)) * 3 * HIDDEN * INTER * per_value
     return {

@@ -13,7 +13,7 @@ from tpu_interpret import race_checked
 
 from pallas_kernels import block_formats
 from pallas_kernels.moe import for_tpu, moe_experts, reference, tpu
-from pallas_kernels.moe.layouts import PLAIN, TpuWeight, e2m1_value
+from pallas_kernels.moe.layouts import PLAIN, TpuWeight, down_order_columns, e2m1_value, for_tpu_experts
 from pallas_kernels.moe.routing import route
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
@@ -53,6 +53,15 @@ def test_layout_round_trips(fmt):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     want = gate_up.dequantize(jnp.bfloat16) if isinstance(gate_up, QuantizedArray) else gate_up
     np.testing.assert_array_equal(laid_out.dequantize(jnp.bfloat16), jnp.swapaxes(want, 1, 2))
+    if fmt != NVFP4:
+        with pytest.raises(ValueError, match="only an NVFP4 gate_up is laid out in down's K order"):
+            for_tpu(gate_up, in_down_order=True)
+        return
+    in_down_order = for_tpu(gate_up, in_down_order=True)  # the columns, and back
+    columns = down_order_columns(gate_up.shape[1])
+    np.testing.assert_array_equal(in_down_order.data, laid_out.data[..., columns])
+    for a, b in zip(jax.tree.leaves(in_down_order.checkpoint_layout()), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
 def test_e2m1_codes_decode_from_bits():
@@ -104,7 +113,12 @@ def interpreted(*args, **kwargs) -> jax.Array:
 def test_tpu_kernels_match_the_reference(fmt, tokens, top_k, ids, experts):
     gate_up, down = expert_weights(10 + tokens, fmt, experts)
     x, chosen, weights = routed(tokens, tokens, top_k, ids)
-    got = np.asarray(interpreted(x, for_tpu(gate_up), for_tpu(down), chosen, weights, **CAPS), np.float32)
+    laid = for_tpu_experts(gate_up, down)  # as at load: NVFP4's gate_up in down's K order
+    assert laid[0].in_down_order == (fmt == NVFP4)
+    got = np.asarray(interpreted(x, *laid, chosen, weights, **CAPS), np.float32)
+    if fmt == NVFP4 and tokens == 3:  # gate_up in its own order: the hidden rows permuted between the kernels
+        apart = interpreted(x, for_tpu(gate_up), for_tpu(down), chosen, weights, **CAPS)
+        np.testing.assert_array_equal(np.asarray(apart, np.float32), got)
     want = np.asarray(reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS), np.float32)
     assert got.shape == want.shape == (tokens, HIDDEN)
     assert np.isfinite(got).all() and np.abs(want).max() > 0.1

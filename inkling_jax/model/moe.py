@@ -80,7 +80,8 @@ class LaidOutWeight(nnx.Module):
     def __init__(self, weight: TpuWeight | GpuWeight, axes: tuple[str, str, str]):
         experts, n, k = axes
         self.format, self.platform = weight.format, "tpu" if isinstance(weight, TpuWeight) else "gpu"
-        self.paired = self.platform == "gpu" and weight.paired
+        # gate_up's order for the kernels' SwiGLU: GPU rows paired, TPU (NVFP4) columns in down's K order
+        self.paired = weight.paired if self.platform == "gpu" else weight.in_down_order
         if self.platform == "gpu":
             data_axes = axes
         else:
@@ -95,7 +96,7 @@ class LaidOutWeight(nnx.Module):
         scales = self.scales[...] if self.format in (MXFP8, NVFP4) else None
         global_scale = self.global_scale[...] if self.format == NVFP4 else None
         if self.platform == "tpu":
-            return TpuWeight(self.data[...], scales, global_scale, self.format)
+            return TpuWeight(self.data[...], scales, global_scale, self.format, self.paired)
         return GpuWeight(self.data[...], scales, global_scale, self.format, self.paired)
 
 

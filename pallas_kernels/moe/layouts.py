@@ -11,7 +11,8 @@ scale per column broadcasts down the sublanes of its K rows for free. `for_tpu` 
   4j ... 4j + 3): data [E, 2, K / 16, N]; E4M3 block scales [E, K / 16, N]; the fp32 global scale as
   [E, 1, N]. Decoding plane p's nibble j of every word gives rows k = 16b + 8p + j for all b at once, aligned
   with the scale rows; the kernel contracts them against the activations' K axis permuted the same way
-  (`nvfp4_order`).
+  (`nvfp4_order`). An NVFP4 gate_up laid out `in_down_order` takes its gate and up columns in that order of
+  down's K, so that the SwiGLU's output comes as down contracts it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray
 
 PLAIN = "plain"
 PLANE_ROWS = 8  # E2M1 codes per uint32 word
+TPU_CHUNK = 256  # K rows the TPU kernels dequantize per matmul: 8 MXFP8 scale rows, 16 NVFP4 (whole (8, 128) tiles)
 
 
 @jax.tree_util.register_dataclass
@@ -40,6 +42,8 @@ class TpuWeight:
     scales: jax.Array | None
     global_scale: jax.Array | None
     format: str = dataclasses.field(metadata={"static": True})
+    in_down_order: bool = dataclasses.field(default=False, metadata={"static": True})  # an NVFP4 gate_up's N
+    # columns, gate and up alike, in the order the kernel takes down's K (`down_order_columns`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -53,6 +57,9 @@ class TpuWeight:
     def checkpoint_layout(self) -> jax.Array | QuantizedArray:
         """The weight as `for_tpu` took it ([E, N, K], plain or quantized; an NVFP4 global scale comes back
         broadcast to [E, N, 1]): its inverse."""
+        if self.in_down_order:
+            natural = np.argsort(down_order_columns(self.shape[1]))
+            return _columns(self, natural, False).checkpoint_layout()
         if self.format == PLAIN:
             return jnp.swapaxes(self.data, 1, 2)
         scales = jnp.swapaxes(self.scales, 1, 2)
@@ -92,8 +99,27 @@ def nvfp4_order(k: int, chunk: int) -> np.ndarray:
     return (np.arange(0, k, chunk)[:, None] + local[None, :]).reshape(-1)
 
 
-def for_tpu(weight: jax.Array | QuantizedArray) -> TpuWeight:
-    """An expert weight [E, N, K] (plain or quantized) in the TPU kernel's layout. Run once, at load."""
+def down_order_columns(two_i: int) -> np.ndarray:
+    """gate_up's columns [2I] in down's NVFP4 K order: gate units, then up units, each in `nvfp4_order`."""
+    order = nvfp4_order(two_i // 2, TPU_CHUNK)
+    return np.concatenate([order, two_i // 2 + order])
+
+
+def _columns(weight: TpuWeight, columns: np.ndarray, in_down_order: bool) -> TpuWeight:
+    """The weight's N columns taken in the order `columns`."""
+    arrays = [None if a is None else jnp.take(a, columns, axis=-1) for a in (weight.data, weight.scales,
+                                                                                weight.global_scale)]  # fmt: skip
+    return TpuWeight(*arrays, weight.format, in_down_order)
+
+
+def for_tpu(weight: jax.Array | QuantizedArray, in_down_order: bool = False) -> TpuWeight:
+    """An expert weight [E, N, K] (plain or quantized) in the TPU kernel's layout; `in_down_order` for an NVFP4
+    gate_up [E, 2I, H] (its columns in the order the kernel takes down's K: no permutation between the two
+    kernels). Run once, at load."""
+    if in_down_order:
+        if not isinstance(weight, QuantizedArray) or weight.format != NVFP4:
+            raise ValueError("only an NVFP4 gate_up is laid out in down's K order (other formats take K as it is)")
+        return _columns(for_tpu(weight), down_order_columns(weight.shape[1]), True)
     if not isinstance(weight, QuantizedArray):
         return TpuWeight(jnp.swapaxes(weight, 1, 2), None, None, PLAIN)
     if weight.format == MXFP8:
@@ -107,15 +133,16 @@ def for_tpu(weight: jax.Array | QuantizedArray) -> TpuWeight:
     return TpuWeight(planes, jnp.swapaxes(weight.scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
 
 
-_FOR_TPU = jax.jit(for_tpu)  # one jitted function for every layer, as for_gpu_experts'
+_FOR_TPU = jax.jit(for_tpu, static_argnames="in_down_order")  # one jitted function for every layer
 
 
 def for_tpu_experts(
     gate_up: jax.Array | QuantizedArray, down: jax.Array | QuantizedArray
 ) -> tuple[TpuWeight, TpuWeight]:
     """gate_up [E, 2I, H] and down [E, H, I] in the TPU kernels' layout, laid out one at a time (one's temporaries
-    freed before the other's)."""
-    return _FOR_TPU(gate_up), _FOR_TPU(down)
+    freed before the other's); an NVFP4 gate_up in down's K order."""
+    nvfp4 = isinstance(gate_up, QuantizedArray) and gate_up.format == NVFP4
+    return _FOR_TPU(gate_up, in_down_order=nvfp4), _FOR_TPU(down)
 
 
 def gpu_run_order(run: np.ndarray | jax.Array) -> np.ndarray | jax.Array:

@@ -26,11 +26,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, check_experts, e2m1_value, nvfp4_codes, nvfp4_order
+from pallas_kernels.moe.layouts import TPU_CHUNK as CHUNK
 from pallas_kernels.moe.reference import softcap
 from pallas_kernels.moe.routing import Routing, combine, placed_copies, prefix_sum, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
-CHUNK = 256  # K rows dequantized per matmul: 8 MXFP8 scale rows, 16 NVFP4 scale rows (whole (8, 128) tiles)
 MAX_TM = 256  # rows per tile
 LANE_OPTIONS = (768, 512, 384, 256, 128)  # output columns per step, the widest that divides N and fits
 WEIGHT_BUFFER = 8 << 20  # bytes of one weight operand's block, double-buffered
@@ -258,9 +258,10 @@ def moe_experts(
         _gate_up_kernel, rows_in_order(x[token_rows], hidden), [gate_up, gate_up], gate_up_specs, inter, tn, plan,
         caps=(gate_cap, up_cap), interpret=interpret,
     )  # fmt: skip
+    if not gate_up.in_down_order:  # the SwiGLU's columns come in gate_up's order, not yet in down's K order
+        hidden_rows = rows_in_order(hidden_rows, inter)
     th = _columns_per_step(hidden, inter, itemsize)
     out_rows = _grouped(
-        _down_kernel, rows_in_order(hidden_rows, inter), [down], _weight_specs(down, th, lambda n: n), hidden, th,
-        plan, interpret=interpret,
-    )  # fmt: skip
+        _down_kernel, hidden_rows, [down], _weight_specs(down, th, lambda n: n), hidden, th, plan, interpret=interpret
+    )
     return combine(out_rows, routing, experts.shape[0], out_dtype, plan.row_of)
