@@ -390,11 +390,10 @@ def moe_experts(
                            out_dtype=out_dtype, interpret=interpret)  # fmt: skip
     routing = route(experts, weights, num_experts)
     tiles = tile_copies(routing)
-    if tiles.source is None:
-        rows = rows_in_gpu_k_order(x, routing.token_of, gate_up.format)
-        rows = jnp.pad(rows, ((0, tiles.rows - routing.order.shape[0]), (0, 0)))
-    else:
-        rows = rows_in_gpu_k_order(x, routing.token_of[tiles.source], gate_up.format)
+    token_rows = routing.token_of if tiles.source is None else routing.token_of[tiles.source]
+    rows = rows_in_gpu_k_order(x, token_rows, gate_up.format)
+    if tiles.source is None:  # shared tiles: the sorted copies in whole tiles
+        rows = jnp.pad(rows, ((0, tiles.rows - rows.shape[0]), (0, 0)))
     hidden_rows = grouped_matmul(rows, gate_up, tiles, swiglu=caps, interpret=interpret)
     out_rows = grouped_matmul(hidden_rows, down, tiles, interpret=interpret)
     return combine(out_rows, routing, tokens, out_dtype, tiles.row_of)

@@ -237,12 +237,20 @@ def nvfp4_word_codes(words: jax.Array) -> jax.Array:
     return jnp.stack([(words >> (4 * i)) & 7 | ((words >> _sign_bit(i)) & 1) << 3 for i in range(8)], axis=-1)
 
 
+def _pairs_in_nvfp4_runs_order(pairs: np.ndarray | jax.Array, tail: int = 0) -> np.ndarray | jax.Array:
+    """pairs [..., K / 2, *T] (K's values in pairs 2i, 2i + 1; `tail` trailing axes T) with each run of 32 pairs
+    permuted as `nvfp4_gpu_columns` moves them: pair 8c + 4f + j to 16f + 4j + c (value 16c + 8f + 2j + b to
+    column 32f + 8j + 2c + b)."""
+    shape = pairs.shape
+    n = len(shape) - tail  # the runs' axis, then c, f, j, then T
+    runs = pairs.reshape(*shape[: n - 1], shape[n - 1] // 32, 4, 2, 4, *shape[n:])
+    return runs.transpose(*range(n), n + 1, n + 2, n, *range(n + 3, n + 3 + tail)).reshape(shape)
+
+
 def _in_nvfp4_runs_order(a: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
-    """a [..., K] with each run of 64 along K permuted as `nvfp4_gpu_columns` says (a transposition of its index
-    16c + 8f + 2j + b to column 32f + 8j + 2c + b)."""
+    """a [..., K] with each run of 64 along K permuted as `nvfp4_gpu_columns` says (its pairs moved together)."""
     *lead, k = a.shape
-    n = len(lead) + 1  # the runs' axis, then c, f, j, b
-    return a.reshape(*lead, k // 64, 4, 2, 4, 2).transpose(*range(n), n + 1, n + 2, n, n + 3).reshape(*lead, k)
+    return _pairs_in_nvfp4_runs_order(a.reshape(*lead, k // 2, 2), tail=1).reshape(*lead, k)
 
 
 def nvfp4_gpu_columns(k: int) -> np.ndarray:
@@ -327,8 +335,8 @@ def rows_in_gpu_k_order(x: jax.Array, rows: jax.Array, fmt: str) -> jax.Array:
         raise ValueError(f"rows_in_gpu_k_order gathers 16-bit activations as pairs, got {x.dtype}")
     n, k = x.shape
     words = jax.lax.bitcast_convert_type(x.reshape(n, k // 2, 2), jnp.uint32)  # [N, K / 2]
-    if fmt == NVFP4:  # `nvfp4_gpu_columns` on the pairs: pair 8c + 4f + j of a run -> 16f + 4j + c
-        words = words.reshape(n, k // 64, 4, 2, 4).transpose(0, 1, 3, 4, 2).reshape(n, k // 2)
+    if fmt == NVFP4:
+        words = _pairs_in_nvfp4_runs_order(words)
     return jax.lax.bitcast_convert_type(words[rows], x.dtype).reshape(rows.shape[0], k)
 
 
