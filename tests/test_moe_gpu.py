@@ -133,9 +133,9 @@ def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
 
 @pytest.mark.parametrize(
     "tokens, top_k, experts",
-    [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 96), (5, 3, 4), (63, 2, 4), (7, 3, 1), (300, 8, 8),
-     (150, 8, 16)],
-)  # fmt: skip  # shared tiles of 8, 56, 48, 64; own windows (groups of up to 300 copies, several windows each; ~75)
+    [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 240), (5, 3, 4), (30, 2, 4), (5, 3, 1), (300, 8, 8),
+     (150, 8, 16), (300, 8, 96)],
+)  # fmt: skip  # shared tiles of 8, 24, 32; own windows (groups of up to 300 copies, several windows each; ~75; ~25)
 def test_visits_write_every_copy_once(tokens, top_k, experts):
     """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole window of
     its width within the rows and writes rows of it; the visits come in width order within their static bound; own
@@ -275,11 +275,11 @@ def assert_close_to_oracle(got: jax.Array, want: jax.Array) -> None:
 
 
 CASES = [  # (format, tokens, top_k, foreign ids + fp32 out, experts); each format's decode is checked exactly above
-    (NVFP4, 32, 2, False, 2),  # prefill: each expert's copies in tiles of their own (>= 32 copies per expert)
+    (NVFP4, 32, 2, False, 2),  # prefill: each expert's copies in tiles of their own (>= 16 copies per expert)
     (NVFP4, 3, 4, True, EXPERTS),  # decode of few tokens: each chosen expert's visit; expert parallelism's drops
     (MXFP8, 12, 2, True, EXPERTS),  # decode: shared tiles, K split over CTAs; dropped ids
 ] + ([] if CPU else [(MXFP8, 5, 2, False, EXPERTS), (PLAIN, 1, 2, False, EXPERTS), (MXFP8, 64, 8, False, EXPERTS),
-                     (NVFP4, 40, 8, False, EXPERTS), (PLAIN, 9, 8, True, EXPERTS)])  # fmt: skip
+                     (NVFP4, 30, 8, False, EXPERTS), (PLAIN, 9, 8, True, EXPERTS)])  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt, tokens, top_k, foreign, num_experts", CASES)

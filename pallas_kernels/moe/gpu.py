@@ -68,7 +68,9 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 OWN_TMS = (64, 80, 96, 112)  # prefill: the widths (rows) of the windows of an expert's own, each window the narrowest
 # that holds its copies (at 4096 tokens the groups average 85 copies: one width of 96, two windows for groups past
 # it, multiplied 41K rows; these, 36K); 112 the widest where the quantized formats keep rings of 3 SMEM stages
-OWN_TILES_FROM = 32  # copies per expert (on average) from which the groups get windows of their own
+OWN_TILES_FROM = 16  # copies per expert (on average) from which the groups get windows of their own (MXFP8 on the
+# H200, all kernels of the call, shared against own: 3.88 / 4.02 ms at 640 tokens, 13.3 per expert; 4.15 / 4.03 at
+# 768, 16; 4.73 / 4.09 at 1024; bench/results/moe_threshold_h200.txt)
 
 
 @jax.tree_util.register_dataclass

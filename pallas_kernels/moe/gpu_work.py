@@ -28,7 +28,8 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 
 COMPUTE_WGS = (3, 2)  # compute warpgroups per CTA, the most that divide N's tiles of 64 rows (3: 8% faster than 2 at
 # 8 tokens on the H200, more warps hiding the decode's latencies; a CTA of 4 compute warpgroups hung there)
-SHARED_TM = (8, 64)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group)
+SHARED_TM = (8, 32)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group,
+# below gpu.OWN_TILES_FROM copies per expert)
 SMS = 132  # H200 multiprocessors (the interpreter's CTAs)
 SMEM_BYTES = 232448  # per-block shared memory on sm90
 MIN_SHARE_STEPS = 3  # pipeline steps in a share of K, at least (a ring of three stages inside each item)
@@ -51,9 +52,9 @@ def item_rows(n: int) -> int:
 
 
 def step_k(fmt: str, k: int, tm: int) -> int:
-    """K values per pipeline step: 256 for quantized weights in shared tiles, else 128 (a stage's weight and
-    activation tiles of 8-64 KB each)."""
-    kc = 256 if fmt != PLAIN and tm <= SHARED_TM[1] else 128
+    """K values per pipeline step: 256 for quantized weights on tiles of up to 64 rows, else 128 (a stage's weight
+    and activation tiles of 8-64 KB each)."""
+    kc = 256 if fmt != PLAIN and tm <= 64 else 128
     if k % kc:
         raise ValueError(f"the GPU expert kernel needs K ({k}) to be a multiple of {kc}")
     return kc
