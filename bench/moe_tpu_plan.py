@@ -1,21 +1,24 @@
 """What the TPU expert kernels (`pallas_kernels.moe.tpu`) do for one routed-experts call at Inkling 2 Small's
-shapes, counted from their plan, and the least time that work can take on a TPU v7x chip: no TPU is at hand, so
-this model is what the kernels' plans are weighed by until one is.
+shapes, counted from their plan, and the least time that work can take on one TensorCore of a TPU v7x: no TPU is
+at hand, so this model is what the kernels' plans are weighed by until one is.
 
     python -m bench.moe_tpu_plan [--tokens 1 8 64 512 4096] [--formats bf16 mxfp8 nvfp4] [--shards 1 4]
 
 For each call (routing as `bench.moe_experts`: each token's 8 distinct experts uniformly at random; with
 `--shards S`, shard 0 of S holding 384 / S experts, the other ids dropped there): the real visits and their tile
-height TM; the rows the kernels multiply against the copies kept; the HBM bytes of each kernel (weight blocks
-fetched whenever a grid step's expert or column tile changes, the visit's row tile and output tile every step)
-and of XLA's steps around them (the row gather over the plan's static rows, the combine; NVFP4's gate_up is laid
-out in down's K order, so nothing between the kernels); the MXU's multiply-adds. `shared/kept`: the rows
-megablox's plan would multiply per kept copy (the sorted copies in shared tiles of up to 256 rows, each visited
-once per expert it meets; the TPU kernels' plan below 8 copies per expert until the eleventh session).
-`floor_ms`: each kernel at the slower of its bytes at 7.38 TB/s and its flops at bf16's 2307 TFLOP/s (one v7x
-chip's peaks), XLA's steps at their bytes. Not counted: the VPU's dequantization of every weight block a visit
-reads (a few vector operations per value, whatever the rows), which at decode may well be the bound a TPU run
-finds.
+height TM; the rows the kernels multiply against the copies kept; each kernel's grid order as it chooses it
+(`orders`, gate_up's then down's: C column tiles outside, V visits outside); the HBM bytes of each kernel (a block
+fetched whenever its index changes from one grid step to the next: the weight blocks where the expert or the
+column tile does, the row tile where the visit does; the output tile every step) and of XLA's steps around them
+(the row gather over the plan's static rows, the combine; NVFP4's gate_up is laid out in down's K order, so
+nothing between the kernels); the MXU's multiply-adds. `shared/kept`: the rows megablox's plan would multiply per
+kept copy (the sorted copies in shared tiles of up to 256 rows, each visited once per expert it meets; the TPU
+kernels' plan below 8 copies per expert until the eleventh session).
+`floor_ms`: each kernel at the slower of its bytes at 3.69 TB/s and its flops at bf16's 1153 TFLOP/s, XLA's steps
+at their bytes: half a v7x chip's peaks (7.38 TB/s, 2307 TFLOP/s), as JAX sees each of its two TensorCores as a
+device of its own (no megacore) and a kernel runs on one (a chip serving the experts alone is `--shards 2`). Not
+counted: the VPU's dequantization of every weight block a visit reads (a few vector operations per value, whatever
+the rows), which at decode may well be the bound a TPU run finds.
 """
 
 from __future__ import annotations
@@ -30,18 +33,22 @@ from pallas_kernels.moe import tpu
 from pallas_kernels.moe.routing import group_offsets, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
-HBM_TB_S, MXU_TFLOP_S = 7.38, 2307.0  # TPU v7x per chip (research notes: quant_and_kernels.md)
+HBM_TB_S, MXU_TFLOP_S = 7.38 / 2, 2307.0 / 2  # TPU v7x per TensorCore: half the chip's (quant_and_kernels.md)
 WEIGHT_BYTES = {"bf16": 2.0, MXFP8: 1 + 1 / block_formats.MX_BLOCK, NVFP4: 0.5 + 1 / block_formats.NV_BLOCK}
 
 
-def kernel_work(expert: np.ndarray, tm: int, k: int, tiles: int, block: int, out: int, per_value: float):
-    """(HBM bytes, flops) of one grouped matmul over the visits' experts `expert` [V], its grid `tiles` column
-    tiles then the visits: each step's weight block(s) [K, block] fetched where the expert or the column tile
-    changes, its row tile [TM, K] in and output tile [TM, out] out (bf16)."""
+def kernel_work(
+    expert: np.ndarray, tm: int, k: int, tiles: int, block: int, out: int, per_value: float, visits_first: bool
+) -> tuple[float, float]:
+    """(HBM bytes, flops) of one grouped matmul over the visits' experts `expert` [V] and its `tiles` column tiles:
+    each step's weight block(s) [K, block] fetched where the expert or the column tile changes, its row tile
+    [TM, K] where the visit or (column tiles outside) the column tile changes, its output tile [TM, out] out (bf16)."""
+    visits = len(expert)
     runs = 1 + int(np.sum(expert[1:] != expert[:-1]))
-    steps = tiles * len(expert)
-    weights = tiles * runs * k * block * per_value
-    return weights + steps * tm * (k + out) * 2, 2.0 * steps * tm * k * block
+    steps = tiles * visits
+    weights = tiles * (visits if visits_first else runs) * k * block * per_value
+    rows = (visits if visits_first else steps) * tm * k * 2
+    return weights + rows + steps * tm * out * 2, 2.0 * steps * tm * k * block
 
 
 def shared_rows(routing) -> int:
@@ -63,8 +70,10 @@ def call_work(tokens: int, fmt: str, shards: int) -> dict:
     per_value = WEIGHT_BYTES[fmt]
     itemsize = {"bf16": 2, MXFP8: 1, NVFP4: 0.5}[fmt]
     tn, th = tpu._columns_per_step(INTER, HIDDEN, itemsize), tpu._columns_per_step(HIDDEN, INTER, itemsize)
-    gate_up = kernel_work(expert, plan.tm, HIDDEN, INTER // tn, 2 * tn, tn, per_value)  # gate and up blocks
-    down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value)
+    shapes = ((INTER // tn, 2 * INTER * itemsize), (HIDDEN // th, HIDDEN * itemsize))  # column tiles, bytes per K
+    orders = [bool(tpu._visits_first(plan, tiles, per_k, 2)) for tiles, per_k in shapes]  # as the kernels choose
+    gate_up = kernel_work(expert, plan.tm, HIDDEN, INTER // tn, 2 * tn, tn, per_value, orders[0])  # gate and up
+    down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value, orders[1])
     kept = int(np.asarray(routing.kept).sum())
     xla = plan.rows * HIDDEN * 2 * 2 + kept * HIDDEN * 2 + tokens * HIDDEN * 2  # gather; combine
     floor = sum(max(b / HBM_TB_S, f / MXU_TFLOP_S) for b, f in (gate_up, down)) / 1e9 + xla / HBM_TB_S / 1e9
@@ -72,7 +81,7 @@ def call_work(tokens: int, fmt: str, shards: int) -> dict:
     return {
         "tokens": tokens, "format": fmt, "shards": shards, "visits": real, "tm": plan.tm,
         "rows_per_kept": real * plan.tm / max(kept, 1), "shared_per_kept": shared_rows(routing) / max(kept, 1),
-        "static_rows": plan.rows,
+        "static_rows": plan.rows, "orders": "".join("V" if first else "C" for first in orders),
         "weights_gb": stored / 1e9, "kernel_gb": (gate_up[0] + down[0]) / 1e9, "xla_gb": xla / 1e9,
         "tflop": (gate_up[1] + down[1]) / 1e12, "floor_ms": floor, "weights_ms": stored / HBM_TB_S / 1e9,
     }  # fmt: skip
@@ -84,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", nargs="+", default=["bf16", MXFP8, NVFP4], choices=list(WEIGHT_BYTES))
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args(argv)
-    head = "tokens format shards visits TM rows/kept shared/kept static weights_GB kernels_GB XLA_GB TFLOP floor_ms"
+    head = "tokens format shards visits TM rows/kept shared/kept static orders weights_GB kernels_GB XLA_GB TFLOP"
+    head += " floor_ms"
     head += " weights_ms"
     print(" ".join(f"{name:>6}" for name in head.split()))
     for shards in args.shards:
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             for tokens in args.tokens:
                 w = call_work(tokens, fmt, shards)
                 cells = [tokens, fmt, shards, w["visits"], w["tm"], f"{w['rows_per_kept']:.2f}",
-                         f"{w['shared_per_kept']:.2f}", w["static_rows"], f"{w['weights_gb']:.2f}",
+                         f"{w['shared_per_kept']:.2f}", w["static_rows"], w["orders"], f"{w['weights_gb']:.2f}",
                          f"{w['kernel_gb']:.2f}", f"{w['xla_gb']:.3f}", f"{w['tflop']:.2f}", f"{w['floor_ms']:.3f}",
                          f"{w['weights_ms']:.3f}"]  # fmt: skip
                 widths = [max(6, len(name)) for name in head.split()]

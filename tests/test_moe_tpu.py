@@ -127,6 +127,39 @@ def test_tpu_kernels_match_the_reference(fmt, tokens, top_k, ids, experts):
     assert (got == want).mean() > 0.5
 
 
+@pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
+def test_both_grid_orders_give_the_oracle(fmt, monkeypatch):
+    """Column tiles outside or visits outside (tiles of 128 columns: gate_up's two, down's four), over groups of
+    two tiles each and empty experts: the same bits either way, the oracle's values."""
+    monkeypatch.setattr(tpu, "LANE_OPTIONS", (128,))
+    gate_up, down = expert_weights(21, fmt)
+    x, chosen, weights = routed(22, 48, 4, (0, 5))  # ~38 copies for each of 5 experts: tiles of 32 rows
+    laid = for_tpu_experts(gate_up, down)
+    outs = []
+    for visits_first in (False, True):
+        monkeypatch.setattr(tpu, "_visits_first", lambda *_, first=visits_first: jnp.asarray(first))
+        outs.append(np.asarray(interpreted(x, *laid, chosen, weights, **CAPS), np.float32))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want = np.asarray(reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS), np.float32)
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(outs[0], want, rtol=2**-6, atol=2**-8 * np.abs(want).max())
+
+
+def test_grid_order_reads_fewer_bytes():
+    """Visits outside where each expert's copies fit one tile and there are column tiles to re-read it for;
+    column tiles outside where one tile holds all the columns, or where experts span several tiles and re-reading
+    their weights per visit would cost more than re-reading the rows."""
+    tokens = jnp.arange(32, dtype=jnp.int32)[:, None]
+    spread = tpu._plan(route((tokens + jnp.arange(2)) % EXPERTS, jnp.ones((32, 2)), EXPERTS))  # 8 copies each
+    assert spread.tm == 16 and int(spread.real[0]) == int(spread.met) == EXPERTS
+    assert tpu._visits_first(spread, 3, 2 * INTER, 2) and not tpu._visits_first(spread, 1, 2 * INTER, 2)
+    hot = jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32), (64, 2))  # experts 0 and 1: 64 copies each
+    piled = tpu._plan(route(hot, jnp.ones((64, 2)), EXPERTS, 64 * EXPERTS))  # sized for 2 copies: 16-row tiles
+    assert piled.tm == 16 and int(piled.real[0]) == 8 and int(piled.met) == 2
+    assert not tpu._visits_first(piled, 3, 2 * INTER, 2)  # rows again: 2 x 8 x 16 x 2 bytes; weights: 6 x 512
+    assert tpu._visits_first(piled, 3, 16, 2)  # weights of 16 bytes a row: cheaper to read again
+
+
 def test_fp32_partial_sums_for_expert_parallelism():
     """out_dtype fp32 (what a shard returns for the cross-shard sum) and a shard holding none of the experts."""
     gate_up, down = expert_weights(3, MXFP8)

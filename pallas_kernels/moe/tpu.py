@@ -2,15 +2,17 @@
 weights dequantized in VMEM, CHUNK rows of K at a time, right before the MXU takes them (never in HBM).
 
 Each expert's copies are gathered into row tiles of its own, TM rows each (`_plan`); a "visit" is one of those
-tiles with its expert. Visits walk the experts in order, so an expert's tiles are consecutive grid steps and its
-weight blocks are fetched once per column tile. The grid steps through the real visits alone (a dynamic count);
-the plan pads its arrays to their static bound.
+tiles with its expert. Visits walk the experts in order. The grid steps through the real visits alone (a dynamic
+count; the plan pads its arrays to their static bound) and the output's column tiles, in whichever order reads
+fewer bytes (`_visits_first`): column tiles outside, an expert's weight blocks fetched once per column tile and
+each visit's row tile once per column tile; or visits outside, each row tile fetched once and the expert's
+weights once per visit.
 
-- gate_up: grid (N tiles of the I columns [parallel], visits): a step reads the tile's x rows [TM, H] and the
-  expert's gate and up columns [H, TN] (the weight bytes of the chosen experts, once per column tile),
+- gate_up: over N tiles of the I columns and the visits: a step reads the tile's x rows [TM, H] and the
+  expert's gate and up columns [H, TN],
   accumulates both products in fp32, rounds them to the activation dtype (the reference's ragged_dot output),
   applies the softcapped SwiGLU in fp32 and rounds again.
-- down: grid (N tiles of the H columns [parallel], visits), the same over the hidden rows [TM, I]; its rows
+- down: over N tiles of the H columns and the visits, the same over the hidden rows [TM, I]; its rows
   rounded to the activation dtype.
 - XLA: the row gather before, the weighted sum of each token's copies after (`routing.combine`).
 """
@@ -47,6 +49,7 @@ class _Plan:
     expert: jax.Array  # [V] int32
     tile: jax.Array  # [V] int32
     real: jax.Array  # [1] int32: the real visits
+    met: jax.Array  # [] int32: the experts they meet (with copies)
     source: jax.Array  # [R] int32
     row_of: jax.Array  # [N * k] int32
     tm: int = dataclasses.field(metadata={"static": True})
@@ -69,7 +72,8 @@ def _plan(routing: Routing) -> _Plan:
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(-(-group_sizes // tm) * tm)])
     expert, tile, real = visits(starts, tm, tiles)
     row_of, source = placed_copies(routing, starts, tiles * tm)
-    return _Plan(expert, tile, real, source, row_of, tm, tiles * tm)
+    met = jnp.sum(group_sizes > 0, dtype=jnp.int32)
+    return _Plan(expert, tile, real, met, source, row_of, tm, tiles * tm)
 
 
 def _columns_per_step(n: int, k: int, itemsize: float) -> int:
@@ -91,7 +95,11 @@ def _weight_specs(w: TpuWeight, tn: int, column_block) -> list[pl.BlockSpec]:
     """Blocks of expert e's K x TN column tile `column_block(n)` of each operand of w."""
 
     def at(*lead):
-        return lambda n, v, expert, tile: (expert[v], *lead, column_block(n))
+        def index(i, j, expert, tile, order):
+            n, v = _column_and_visit(i, j, order)
+            return expert[v], *lead, column_block(n)
+
+        return index
 
     k = w.shape[2]
     if w.format == PLAIN:
@@ -151,7 +159,7 @@ def _matmul(x: jax.Array, w: jax.Array, widen: bool) -> jax.Array:
                            preferred_element_type=jnp.float32)  # fmt: skip
 
 
-def _gate_up_kernel(expert_ref, tile_ref, x_ref, *refs, fmt, chunks, caps, widen):
+def _gate_up_kernel(expert_ref, tile_ref, order_ref, x_ref, *refs, fmt, chunks, caps, widen):
     count = OPERANDS[fmt]
     gate_refs, up_refs = refs[:count], refs[count : 2 * count]
     out_ref, *scratch = refs[2 * count :]
@@ -174,7 +182,7 @@ def _gate_up_kernel(expert_ref, tile_ref, x_ref, *refs, fmt, chunks, caps, widen
     out_ref[...] = hidden.astype(out_ref.dtype)
 
 
-def _down_kernel(expert_ref, tile_ref, h_ref, *refs, fmt, chunks, widen):
+def _down_kernel(expert_ref, tile_ref, order_ref, h_ref, *refs, fmt, chunks, widen):
     count = OPERANDS[fmt]
     weight_refs, (out_ref, *scratch) = refs[:count], refs[count:]
     scales = scratch[0] if scratch else None
@@ -189,30 +197,58 @@ def _down_kernel(expert_ref, tile_ref, h_ref, *refs, fmt, chunks, widen):
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
+def _visits_first(plan: _Plan, tiles: int, weight_bytes: float, row_bytes: int) -> jax.Array:
+    """Whether walking the visits outside the column tiles reads fewer bytes than walking the column tiles outside
+    (bool []): it reads each visit's row tile once where the other reads it once per column tile, and the whole
+    expert's weights once per visit where the other reads them once per expert. `weight_bytes`: the weights' bytes
+    per K row of an expert (all its columns); `row_bytes`: a row tile's per K column."""
+    real = plan.real[0].astype(jnp.float32)
+    rows_read_again = (tiles - 1) * real * plan.tm * row_bytes
+    weights_read_again = (real - plan.met.astype(jnp.float32)) * weight_bytes
+    return rows_read_again > weights_read_again
+
+
+def _column_and_visit(i, j, order) -> tuple[jax.Array, jax.Array]:
+    """Grid step (i, j)'s column tile and visit, in the order `order[0]` says (1: visits outside)."""
+    visits_first = order[0] == 1
+    return jnp.where(visits_first, j, i), jnp.where(visits_first, i, j)
+
+
 def _grouped(
-    kernel, rows: jax.Array, weights: list[TpuWeight], specs, n: int, tn: int, plan: _Plan, *,
+    kernel, rows: jax.Array, weights: list[TpuWeight], specs, n: int, tn: int, plan: _Plan, weight_bytes: float, *,
     interpret: pltpu.InterpretParams | None, **options,
 ) -> jax.Array:  # fmt: skip
-    """One grouped matmul pallas_call over the visits: rows [R, K] (a visit's tile of them in VMEM) -> [R, N]."""
-    expert, tile, real, tm = plan.expert, plan.tile, plan.real, plan.tm
-    k = rows.shape[1]
-    grid = (n // tn, real[0])  # a dynamic count: the real visits alone (their static bound stepped through up to
-    # ~2.3K skipped grid steps over both kernels at 4096 tokens)
-    row_spec = pl.BlockSpec((tm, k), lambda n, v, expert, tile: (tile[v], 0))
-    out_spec = pl.BlockSpec((tm, tn), lambda n, v, expert, tile: (tile[v], n))
+    """One grouped matmul pallas_call over the visits: rows [R, K] (a visit's tile of them in VMEM) -> [R, N]
+    (`weight_bytes`: an expert's weight bytes per K row)."""
+    expert, tile, tm = plan.expert, plan.tile, plan.tm
+    k, tiles, visits = rows.shape[1], n // tn, plan.real[0]
+    visits_first = _visits_first(plan, tiles, weight_bytes, rows.dtype.itemsize)
+    grid = (jnp.where(visits_first, visits, tiles), jnp.where(visits_first, tiles, visits))  # the real visits
+    # alone (their static bound stepped through up to ~2.3K skipped grid steps over both kernels at 4096 tokens)
+
+    def row_block(i, j, expert, tile, order):
+        return tile[_column_and_visit(i, j, order)[1]], 0
+
+    def out_block(i, j, expert, tile, order):
+        n, v = _column_and_visit(i, j, order)
+        return tile[v], n
+
     scratch = [s for w in weights for s in _scale_scratch(w, tn)]
     operands = [x for w in weights for x in _weight_operands(w)]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=grid, in_specs=[pl.BlockSpec((tm, k), row_block), *specs],
+        out_specs=pl.BlockSpec((tm, tn), out_block), scratch_shapes=scratch,
+    )  # fmt: skip
     return pl.pallas_call(
         functools.partial(kernel, fmt=weights[0].format, chunks=k // CHUNK, widen=interpret is not None, **options),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=grid, in_specs=[row_spec, *specs], out_specs=out_spec, scratch_shapes=scratch
-        ),
+        grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((rows.shape[0], n), rows.dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
-        ),
+            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
+        ),  # either may be the visits' dynamic count, which a "parallel" one cannot be (nor would one split the work
+        # on a v7x: JAX sees its two TensorCores as devices of their own, no megacore)
         interpret=False if interpret is None else interpret,
-    )(expert, tile, rows, *operands)
+    )(expert, tile, visits_first.astype(jnp.int32).reshape(1), rows, *operands)
 
 
 def supports(two_i: int, hidden: int) -> bool:
@@ -256,12 +292,13 @@ def moe_experts(
     ]
     hidden_rows = _grouped(
         _gate_up_kernel, rows_in_order(x[token_rows], hidden), [gate_up, gate_up], gate_up_specs, inter, tn, plan,
-        caps=(gate_cap, up_cap), interpret=interpret,
+        two_i * itemsize, caps=(gate_cap, up_cap), interpret=interpret,
     )  # fmt: skip
     if not gate_up.in_down_order:  # the SwiGLU's columns come in gate_up's order, not yet in down's K order
         hidden_rows = rows_in_order(hidden_rows, inter)
     th = _columns_per_step(hidden, inter, itemsize)
     out_rows = _grouped(
-        _down_kernel, hidden_rows, [down], _weight_specs(down, th, lambda n: n), hidden, th, plan, interpret=interpret
-    )
+        _down_kernel, hidden_rows, [down], _weight_specs(down, th, lambda n: n), hidden, th, plan, hidden * itemsize,
+        interpret=interpret,
+    )  # fmt: skip
     return combine(out_rows, routing, experts.shape[0], out_dtype, plan.row_of)
