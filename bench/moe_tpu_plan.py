@@ -9,16 +9,18 @@ For each call (routing as `bench.moe_experts`: each token's 8 distinct experts u
 height TM; the rows the kernels multiply against the copies kept; each kernel's grid order as it chooses it
 (`orders`, gate_up's then down's: C column tiles outside, V visits outside); the HBM bytes of each kernel (a block
 fetched whenever its index changes from one grid step to the next: the weight blocks where the expert or the
-column tile does, the row tile where the visit does; the output tile every step) and of XLA's steps around them
-(the row gather over the plan's static rows, the combine; NVFP4's gate_up is laid out in down's K order, so
-nothing between the kernels); the MXU's multiply-adds. `shared/kept`: the rows megablox's plan would multiply per
+column tile does, the rows where the visit does: gate_up's its copies' token rows, each a DMA of x laid out as
+[T, H / 128, 128] in whole (16, 128) tiles, down's its row tile; the output tile every step) and of XLA's steps
+around them (x relaid for those DMAs, the combine; NVFP4's gate_up is laid out in down's K order, so nothing
+between the kernels); the MXU's multiply-adds. `shared/kept`: the rows megablox's plan would multiply per
 kept copy (the sorted copies in shared tiles of up to 256 rows, each visited once per expert it meets; the TPU
 kernels' plan below 8 copies per expert until the eleventh session).
 `floor_ms`: each kernel at the slower of its bytes at 3.69 TB/s and its flops at bf16's 1153 TFLOP/s, XLA's steps
 at their bytes: half a v7x chip's peaks (7.38 TB/s, 2307 TFLOP/s), as JAX sees each of its two TensorCores as a
 device of its own (no megacore) and a kernel runs on one (a chip serving the experts alone is `--shards 2`). Not
 counted: the VPU's dequantization of every weight block a visit reads (a few vector operations per value, whatever
-the rows), which at decode may well be the bound a TPU run finds.
+the rows), which at decode may well be the bound a TPU run finds; the scalar core's issue of gate_up's row DMAs
+(one per kept copy: 32,768 at 4096 tokens).
 """
 
 from __future__ import annotations
@@ -38,16 +40,17 @@ WEIGHT_BYTES = {"bf16": 2.0, MXFP8: 1 + 1 / block_formats.MX_BLOCK, NVFP4: 0.5 +
 
 
 def kernel_work(
-    expert: np.ndarray, tm: int, k: int, tiles: int, block: int, out: int, per_value: float, visits_first: bool
-) -> tuple[float, float]:
+    expert: np.ndarray, tm: int, k: int, tiles: int, block: int, out: int, per_value: float, visits_first: bool,
+    row_bytes: float,
+) -> tuple[float, float]:  # fmt: skip
     """(HBM bytes, flops) of one grouped matmul over the visits' experts `expert` [V] and its `tiles` column tiles:
-    each step's weight block(s) [K, block] fetched where the expert or the column tile changes, its row tile
-    [TM, K] where the visit or (column tiles outside) the column tile changes, its output tile [TM, out] out (bf16)."""
+    each step's weight block(s) [K, block] fetched where the expert or the column tile changes, its rows
+    (`row_bytes` a visit) where the visit does, its output tile [TM, out] out (bf16)."""
     visits = len(expert)
     runs = 1 + int(np.sum(expert[1:] != expert[:-1]))
     steps = tiles * visits
     weights = tiles * (visits if visits_first else runs) * k * block * per_value
-    rows = (visits if visits_first else steps) * tm * k * 2
+    rows = (1 if visits_first else tiles) * row_bytes
     return weights + rows + steps * tm * out * 2, 2.0 * steps * tm * k * block
 
 
@@ -72,10 +75,11 @@ def call_work(tokens: int, fmt: str, shards: int) -> dict:
     tn, th = tpu._columns_per_step(INTER, HIDDEN, itemsize), tpu._columns_per_step(HIDDEN, INTER, itemsize)
     shapes = ((INTER // tn, 2 * INTER * itemsize), (HIDDEN // th, HIDDEN * itemsize))  # column tiles, bytes per K
     orders = [bool(tpu._visits_first(plan, tiles, per_k, 2)) for tiles, per_k in shapes]  # as the kernels choose
-    gate_up = kernel_work(expert, plan.tm, HIDDEN, INTER // tn, 2 * tn, tn, per_value, orders[0])  # gate and up
-    down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value, orders[1])
     kept = int(np.asarray(routing.kept).sum())
-    xla = plan.rows * HIDDEN * 2 * 2 + kept * HIDDEN * 2 + tokens * HIDDEN * 2  # gather; combine
+    token_row = -(-HIDDEN // tpu.LANES // 16) * 16 * tpu.LANES * 2  # a token's [H / 128, 128] bf16, whole tiles
+    gate_up = kernel_work(expert, plan.tm, HIDDEN, INTER // tn, 2 * tn, tn, per_value, orders[0], kept * token_row)
+    down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value, orders[1], real * plan.tm * INTER * 2)
+    xla = tokens * (HIDDEN * 2 + token_row) + kept * HIDDEN * 2 + tokens * HIDDEN * 2  # x's rows relaid; combine
     floor = sum(max(b / HBM_TB_S, f / MXU_TFLOP_S) for b, f in (gate_up, down)) / 1e9 + xla / HBM_TB_S / 1e9
     stored = len(np.unique(expert)) * 3 * HIDDEN * INTER * per_value
     return {

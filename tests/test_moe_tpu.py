@@ -73,7 +73,7 @@ def test_e2m1_codes_decode_from_bits():
 )  # prefill-sized groups; decode's one copy or two per expert
 def test_tiles_are_each_experts_own(tokens, top_k, experts):
     """Every kept copy in a row of a tile that only its expert's visit multiplies, each tile visited once, the
-    rows few beyond the copies (whole tiles per group)."""
+    rows few beyond the copies (whole tiles per group); each visit's first rows its copies, in sorted order."""
     rng = np.random.default_rng(tokens)
     ids = np.argsort(rng.random((tokens, experts + 2)), axis=1)[:, :top_k] - 1  # some dropped (-1, E)
     routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
@@ -90,7 +90,10 @@ def test_tiles_are_each_experts_own(tokens, top_k, experts):
     kept = np.asarray(routing.kept)
     rows = plan.row_of[kept]
     np.testing.assert_array_equal(row_expert[rows], np.repeat(np.arange(experts), np.asarray(routing.group_sizes)))
-    np.testing.assert_array_equal(plan.source[rows], np.flatnonzero(kept))
+    firsts, lives = plan.first_copy[:real], plan.live[:real]
+    assert lives.min() >= 1 and lives.sum() == kept.sum()  # each visit's live rows: its copies, in order
+    for t, first, live in zip(tiles, firsts, lives, strict=True):
+        np.testing.assert_array_equal(plan.row_of[first : first + live], t * plan.tm + np.arange(live))
     assert real * plan.tm < kept.sum() + experts * plan.tm
 
 

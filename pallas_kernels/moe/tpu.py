@@ -8,17 +8,18 @@ fewer bytes (`_visits_first`): column tiles outside, an expert's weight blocks f
 each visit's row tile once per column tile; or visits outside, each row tile fetched once and the expert's
 weights once per visit.
 
-- gate_up: over N tiles of the I columns and the visits: a step reads the tile's x rows [TM, H] and the
-  expert's gate and up columns [H, TN],
-  accumulates both products in fp32, rounds them to the activation dtype (the reference's ragged_dot output),
-  applies the softcapped SwiGLU in fp32 and rounds again.
-- down: over N tiles of the H columns and the visits, the same over the hidden rows [TM, I]; its rows
-  rounded to the activation dtype.
-- XLA: the row gather before, the weighted sum of each token's copies after (`routing.combine`).
+- gate_up: over N tiles of the I columns and the visits: where the visit changes, its copies' token rows [TM, H]
+  come from x by one DMA each (`_token_rows`; the next visit's fetched meanwhile); a step multiplies them by the
+  expert's gate and up columns [H, TN], accumulates both products in fp32, rounds them to the activation dtype
+  (the reference's ragged_dot output), applies the softcapped SwiGLU in fp32 and rounds again.
+- down: over N tiles of the H columns and the visits, the same over the hidden rows [TM, I] gate_up wrote; its
+  rows rounded to the activation dtype.
+- XLA: x relaid for the row DMAs before, the weighted sum of each token's copies after (`routing.combine`).
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +31,11 @@ from pallas_kernels import block_formats
 from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, check_experts, e2m1_value, nvfp4_codes, nvfp4_order
 from pallas_kernels.moe.layouts import TPU_CHUNK as CHUNK
 from pallas_kernels.moe.reference import softcap
-from pallas_kernels.moe.routing import Routing, combine, placed_copies, prefix_sum, route, visits
+from pallas_kernels.moe.routing import Routing, combine, group_offsets, placed_copies, prefix_sum, route, visits
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 MAX_TM = 256  # rows per tile
+LANES = 128
 LANE_OPTIONS = (768, 512, 384, 256, 128)  # output columns per step, the widest that divides N and fits
 WEIGHT_BUFFER = 8 << 20  # bytes of one weight operand's block, double-buffered
 VMEM_LIMIT = 48 << 20  # v7x: 64 MiB per core
@@ -43,14 +45,15 @@ VMEM_LIMIT = 48 << 20  # v7x: 64 MiB per core
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """The kernels' rows and their visits: visit v multiplies row tile tile[v] (rows tile[v] * tm ...), one of
-    expert[v]'s, by its weights and writes the tile; the copies sit in rows `row_of`, gathered from sorted copies
-    `source`."""
+    expert[v]'s, by its weights and writes the tile, whose first live[v] rows hold sorted copies first_copy[v] ...
+    in order (the rest none); each sorted copy sits in row `row_of`."""
 
     expert: jax.Array  # [V] int32
     tile: jax.Array  # [V] int32
+    first_copy: jax.Array  # [V] int32
+    live: jax.Array  # [V] int32: 1 ... TM
     real: jax.Array  # [1] int32: the real visits
     met: jax.Array  # [] int32: the experts they meet (with copies)
-    source: jax.Array  # [R] int32
     row_of: jax.Array  # [N * k] int32
     tm: int = dataclasses.field(metadata={"static": True})
     rows: int = dataclasses.field(metadata={"static": True})  # R, whole tiles
@@ -71,9 +74,12 @@ def _plan(routing: Routing) -> _Plan:
     tiles = -(-copies // tm) + min(num_experts, copies)  # each group's tiles, at most
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(-(-group_sizes // tm) * tm)])
     expert, tile, real = visits(starts, tm, tiles)
-    row_of, source = placed_copies(routing, starts, tiles * tm)
+    offsets = group_offsets(routing)
+    first_copy = offsets[expert] + tile * tm - starts[expert]
+    live = jnp.minimum(offsets[expert + 1] - first_copy, tm)
+    row_of, _ = placed_copies(routing, starts, tiles * tm)
     met = jnp.sum(group_sizes > 0, dtype=jnp.int32)
-    return _Plan(expert, tile, real, met, source, row_of, tm, tiles * tm)
+    return _Plan(expert, tile, first_copy, live, real, met, row_of, tm, tiles * tm)
 
 
 def _columns_per_step(n: int, k: int, itemsize: float) -> int:
@@ -95,7 +101,7 @@ def _weight_specs(w: TpuWeight, tn: int, column_block) -> list[pl.BlockSpec]:
     """Blocks of expert e's K x TN column tile `column_block(n)` of each operand of w."""
 
     def at(*lead):
-        def index(i, j, expert, tile, order):
+        def index(i, j, expert, tile, order, *_):
             n, v = _column_and_visit(i, j, order)
             return expert[v], *lead, column_block(n)
 
@@ -159,11 +165,56 @@ def _matmul(x: jax.Array, w: jax.Array, widen: bool) -> jax.Array:
                            preferred_element_type=jnp.float32)  # fmt: skip
 
 
-def _gate_up_kernel(expert_ref, tile_ref, order_ref, x_ref, *refs, fmt, chunks, caps, widen):
+def _fetch_rows(v, first_ref, live_ref, token_ref, x_hbm, landing, sem) -> None:
+    """Starts the DMAs of visit v's live rows, its copies' tokens' rows of x [T, K / 128, 128], into landing."""
+    first = first_ref[v]
+
+    def fetch(r, carry):
+        pltpu.make_async_copy(x_hbm.at[token_ref[first + r]], landing.at[r], sem).start()
+        return carry
+
+    lax.fori_loop(0, live_ref[v], fetch, 0)
+
+
+def _token_rows(order_ref, first_ref, live_ref, token_ref, x_hbm, landing, x_ref, sem) -> None:
+    """x_ref [TM, K] = the grid step's visit's token rows (zeros past its live ones), read where the visit
+    changes; the next visit's rows are fetched meanwhile (rows of x by token: no gathered copy of x in HBM)."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    outer, inner = pl.num_programs(0), pl.num_programs(1)
+    _, visit = _column_and_visit(i, j, order_ref)
+    first_step = (i == 0) & (j == 0)
+    _, previous = _column_and_visit(jnp.where(j == 0, i - 1, i), jnp.where(j == 0, inner - 1, j - 1), order_ref)
+    fetch = functools.partial(_fetch_rows, first_ref=first_ref, live_ref=live_ref, token_ref=token_ref, x_hbm=x_hbm,
+                              landing=landing, sem=sem)  # fmt: skip
+
+    @pl.when(first_step)
+    def _():
+        fetch(visit)
+
+    @pl.when(first_step | (previous != visit))
+    def _():
+        live = live_ref[visit]
+        pltpu.make_async_copy(landing.at[pl.ds(0, live)], landing.at[pl.ds(0, live)], sem).wait()
+        rows = landing[...].reshape(x_ref.shape)
+        x_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, x_ref.shape, 0) < live, rows, 0)
+        # the next visit's run starts at the next visit (visits outside) or the next step (column tiles outside)
+        visits_first = order_ref[0] == 1
+        wraps = visits_first | (j + 1 == inner)
+        ni, nj = jnp.where(wraps, i + 1, i), jnp.where(wraps, 0, j + 1)
+        _, upcoming = _column_and_visit(ni, nj, order_ref)
+
+        @pl.when((ni < outer) & (upcoming != visit))
+        def _():
+            fetch(upcoming)
+
+
+def _gate_up_kernel(expert_ref, tile_ref, order_ref, first_ref, live_ref, token_ref, x_hbm, *refs, fmt, chunks, caps,
+                    widen):  # fmt: skip
     count = OPERANDS[fmt]
     gate_refs, up_refs = refs[:count], refs[count : 2 * count]
-    out_ref, *scratch = refs[2 * count :]
+    out_ref, *scratch, landing, x_ref, sem = refs[2 * count :]
     gate_scales, up_scales = (scratch[0], scratch[1]) if scratch else (None, None)
+    _token_rows(order_ref, first_ref, live_ref, token_ref, x_hbm, landing, x_ref, sem)
     _decode_scales(fmt, gate_refs, gate_scales)
     _decode_scales(fmt, up_refs, up_scales)
 
@@ -215,40 +266,48 @@ def _column_and_visit(i, j, order) -> tuple[jax.Array, jax.Array]:
 
 
 def _grouped(
-    kernel, rows: jax.Array, weights: list[TpuWeight], specs, n: int, tn: int, plan: _Plan, weight_bytes: float, *,
+    kernel, rows: tuple[jax.Array, pl.BlockSpec], weights: list[TpuWeight], specs, n: int, tn: int, plan: _Plan,
+    weight_bytes: float, *, scalars: tuple[jax.Array, ...] = (), scratch: tuple = (),
     interpret: pltpu.InterpretParams | None, **options,
 ) -> jax.Array:  # fmt: skip
-    """One grouped matmul pallas_call over the visits: rows [R, K] (a visit's tile of them in VMEM) -> [R, N]
-    (`weight_bytes`: an expert's weight bytes per K row)."""
+    """One grouped matmul pallas_call over the visits: the rows of K (`rows`: the operand and its spec; `scalars`
+    prefetched after the plan's) -> the plan's rows [R, N] (`weight_bytes`: an expert's weight bytes per K row)."""
     expert, tile, tm = plan.expert, plan.tile, plan.tm
-    k, tiles, visits = rows.shape[1], n // tn, plan.real[0]
-    visits_first = _visits_first(plan, tiles, weight_bytes, rows.dtype.itemsize)
+    k, dtype = math.prod(rows[0].shape[1:]), rows[0].dtype
+    tiles, visits = n // tn, plan.real[0]
+    visits_first = _visits_first(plan, tiles, weight_bytes, dtype.itemsize)
     grid = (jnp.where(visits_first, visits, tiles), jnp.where(visits_first, tiles, visits))  # the real visits
     # alone (their static bound stepped through up to ~2.3K skipped grid steps over both kernels at 4096 tokens)
 
-    def row_block(i, j, expert, tile, order):
-        return tile[_column_and_visit(i, j, order)[1]], 0
-
-    def out_block(i, j, expert, tile, order):
+    def out_block(i, j, expert, tile, order, *_):
         n, v = _column_and_visit(i, j, order)
         return tile[v], n
 
-    scratch = [s for w in weights for s in _scale_scratch(w, tn)]
+    scales = [s for w in weights for s in _scale_scratch(w, tn)]
     operands = [x for w in weights for x in _weight_operands(w)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=grid, in_specs=[pl.BlockSpec((tm, k), row_block), *specs],
-        out_specs=pl.BlockSpec((tm, tn), out_block), scratch_shapes=scratch,
+        num_scalar_prefetch=3 + len(scalars), grid=grid, in_specs=[rows[1], *specs],
+        out_specs=pl.BlockSpec((tm, tn), out_block), scratch_shapes=[*scales, *scratch],
     )  # fmt: skip
     return pl.pallas_call(
         functools.partial(kernel, fmt=weights[0].format, chunks=k // CHUNK, widen=interpret is not None, **options),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((rows.shape[0], n), rows.dtype),
+        out_shape=jax.ShapeDtypeStruct((plan.rows, n), dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
         ),  # either may be the visits' dynamic count, which a "parallel" one cannot be (nor would one split the work
-        # on a v7x: JAX sees its two TensorCores as devices of their own, no megacore)
+        # on a v7x: JAX sees its two TensorCores as devices of their own, no megacore); gate_up's steps carry rows
         interpret=False if interpret is None else interpret,
-    )(expert, tile, visits_first.astype(jnp.int32).reshape(1), rows, *operands)
+    )(expert, tile, visits_first.astype(jnp.int32).reshape(1), *scalars, rows[0], *operands)
+
+
+def _visit_tiles(tm: int, k: int) -> pl.BlockSpec:
+    """Each grid step's visit's row tile [TM, K] of the plan's rows."""
+
+    def index(i, j, expert, tile, order, *_):
+        return tile[_column_and_visit(i, j, order)[1]], 0
+
+    return pl.BlockSpec((tm, k), index)
 
 
 def supports(two_i: int, hidden: int) -> bool:
@@ -279,7 +338,6 @@ def moe_experts(
     if routing.order.shape[0] == 0:
         return jnp.zeros((experts.shape[0], hidden), out_dtype)
     plan = _plan(routing)
-    token_rows = routing.token_of[plan.source]
     itemsize = {PLAIN: gate_up.data.dtype.itemsize, MXFP8: 1, NVFP4: 0.5}[gate_up.format]
 
     def rows_in_order(rows: jax.Array, k: int) -> jax.Array:  # [R, K], K in the order the weight's rows are
@@ -290,15 +348,22 @@ def moe_experts(
         *_weight_specs(gate_up, tn, lambda n: n),
         *_weight_specs(gate_up, tn, lambda n, blocks=inter // tn: n + blocks),
     ]
+    x_rows = rows_in_order(x, hidden).reshape(x.shape[0], hidden // LANES, LANES)  # a token's row: one DMA, whole
+    # tiles of its own (a DMA into part of a tile is not to be had)
+    row_scratch = (
+        pltpu.VMEM((plan.tm, hidden // LANES, LANES), x.dtype), pltpu.VMEM((plan.tm, hidden), x.dtype),
+        pltpu.SemaphoreType.DMA,
+    )  # fmt: skip
     hidden_rows = _grouped(
-        _gate_up_kernel, rows_in_order(x[token_rows], hidden), [gate_up, gate_up], gate_up_specs, inter, tn, plan,
-        two_i * itemsize, caps=(gate_cap, up_cap), interpret=interpret,
+        _gate_up_kernel, (x_rows, pl.BlockSpec(memory_space=pl.ANY)), [gate_up, gate_up], gate_up_specs, inter, tn,
+        plan, two_i * itemsize, scalars=(plan.first_copy, plan.live, routing.token_of), scratch=row_scratch,
+        caps=(gate_cap, up_cap), interpret=interpret,
     )  # fmt: skip
     if not gate_up.in_down_order:  # the SwiGLU's columns come in gate_up's order, not yet in down's K order
         hidden_rows = rows_in_order(hidden_rows, inter)
     th = _columns_per_step(hidden, inter, itemsize)
     out_rows = _grouped(
-        _down_kernel, hidden_rows, [down], _weight_specs(down, th, lambda n: n), hidden, th, plan, hidden * itemsize,
-        interpret=interpret,
+        _down_kernel, (hidden_rows, _visit_tiles(plan.tm, inter)), [down], _weight_specs(down, th, lambda n: n), hidden,
+        th, plan, hidden * itemsize, interpret=interpret,
     )  # fmt: skip
     return combine(out_rows, routing, experts.shape[0], out_dtype, plan.row_of)
