@@ -190,6 +190,9 @@ def test_entry_point_picks_a_backend_and_names_bad_input():
         tpu.moe_experts(x, laid_out[0], laid_out[0], chosen, weights, **CAPS)
     with pytest.raises(ValueError, match=r"routed_experts \(3\) is fewer than the 4 experts the weights hold"):
         moe_experts(x, *laid_out, chosen, weights, **CAPS, routed_experts=3)
+    many = jnp.zeros((tpu.MAX_COPIES // 2 + 1, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"at most 131072 token copies a call \(65537 tokens x 2 experts given\)"):
+        tpu.moe_experts(jnp.zeros((many.shape[0], HIDDEN), jnp.bfloat16), *laid_out, many, many * 0.0, **CAPS)
     small = for_tpu(jnp.zeros((2, 2 * 200, 256), jnp.bfloat16)), for_tpu(jnp.zeros((2, 256, 200), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"I \(200\) to be multiples of 256"):
         tpu.moe_experts(jnp.zeros((1, 256), jnp.bfloat16), *small, chosen[:1] % 2, weights[:1], **CAPS)

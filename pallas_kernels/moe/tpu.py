@@ -36,6 +36,7 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 
 MAX_TM = 256  # rows per tile
 LANES = 128
+MAX_COPIES = 1 << 17  # token copies per call: gate_up holds each one's token in SMEM (4 bytes: 512 KiB of it)
 LANE_OPTIONS = (768, 512, 384, 256, 128)  # output columns per step, the widest that divides N and fits
 WEIGHT_BUFFER = 8 << 20  # bytes of one weight operand's block, double-buffered
 VMEM_LIMIT = 48 << 20  # v7x: 64 MiB per core
@@ -315,11 +316,16 @@ def supports(two_i: int, hidden: int) -> bool:
     return hidden % CHUNK == 0 and two_i % (2 * CHUNK) == 0
 
 
-def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight) -> None:
+def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight, experts: jax.Array) -> None:
     check_experts(x, gate_up, down)
     _, two_i, hidden = gate_up.shape
     if not supports(two_i, hidden):
         raise ValueError(f"the TPU expert kernel needs H ({hidden}) and I ({two_i // 2}) to be multiples of {CHUNK}")
+    if experts.size > MAX_COPIES:
+        raise ValueError(
+            f"the TPU expert kernel takes at most {MAX_COPIES} token copies a call ({experts.shape[0]} tokens x "
+            f"{experts.shape[1]} experts given): split the tokens into smaller chunks"
+        )
 
 
 def moe_experts(
@@ -330,7 +336,7 @@ def moe_experts(
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_tpu` (`interpret`: run the
     kernels in Pallas' TPU interpreter with these parameters; the tiles sized as `routing.route` expects for
     `routed_experts`)."""
-    _check(x, gate_up, down)
+    _check(x, gate_up, down, experts)
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
     routing = route(experts, weights, num_experts, routed_experts)
