@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 
+import jax.numpy as jnp
 import numpy as np
 
 from bench.moe_experts import EXPERTS, HIDDEN, INTER, routing_case
@@ -73,12 +74,15 @@ def call_work(tokens: int, fmt: str, shards: int) -> dict:
     per_value = WEIGHT_BYTES[fmt]
     itemsize = {"bf16": 2, MXFP8: 1, NVFP4: 0.5}[fmt]
     tn, th = tpu._columns_per_step(INTER, HIDDEN, itemsize), tpu._columns_per_step(HIDDEN, INTER, itemsize)
-    shapes = ((INTER // tn, 2 * INTER * itemsize), (HIDDEN // th, HIDDEN * itemsize))  # column tiles, bytes per K
-    orders = [bool(tpu._visits_first(plan, tiles, per_k, 2)) for tiles, per_k in shapes]  # as the kernels choose
     kept = int(np.asarray(routing.kept).sum())
     token_row = -(-HIDDEN // tpu.LANES // 16) * 16 * tpu.LANES * 2  # a token's [H / 128, 128] bf16, whole tiles
-    gate_up = kernel_work(expert, plan.tm, HIDDEN, INTER // tn, 2 * tn, tn, per_value, orders[0], kept * token_row)
-    down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value, orders[1], real * plan.tm * INTER * 2)
+    rows = (kept * token_row, real * plan.tm * INTER * 2)  # each kernel's rows, every visit's once
+    shapes = ((INTER // tn, 2 * INTER * HIDDEN * itemsize), (HIDDEN // th, HIDDEN * INTER * itemsize))  # column
+    # tiles, an expert's weight bytes
+    orders = [bool(tpu._visits_first(plan, tiles, expert_bytes, jnp.float32(row_bytes)))  # as the kernels choose
+              for (tiles, expert_bytes), row_bytes in zip(shapes, rows, strict=True)]  # fmt: skip
+    gate_up = kernel_work(expert, plan.tm, HIDDEN, INTER // tn, 2 * tn, tn, per_value, orders[0], rows[0])
+    down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value, orders[1], rows[1])
     xla = tokens * (HIDDEN * 2 + token_row) + kept * HIDDEN * 2 + tokens * HIDDEN * 2  # x's rows relaid; combine
     floor = sum(max(b / HBM_TB_S, f / MXU_TFLOP_S) for b, f in (gate_up, down)) / 1e9 + xla / HBM_TB_S / 1e9
     stored = len(np.unique(expert)) * 3 * HIDDEN * INTER * per_value

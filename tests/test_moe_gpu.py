@@ -131,6 +131,15 @@ def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
     assert_same_values(got, want[0].T)
 
 
+@pytest.mark.parametrize("tokens, routed, own", [(512, None, True), (512, 384, False), (1024, 384, True)])
+def test_own_windows_start_at_the_copies_expected_per_expert(tokens, routed, own):
+    """One shard of four (96 of 384 experts): 512 tokens keep ~11 copies per expert there (shared tiles, though
+    their 4096 ids make 43 per held expert), 1024 ~21 (own windows)."""
+    ids = np.argsort(np.random.default_rng(tokens).random((tokens, 384)), axis=1)[:, :8]
+    tiles = gpu.tile_copies(route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), 96, routed))
+    assert tiles.widths == (gpu.OWN_TMS if own else (32,))
+
+
 @pytest.mark.parametrize(
     "tokens, top_k, experts",
     [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 240), (5, 3, 4), (30, 2, 4), (5, 3, 1), (300, 8, 8),

@@ -155,12 +155,13 @@ def test_grid_order_reads_fewer_bytes():
     tokens = jnp.arange(32, dtype=jnp.int32)[:, None]
     spread = tpu._plan(route((tokens + jnp.arange(2)) % EXPERTS, jnp.ones((32, 2)), EXPERTS))  # 8 copies each
     assert spread.tm == 16 and int(spread.real[0]) == int(spread.met) == EXPERTS
-    assert tpu._visits_first(spread, 3, 2 * INTER, 2) and not tpu._visits_first(spread, 1, 2 * INTER, 2)
+    rows = jnp.float32(4096.0)  # every visit's rows read once
+    assert tpu._visits_first(spread, 3, 1e6, rows) and not tpu._visits_first(spread, 1, 1e6, rows)
     hot = jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32), (64, 2))  # experts 0 and 1: 64 copies each
     piled = tpu._plan(route(hot, jnp.ones((64, 2)), EXPERTS, 64 * EXPERTS))  # sized for 2 copies: 16-row tiles
     assert piled.tm == 16 and int(piled.real[0]) == 8 and int(piled.met) == 2
-    assert not tpu._visits_first(piled, 3, 2 * INTER, 2)  # rows again: 2 x 8 x 16 x 2 bytes; weights: 6 x 512
-    assert tpu._visits_first(piled, 3, 16, 2)  # weights of 16 bytes a row: cheaper to read again
+    assert not tpu._visits_first(piled, 3, 1000.0, rows / 2)  # rows again 2 x 2048 bytes; weights 6 x 1000
+    assert tpu._visits_first(piled, 3, 1000.0, rows)  # rows again 2 x 4096
 
 
 def test_fp32_partial_sums_for_expert_parallelism():

@@ -24,9 +24,8 @@ def moe_experts(
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract ([N, H]: each token's weighted sum over its experts), by `backend`.
     `routed_experts`: under expert parallelism, the experts the ids were chosen among (these weights hold only
-    some; the others' ids are dropped here): the TPU kernels size their row tiles for the copies expected to stay
-    (the GPU's plan counts every id: sized for the expected copies, its shared tiles would cut more groups in two,
-    and each visit reads its expert's weights: 137 visits against 96 at 1024 tokens on one shard of four)."""
+    some; the others' ids are dropped here): the TPU kernels size their row tiles for the copies expected to stay,
+    the GPU's choose between shared tiles and own windows by them."""
     if backend not in BACKENDS:
         raise ValueError(f"MoE backend {backend!r} is not one of {', '.join(BACKENDS)}")
     held = gate_up.shape[0]
@@ -51,8 +50,9 @@ def moe_experts(
             f"the {backend.upper()} expert kernels take weights laid out by pallas_kernels.moe.layouts.{layout}"
             f" (once, at load); got {type(gate_up).__name__} and {type(down).__name__}"
         )
+    options["routed_experts"] = routed_experts
     if backend == "tpu":
-        return tpu.moe_experts(x, gate_up, down, experts, weights, **options, routed_experts=routed_experts)
+        return tpu.moe_experts(x, gate_up, down, experts, weights, **options)
     return gpu.moe_experts(x, gate_up, down, experts, weights, **options, interpret=jax.default_backend() == "cpu")
 
 

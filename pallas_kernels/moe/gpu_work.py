@@ -52,9 +52,9 @@ def item_rows(n: int) -> int:
 
 
 def step_k(fmt: str, k: int, tm: int) -> int:
-    """K values per pipeline step: 256 for quantized weights on tiles of up to 64 rows, else 128 (a stage's weight
-    and activation tiles of 8-64 KB each)."""
-    kc = 256 if fmt != PLAIN and tm <= 64 else 128
+    """K values per pipeline step: 256 for quantized weights in shared tiles, else 128 (a stage's weight and
+    activation tiles of 8-64 KB each)."""
+    kc = 256 if fmt != PLAIN and tm <= SHARED_TM[1] else 128
     if k % kc:
         raise ValueError(f"the GPU expert kernel needs K ({k}) to be a multiple of {kc}")
     return kc

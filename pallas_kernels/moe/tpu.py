@@ -19,7 +19,6 @@ weights once per visit.
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +51,7 @@ class _Plan:
     expert: jax.Array  # [V] int32
     tile: jax.Array  # [V] int32
     first_copy: jax.Array  # [V] int32
-    live: jax.Array  # [V] int32: 1 ... TM
+    live: jax.Array  # [V] int32: 1 ... TM (real visits)
     real: jax.Array  # [1] int32: the real visits
     met: jax.Array  # [] int32: the experts they meet (with copies)
     row_of: jax.Array  # [N * k] int32
@@ -66,9 +65,9 @@ def _plan(routing: Routing) -> _Plan:
     and writes its whole tile. Megablox's shared tiles (the sorted copies cut into tiles of up to 256 rows, each
     visited once per expert it meets) read the same weight blocks but multiplied 33-192x the copies from 32 to 383
     tokens (384 experts, top-8: one tile of 256 rows per chosen expert), 25x at 512, 4x at 4096; these, 16 rows
-    per chosen expert in decode and 1.4-1.55x the copies in prefill, for up to TM - 1 rows gathered beyond the
-    copies per expert that may hold some (the static bound: min(E, copies) of them; at 64 tokens 6,656 rows for 512
-    copies)."""
+    per chosen expert in decode and 1.4-1.55x the copies in prefill. The outputs' rows are sized for the static
+    bound (each of min(E, copies) experts may hold a partial tile: at 64 tokens 6,656 rows for 512 copies); only
+    the real visits' are written."""
     group_sizes, copies = routing.group_sizes, routing.order.shape[0]
     num_experts = group_sizes.shape[0]
     tm = min(MAX_TM, max(16, 1 << (-(-routing.expected // num_experts) - 1).bit_length()))
@@ -196,7 +195,7 @@ def _token_rows(order_ref, first_ref, live_ref, token_ref, x_hbm, landing, x_ref
     def _():
         live = live_ref[visit]
         pltpu.make_async_copy(landing.at[pl.ds(0, live)], landing.at[pl.ds(0, live)], sem).wait()
-        rows = landing[...].reshape(x_ref.shape)
+        rows = landing[...].reshape(landing.shape[0], -1)[:, : x_ref.shape[1]]
         x_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, x_ref.shape, 0) < live, rows, 0)
         # the next visit's run starts at the next visit (visits outside) or the next step (column tiles outside)
         visits_first = order_ref[0] == 1
@@ -249,14 +248,13 @@ def _down_kernel(expert_ref, tile_ref, order_ref, h_ref, *refs, fmt, chunks, wid
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _visits_first(plan: _Plan, tiles: int, weight_bytes: float, row_bytes: int) -> jax.Array:
+def _visits_first(plan: _Plan, tiles: int, expert_bytes: float, rows_bytes: jax.Array) -> jax.Array:
     """Whether walking the visits outside the column tiles reads fewer bytes than walking the column tiles outside
-    (bool []): it reads each visit's row tile once where the other reads it once per column tile, and the whole
-    expert's weights once per visit where the other reads them once per expert. `weight_bytes`: the weights' bytes
-    per K row of an expert (all its columns); `row_bytes`: a row tile's per K column."""
-    real = plan.real[0].astype(jnp.float32)
-    rows_read_again = (tiles - 1) * real * plan.tm * row_bytes
-    weights_read_again = (real - plan.met.astype(jnp.float32)) * weight_bytes
+    (bool []): it reads each visit's rows once where the other reads them once per column tile, and the expert's
+    weights (`expert_bytes`) once per visit where the other reads them once per expert. `rows_bytes` (float32 []):
+    every visit's rows read once."""
+    rows_read_again = (tiles - 1) * rows_bytes
+    weights_read_again = (plan.real[0] - plan.met).astype(jnp.float32) * expert_bytes
     return rows_read_again > weights_read_again
 
 
@@ -268,15 +266,14 @@ def _column_and_visit(i, j, order) -> tuple[jax.Array, jax.Array]:
 
 def _grouped(
     kernel, rows: tuple[jax.Array, pl.BlockSpec], weights: list[TpuWeight], specs, n: int, tn: int, plan: _Plan,
-    weight_bytes: float, *, scalars: tuple[jax.Array, ...] = (), scratch: tuple = (),
+    reads: tuple[float, jax.Array], *, scalars: tuple[jax.Array, ...] = (), scratch: tuple = (),
     interpret: pltpu.InterpretParams | None, **options,
 ) -> jax.Array:  # fmt: skip
     """One grouped matmul pallas_call over the visits: the rows of K (`rows`: the operand and its spec; `scalars`
-    prefetched after the plan's) -> the plan's rows [R, N] (`weight_bytes`: an expert's weight bytes per K row)."""
+    prefetched after the plan's) -> the plan's rows [R, N] (`reads`: `_visits_first`'s expert and row bytes)."""
     expert, tile, tm = plan.expert, plan.tile, plan.tm
-    k, dtype = math.prod(rows[0].shape[1:]), rows[0].dtype
-    tiles, visits = n // tn, plan.real[0]
-    visits_first = _visits_first(plan, tiles, weight_bytes, dtype.itemsize)
+    dtype, tiles, visits = rows[0].dtype, n // tn, plan.real[0]
+    visits_first = _visits_first(plan, tiles, *reads)
     grid = (jnp.where(visits_first, visits, tiles), jnp.where(visits_first, tiles, visits))  # the real visits
     # alone (their static bound stepped through up to ~2.3K skipped grid steps over both kernels at 4096 tokens)
 
@@ -290,8 +287,11 @@ def _grouped(
         num_scalar_prefetch=3 + len(scalars), grid=grid, in_specs=[rows[1], *specs],
         out_specs=pl.BlockSpec((tm, tn), out_block), scratch_shapes=[*scales, *scratch],
     )  # fmt: skip
+    body = functools.partial(
+        kernel, fmt=weights[0].format, chunks=weights[0].shape[2] // CHUNK, widen=interpret is not None, **options
+    )
     return pl.pallas_call(
-        functools.partial(kernel, fmt=weights[0].format, chunks=k // CHUNK, widen=interpret is not None, **options),
+        body,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((plan.rows, n), dtype),
         compiler_params=pltpu.CompilerParams(
@@ -300,6 +300,11 @@ def _grouped(
         # on a v7x: JAX sees its two TensorCores as devices of their own, no megacore); gate_up's steps carry rows
         interpret=False if interpret is None else interpret,
     )(expert, tile, visits_first.astype(jnp.int32).reshape(1), *scalars, rows[0], *operands)
+
+
+def _sublanes(dtype: jnp.dtype) -> int:
+    """Rows of a VMEM tile of `dtype` (8 of 32-bit values, 16 of 16-bit ...)."""
+    return 8 * 4 // jnp.dtype(dtype).itemsize
 
 
 def _visit_tiles(tm: int, k: int) -> pl.BlockSpec:
@@ -354,22 +359,26 @@ def moe_experts(
         *_weight_specs(gate_up, tn, lambda n: n),
         *_weight_specs(gate_up, tn, lambda n, blocks=inter // tn: n + blocks),
     ]
-    x_rows = rows_in_order(x, hidden).reshape(x.shape[0], hidden // LANES, LANES)  # a token's row: one DMA, whole
-    # tiles of its own (a DMA into part of a tile is not to be had)
+    blocks = -(-hidden // LANES // _sublanes(x.dtype)) * _sublanes(x.dtype)
+    x_rows = jnp.pad(rows_in_order(x, hidden), ((0, 0), (0, blocks * LANES - hidden))).reshape(-1, blocks, LANES)
+    # [T, blocks, 128]: a token's row one DMA into whole VMEM tiles of its own (a DMA into part of a tile is not to
+    # be had); whole tiles of rows are also what Mosaic's shape cast back to [TM, blocks * 128] asks for
     row_scratch = (
-        pltpu.VMEM((plan.tm, hidden // LANES, LANES), x.dtype), pltpu.VMEM((plan.tm, hidden), x.dtype),
-        pltpu.SemaphoreType.DMA,
+        pltpu.VMEM((plan.tm, blocks, LANES), x.dtype), pltpu.VMEM((plan.tm, hidden), x.dtype), pltpu.SemaphoreType.DMA,
     )  # fmt: skip
+    kept_rows = jnp.sum(routing.group_sizes).astype(jnp.float32) * (blocks * LANES * x.dtype.itemsize)
     hidden_rows = _grouped(
-        _gate_up_kernel, (x_rows, pl.BlockSpec(memory_space=pl.ANY)), [gate_up, gate_up], gate_up_specs, inter, tn,
-        plan, two_i * itemsize, scalars=(plan.first_copy, plan.live, routing.token_of), scratch=row_scratch,
-        caps=(gate_cap, up_cap), interpret=interpret,
+        _gate_up_kernel, (x_rows, pl.BlockSpec(memory_space=pl.ANY)), [gate_up, gate_up],
+        gate_up_specs, inter, tn, plan, (hidden * two_i * itemsize, kept_rows),
+        scalars=(plan.first_copy, plan.live, routing.token_of), scratch=row_scratch, caps=(gate_cap, up_cap),
+        interpret=interpret,
     )  # fmt: skip
     if not gate_up.in_down_order:  # the SwiGLU's columns come in gate_up's order, not yet in down's K order
         hidden_rows = rows_in_order(hidden_rows, inter)
     th = _columns_per_step(hidden, inter, itemsize)
     out_rows = _grouped(
         _down_kernel, (hidden_rows, _visit_tiles(plan.tm, inter)), [down], _weight_specs(down, th, lambda n: n), hidden,
-        th, plan, hidden * itemsize, interpret=interpret,
+        th, plan, (inter * hidden * itemsize, plan.real[0].astype(jnp.float32) * (plan.tm * inter * x.dtype.itemsize)),
+        interpret=interpret,
     )  # fmt: skip
     return combine(out_rows, routing, experts.shape[0], out_dtype, plan.row_of)
