@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from tpu_interpret import race_checked
 
@@ -66,6 +67,28 @@ def test_layout_round_trips(fmt):
 
 def test_e2m1_codes_decode_from_bits():
     np.testing.assert_array_equal(e2m1_value(jnp.arange(16, dtype=jnp.uint32)), block_formats.E2M1_VALUES)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_every_mxfp8_value_dequantizes_exactly(dtype):
+    """Every E4M3 code (NaNs included) under random scale bytes, through the kernels' MXFP8 chunk in the
+    activation dtype: the fp32 product rounded once, as the oracle's dequantization."""
+    codes = (np.arange(tpu.CHUNK)[:, None] + np.arange(128)[None, :]) % 256  # [K, TN]: every code in each column
+    scale_bytes = np.random.default_rng(7).integers(100, 150, (tpu.CHUNK // block_formats.MX_BLOCK, 128))
+    values = jnp.asarray(codes, jnp.uint8).view(jnp.float8_e4m3fn)
+
+    def kernel(values_ref, scales_ref, out_ref, scratch):
+        tpu._decode_scales(MXFP8, (values_ref, scales_ref), scratch)
+        out_ref[...] = tpu._chunk(MXFP8, (values_ref, scales_ref), scratch, 0, dtype)
+
+    got = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(codes.shape, dtype), interpret=pltpu.InterpretParams(),
+        scratch_shapes=[pltpu.VMEM(scale_bytes.shape, jnp.float32)],
+    )(values, jnp.asarray(scale_bytes, jnp.uint8))  # fmt: skip
+    scales = np.repeat(np.exp2(scale_bytes.astype(np.float64) - 127), block_formats.MX_BLOCK, axis=0)
+    want = (np.asarray(values, np.float32) * scales.astype(np.float32)).astype(dtype)
+    assert np.isnan(np.asarray(want, np.float32)).any()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize(
