@@ -168,7 +168,7 @@ def _matmul(x: jax.Array, w: jax.Array, widen: bool) -> jax.Array:
 
 
 def _fetch_rows(v, first_ref, live_ref, token_ref, x_hbm, landing, sem) -> None:
-    """Starts the DMAs of visit v's live rows, its copies' tokens' rows of x [T, K / 128, 128], into landing."""
+    """Starts the DMAs of visit v's live rows, its copies' tokens' rows of x [T, blocks, 128], into landing."""
     first = first_ref[v]
 
     def fetch(r, carry):
