@@ -75,7 +75,7 @@ def call_work(tokens: int, fmt: str, shards: int) -> dict:
     itemsize = {"bf16": 2, MXFP8: 1, NVFP4: 0.5}[fmt]
     tn, th = tpu._columns_per_step(INTER, HIDDEN, itemsize), tpu._columns_per_step(HIDDEN, INTER, itemsize)
     kept = int(np.asarray(routing.kept).sum())
-    token_row = -(-HIDDEN // tpu.LANES // 16) * 16 * tpu.LANES * 2  # a token's [H / 128, 128] bf16, whole tiles
+    token_row = tpu.lane_blocks(HIDDEN, jnp.bfloat16) * tpu.LANES * 2  # a token's row as gate_up's DMA reads it
     rows = (kept * token_row, real * plan.tm * INTER * 2)  # each kernel's rows, every visit's once
     shapes = ((INTER // tn, 2 * INTER * HIDDEN * itemsize), (HIDDEN // th, HIDDEN * INTER * itemsize))  # column
     # tiles, an expert's weight bytes

@@ -27,8 +27,8 @@ class Routing:
     kept: jax.Array  # [N * k] bool: whether it belongs to a group
     group_sizes: jax.Array  # [E] int32: copies per expert
     top_k: int = dataclasses.field(metadata={"static": True})  # k: copies per token
-    expected: int = dataclasses.field(metadata={"static": True})  # the copies expected to be kept, which the kernels'
-    # tiles are sized for: all N * k, or under expert parallelism the share routed to these experts
+    expected: int = dataclasses.field(metadata={"static": True})  # the copies expected to be kept, by which the
+    # kernels' plans are sized: all N * k, or under expert parallelism the share routed to these experts
 
 
 RANKED_UP_TO = 2048  # copies up to which the sort and the group sizes are comparisons of every pair (a few fused

@@ -304,9 +304,11 @@ def _grouped(
     )(expert, tile, visits_first.astype(jnp.int32).reshape(1), *scalars, rows[0], *operands)
 
 
-def _sublanes(dtype: jnp.dtype) -> int:
-    """Rows of a VMEM tile of `dtype` (8 of 32-bit values, 16 of 16-bit ...)."""
-    return 8 * 4 // jnp.dtype(dtype).itemsize
+def lane_blocks(k: int, dtype: jnp.dtype) -> int:
+    """A token row's K values [K] as gate_up's DMAs take them, [blocks, 128]: K's lane blocks padded to whole VMEM
+    tiles of `dtype` (8 rows of 32-bit values, 16 of 16-bit ...)."""
+    sublanes = 8 * 4 // jnp.dtype(dtype).itemsize
+    return -(-k // LANES // sublanes) * sublanes
 
 
 def _visit_tiles(tm: int, k: int) -> pl.BlockSpec:
@@ -361,7 +363,7 @@ def moe_experts(
         *_weight_specs(gate_up, tn, lambda n: n),
         *_weight_specs(gate_up, tn, lambda n, blocks=inter // tn: n + blocks),
     ]
-    blocks = -(-hidden // LANES // _sublanes(x.dtype)) * _sublanes(x.dtype)
+    blocks = lane_blocks(hidden, x.dtype)
     x_rows = jnp.pad(rows_in_order(x, hidden), ((0, 0), (0, blocks * LANES - hidden))).reshape(-1, blocks, LANES)
     # [T, blocks, 128]: a token's row one DMA into whole VMEM tiles of its own (a DMA into part of a tile is not to
     # be had); whole tiles of rows are also what Mosaic's shape cast back to [TM, blocks * 128] asks for
