@@ -26,9 +26,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two workers (CI has two cores), each test file on one worker (its module fixtures compile once): 10 min, not 16
+# Two workers (CI has two cores), each test file on one worker (its module fixtures compile once): 10 min, not 16.
+# A worker a hung test ended (tests/conftest.py) is not restarted: xdist would run the hung test again.
 test: lint
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --max-worker-restart 0
 
 # Regenerate the transformers parity fixtures (Python 3.11 + torch CPU + transformers 5.23.0).
 fixtures:

@@ -1,15 +1,23 @@
 """Shared test setup: CPU JAX with 8 host devices (multi-device tests), compiled without LLVM's optimisations
 (the tests' programs are tiny and compile-bound: a quarter off the suite; IEEE semantics are the same).
 
+A test still running after HANG_SECONDS (set-up included) writes every thread's stack and ends its process: a hang
+fails the suite in minutes and says where, instead of holding CI to its limit. Under xdist, whose workers' own output
+is dropped, the stacks go to .pytest-hangs/ and the controller prints them after the run.
+
 Compiled programs also go to a compilation cache private to this process (removed at exit; each of `make test`'s
 two xdist workers has its own, and runs whole test files): each engine jits
 its step afresh, so tests that build engines of the same shapes would otherwise compile the same program
 again (a cache hit skips only XLA's compilation; tracing, lowering and every run are the test's own)."""
 
 import atexit
+import faulthandler
 import os
 import shutil
 import tempfile
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 FLAGS = " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -21,3 +29,40 @@ CACHE = tempfile.mkdtemp(prefix="inkling-jax-tests-")
 atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the engines' steps, not every small jit
+
+HANG_SECONDS = 900  # the slowest module's first test compiles for ~2 min on 2 cores
+HANGS = Path(__file__).resolve().parent.parent / ".pytest-hangs"
+TERMINAL = pytest.StashKey[int]()  # stderr as the run began, before pytest captures it
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist: an earlier run's logs go
+        shutil.rmtree(HANGS, ignore_errors=True)
+        config.stash[TERMINAL] = os.dup(2)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    worker = getattr(item.config, "workerinput", {}).get("workerid")
+    if worker is None:
+        log = item.config.stash[TERMINAL]
+    else:
+        HANGS.mkdir(exist_ok=True)
+        log = open(HANGS / f"{worker}.log", "w")
+        log.write(f"{item.nodeid} still running after {HANG_SECONDS} s:\n")
+        log.flush()
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=log)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if worker is not None:
+            log.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for log in sorted(HANGS.glob("*.log")):
+        text = log.read_text()
+        if "most recent call first" in text:
+            terminalreporter.write_sep("=", f"hung: {log.stem}")
+            terminalreporter.write(text)

@@ -776,30 +776,47 @@ def test_main_serves_then_drains_on_sigterm(monkeypatch, checkpoint, text_config
         return schedulers[-1]
 
     monkeypatch.setattr(server_main, "Scheduler", scheduler)
-    seen = {}
+    seen, signalled = {}, threading.Event()
+
+    def stop_main() -> None:
+        """SIGTERM once main() listens (its handler is installed before it serves)."""
+        if not signalled.is_set():
+            signalled.set()
+            wait_until(lambda: servers, timeout=60)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def client() -> None:
-        wait_until(lambda: servers)
+        wait_until(lambda: servers, timeout=60)
         channel = grpc.insecure_channel(f"127.0.0.1:{servers[0].port}")
         health = health_pb2_grpc.HealthStub(channel)
 
         def status() -> int:
-            return health.Check(health_pb2.HealthCheckRequest()).status
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
         wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=10)
         stub = pb_grpc.InklingStub(channel)
-        stream = stub.Generate(request([1, 2], max_tokens=200))
+        stream = stub.Generate(request([1, 2], max_tokens=200), timeout=60)
         first = next(stream)
-        os.kill(os.getpid(), signal.SIGTERM)
+        stop_main()
         wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING)
-        seen["refused"] = status_of(lambda: list(stub.Generate(request([1]))))[0]
+        seen["refused"] = status_of(lambda: list(stub.Generate(request([1]), timeout=10)))[0]
         seen["tokens"] = token_ids_of([first, *stream])
         channel.close()
 
-    thread = threading.Thread(target=client)
+    def client_then_stop() -> None:
+        """The client; whatever it raises, main() is still stopped (it would wait for SIGTERM forever)."""
+        try:
+            client()
+        except BaseException as error:
+            seen["error"] = error
+        finally:
+            stop_main()
+
+    thread = threading.Thread(target=client_then_stop)
     thread.start()
     assert server_main.main(["--checkpoint", checkpoint, "--port", "0", "--drain-timeout", "20"]) == 0
-    thread.join()
+    thread.join(timeout=60)
+    assert "error" not in seen, seen["error"]
     assert seen == {"refused": StatusCode.UNAVAILABLE, "tokens": echo([1, 2], 200)}
     assert schedulers[0].in_flight == 0
 
