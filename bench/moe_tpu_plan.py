@@ -18,17 +18,24 @@ kernels' plan below 8 copies per expert until the eleventh session).
 `floor_ms`: each kernel at the slower of its bytes at 3.69 TB/s and its flops at bf16's 1153 TFLOP/s, XLA's steps
 at their bytes: half a v7x chip's peaks (7.38 TB/s, 2307 TFLOP/s), as JAX sees each of its two TensorCores as a
 device of its own (no megacore) and a kernel runs on one (a chip serving the experts alone is `--shards 2`). Not
-counted: the VPU's dequantization of every weight block a visit reads (a few vector operations per value, whatever
-the rows), which at decode may well be the bound a TPU run finds; the scalar core's issue of gate_up's row DMAs
+in the floor: the VPU's dequantization of every weight block a visit reads, whatever the rows, which at decode may
+well be the bound a TPU run finds (a v7x's vector rate per element operation is not at hand): its work is printed
+first, as element operations per weight value in the kernels' chunk (the equations of its jaxpr, each counted by
+its output's elements; bitcasts, reshapes, loads and stores free); the scalar core's issue of gate_up's row DMAs
 (one per kept copy: 32,768 at 4096 tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from bench.moe_experts import EXPERTS, HIDDEN, INTER, routing_case
 from pallas_kernels import block_formats
@@ -38,6 +45,45 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 
 HBM_TB_S, MXU_TFLOP_S = 7.38 / 2, 2307.0 / 2  # TPU v7x per TensorCore: half the chip's (quant_and_kernels.md)
 WEIGHT_BYTES = {"bf16": 2.0, MXFP8: 1 + 1 / block_formats.MX_BLOCK, NVFP4: 0.5 + 1 / block_formats.NV_BLOCK}
+
+
+NOT_VECTOR_WORK = {  # a vreg reinterpreted or moved whole, or memory
+    "bitcast", "bitcast_convert_type", "reshape", "concatenate", "broadcast_in_dim", "squeeze", "slice", "get", "swap",
+    "jit", "multiple_of",
+}  # fmt: skip
+
+
+def dequant_ops(fmt: str, tn: int = 512) -> Counter:
+    """Element operations per weight value of the kernels' dequantization of one chunk [CHUNK, tn] to bf16, by
+    primitive."""
+    spec = jax.ShapeDtypeStruct
+    blocks = tpu.CHUNK // (block_formats.MX_BLOCK if fmt == MXFP8 else block_formats.NV_BLOCK)
+    if fmt == MXFP8:
+        refs = [spec((tpu.CHUNK, tn), jnp.float8_e4m3fn), spec((blocks, tn), jnp.uint8)]
+    else:
+        refs = [spec((2, blocks, tn), jnp.uint32), spec((blocks, tn), jnp.float8_e4m3fn), spec((1, tn), jnp.float32)]
+
+    def kernel(*refs):
+        *weight, out_ref, scales = refs
+        tpu._decode_scales(fmt, weight, scales)
+        out_ref[...] = tpu._chunk(fmt, weight, scales, 0, jnp.bfloat16)
+
+    def call(*args):
+        return pl.pallas_call(kernel, out_shape=spec((tpu.CHUNK, tn), jnp.bfloat16),
+                              scratch_shapes=[pltpu.VMEM((blocks, tn), jnp.float32)])(*args)  # fmt: skip
+
+    ops = Counter()
+
+    def count(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+                count(inner)
+            if eqn.primitive.name not in NOT_VECTOR_WORK:
+                ops[eqn.primitive.name] += sum(v.aval.size for v in eqn.outvars) / (tpu.CHUNK * tn)
+
+    (pallas,) = [eqn for eqn in jax.make_jaxpr(call)(*refs).eqns if eqn.primitive.name == "pallas_call"]
+    count(pallas.params["jaxpr"])
+    return ops
 
 
 def kernel_work(
@@ -101,6 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", nargs="+", default=["bf16", MXFP8, NVFP4], choices=list(WEIGHT_BYTES))
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args(argv)
+    for fmt in args.formats:
+        if fmt != "bf16":
+            ops = dequant_ops(fmt)
+            print(f"{fmt} dequantization: {sum(ops.values()):.2f} element operations per weight value (" +
+                  ", ".join(f"{name} {count:.2f}" for name, count in ops.most_common()) + ")")  # fmt: skip
     head = "tokens format shards visits TM rows/kept shared/kept static orders weights_GB kernels_GB XLA_GB TFLOP"
     head += " floor_ms"
     head += " weights_ms"

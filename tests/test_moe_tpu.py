@@ -14,7 +14,14 @@ from tpu_interpret import race_checked
 
 from pallas_kernels import block_formats
 from pallas_kernels.moe import for_tpu, moe_experts, reference, tpu
-from pallas_kernels.moe.layouts import PLAIN, TpuWeight, down_order_columns, e2m1_value, for_tpu_experts
+from pallas_kernels.moe.layouts import (
+    PLAIN,
+    TpuWeight,
+    down_order_columns,
+    e2m1_value,
+    for_tpu_experts,
+    nvfp4_order,
+)
 from pallas_kernels.moe.routing import route
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
@@ -89,6 +96,37 @@ def test_every_mxfp8_value_dequantizes_exactly(dtype):
     want = (np.asarray(values, np.float32) * scales.astype(np.float32)).astype(dtype)
     assert np.isnan(np.asarray(want, np.float32)).any()
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_every_nvfp4_code_dequantizes_exactly(dtype):
+    """Every E2M1 code at every place of a 256-row chunk (both slots of every byte, both planes), under random
+    E4M3 block scales and a global scale, through the kernels' NVFP4 chunk (codes as fp8 bitcasts): the oracle's
+    values, the fp32 product rounded once, in `nvfp4_order`."""
+    rng = np.random.default_rng(11)
+    codes = (np.arange(tpu.CHUNK)[None, :] + np.arange(128)[:, None]) % 16  # [N, K]: each code at each place
+    assert {tuple(np.unique(codes[:, k])) for k in range(tpu.CHUNK)} == {tuple(range(16))}
+    scales = rng.integers(0x20, 0x70, (1, 128, tpu.CHUNK // block_formats.NV_BLOCK)).astype(np.uint8)
+    weight = QuantizedArray(
+        jnp.asarray(codes[None, :, 0::2] | codes[None, :, 1::2] << 4, jnp.uint8),
+        jnp.asarray(scales).view(jnp.float8_e4m3fn), jnp.float32(rng.uniform(0.3, 3.0)), NVFP4,
+    )  # fmt: skip
+    laid = for_tpu(weight)
+    refs = (laid.data[0], laid.scales[0], laid.global_scale[0])
+
+    def kernel(data_ref, scales_ref, global_ref, out_ref, scratch):
+        tpu._decode_scales(NVFP4, (data_ref, scales_ref, global_ref), scratch)
+        out_ref[...] = tpu._chunk(NVFP4, (data_ref, scales_ref, global_ref), scratch, 0, dtype)
+
+    got = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((tpu.CHUNK, 128), dtype), interpret=pltpu.InterpretParams(),
+        scratch_shapes=[pltpu.VMEM(refs[1].shape, jnp.float32)],
+    )(*refs)  # fmt: skip
+    want = weight.dequantize(dtype)[0].T[nvfp4_order(tpu.CHUNK)]
+    assert (np.asarray(want, np.float32) == 0).mean() < 0.2
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32).view(np.uint32), np.asarray(want, np.float32).view(np.uint32)
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,16 @@ scale per column broadcasts down the sublanes of its K rows for free. `for_tpu` 
 
 - plain: [E, K, N] in its own dtype.
 - MXFP8: E4M3 data [E, K, N], E8M0 scale bytes [E, K / 32, N].
-- NVFP4: the codes of each 16-row scale block b split into two planes of 8 rows (p = 0: rows 16b ... 16b + 7,
-  p = 1: rows 16b + 8 ... 16b + 15), each plane's 8 codes packed into one uint32 (row 16b + 8p + j in bits
-  4j ... 4j + 3): data [E, 2, K / 16, N]; E4M3 block scales [E, K / 16, N]; the fp32 global scale as
-  [E, 1, N]. Decoding plane p's nibble j of every word gives rows k = 16b + 8p + j for all b at once, aligned
-  with the scale rows; the kernel contracts them against the activations' K axis permuted the same way
-  (`nvfp4_order`). An NVFP4 gate_up laid out `in_down_order` takes its gate and up columns in that order of
-  down's K, so that the SwiGLU's output comes as down contracts it.
+- NVFP4: data [E, 2, K / 16, N] uint32 words, 8 codes each, one code in each of two bit slots of each byte (slot
+  0: the code's sign, exponent and mantissa bits in the byte's bits 7, 4, 3, 2; slot 1: in bits 5, 6, 1, 0), so
+  that one AND (slot 0) or five operations (slot 1) leave each byte an E4M3 value 2^-6 times the code's
+  (`nvfp4_e4m3`: E2M1's subnormal 0.5 lands on E4M3's subnormal 2^-7), which the kernel bitcasts to fp8 [4 rows
+  per word row]; E4M3 block scales [E, K / 16, N]; the fp32 global scale as [E, 1, N]. In each chunk of 256 K
+  rows (16 scale blocks b), plane p's word row 4i + q holds in byte a, slot h the code of row 16b + 8p + 4h + i
+  with b = 4q + a: the bitcast rows of a (plane, slot) are [4 i, 16 b], aligned with the scale rows. The kernel
+  contracts them against the activations' K axis permuted the same way (`nvfp4_order`). An NVFP4 gate_up laid
+  out `in_down_order` takes its gate and up columns in that order of down's K, so that the SwiGLU's output
+  comes as down contracts it.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from pallas_kernels.numerics import round_to
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray
 
 PLAIN = "plain"
-PLANE_ROWS = 8  # E2M1 codes per uint32 word
 TPU_CHUNK = 256  # K rows the TPU kernels dequantize per matmul: 8 MXFP8 scale rows, 16 NVFP4 (whole (8, 128) tiles)
+NVFP4_E4M3_SCALE = 2.0**6  # what `nvfp4_e4m3`'s values are multiplied by to give the codes' values
 
 
 @jax.tree_util.register_dataclass
@@ -66,8 +69,12 @@ class TpuWeight:
         if self.format == MXFP8:
             return QuantizedArray(jnp.swapaxes(self.data, 1, 2), scales, None, MXFP8)
         experts, _, blocks, n = self.data.shape
-        codes = jnp.stack([nvfp4_codes(self.data, j) for j in range(PLANE_ROWS)], axis=-1)  # [E, 2, K / 16, N, 8]
-        codes = jnp.transpose(codes, (0, 3, 2, 1, 4)).reshape(experts, n, blocks * 8, 2)  # [E, N, K / 2, 2]
+        k = blocks * block_formats.NV_BLOCK
+        words = self.data.reshape(experts, 2, k // TPU_CHUNK, 4, 4, n)  # [E, p, chunk, i, q, N]
+        e4m3 = jnp.stack([nvfp4_e4m3(words, slot) for slot in (0, 1)], axis=-1)[..., None]  # [..., N, h, 1]
+        e4m3 = (e4m3 >> jnp.arange(0, 32, 8, dtype=jnp.uint32)) & 0xFF  # [E, p, chunk, i, q, N, h, a]
+        codes = ((e4m3 >> 4) & 8) | ((e4m3 >> 2) & 7)
+        codes = jnp.transpose(codes, (0, 5, 2, 4, 7, 1, 6, 3)).reshape(experts, n, k // 2, 2)  # [E, N, K / 2, 2]
         packed = (codes[..., 0] | codes[..., 1] << 4).astype(jnp.uint8)
         return QuantizedArray(packed, scales, jnp.swapaxes(self.global_scale, 1, 2), NVFP4)
 
@@ -78,9 +85,19 @@ class TpuWeight:
         return jnp.swapaxes(values, 1, 2)
 
 
-def nvfp4_codes(words: jax.Array, j: int) -> jax.Array:
-    """The E2M1 codes in bits 4j ... 4j + 3 of uint32 words."""
-    return (words >> (4 * j)) & 0xF
+def nvfp4_e4m3(words: jax.Array, slot: int) -> jax.Array:
+    """uint32 words laid out as `for_tpu` packs NVFP4 -> the codes of slot `slot` (0 or 1) of each byte as the
+    bytes of E4M3 values 2^-6 times the codes' values (sign to bit 7, exponent and mantissa to bits 4 ... 2)."""
+    if slot == 0:
+        return words & np.uint32(0x9C9C9C9C)
+    return ((words << 2) & np.uint32(0x8C8C8C8C)) | ((words >> 2) & np.uint32(0x10101010))
+
+
+def _in_slot(codes: jax.Array, slot: int) -> jax.Array:
+    """E2M1 codes (uint32) -> their bits where slot `slot` of a byte keeps them: `nvfp4_e4m3`'s inverse."""
+    if slot == 0:
+        return (codes & 8) << 4 | (codes & 7) << 2
+    return (codes & 8) << 2 | (codes & 4) << 4 | (codes & 3)
 
 
 def e2m1_value(codes: jax.Array) -> jax.Array:
@@ -91,17 +108,17 @@ def e2m1_value(codes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
 
 
-def nvfp4_order(k: int, chunk: int) -> np.ndarray:
-    """The permutation of a K axis that the NVFP4 kernel contracts over: within each chunk of `chunk` rows,
-    position (p * 8 + j) * (chunk / 16) + b holds row 16b + 8p + j of the chunk."""
-    blocks = chunk // block_formats.NV_BLOCK
-    local = np.arange(chunk).reshape(blocks, 2, PLANE_ROWS).transpose(1, 2, 0).reshape(-1)
-    return (np.arange(0, k, chunk)[:, None] + local[None, :]).reshape(-1)
+def nvfp4_order(k: int) -> np.ndarray:
+    """The permutation of a K axis that the NVFP4 kernel contracts over: within each chunk of 256 rows, position
+    16j + b holds row 16b + j of the chunk (j < 16: a code's place in its scale block b)."""
+    blocks = TPU_CHUNK // block_formats.NV_BLOCK
+    local = np.arange(TPU_CHUNK).reshape(blocks, block_formats.NV_BLOCK).T.reshape(-1)
+    return (np.arange(0, k, TPU_CHUNK)[:, None] + local[None, :]).reshape(-1)
 
 
 def down_order_columns(two_i: int) -> np.ndarray:
     """gate_up's columns [2I] in down's NVFP4 K order: gate units, then up units, each in `nvfp4_order`."""
-    order = nvfp4_order(two_i // 2, TPU_CHUNK)
+    order = nvfp4_order(two_i // 2)
     return np.concatenate([order, two_i // 2 + order])
 
 
@@ -125,11 +142,16 @@ def for_tpu(weight: jax.Array | QuantizedArray, in_down_order: bool = False) -> 
     if weight.format == MXFP8:
         return TpuWeight(jnp.swapaxes(weight.data, 1, 2), jnp.swapaxes(weight.scales, 1, 2), None, MXFP8)
     experts, n, half = weight.data.shape
+    if (2 * half) % TPU_CHUNK:
+        raise ValueError(f"NVFP4 experts for the TPU take K in chunks of {TPU_CHUNK} rows, got K = {2 * half}")
     packed = jnp.swapaxes(weight.data, 1, 2).astype(jnp.uint32)  # [E, K / 2, N]: byte i holds rows 2i, 2i + 1
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=2).reshape(experts, half // 8, 2, PLANE_ROWS, n)
-    words = sum(codes[:, :, :, j] << (4 * j) for j in range(PLANE_ROWS))  # [E, K / 16, 2, N]
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=2)  # [E, K / 2, 2, N]
+    # K row 256 chunk + 64q + 16a + 8p + 4h + i -> plane p, word row 16 chunk + 4i + q, byte a, slot h
+    codes = codes.reshape(experts, 2 * half // TPU_CHUNK, 4, 4, 2, 2, 4, n).transpose(0, 4, 1, 6, 2, 3, 5, 7)
+    in_bytes = _in_slot(codes[..., 0, :], 0) | _in_slot(codes[..., 1, :], 1)  # [E, p, chunk, i, q, a, N]
+    words = sum(in_bytes[..., a, :] << (8 * a) for a in range(4)).astype(jnp.uint32)
     global_scale = jnp.broadcast_to(jnp.asarray(weight.global_scale, jnp.float32), (experts, n, 1))
-    planes = jnp.moveaxis(words, 2, 1).astype(jnp.uint32)
+    planes = words.reshape(experts, 2, 2 * half // block_formats.NV_BLOCK, n)
     return TpuWeight(planes, jnp.swapaxes(weight.scales, 1, 2), jnp.swapaxes(global_scale, 1, 2), NVFP4)
 
 

@@ -27,7 +27,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import block_formats
-from pallas_kernels.moe.layouts import PLAIN, PLANE_ROWS, TpuWeight, check_experts, e2m1_value, nvfp4_codes, nvfp4_order
+from pallas_kernels.moe.layouts import (
+    NVFP4_E4M3_SCALE,
+    PLAIN,
+    TpuWeight,
+    check_experts,
+    nvfp4_e4m3,
+    nvfp4_order,
+)
 from pallas_kernels.moe.layouts import TPU_CHUNK as CHUNK
 from pallas_kernels.moe.reference import softcap
 from pallas_kernels.moe.routing import Routing, combine, group_offsets, placed_copies, prefix_sum, route, visits
@@ -129,19 +136,21 @@ def _scale_scratch(w: TpuWeight, tn: int) -> list[pltpu.VMEM]:
 
 
 def _decode_scales(fmt: str, refs, scratch) -> None:
-    """scratch = 2^(byte - 127) (MXFP8), or fp32(block scale) * global scale (NVFP4, the reference's order).
-    (A TPU flushes fp32 subnormals: the MXFP8 scale byte 0, 2^-127, reads as 0 there. The encoder gives it only
-    to blocks whose largest value is below 2^-117.)"""
+    """scratch = 2^(byte - 127) (MXFP8), or fp32(block scale) * global scale (the reference's order) * 2^6, which
+    `nvfp4_e4m3`'s values lack (NVFP4). (A TPU flushes fp32 subnormals: the MXFP8 scale byte 0, 2^-127, reads as 0
+    there. The encoder gives it only to blocks whose largest value is below 2^-117.)"""
     if fmt == MXFP8:
         scratch[...] = block_formats.e8m0_value(refs[1][...].astype(jnp.uint32))
     elif fmt == NVFP4:
-        scratch[...] = refs[1][...].astype(jnp.float32) * refs[2][...]
+        scratch[...] = refs[1][...].astype(jnp.float32) * refs[2][...] * NVFP4_E4M3_SCALE
 
 
 def _chunk(fmt: str, refs, scratch, c, dtype: jnp.dtype) -> jax.Array:
-    """K rows c * CHUNK ... of the weight block, [CHUNK, TN] in `dtype`: each value computed in fp32 and rounded
-    once (NVFP4 rows in `nvfp4_order`); MXFP8's E4M3 value times its power-of-two scale is exact in any dtype of
-    fp32's exponent range, so it is multiplied in `dtype` there (bf16: half the vector work of fp32 on a v7x)."""
+    """K rows c * CHUNK ... of the weight block, [CHUNK, TN] in `dtype`, each value computed in fp32 and rounded
+    once. MXFP8's E4M3 value times its power-of-two scale is exact in any dtype of fp32's exponent range, so it is
+    multiplied in `dtype` there (bf16: half the vector work of fp32 on a v7x). NVFP4 (rows in `nvfp4_order`): each
+    word's 8 codes become E4M3 bytes in 1 or 5 integer operations per 4 (`nvfp4_e4m3`), bitcast to fp8, widened
+    and scaled (at decode a v7x's vector work per code, more than the bytes, may bound the kernel)."""
     rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
     if fmt == PLAIN:
         return refs[0][rows, :].astype(dtype)
@@ -153,8 +162,12 @@ def _chunk(fmt: str, refs, scratch, c, dtype: jnp.dtype) -> jax.Array:
         return (values * scales[:, None, :]).reshape(CHUNK, -1).astype(dtype)
     per = CHUNK // block_formats.NV_BLOCK
     words = refs[0][:, pl.ds(pl.multiple_of(c * per, per), per), :]  # [2, CHUNK / 16, TN]
-    scales = scratch[pl.ds(pl.multiple_of(c * per, per), per), :]
-    pieces = [e2m1_value(nvfp4_codes(words[p], j)) * scales for p in range(2) for j in range(PLANE_ROWS)]
+    scales = scratch[pl.ds(pl.multiple_of(c * per, per), per), :]  # [CHUNK / 16, TN]
+    pieces = []
+    for plane in (words[0], words[1]):
+        for slot in (0, 1):
+            e4m3 = pltpu.bitcast(nvfp4_e4m3(plane, slot), jnp.float8_e4m3fn).astype(jnp.float32)  # [4 * per, TN]
+            pieces.append((e4m3.reshape(4, per, -1) * scales).reshape(4 * per, -1))
     return jnp.concatenate(pieces, axis=0).astype(dtype)
 
 
@@ -356,7 +369,7 @@ def moe_experts(
     itemsize = {PLAIN: gate_up.data.dtype.itemsize, MXFP8: 1, NVFP4: 0.5}[gate_up.format]
 
     def rows_in_order(rows: jax.Array, k: int) -> jax.Array:  # [R, K], K in the order the weight's rows are
-        return rows[:, nvfp4_order(k, CHUNK)] if gate_up.format == NVFP4 else rows
+        return rows[:, nvfp4_order(k)] if gate_up.format == NVFP4 else rows
 
     tn = _columns_per_step(inter, hidden, itemsize)
     gate_up_specs = [
