@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch in args.batch:
             times[layers, batch] = step_ms(model, batch, args.context, args.repeats)
             sizes[layers, batch] = slice_bytes(model, batch, args.context)
+            print(f"{layers} layers, batch {batch}: {times[layers, batch]:.3f} ms a step", file=sys.stderr, flush=True)
         del model
     more, fewer = max(args.layers), min(args.layers)
     rows = []
