@@ -15,6 +15,7 @@ import faulthandler
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the engi
 HANG_SECONDS = 900  # the slowest module's first test compiles for ~2 min on 2 cores
 HANGS = Path(__file__).resolve().parent.parent / ".pytest-hangs"
 TERMINAL = pytest.StashKey[int]()  # stderr as the run began, before pytest captures it
+GUARD = pytest.StashKey[tuple[float, object]]()  # a running test's deadline and where its stacks go
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -51,6 +53,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         log = open(HANGS / f"{worker}.log", "w")
         log.write(f"{item.nodeid} still running after {HANG_SECONDS} s:\n")
         log.flush()
+    item.stash[GUARD] = (time.monotonic() + HANG_SECONDS, log)
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=log)
     try:
         return (yield)
@@ -58,6 +61,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         faulthandler.cancel_dump_traceback_later()
         if worker is not None:
             log.close()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
+    """Re-arms the guard for the test's remaining time: pytest's faulthandler plugin cancels it when a phase
+    raises, which would leave a failed test's teardown unguarded."""
+    if GUARD in node.stash:
+        deadline, log = node.stash[GUARD]
+        faulthandler.dump_traceback_later(max(deadline - time.monotonic(), 1.0), exit=True, file=log)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -776,13 +776,15 @@ def test_main_serves_then_drains_on_sigterm(monkeypatch, checkpoint, text_config
         return schedulers[-1]
 
     monkeypatch.setattr(server_main, "Scheduler", scheduler)
-    seen, signalled = {}, threading.Event()
+    seen, signalled, returned = {}, threading.Event(), threading.Event()
 
     def stop_main() -> None:
-        """SIGTERM once main() listens (its handler is installed before it serves)."""
-        if not signalled.is_set():
-            signalled.set()
-            wait_until(lambda: servers, timeout=60)
+        """SIGTERM once main() listens (its handler is installed before it serves), never after it returned."""
+        if signalled.is_set():
+            return
+        signalled.set()
+        wait_until(lambda: servers or returned.is_set(), timeout=60)
+        if not returned.is_set():
             os.kill(os.getpid(), signal.SIGTERM)
 
     def client() -> None:
@@ -814,9 +816,14 @@ def test_main_serves_then_drains_on_sigterm(monkeypatch, checkpoint, text_config
 
     thread = threading.Thread(target=client_then_stop)
     thread.start()
-    assert server_main.main(["--checkpoint", checkpoint, "--port", "0", "--drain-timeout", "20"]) == 0
-    thread.join(timeout=60)
+    try:
+        code = server_main.main(["--checkpoint", checkpoint, "--port", "0", "--drain-timeout", "20"])
+    finally:
+        returned.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
     assert "error" not in seen, seen["error"]
+    assert code == 0
     assert seen == {"refused": StatusCode.UNAVAILABLE, "tokens": echo([1, 2], 200)}
     assert schedulers[0].in_flight == 0
 

@@ -137,8 +137,9 @@ def _scale_scratch(w: TpuWeight, tn: int) -> list[pltpu.VMEM]:
 
 def _decode_scales(fmt: str, refs, scratch) -> None:
     """scratch = 2^(byte - 127) (MXFP8), or fp32(block scale) * global scale (the reference's order) * 2^6, which
-    `nvfp4_e4m3`'s values lack (NVFP4). (A TPU flushes fp32 subnormals: the MXFP8 scale byte 0, 2^-127, reads as 0
-    there. The encoder gives it only to blocks whose largest value is below 2^-117.)"""
+    `nvfp4_e4m3`'s values lack (NVFP4: infinite for block steps from 2^122, weights of ~1e37). (A TPU flushes fp32
+    subnormals: the MXFP8 scale byte 0, 2^-127, reads as 0 there. The encoder gives it only to blocks whose largest
+    value is below 2^-117.)"""
     if fmt == MXFP8:
         scratch[...] = block_formats.e8m0_value(refs[1][...].astype(jnp.uint32))
     elif fmt == NVFP4:
