@@ -21,8 +21,9 @@ device of its own (no megacore) and a kernel runs on one (a chip serving the exp
 in the floor: the VPU's dequantization of every weight block a visit reads, whatever the rows, which at decode may
 well be the bound a TPU run finds (a v7x's vector rate per element operation is not at hand): its work is printed
 first, as element operations per weight value in the kernels' chunk (the equations of its jaxpr, each counted by
-its output's elements; bitcasts, reshapes, loads and stores free); the scalar core's issue of gate_up's row DMAs
-(one per kept copy: 32,768 at 4096 tokens).
+its output's elements; bitcasts, reshapes, loads and stores free); the MXU's loading of each weight block, which
+every weight value passes once whatever the rows (at decode's 16-row tiles it may take longer than the block's
+bytes); the scalar core's issue of gate_up's row DMAs (one per kept copy: 32,768 at 4096 tokens).
 """
 
 from __future__ import annotations
