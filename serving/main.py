@@ -51,6 +51,9 @@ LOAD_ERRORS = (
     ConfigError, CheckpointError, MeshError, CacheBudgetError, TokenizerError, DistributedError, NoDraftError,
     SpeculationError,
 )  # fmt: skip
+# A process-directed signal may land on any thread; its Python handler then runs only when the main thread next
+# executes bytecode, which a wait without a timeout never lets it do. The main thread waits in slices this long.
+SIGNAL_POLL_SECONDS = 0.2
 
 
 class ShutdownRequested(Exception):
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     log.info("SERVING %s on %s:%d", checkpoint, args.host, server.port)
-    stopping.wait()
+    while not stopping.wait(SIGNAL_POLL_SECONDS):
+        pass
     log.info("draining: up to %g s for in-flight requests", args.drain_timeout)
     server.drain(args.drain_timeout)
     scheduler.stop()

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import signal
@@ -779,13 +778,14 @@ def test_main_serves_then_drains_on_sigterm(monkeypatch, checkpoint, text_config
     seen, signalled, returned = {}, threading.Event(), threading.Event()
 
     def stop_main() -> None:
-        """SIGTERM once main() listens (its handler is installed before it serves), never after it returned."""
+        """SIGTERM once main() listens (its handler is installed before it serves), never after it returned; sent
+        to this thread, not the main one, as the kernel may route a process's signal (that once hung main())."""
         if signalled.is_set():
             return
         signalled.set()
         wait_until(lambda: servers or returned.is_set(), timeout=60)
         if not returned.is_set():
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
     def client() -> None:
         wait_until(lambda: servers, timeout=60)
