@@ -246,7 +246,7 @@ def _grouped(
             def mma(indices, data_smem, x_smem, *refs):
                 return step_mma(indices[0], data_smem, x_smem, refs[:-1], refs[-1])
 
-            def compute(e, read, row, first, last, nt, s, run):
+            def compute(_expert, _read, row, first, last, nt, s, run):
                 acc = work.accumulate(run, width)
                 # pairs of rows in each thread's registers: adjacent in the transposed view
                 acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
