@@ -33,7 +33,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -79,7 +78,7 @@ class Tiles:
     """Where the copies sit in the kernels' rows, and the visits over them: visit v multiplies rows first_row[v] ...
     first_row[v] + width - 1 (starting at a multiple of 8: TMA reads GMEM rows in tiles of 8; width its class's,
     one of `widths`) by expert[v]'s weights and writes back rows writes_from[v] ... writes_to[v] - 1 of them (with
-    `reads_tokens`: multiplies the token rows 0 ... width - 1 and writes all of its rows first_row[v] ...;
+    `reads_tokens`: multiplies the token rows 0 ... width - 1 and writes all of its rows v * width ...;
     `chosen_experts`).
 
     Shared tiles (decode, one width): the rows are the sorted copies, groups follow each other and several share a
@@ -92,7 +91,8 @@ class Tiles:
     real[c - 1] ... real[c] - 1 (real[-1] meaning 0)."""
 
     expert: jax.Array  # [V] int32: each visit's expert (padding visits, never run, name a valid one)
-    first_row: jax.Array  # [V] int32: each visit's first row, a multiple of 8 (shared tiles: of the width)
+    first_row: jax.Array | None  # [V] int32: each visit's first row, a multiple of 8 (shared tiles: of the width;
+    # None: v * width, which the kernel computes, where XLA would launch a kernel for the constant)
     writes_from: jax.Array | None  # [V] int32: the first row each visit writes (None: every visit writes its rows)
     writes_to: jax.Array | None  # [V] int32: one past its last
     real: jax.Array  # [>= C] int32: one past each width's last real visit (one width: the real visits' count)
@@ -177,8 +177,7 @@ def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Arr
     visit = below[1:]
     chosen = first[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
     expert = jnp.sum(jnp.where(chosen, flat[None, :], 0), axis=1, dtype=jnp.int32)  # padding visits: expert 0
-    own_rows = np.arange(count, dtype=np.int32) * tm  # a constant (in jnp, a kernel of XLA's)
-    tiles = Tiles(expert, own_rows, None, None, below, None, None, (tm,), count * tm, reads_tokens=True, tokens=tokens)
+    tiles = Tiles(expert, None, None, None, below, None, None, (tm,), count * tm, reads_tokens=True, tokens=tokens)
     return tiles, visit.reshape(tokens, top_k)
 
 
@@ -208,8 +207,10 @@ def _grouped(
     ctas = min(work.multiprocessors(), per_visit * visit_bound)
 
     whole = tiles.writes_from is None  # every visit writes all its rows
+    strided = tiles.first_row is None  # visit v's rows start at v * width
 
-    def body(expert_ref, first_row_ref, real_ref, *refs):
+    def body(expert_ref, *refs):
+        first_row_ref, real_ref, *refs = (None, *refs) if strided else refs
         from_ref, to_ref, x_gmem, data_gmem, *refs = (None, None, *refs) if whole else refs
         scales_gmem, global_gmem = (*refs[:weight_operands], None, None)[:2]
         out_gmem, out_smem, *a_smem = refs[weight_operands:]
@@ -233,7 +234,7 @@ def _grouped(
                 v, rest = jnp.divmod(mine + ctas * j, per_visit)
                 v = jnp.minimum(v, visit_bound - 1)  # past the visits only where the CTA has no item of the width
                 nt, s = jnp.divmod(rest, splits)
-                row = first_row_ref[v]
+                row = v * width if strided else first_row_ref[v]
                 first, last = (row, row + width) if whole else (from_ref[v], to_ref[v])
                 return expert_ref[v], 0 if tiles.reads_tokens else row, row, first, last, nt, s
 
@@ -293,7 +294,8 @@ def _grouped(
     if interpret:
         scratch.append(plgpu.SMEM((wgs, LANES, work.WGMMA_K), jnp.bfloat16, transforms=work.X_TRANSFORMS))
     weights = [w.scales, w.global_scale][:weight_operands]
-    plan = [tiles.expert, tiles.first_row, tiles.real] + ([] if whole else [tiles.writes_from, tiles.writes_to])
+    plan = [tiles.expert, *([] if strided else [tiles.first_row]), tiles.real]
+    plan += [] if whole else [tiles.writes_from, tiles.writes_to]
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((splits, tiles.rows, n // 2 if swiglu else n), out_dtype),
