@@ -88,11 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     except (RuntimeError, ValueError) as error:
         plugin = "JAX's CUDA plugin (pip install -e '.[gpu-aot]')"
         raise SystemExit(f"compiling for a GPU without one needs {plugin}: {error}") from error
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
     for fmt in args.formats:
         for tokens in args.tokens:
             hlo = optimized_hlo(fmt, tokens, topology.devices[0])
             if args.out:
-                args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / f"moe_{fmt}_{tokens}.hlo").write_text(hlo)
             print(f"== {fmt} tokens {tokens}")
             for name, op, shape, gathers in entry_kernels(hlo):

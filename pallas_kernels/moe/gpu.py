@@ -52,6 +52,7 @@ from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import (
     Routing,
     combine,
+    composed_indices,
     group_of,
     group_offsets,
     kept_copies,
@@ -398,10 +399,7 @@ def moe_experts(
                            out_dtype=out_dtype, interpret=interpret)  # fmt: skip
     routing = route(experts, weights, num_experts, routed_experts)
     tiles = tile_copies(routing)
-    # own windows' composed indices computed once: fused into the row gather, XLA recomputes them for every word
-    token_rows = (
-        routing.token_of if tiles.source is None else jax.lax.optimization_barrier(routing.token_of[tiles.source])
-    )
+    token_rows = routing.token_of if tiles.source is None else composed_indices(routing.token_of, tiles.source)
     rows = rows_in_gpu_k_order(x, token_rows, gate_up.format)
     if tiles.source is None:  # shared tiles: the sorted copies in whole tiles
         rows = jnp.pad(rows, ((0, tiles.rows - rows.shape[0]), (0, 0)))

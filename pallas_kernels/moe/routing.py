@@ -89,15 +89,19 @@ def combine(
     """sum_j w[n, j] * rows[copy (n, j)] in fp32, j = 0 ... k - 1 in order, rounded once to out_dtype: [N, H] from
     the sorted copies' expert outputs rows [R, H], sorted copy i in row i (or row_of[i], [N * k] int32). Each
     token gathers its own copies, in one gather (no scatter-add, whose order of additions a GPU does not fix: the
-    same inputs give the same bits). A dropped copy's row is never read (whatever it holds, even NaN). The
-    composed row indices are computed once, before the gather: fused into it, XLA recomputes their chain of
-    index gathers for every element of every row it reads."""
+    same inputs give the same bits). A dropped copy's row is never read (whatever it holds, even NaN)."""
     top_k = routing.top_k
-    source = routing.position if row_of is None else jax.lax.optimization_barrier(row_of[routing.position])
+    source = routing.position if row_of is None else composed_indices(row_of, routing.position)
     rows = rows[source].reshape(num_tokens, top_k, rows.shape[-1])
     weights = routing.weight_of[routing.position].reshape(num_tokens, top_k)
     kept = routing.kept[routing.position].reshape(num_tokens, top_k)
     return weighted_sum(rows, weights, kept, out_dtype)
+
+
+def composed_indices(table: jax.Array, indices: jax.Array) -> jax.Array:
+    """table[indices] as an array of its own, for indexing rows: left to fuse into the gather of the rows, XLA
+    recomputes the composition (and whatever derives the table) for every element of every row it reads."""
+    return jax.lax.optimization_barrier(table[indices])
 
 
 def weighted_sum(rows: jax.Array, weights: jax.Array, kept: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
