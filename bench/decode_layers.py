@@ -1,17 +1,21 @@
-"""Decode steps of a full-width slice of Inkling 2 Small on one device, through the engine: time per layer
-against the bytes a layer must read.
+"""Decode steps of a full-width slice of Inkling 2 Small through the engine, on one device or tensor parallel
+over several: time per layer against the bytes each device must read for it.
 
     python -m bench.decode_layers [--layers 6 3] [--batch 1 64] [--context 1024] [--experts mxfp8]
-        [--repeats 10] [--config FILE] [--out FILE.json]
+        [--mesh tp1] [--repeats 10] [--config FILE] [--out FILE.json]
 
 Each slice (`--layers` layers of the full config's widths, its 5:1 layer pattern from layer 0, all 384 experts
-stored as `--experts`) is built directly on device; the engine lays the experts out for the platform's kernels.
-Every slot gets a `--context`-token random prompt (prefill chunks of 64), then plain greedy decode steps (one
-token per slot) are timed: device time of the whole step (CUPTI on GPU, every kernel), median of `repeats`.
+stored as `--experts`) is built directly on the devices, each parameter in the shards `--mesh` gives it (a
+tpN mesh: heads, experts and the vocabulary split N ways); the engine lays the experts out for the platform's
+kernels. Every slot gets a `--context`-token random prompt (prefill chunks of 64), then plain greedy decode
+steps (one token per slot) are timed (`bench.timing.device_ms`: CUPTI's kernels on one GPU; the wall clock of
+back-to-back steps on several, whose collectives the time then includes), median of `repeats`.
 The time per layer is the difference between two slices' step times over their difference in layers (the
-embedding, final norm, LM head and sampling cancel out), and so are the bytes a layer must read: its attention,
-router and norm parameters, the KV its queries see, and the distinct experts the batch is routed to, counted at
-the number expected under uniform routing, E * (1 - (1 - k / E)^B) (the expert bench's random routing).
+embedding, final norm, LM head and sampling cancel out), and so are the bytes a device must read for a layer:
+its shards of the attention, router and norm parameters, of the KV its queries see, and of the distinct experts
+the batch is routed to, counted at the number expected under uniform routing, E * (1 - (1 - k / E)^B) (the
+expert bench's random routing). The whole model's step (all the config's layers) is estimated from the two
+slices, and from it the decode tokens/s per device.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from bench.timing import device_ms
 from inkling_jax.checkpoint.synthetic import expert_formats
 from inkling_jax.config import load_config
 from inkling_jax.engine import Engine, host_batch
 from inkling_jax.model.text import CausalLM
-from inkling_jax.sharding import make_mesh
+from inkling_jax.sharding import DATA, MODEL, make_mesh, parameter_shardings
 from inkling_jax.step import step_fn
 
 FULL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "inkling2_small.json"
@@ -41,8 +46,8 @@ CHUNK = 64
 COPY_TB_S = 4.3
 
 
-def build(config, layers: int, experts: str) -> CausalLM:
-    """A random slice of `layers` layers, built under jit on the default device."""
+def build(config, layers: int, experts: str, mesh: Mesh) -> CausalLM:
+    """A random slice of `layers` layers, built under jit directly into its shards on `mesh`."""
     text = dataclasses.replace(config.text, num_hidden_layers=layers, layer_types=config.text.layer_types[:layers])
     config = dataclasses.replace(config, text=text)
     formats = expert_formats(config, experts, None)
@@ -50,37 +55,38 @@ def build(config, layers: int, experts: str) -> CausalLM:
     def make() -> CausalLM:
         return CausalLM(text, jnp.bfloat16, nnx.Rngs(0), formats)
 
-    graphdef, _ = nnx.split(nnx.eval_shape(make))
-    return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1])())
+    abstract = nnx.eval_shape(make)
+    graphdef, _ = nnx.split(abstract)
+    shardings = parameter_shardings(abstract, mesh)
+    return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)())
 
 
-def slice_bytes(model: CausalLM, batch: int, context: int) -> dict[str, float]:
-    """The slice's layers' non-expert parameter bytes, expected distinct experts' bytes and KV bytes."""
+def shard_bytes(module: nnx.Module) -> int:
+    """The bytes of `module`'s parameters one device holds (every device holds the same)."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(nnx.state(module)))
+
+
+def slice_bytes(model: CausalLM, batch: int, context: int, tp: int) -> dict[str, float]:
+    """Per device: the slice's layers' non-expert parameter bytes, expected distinct experts' bytes and KV
+    bytes (a device's query heads read ceil(KV heads / tp) of them)."""
     text = model.config
     layers = text.num_hidden_layers
-    _, params = nnx.split(model.model.layers)
-    total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
-    expert_total = sum(
-        leaf.size * leaf.dtype.itemsize
-        for layer in model.model.layers
-        for leaf in jax.tree.leaves(nnx.split(layer.mlp.experts)[1])
-    )
+    total = shard_bytes(model.model.layers)
+    expert_total = sum(shard_bytes(layer.mlp.experts) for layer in model.model.layers)
     experts, top_k = text.n_routed_experts, text.num_experts_per_tok
     distinct = experts * (1 - (1 - top_k / experts) ** batch)
     kv = 0
     for layer in range(layers):
         _, kv_heads, dim = text.attention_dims(layer)
         keys = min(context, text.sliding_window_size) if text.is_sliding(layer) else context
-        kv += 2 * batch * keys * kv_heads * dim * 2  # K and V, bf16
+        kv += 2 * batch * keys * -(-kv_heads // tp) * dim * 2  # K and V, bf16
     return {"other_params": total - expert_total, "experts": expert_total * distinct / experts, "kv": kv,
             "distinct_experts": distinct}  # fmt: skip
 
 
-def step_ms(model: CausalLM, batch: int, context: int, repeats: int) -> float:
+def step_ms(model: CausalLM, mesh: Mesh, batch: int, context: int, repeats: int) -> float:
     """Device time of one decode step for `batch` slots after `context`-token prompts."""
-    engine = Engine.create(
-        model, make_mesh("tp1", model.config), max_num_seqs=batch, chunk=CHUNK, max_context=context + 4 * repeats + 64
-    )
+    engine = Engine.create(model, mesh, max_num_seqs=batch, chunk=CHUNK, max_context=context + 4 * repeats + 64)
     slots, rng = engine.slots, np.random.default_rng(0)
     table = np.arange(slots * engine.max_pages, dtype=np.int32).reshape(slots, engine.max_pages)
     everyone, idle = np.ones(slots, bool), [None] * slots
@@ -107,35 +113,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--experts", default="mxfp8", choices=("mxfp8", "mixed"))  # bf16: 147 GB for 6
+    parser.add_argument("--mesh", default="tp1", help="tpN: tensor parallel over N devices")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--config", type=Path, default=FULL_CONFIG)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     config = load_config(args.config)
+    mesh = make_mesh(args.mesh, config.text)
+    if mesh.shape[DATA] > 1:
+        parser.error(f"--mesh {args.mesh}: decode is measured per replica, so the mesh is tpN")
+    tp = mesh.shape[MODEL]
+    more, fewer = sorted(args.layers, reverse=True)
+    if more == fewer:
+        parser.error(f"--layers {more} {fewer}: the two slices need different layer counts")
     times, sizes = {}, {}
-    for layers in args.layers:
-        model = build(config, layers, args.experts)
+    for layers in (more, fewer):
+        model = build(config, layers, args.experts, mesh)
         for batch in args.batch:
-            times[layers, batch] = step_ms(model, batch, args.context, args.repeats)
-            sizes[layers, batch] = slice_bytes(model, batch, args.context)
+            times[layers, batch] = step_ms(model, mesh, batch, args.context, args.repeats)
+            sizes[layers, batch] = slice_bytes(model, batch, args.context, tp)
             print(f"{layers} layers, batch {batch}: {times[layers, batch]:.3f} ms a step", file=sys.stderr, flush=True)
         del model
-    more, fewer = max(args.layers), min(args.layers)
     rows = []
     for batch in args.batch:
         per_layer_ms = (times[more, batch] - times[fewer, batch]) / (more - fewer)
         size = {k: (sizes[more, batch][k] - sizes[fewer, batch][k]) / (more - fewer) for k in sizes[more, batch]}
         must_read = size["other_params"] + size["experts"] + size["kv"]
+        model_step_ms = times[fewer, batch] + (config.text.num_hidden_layers - fewer) * per_layer_ms
         rows.append({
-            "batch": batch, "step_ms": {str(n): times[n, batch] for n in args.layers},
+            "batch": batch, "step_ms": {str(n): times[n, batch] for n in (more, fewer)},
             "per_layer_ms": per_layer_ms, "distinct_experts": sizes[more, batch]["distinct_experts"],
-            "bytes_per_layer": must_read, "expert_bytes_per_layer": size["experts"],
+            "bytes_per_layer_per_device": must_read, "expert_bytes_per_layer_per_device": size["experts"],
             "pct_of_copy": 100 * must_read / per_layer_ms / 1e9 / COPY_TB_S,
+            "model_step_ms_estimate": model_step_ms, "tokens_per_s_per_device": batch / model_step_ms * 1e3 / tp,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     report = {
         "command": "python -m bench.decode_layers " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": jax.devices()[0].device_kind, "context": args.context, "experts": args.experts, "rows": rows,
+        "device": jax.devices()[0].device_kind, "devices": tp, "context": args.context, "experts": args.experts,
+        "rows": rows,
     }  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -7,13 +7,15 @@ Without --address it starts the server in-process on the checkpoint (default: th
 written to a temporary directory). Each level keeps `concurrency` streams open until
 `requests-per-level` have finished; every request has a fresh random prompt of `prompt-tokens` token
 ids and runs to `max-tokens` (ignore_eos), sampled at temperature 1. Reported per level: time to first
-token and time per output token (p50 / p90 / p99, ms), output tokens/s and requests/s over the level.
+token and time per output token (p50 / p90 / p99, ms), output tokens/s (also per device of the server's mesh)
+and requests/s over the level.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import threading
@@ -24,6 +26,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from inkling_jax.sharding import parse_mesh
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 
@@ -122,6 +125,9 @@ def main() -> None:
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
             levels = [level(stub, c, max(args.requests_per_level, c), args.prompt_tokens, args.max_tokens,
                             info.unpadded_vocab_size, seed=1000 * c) for c in args.concurrency]  # fmt: skip
+        devices = math.prod(parse_mesh(info.mesh))
+        for each in levels:
+            each["output_tokens_per_s_per_device"] = round(each["output_tokens_per_s"] / devices, 1)
     finally:
         if server is not None:
             server.stop()

@@ -5,6 +5,8 @@ import time
 
 import jax
 
+CHAINED = 5  # calls per timed run on several devices
+
 
 def _kernel_runs(fn, *args, repeats: int) -> list[list[tuple[str, float]]]:
     """Each of `repeats` runs of fn(*args) on the GPU as its kernels' (name, ms), by CUPTI."""
@@ -21,17 +23,20 @@ def kernels_ms(fn, *args, repeats: int) -> list[tuple[str, float]]:
 
 
 def device_ms(fn, *args, repeats: int) -> tuple[float, float]:
-    """Median device time of fn(*args) in ms, all kernels and the longest one alone (CUPTI on GPU; wall
-    clock after a sync elsewhere, both the same)."""
-    jax.block_until_ready(fn(*args))
-    if jax.default_backend() == "gpu":
+    """Median device time of fn(*args) in ms, all kernels and the longest one alone (CUPTI on one GPU; wall
+    clock elsewhere, both the same: on several GPUs CUPTI would add up every GPU's kernels, so there the time of
+    CHAINED calls issued back to back, over their count, which takes the dispatch out and keeps the waits in
+    collectives)."""
+    devices = {device for leaf in jax.tree.leaves(jax.block_until_ready(fn(*args))) for device in leaf.devices()}
+    if jax.default_backend() == "gpu" and len(devices) == 1:
         runs = _kernel_runs(fn, *args, repeats=repeats)
         totals = [sum(ms for _, ms in kernels) for kernels in runs]
         longest = [max(ms for _, ms in kernels) for kernels in runs]
         return statistics.median(totals), statistics.median(longest)
+    calls = CHAINED if len(devices) > 1 else 1
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
+        jax.block_until_ready([fn(*args) for _ in range(calls)])
+        times.append((time.perf_counter() - start) * 1e3 / calls)
     return statistics.median(times), statistics.median(times)
