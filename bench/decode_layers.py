@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from bench.timing import device_ms
+from inkling_jax.cache import kv_bytes_per_token
 from inkling_jax.checkpoint.synthetic import expert_formats
 from inkling_jax.config import load_config
 from inkling_jax.engine import Engine, host_batch
@@ -68,7 +69,7 @@ def shard_bytes(module: nnx.Module) -> int:
 
 def slice_bytes(model: CausalLM, batch: int, context: int, tp: int) -> dict[str, float]:
     """Per device: the slice's layers' non-expert parameter bytes, expected distinct experts' bytes and KV
-    bytes (a device's query heads read ceil(KV heads / tp) of them)."""
+    bytes (bf16, the heads one device's cache keeps)."""
     text = model.config
     layers = text.num_hidden_layers
     total = shard_bytes(model.model.layers)
@@ -77,9 +78,9 @@ def slice_bytes(model: CausalLM, batch: int, context: int, tp: int) -> dict[str,
     distinct = experts * (1 - (1 - top_k / experts) ** batch)
     kv = 0
     for layer in range(layers):
-        _, kv_heads, dim = text.attention_dims(layer)
-        keys = min(context, text.sliding_window_size) if text.is_sliding(layer) else context
-        kv += 2 * batch * keys * -(-kv_heads // tp) * dim * 2  # K and V, bf16
+        sliding = text.is_sliding(layer)
+        keys = min(context, text.sliding_window_size) if sliding else context
+        kv += batch * keys * kv_bytes_per_token(text, sliding, jnp.bfloat16, tp)
     return {"other_params": total - expert_total, "experts": expert_total * distinct / experts, "kv": kv,
             "distinct_experts": distinct}  # fmt: skip
 
