@@ -204,8 +204,7 @@ def record_windows(kv: KVCache, width: int) -> KVCache:
     """kv, set to also record every layer's convolution windows (`ConvWindows`) of a chunk of `width` tokens."""
 
     def empty(history: jax.Array) -> jax.Array:  # [layers, S, K - 1, ch] -> [layers, S, K - 1 + width, ch]
-        layers, slots, taps, channels = history.shape
-        return jnp.zeros((layers, slots, taps + width, channels), history.dtype)
+        return jnp.pad(jnp.zeros_like(history), ((0, 0), (0, 0), (0, width), (0, 0)))  # varies where history does
 
     return dataclasses.replace(kv, windows=ConvWindows(*(empty(getattr(kv, f"conv_{s}")) for s in CONV_STREAMS)))
 

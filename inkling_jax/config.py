@@ -89,6 +89,11 @@ class TextConfig:
         """Layer whose input closes an attention-residual block and becomes a source."""
         return layer % self.n_layers_per_attn_res_block == 0
 
+    @property
+    def num_blocks(self) -> int:
+        """Attention-residual blocks (the last one may hold fewer layers)."""
+        return -(-self.num_hidden_layers // self.n_layers_per_attn_res_block)
+
     def attention_dims(self, layer: int) -> tuple[int, int, int]:
         """(query heads, kv heads, head dim) of `layer`."""
         if self.is_sliding(layer):

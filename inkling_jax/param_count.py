@@ -13,7 +13,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax.checkpoint.loader import abstract_causal_lm, parameter_paths
+from inkling_jax.checkpoint.loader import checkpoint_parameters
 from inkling_jax.config import ModelConfig, VisionConfig, load_config
 
 
@@ -51,8 +51,7 @@ def vision_parameters(vision: VisionConfig) -> int:
 
 
 def count_parameters(config: ModelConfig) -> ParameterCounts:
-    _, state = nnx.split(abstract_causal_lm(config, jnp.bfloat16))
-    sizes = {path: math.prod(var.shape) for path, var in parameter_paths(state).items()}
+    sizes = {path: math.prod(var.shape) for path, var in checkpoint_parameters(config, jnp.bfloat16).items()}
     routed = sum(size for path, size in sizes.items() if ".mlp.experts." in path)
     text = config.text
     return ParameterCounts(

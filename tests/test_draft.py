@@ -117,7 +117,9 @@ def test_target_hidden_capture(model):
     @jax.jit
     def forward(state: nnx.State) -> tuple[jax.Array, ...]:
         text = nnx.merge(graphdef, state)
-        first, _ = text.layers[0](text.embed_tokens(ids), [], positions)  # layer 0's output
+        x = text.embed_tokens(ids)
+        sources = jnp.zeros((text.config.num_blocks, *x.shape), x.dtype)
+        first, _, _ = text.layer(0)(x, sources, jnp.int32(0), positions)  # layer 0's output
         return text(ids, positions)[0], *text(ids, positions, capture=(2, 0))[::2], first
 
     hidden, captured_hidden, features, first = forward(state)

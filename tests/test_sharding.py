@@ -104,16 +104,18 @@ def test_experts_run_on_their_own_devices(wide_model):
 
 def test_partitioning_follows_the_rules(model):
     sharded = shard_model(model, make_mesh("tp4", model.config))
-    layer = sharded.model.layers[5]  # a full-attention layer
+    stack = sharded.model.segments[-1]  # blocks of 6 layers: each place's parameters stacked [blocks, ...]
+    layer = stack.positions[5]  # the full-attention layers
     attention = layer.self_attn
-    assert attention.q_proj.weight[...].sharding.spec == P("model", None)
-    assert attention.o_proj.weight[...].sharding.spec == P(None, "model")
-    assert attention.k_proj.weight[...].sharding.spec == P(None, None)  # 2 KV heads: replicated at tp4
-    assert layer.mlp.gate.weight[...].sharding.spec == P(None, None)
+    assert attention.q_proj.weight[...].sharding.spec == P(None, "model", None)
+    assert attention.o_proj.weight[...].sharding.spec == P(None, None, "model")
+    assert attention.k_proj.weight[...].sharding.spec == P(None, None, None)  # 2 KV heads: replicated at tp4
+    assert layer.mlp.gate.weight[...].sharding.spec == P(None, None, None)
     assert sharded.model.embed_tokens.weight[...].sharding.spec == P("model", None)
     assert sharded.lm_head.weight[...].sharding.spec == P("model", None)
     experts = jax.tree.leaves(layer.mlp.experts.weights())
-    assert all(leaf.sharding.spec[0] == "model" for leaf in experts)  # data, scales (and global) by expert
-    assert all(leaf.addressable_shards[0].data.shape[0] == 2 for leaf in experts)  # 8 experts / 4
-    tp2 = shard_model(model, make_mesh("tp2", model.config)).model.layers[5].self_attn
-    assert tp2.k_proj.weight[...].sharding.spec == P("model", None)  # 2 KV heads split at tp2
+    assert all(leaf.sharding.spec[:2] == (None, "model") for leaf in experts)  # data, scales (and global) by expert
+    blocks = stack.segment.blocks
+    assert all(leaf.addressable_shards[0].data.shape[:2] == (blocks, 2) for leaf in experts)  # 8 experts / 4
+    tp2 = shard_model(model, make_mesh("tp2", model.config)).model.segments[0].positions[5].self_attn
+    assert tp2.k_proj.weight[...].sharding.spec == P(None, "model", None)  # 2 KV heads split at tp2

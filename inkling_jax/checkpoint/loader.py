@@ -45,6 +45,7 @@ from inkling_jax.checkpoint.quantized import (
 )
 from inkling_jax.checkpoint.safetensors_io import CheckpointFiles, SafetensorsError
 from inkling_jax.config import ModelConfig, load_config
+from inkling_jax.model.stack import layer_parameters, stacked_rows
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sharding import parameter_shardings
 
@@ -67,6 +68,15 @@ def abstract_causal_lm(
     """The model's structure (with the draft when the config has one), shapes and dtypes only; nothing
     allocated."""
     return nnx.eval_shape(lambda: CausalLM(config.text, dtype, nnx.Rngs(0), expert_formats, config.draft))
+
+
+def checkpoint_parameters(
+    config: ModelConfig, dtype: jnp.dtype, expert_formats: Sequence[str | None] | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every parameter as checkpoints name them (a layer's by `model.layers.{i}.…`), with its shape and dtype."""
+    formats = expert_formats if expert_formats is not None else [None] * config.text.num_hidden_layers
+    _, state = nnx.split(abstract_causal_lm(config, dtype, formats))
+    return layer_parameters(config.text, formats, parameter_paths(state))
 
 
 _EXPERT_TARGET = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
@@ -184,6 +194,21 @@ def _parameter_slice(
         raise CheckpointError(f"{checkpoint}: cannot read tensor {tensor.name!r}: {error}") from error
 
 
+def _stacked_slice(
+    read: Callable[[str, Index], np.ndarray], rows: dict[int, str | None], shape: tuple[int, ...], dtype, index: Index
+) -> np.ndarray:
+    """The `index` slice of a stacked parameter [blocks, ...]: each of its rows read from the layer's tensor that
+    fills it (zeros for a hole, a row no checkpoint stores)."""
+    selected = range(*index[0].indices(shape[0]))
+    parts = [
+        np.zeros(tuple(len(range(*i.indices(n))) for i, n in zip(index[1:], shape[1:], strict=True)), dtype)
+        if rows[row] is None
+        else read(rows[row], index[1:])
+        for row in selected
+    ]
+    return np.stack(parts)
+
+
 def _placed(shape: tuple[int, ...], sharding: NamedSharding | None, read: Callable[[Index], np.ndarray]) -> jax.Array:
     """A parameter made of `read(index)` slices: whole on the default device without a sharding; else
     each distinct slice this process's devices hold (the addressable ones: multi-process safe) is read
@@ -225,12 +250,21 @@ def load_causal_lm(
     formats = _expert_formats(checkpoint, files, config, groups)
     abstract = abstract_causal_lm(config, dtype, formats)
     graphdef, state = nnx.split(abstract)
-    expected = parameter_paths(state)
+    variables = parameter_paths(state)
+    named = layer_parameters(config.text, formats, variables)
     shardings = parameter_paths(parameter_shardings(abstract, mesh)) if mesh is not None else {}
+    plan = _plan(checkpoint, files, layout, groups, formats, named)
+    rows = stacked_rows(config.text, formats, list(variables))
     experts = config.text.n_routed_experts
-    for path, tensor in _plan(checkpoint, files, layout, groups, formats, expected).items():
-        variable = expected[path]
-        read = functools.partial(_parameter_slice, checkpoint, files, tensor, dtype=variable.dtype, experts=experts)
+    for path, variable in variables.items():
+
+        def tensor_slice(name: str, index: Index, dtype: jnp.dtype = variable.dtype) -> np.ndarray:
+            return _parameter_slice(checkpoint, files, plan[name], index, dtype=dtype, experts=experts)
+
+        if path in rows:
+            read = functools.partial(_stacked_slice, tensor_slice, rows[path], tuple(variable.shape), variable.dtype)
+        else:
+            read = functools.partial(tensor_slice, path)
         variable.set_value(_placed(tuple(variable.shape), shardings.get(path), read))
     model = nnx.merge(graphdef, state)
     read_bytes = sum(files.entry(name).nbytes for name in files.names())

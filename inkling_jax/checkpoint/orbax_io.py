@@ -32,10 +32,6 @@ MARKER = "inkling_jax.json"
 PARAMS = "params"
 
 
-def expert_formats(model: CausalLM) -> list[str | None]:
-    return [getattr(layer.mlp.experts.gate_up_proj, "format", None) for layer in model.model.layers]
-
-
 def save(model: CausalLM, config_json: Path, out: str | Path) -> Path:
     """Write `model`'s parameters (as placed on device) to an Orbax directory `out`, with the source's
     config and tokenizer files."""
@@ -46,7 +42,7 @@ def save(model: CausalLM, config_json: Path, out: str | Path) -> Path:
         if source.is_file():
             shutil.copyfile(source, out / name)
     dtype = model.model.embed_tokens.weight.dtype
-    (out / MARKER).write_text(json.dumps({"dtype": jnp.dtype(dtype).name, "expert_formats": expert_formats(model)}))
+    (out / MARKER).write_text(json.dumps({"dtype": jnp.dtype(dtype).name, "expert_formats": model.model.expert_formats()}))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out / PARAMS, nnx.state(model, nnx.Param))
     checkpointer.wait_until_finished()

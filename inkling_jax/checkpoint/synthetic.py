@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from inkling_jax.checkpoint.loader import abstract_causal_lm, parameter_paths
+from inkling_jax.checkpoint.loader import checkpoint_parameters
 from inkling_jax.checkpoint.names import interleave_rows, original_name
 from inkling_jax.checkpoint.safetensors_io import TensorSpec, split_by_bytes, write_sharded_streamed
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
@@ -76,8 +76,7 @@ class _Writer:
     """The tensor specs of one synthetic checkpoint, and the chunks that fill them."""
 
     def __init__(self, config: ModelConfig, formats: list[str | None], dtype: np.dtype, layout: str, seed: int):
-        _, state = nnx.split(abstract_causal_lm(config, jnp.float32))
-        self.shapes = {path: tuple(var.shape) for path, var in parameter_paths(state).items()}
+        self.shapes = {path: tuple(var.shape) for path, var in checkpoint_parameters(config, jnp.float32).items()}
         self.formats, self.dtype, self.layout, self.seed = formats, dtype, layout, seed
         self.std = config.text.initializer_range
         self.sources: dict[str, tuple[str, str]] = {}  # checkpoint name -> (parameter path, role)

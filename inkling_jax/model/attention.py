@@ -48,6 +48,16 @@ class Chunk:
         return jnp.arange(self.width)[None, :] < self.counts[:, None]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerIndex:
+    """Where a layer's state sits in the decode state (int32 scalars, traced inside the scan over layers): its
+    index among all layers (convolution states) and among the layers of its kind (K/V)."""
+
+    layer: jax.Array
+    kind: jax.Array
+
+
 def write_pages(pages: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:
     """pages [layers, P, H, page, D] with each real token's values [S, C, H, D] stored at its position in
     `layer`'s pages (an in-place update of the donated state)."""
@@ -56,6 +66,14 @@ def write_pages(pages: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -
     page = jnp.take_along_axis(chunk.page_table, positions // page_size, axis=1, mode="clip")
     page = jnp.where(chunk.valid, page, pages.shape[1])  # padding writes nowhere
     return pages.at[layer, page, :, positions % page_size].set(values.astype(pages.dtype), mode="drop")
+
+
+def all_layer_pages(pages: jax.Array, layer: jax.Array | int, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """pages [layers, P, H, page, D] as one pool [layers * P, H, page, D] (a free reshape) and the page table of
+    `layer`'s pages in it: a kernel reads the layer in place, where indexing the layer (traced inside the scan over
+    layers) would copy all its pages first."""
+    layers, count = pages.shape[:2]
+    return pages.reshape(layers * count, *pages.shape[2:]), page_table + layer * count
 
 
 def read_pages(pages: jax.Array, layer: int, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
@@ -144,9 +162,7 @@ def log_length_scale(positions: jax.Array, alpha: float, n_floor: int) -> jax.Ar
 class Attention(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, config: TextConfig, layer: int, dtype: jnp.dtype):
         self.config = config
-        self.layer = layer
         self.sliding = config.is_sliding(layer)
-        self.kind_index = sum(config.is_sliding(i) == self.sliding for i in range(layer))  # among its kind
         self.num_heads, self.num_kv_heads, self.head_dim = config.attention_dims(layer)
         hidden, std = config.hidden_size, config.initializer_range
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -183,11 +199,12 @@ class Attention(nnx.Module):
         positions: jax.Array,
         kv: KVCache | None = None,
         chunk: Chunk | None = None,
+        at: LayerIndex | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """q_in, k_in, v_in [B, T, H] (the same array on sliding layers); positions [B, T] -> [B, T, H].
 
         Without a cache the T tokens are a whole sequence; with one (and its `chunk`) they follow what
-        the cache holds, and the cache comes back with this layer's part updated.
+        the cache holds, and the cache comes back with this layer's part updated (`at`: where that part is).
         """
         config = self.config
         batch, length, _ = q_in.shape
@@ -200,7 +217,7 @@ class Attention(nnx.Module):
         k_pre, v_pre = self.k_proj(k_in), self.v_proj(v_in)
         k_history = v_history = None
         if kv is not None:
-            k_history, v_history = kv.conv_k[self.layer, ..., :kv_size], kv.conv_v[self.layer, ..., :kv_size]
+            k_history, v_history = kv.conv_k[at.layer, ..., :kv_size], kv.conv_v[at.layer, ..., :kv_size]
         k = self._convolve(self.k_sconv, k_pre, k_in, k_history)
         v = self._convolve(self.v_sconv, v_pre, v_in, v_history)
         k = round_to(l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold), dtype)
@@ -217,7 +234,7 @@ class Attention(nnx.Module):
         if kv is None:
             out = relative_attention(q, k, v, rel, proj, sinks, positions, positions, scale=scale, window=window)
         else:
-            kind = self.kind_index
+            kind = at.kind
             copies = (kv.sliding_k if self.sliding else kv.full_k).shape[2] // self.num_kv_heads
             if copies > 1:  # more devices than KV heads: each device's cache keeps the head its queries read
                 k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
@@ -232,9 +249,9 @@ class Attention(nnx.Module):
                 kv = dataclasses.replace(
                     kv, full_k=write_pages(kv.full_k, kind, k, chunk), full_v=write_pages(kv.full_v, kind, v, chunk)
                 )
-                k, v, page_table = kv.full_k[kind], kv.full_v[kind], chunk.page_table
+                (k, page_table), (v, _) = (all_layer_pages(pages, kind, chunk.page_table) for pages in (kv.full_k, kv.full_v))
             kv = advance_conv(
-                advance_conv(kv, "k", self.layer, k_pre, chunk.counts), "v", self.layer, v_pre, chunk.counts
+                advance_conv(kv, "k", at.layer, k_pre, chunk.counts), "v", at.layer, v_pre, chunk.counts
             )
             out = cached_attention(
                 q, k, v, chunk.lengths + chunk.counts, chunk.counts, rel, proj, sinks,

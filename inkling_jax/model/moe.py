@@ -74,11 +74,13 @@ EXPERT_AXES = {"gate_up_proj": ("experts", "expert_mlp", "embed"), "down_proj": 
 
 class LaidOutWeight(nnx.Module):
     """An expert weight [E, N, K] in a platform's kernel layout (`pallas_kernels.moe.layouts`), each array split
-    over experts as the weight it was made from. TPU: K before N (NVFP4 codes in planes); GPU: the data as
-    stored, the block scales K before N (gate_up's rows paired for the kernel's SwiGLU)."""
+    over experts as the weight it was made from (after `stacked` leading axes of stacked layers). TPU: K before N
+    (NVFP4 codes in planes); GPU: the data as stored, the block scales K before N (gate_up's rows paired for the
+    kernel's SwiGLU)."""
 
-    def __init__(self, weight: TpuWeight | GpuWeight, axes: tuple[str, str, str]):
+    def __init__(self, weight: TpuWeight | GpuWeight, axes: tuple[str, str, str], stacked: int = 0):
         experts, n, k = axes
+        lead = (None,) * stacked
         self.format, self.platform = weight.format, "tpu" if isinstance(weight, TpuWeight) else "gpu"
         # gate_up's order for the kernels' SwiGLU: GPU rows paired, TPU (NVFP4) columns in down's K order
         self.paired = weight.paired if self.platform == "gpu" else weight.in_down_order
@@ -86,11 +88,13 @@ class LaidOutWeight(nnx.Module):
             data_axes = axes
         else:
             data_axes = (experts, None, k, n) if weight.format == NVFP4 else (experts, k, n)
-        self.data = nnx.Param(weight.data, out_sharding=data_axes, eager_sharding=False)
+        self.data = nnx.Param(weight.data, out_sharding=(*lead, *data_axes), eager_sharding=False)
         if weight.format in (MXFP8, NVFP4):
-            self.scales = nnx.Param(weight.scales, out_sharding=(experts, k, n), eager_sharding=False)
+            self.scales = nnx.Param(weight.scales, out_sharding=(*lead, experts, k, n), eager_sharding=False)
         if weight.format == NVFP4:
-            self.global_scale = nnx.Param(weight.global_scale, out_sharding=(experts, None, n), eager_sharding=False)
+            self.global_scale = nnx.Param(
+                weight.global_scale, out_sharding=(*lead, experts, None, n), eager_sharding=False
+            )
 
     def array(self) -> TpuWeight | GpuWeight:
         scales = self.scales[...] if self.format in (MXFP8, NVFP4) else None
@@ -123,18 +127,24 @@ class Experts(nnx.Module):
 
     def lay_out_for(self, platform: str) -> None:
         """Re-lay both weights for `platform`'s ("tpu" or "gpu") expert kernels (once, at load), where the kernels
-        take their shapes and dtype."""
+        take their shapes and dtype; stacked layers' weights ([blocks, E, N, K]) layer by layer."""
         gate_up, down = self.weights()
         if isinstance(gate_up, TpuWeight | GpuWeight):
             return
-        if platform == "tpu" and moe_tpu.supports(*gate_up.shape[1:]):
-            laid = for_tpu_experts(gate_up, down)
-        elif platform == "gpu" and moe_gpu.supports(*gate_up.shape[1:], _format(gate_up)):
-            laid = for_gpu_experts(gate_up, down)
+        lead, (_, n, k) = gate_up.shape[:-3], gate_up.shape[-3:]
+        if platform == "tpu" and moe_tpu.supports(n, k):
+            lay_out = for_tpu_experts
+        elif platform == "gpu" and moe_gpu.supports(n, k, _format(gate_up)):
+            lay_out = for_gpu_experts
         else:
             return
+        if lead:
+            rows = [lay_out(*(jax.tree.map(lambda a, r=r: a[r], w) for w in (gate_up, down))) for r in range(lead[0])]
+            laid = [jax.tree.map(lambda *parts: jnp.stack(parts), *(row[i] for row in rows)) for i in range(2)]
+        else:
+            laid = lay_out(gate_up, down)
         for name, weight in zip(("gate_up_proj", "down_proj"), laid, strict=True):
-            setattr(self, name, LaidOutWeight(weight, EXPERT_AXES[name]))
+            setattr(self, name, LaidOutWeight(weight, EXPERT_AXES[name], len(lead)))
 
 
 def _format(weight: jax.Array | QuantizedArray) -> str:

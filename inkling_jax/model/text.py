@@ -6,9 +6,17 @@ attention residual -> norm -> MoE -> static short conv. After the last layer a f
 residual, RMSNorm, the unembedding, a logit softcap and the slice to the real vocabulary. A checkpoint
 with a DSpark draft adds it as `CausalLM.dspark` (`inkling_jax.model.draft`); it reads the target's
 layer outputs (`TextModel(..., capture=...)`) and shares its embedding and LM head.
+
+The layers run as scans over attention-residual blocks (`inkling_jax.model.stack`): consecutive blocks whose
+layers match place by place (attention kind, expert format) form a segment, whose parameters are stacked on a
+leading block axis; one `lax.scan` steps through a segment, its body one block's layers. The released model's 8
+blocks make three segments (NVFP4 blocks 0-5, block 6 with its NVFP4/MXFP8 boundary, MXFP8 block 7), so the
+compiled program holds three blocks' layers whatever the depth. The closed blocks' inputs travel through the
+scan as one buffer [blocks, B, T, H] with a traced count of the real ones.
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -17,36 +25,47 @@ from flax import nnx
 
 from inkling_jax.cache import ConvWindows, KVCache, advance_conv, record_windows
 from inkling_jax.config import DraftConfig, TextConfig
-from inkling_jax.model.attention import Attention, Chunk, write_draft_context
+from inkling_jax.model.attention import Attention, Chunk, LayerIndex, write_draft_context
 from inkling_jax.model.attn_res import BlockAttentionResidual
 from inkling_jax.model.draft import Draft
 from inkling_jax.model.moe import SparseMoeBlock
 from inkling_jax.model.norms import RMSNorm, softcap
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import ShortConvolution
+from inkling_jax.model.stack import Segment, plan_segments, stacked, unstacked
 from pallas_kernels.attn_res import attn_res_norm
 from pallas_kernels.numerics import round_to
 
 
 def mixed_norms(
-    mix: BlockAttentionResidual, norms: list[RMSNorm], sources: list[jax.Array], partial: jax.Array, dtype: jnp.dtype
+    mix: BlockAttentionResidual,
+    norms: list[RMSNorm],
+    sources: jax.Array,
+    closed: jax.Array | None,
+    partial: jax.Array,
+    dtype: jnp.dtype,
 ) -> jax.Array:
     """norms[q](mix_q) in `dtype` for each of the mix's queries: [Q, B, T, H], one fused kernel where the
-    platform has one (`pallas_kernels.attn_res`)."""
+    platform has one (`pallas_kernels.attn_res`). sources [blocks, B, T, H]: the closed blocks' inputs, the
+    first `closed` of them real (None: all)."""
     gains = jnp.stack([norm.weight[...] for norm in norms])
-    return attn_res_norm(sources, partial, mix.queries(), gains, eps=norms[0].eps, out_dtype=dtype)
+    return attn_res_norm(sources, partial, mix.queries(), gains, eps=norms[0].eps, out_dtype=dtype, valid=closed)
 
 
 class DecoderLayer(nnx.Module):
+    """One decoder layer's parameters, built like `layer`'s (its attention kind, its expert format). The model
+    keeps them stacked with those of the same place in other blocks (`inkling_jax.model.stack`); where a call
+    runs (its block, its part of the decode state) comes with the call."""
+
     def __init__(
         self, rngs: nnx.Rngs, config: TextConfig, layer: int, dtype: jnp.dtype, expert_format: str | None = None
     ):
-        self.layer = layer
         self.sliding = config.is_sliding(layer)
         self.block_boundary = config.is_block_boundary(layer)
         hidden, eps, std = config.hidden_size, config.rms_norm_eps, config.initializer_range
-        if layer > 0:
-            self.attention_input = BlockAttentionResidual(rngs, hidden, 1 if self.sliding else 3)
+        # every layer mixes its attention input, but the model's first (no block is closed yet: its input is normed
+        # as it is, and its stacked query is never read nor stored in checkpoints)
+        self.attention_input = BlockAttentionResidual(rngs, hidden, 1 if self.sliding else 3)
         self.mlp_input = BlockAttentionResidual(rngs, hidden)
         self.self_attn = Attention(rngs, config, layer, dtype)
         self.mlp = SparseMoeBlock(rngs, config, dtype, expert_format)
@@ -63,41 +82,120 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        sources: list[jax.Array],
+        sources: jax.Array,
+        block: jax.Array,
         positions: jax.Array,
         kv: KVCache | None = None,
         chunk: Chunk | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """x [B, T, H] (activation dtype); sources: the closed blocks' [B, T, H] -> [B, T, H] (and the
-        cache with this layer's part updated, when the tokens continue one)."""
+        at: LayerIndex | None = None,
+    ) -> tuple[jax.Array, jax.Array, KVCache | None]:
+        """x [B, T, H] (activation dtype); sources [blocks, B, T, H]: the closed blocks' inputs, real before
+        `block` (this layer's attention-residual block, int32) -> (x, sources, kv) after the layer: a block's
+        first layer closes the previous block (its input joins the sources); the cache's part at `at` is
+        updated when the tokens continue one."""
         dtype = x.dtype
         if self.sliding:
             norms = [self.input_layernorm]
         else:
             norms = [self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm]
-        if hasattr(self, "attention_input"):
-            inputs = mixed_norms(self.attention_input, norms, sources, x, dtype)
-        else:
-            inputs = [round_to(norm(x), dtype) for norm in norms]
+        closed = block if self.block_boundary else block + 1
+        inputs = mixed_norms(self.attention_input, norms, sources, closed, x, dtype)
+        if self.block_boundary:
+            plain = jnp.stack([round_to(norm(x), dtype) for norm in norms])
+            inputs = jnp.where(block == 0, plain, inputs)
         if self.sliding:
-            h, kv = self.self_attn(inputs[0], inputs[0], inputs[0], positions, kv, chunk)
+            h, kv = self.self_attn(inputs[0], inputs[0], inputs[0], positions, kv, chunk, at)
         else:
-            h, kv = self.self_attn(*inputs, positions, kv, chunk)
+            h, kv = self.self_attn(*inputs, positions, kv, chunk, at)
         attention_out = h
-        h = self.post_attention_convolution(h, None if kv is None else kv.conv_attention[self.layer])
+        h = self.post_attention_convolution(h, None if kv is None else kv.conv_attention[at.layer])
         h = h.astype(jnp.float32)
 
         if self.block_boundary:
-            sources = [*sources, x]
+            sources = jax.lax.dynamic_update_index_in_dim(sources, x, block, 0)
         else:
             h = x.astype(jnp.float32) + h
         residual = h
-        mlp_out = self.mlp(mixed_norms(self.mlp_input, [self.post_attention_layernorm], sources, h, dtype)[0])
-        h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[self.layer])
+        mlp_in = mixed_norms(self.mlp_input, [self.post_attention_layernorm], sources, block + 1, h, dtype)[0]
+        mlp_out = self.mlp(mlp_in)
+        h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[at.layer])
         if kv is not None:
-            kv = advance_conv(kv, "attention", self.layer, attention_out, chunk.counts)
-            kv = advance_conv(kv, "mlp", self.layer, mlp_out, chunk.counts)
-        return round_to(residual + h, dtype), kv
+            kv = advance_conv(kv, "attention", at.layer, attention_out, chunk.counts)
+            kv = advance_conv(kv, "mlp", at.layer, mlp_out, chunk.counts)
+        return round_to(residual + h, dtype), sources, kv
+
+
+class LayerStack(nnx.Module):
+    """One segment's layers: `positions[j]` holds the parameters of the j-th layer of each of its blocks, stacked
+    on a leading [blocks] axis."""
+
+    def __init__(
+        self,
+        rngs: nnx.Rngs,
+        config: TextConfig,
+        segment: Segment,
+        dtype: jnp.dtype,
+        expert_formats: Sequence[str | None],
+    ):
+        self.segment = segment
+        self.positions = nnx.List(
+            [
+                stacked(
+                    functools.partial(DecoderLayer, config=config, layer=layer, dtype=dtype,
+                                      expert_format=expert_formats[layer]),
+                    rngs,
+                    segment.blocks,
+                )
+                for layer in segment.layers[: segment.width]
+            ]
+        )  # fmt: skip
+        # where each position's K/V sits among its kind's layers: first block's index, and the step per block
+        kinds = [config.is_sliding(layer) for layer in range(config.num_hidden_layers)]
+        first = segment.layers[: segment.width]
+        self.kind_base = tuple(kinds[:layer].count(kinds[layer]) for layer in first)
+        self.kind_step = tuple(kinds[first[0] : first[0] + segment.width].count(kinds[layer]) for layer in first)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        sources: jax.Array,
+        positions: jax.Array,
+        kv: KVCache | None,
+        chunk: Chunk | None,
+        capture: Sequence[int],
+    ) -> tuple[jax.Array, jax.Array, KVCache | None, dict[int, jax.Array]]:
+        """The segment's layers over x [B, T, H] -> (x, sources, kv, {layer: its output} for the captured layers
+        in this segment)."""
+        segment = self.segment
+        taps = [j for j in range(segment.width) if any(layer in capture for layer in segment.layers[j :: segment.width])]
+        graphdef, params = nnx.split(self.positions)
+
+        def block(carry: tuple, inputs: tuple) -> tuple[tuple, list[jax.Array]]:
+            x, sources, kv = carry
+            row, params = inputs
+            index = segment.first_block + row
+            outputs = []
+            for j, layer in enumerate(nnx.merge(graphdef, params)):
+                at = LayerIndex(index * segment.size + j, self.kind_base[j] + row * self.kind_step[j])
+                x, sources, kv = layer(x, sources, index, positions, kv, chunk, at)
+                if j in taps:
+                    outputs.append(x)
+            return (x, sources, kv), outputs
+
+        rows = jnp.arange(segment.blocks, dtype=jnp.int32)
+        (x, sources, kv), outputs = jax.lax.scan(block, (x, sources, kv), (rows, params))
+        captured = {
+            segment.layers[row * segment.width + j]: out[row]
+            for j, out in zip(taps, outputs, strict=True)
+            for row in range(segment.blocks)
+            if segment.layers[row * segment.width + j] in capture
+        }
+        return x, sources, kv, captured
+
+    def layer(self, index: int) -> DecoderLayer:
+        """Layer `index` (one of this segment's) with its own parameters, sliced out of the stack."""
+        row, position = divmod(self.segment.layers.index(index), self.segment.width)
+        return unstacked(self.positions[position], row)
 
 
 class NormedEmbedding(nnx.Module):
@@ -114,8 +212,11 @@ class TextModel(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, config: TextConfig, dtype: jnp.dtype, expert_formats: Sequence[str | None]):
         self.config = config
         self.embed_tokens = NormedEmbedding(rngs, config, dtype)
-        self.layers = nnx.List(
-            [DecoderLayer(rngs, config, i, dtype, expert_formats[i]) for i in range(config.num_hidden_layers)]
+        self.segments = nnx.List(
+            [
+                LayerStack(rngs, config, segment, dtype, expert_formats)
+                for segment in plan_segments(config, expert_formats)
+            ]
         )
         self.norm = RMSNorm(rngs, config.hidden_size, config.rms_norm_eps, dtype)
         self.final_input = BlockAttentionResidual(rngs, config.hidden_size)
@@ -139,19 +240,36 @@ class TextModel(nnx.Module):
         """
         x = self.embed_tokens(token_ids)
         dtype = x.dtype
-        sources: list[jax.Array] = []
+        sources = jnp.broadcast_to(jnp.zeros_like(x), (self.config.num_blocks, *x.shape))  # varies where x does
         captured: dict[int, jax.Array] = {}
-        for i, layer in enumerate(self.layers):
-            out, kv = layer(x, sources, positions, kv, chunk)
-            if self.config.is_block_boundary(i):
-                sources.append(x)
-            if i in capture:
-                captured[i] = out
-            x = out
-        hidden = mixed_norms(self.final_input, [self.norm], sources, x, dtype)[0]
+        for stack in self.segments:
+            x, sources, kv, outputs = stack(x, sources, positions, kv, chunk, capture)
+            captured |= outputs
+        hidden = mixed_norms(self.final_input, [self.norm], sources, None, x, dtype)[0]
         if not capture:
             return hidden, kv
         return hidden, kv, jnp.stack([captured[i] for i in capture], axis=2)
+
+    def expert_formats(self) -> list[str | None]:
+        """Each layer's expert format (None: plain)."""
+        formats = {}
+        for stack in self.segments:
+            for i, layer in enumerate(stack.segment.layers):
+                experts = stack.positions[i % stack.segment.width].mlp.experts
+                formats[layer] = getattr(experts.gate_up_proj, "format", None)
+        return [formats[layer] for layer in range(self.config.num_hidden_layers)]
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        """Every layer with its own parameters, in order (copies out of the stacks: for inspection and tests)."""
+        return [self.layer(i) for i in range(self.config.num_hidden_layers)]
+
+    def layer(self, index: int) -> DecoderLayer:
+        """Layer `index`'s own parameters, taken out of its stack (a copy: for inspection and tests)."""
+        for stack in self.segments:
+            if index in stack.segment.layers:
+                return stack.layer(index)
+        raise IndexError(f"layer {index} of a {self.config.num_hidden_layers}-layer model")
 
 
 class CausalLM(nnx.Module):
