@@ -11,7 +11,6 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
-from flax import nnx
 
 from inkling_jax.checkpoint.loader import checkpoint_parameters
 from inkling_jax.config import ModelConfig, VisionConfig, load_config

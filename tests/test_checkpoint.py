@@ -8,10 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from checkpoint_edits import edited_copy
-from flax import nnx
 
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
-from inkling_jax.checkpoint.loader import parameter_paths
+from inkling_jax.checkpoint.loader import named_parameters
 from inkling_jax.checkpoint.names import deinterleave_rows
 from inkling_jax.checkpoint.safetensors_io import (
     CheckpointFiles,
@@ -134,15 +133,15 @@ def test_deinterleave_rows_splits_gate_and_up():
 def test_load_fills_every_parameter_from_the_file(tiny_checkpoint):
     _, model = load_causal_lm(tiny_checkpoint, jnp.float32)
     files = CheckpointFiles(tiny_checkpoint)
-    params = parameter_paths(nnx.state(model))
+    params = named_parameters(model)
     assert len(params) == len(files.names())
-    for path, variable in params.items():
-        np.testing.assert_array_equal(np.asarray(variable[...]), files.read(path))
+    for path, value in params.items():
+        np.testing.assert_array_equal(np.asarray(value), files.read(path))
 
 
 def test_bfloat16_load_keeps_fp32_parameters(tiny_checkpoint):
     _, model = load_causal_lm(tiny_checkpoint, jnp.bfloat16)
-    params = parameter_paths(nnx.state(model))
+    params = named_parameters(model)
     assert params["model.layers.0.self_attn.q_proj.weight"].dtype == jnp.bfloat16
     assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == jnp.bfloat16
     for fp32 in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate.e_score_correction_bias",

@@ -79,6 +79,16 @@ def checkpoint_parameters(
     return layer_parameters(config.text, formats, parameter_paths(state))
 
 
+def named_parameters(model: CausalLM) -> dict[str, jax.Array]:
+    """A model's parameters as checkpoints name them (rows of stacked layers under their layers' names)."""
+    variables = parameter_paths(nnx.state(model))
+    rows = stacked_rows(model.config, model.model.expert_formats(), list(variables))
+    named = {path: variable[...] for path, variable in variables.items() if path not in rows}
+    for path, by_row in rows.items():
+        named |= {name: variables[path][...][row] for row, name in by_row.items() if name is not None}
+    return named
+
+
 _EXPERT_TARGET = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 

@@ -42,7 +42,9 @@ def save(model: CausalLM, config_json: Path, out: str | Path) -> Path:
         if source.is_file():
             shutil.copyfile(source, out / name)
     dtype = model.model.embed_tokens.weight.dtype
-    (out / MARKER).write_text(json.dumps({"dtype": jnp.dtype(dtype).name, "expert_formats": model.model.expert_formats()}))
+    (out / MARKER).write_text(
+        json.dumps({"dtype": jnp.dtype(dtype).name, "expert_formats": model.model.expert_formats()})
+    )
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out / PARAMS, nnx.state(model, nnx.Param))
     checkpointer.wait_until_finished()

@@ -28,7 +28,6 @@ from pathlib import Path
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
 
 from inkling_jax.checkpoint.loader import checkpoint_parameters
 from inkling_jax.checkpoint.names import interleave_rows, original_name

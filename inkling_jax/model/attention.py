@@ -249,10 +249,10 @@ class Attention(nnx.Module):
                 kv = dataclasses.replace(
                     kv, full_k=write_pages(kv.full_k, kind, k, chunk), full_v=write_pages(kv.full_v, kind, v, chunk)
                 )
-                (k, page_table), (v, _) = (all_layer_pages(pages, kind, chunk.page_table) for pages in (kv.full_k, kv.full_v))
-            kv = advance_conv(
-                advance_conv(kv, "k", at.layer, k_pre, chunk.counts), "v", at.layer, v_pre, chunk.counts
-            )
+                (k, page_table), (v, _) = (
+                    all_layer_pages(pages, kind, chunk.page_table) for pages in (kv.full_k, kv.full_v)
+                )
+            kv = advance_conv(advance_conv(kv, "k", at.layer, k_pre, chunk.counts), "v", at.layer, v_pre, chunk.counts)
             out = cached_attention(
                 q, k, v, chunk.lengths + chunk.counts, chunk.counts, rel, proj, sinks,
                 page_table=page_table, scale=scale, window=window,

@@ -167,7 +167,9 @@ class LayerStack(nnx.Module):
         """The segment's layers over x [B, T, H] -> (x, sources, kv, {layer: its output} for the captured layers
         in this segment)."""
         segment = self.segment
-        taps = [j for j in range(segment.width) if any(layer in capture for layer in segment.layers[j :: segment.width])]
+        taps = [
+            j for j in range(segment.width) if any(layer in capture for layer in segment.layers[j :: segment.width])
+        ]
         graphdef, params = nnx.split(self.positions)
 
         def block(carry: tuple, inputs: tuple) -> tuple[tuple, list[jax.Array]]:
