@@ -3,6 +3,8 @@ by orders of magnitude, 0, 3 or 8 closed blocks, 1 or 3 queries, odd token count
 partial in fp32 or bf16, fp32 and bf16 outputs; bad shapes rejected; and lowering for CUDA at the production
 shapes (Mosaic GPU's layouts, reductions and copies, which the interpreter does not check; ptxas runs only on
 a GPU). On an H200 every case runs compiled at hidden 4608; on CPU in Mosaic GPU's interpreter at hidden 512.
+With a count of real sources (a stacked buffer with NaN and inf past it, or a list; traced, and carried by a
+scan), the kernel's call on the leading sources alone.
 """
 
 import jax
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels.attn_res import attn_res_norm, gpu
+from pallas_kernels.attn_res import attn_res_norm, gpu, reference
 
 CPU = jax.default_backend() == "cpu"
 HIDDEN = 512 if CPU else 4608
@@ -47,6 +49,37 @@ def test_kernel_matches_the_reference(count, queries, shape, partial_dtype):
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)  # then one bf16 rounding: 1 ulp apart at most
 
 
+@pytest.mark.parametrize(("valid", "queries", "stacked"), [(0, 1, True), (3, 3, True), (8, 1, True), (5, 3, False)])
+def test_kernel_takes_a_count_of_real_sources(valid, queries, stacked):
+    """8 sources with NaN and inf past the count (their rows not copied, SMEM left as it was: NaN in the
+    interpreter), stacked or listed: the kernel's call on sources[:valid] and the oracle's."""
+    from test_attn_res import poisoned
+
+    x = case(20 + valid, 8, queries, (3, HIDDEN), jnp.float32)
+    buffer = poisoned(x["sources"], valid)
+    x_valid = {**x, "sources": buffer if stacked else list(buffer), "valid": jnp.int32(valid)}
+    x_alone = {**x, "sources": x["sources"][:valid]}
+    got = mixed(x_valid, jnp.float32, "gpu")
+    np.testing.assert_allclose(got, mixed(x_alone, jnp.float32, "gpu"), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, mixed(x_alone, jnp.float32, "reference"), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_in_a_scan():
+    """The kernel carried by the decoder's kind of scan (traced count, buffer filled block by block): each step
+    the oracle on the blocks closed so far."""
+    from test_attn_res import leading, scanned
+
+    x = case(30, 3, 3, (2, HIDDEN), jnp.float32)
+    rest = {"queries": x["queries"], "norm_weights": x["norm_weights"], "eps": EPS, "out_dtype": jnp.float32}
+
+    def mix(buffer, partial, count):
+        return attn_res_norm(buffer, partial, **rest, valid=count, backend="gpu")
+
+    want = leading(lambda sources, partial: reference.attn_res_norm(sources, partial, **rest), x)
+    for got, w in zip(scanned(mix, x), want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+
+
 def test_fp32_sources_and_a_dominant_source():
     """fp32 closed blocks; one source so large and so aligned with the query that its softmax weight is ~1."""
     x = case(5, 2, 1, (4, HIDDEN), jnp.float32)
@@ -77,6 +110,13 @@ def test_rejects_what_it_does_not_take():
     with pytest.raises(ValueError, match="must have the partial's shape"):
         gpu.attn_res_norm(x["sources"] + [x["partial"][:2]], **{k: v for k, v in x.items() if k != "sources"},
                           eps=EPS, out_dtype=jnp.bfloat16)  # fmt: skip
+    rest = {k: v for k, v in x.items() if k != "sources"}
+    with pytest.raises(ValueError, match="must have the partial's shape"):  # a stacked buffer of other rows
+        gpu.check(jnp.zeros((2, 3, 512)), **rest)
+    stacked = jnp.zeros((12, 1, 4608), jnp.float32)
+    with pytest.raises(ValueError, match="holds a token's 12 sources and partial in SMEM"):
+        gpu.check(stacked, stacked[0], jnp.zeros((1, 4608)), jnp.zeros((1, 4608)))
+    gpu.check(jnp.stack(x["sources"]), **rest)  # takes what it takes listed
 
 
 @pytest.mark.parametrize("queries", [1, 3])
@@ -91,4 +131,23 @@ def test_lowers_for_cuda_at_production_shapes(tokens, queries):
         return gpu.attn_res_norm(sources, partial, queries, weights, eps=EPS, out_dtype=jnp.bfloat16)
 
     lowered = export.export(jax.jit(mix), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in lowered.mlir_module()
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_lowers_for_cuda_with_a_count(tokens, queries, stacked):
+    """The scan's operands at the production shapes: 8 bf16 blocks (one stacked buffer, or listed), the fp32
+    partial and a traced count."""
+    from test_attn_res import production_operands
+
+    sources, *args = production_operands(tokens, queries)
+    if stacked:
+        sources = jax.ShapeDtypeStruct((len(sources), *sources[0].shape), sources[0].dtype)
+
+    def mix(sources, partial, queries, weights, valid):
+        return gpu.attn_res_norm(sources, partial, queries, weights, eps=EPS, out_dtype=jnp.bfloat16, valid=valid)
+
+    lowered = export.export(jax.jit(mix), platforms=["cuda"])(sources, *args, jax.ShapeDtypeStruct((), jnp.int32))
     assert "mosaic_gpu" in lowered.mlir_module()

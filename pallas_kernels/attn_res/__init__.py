@@ -3,11 +3,11 @@ the entry point. `backend` picks "tpu" (Mosaic TPU), "gpu" (Mosaic GPU, Hopper; 
 CPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the oracle) or "auto": the TPU kernel on TPU; on a
 Hopper GPU the Mosaic GPU kernel for the shapes it takes (on the H200 up to 3x faster than the XLA paths, equal
 at their best: bench/results/README.md); otherwise on GPU the XLA formulation for prefill-sized calls and the
-oracle for decode-sized ones; the oracle on CPU."""
+oracle for decode-sized ones; the oracle on CPU. Every backend takes the sources as a list or as one stacked
+buffer, and a count `valid` of real ones (a scan over the blocks carries it)."""
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attn_res import gpu, reference, tpu, xla
+from pallas_kernels.attn_res.reference import Sources
 from pallas_kernels.platform import hopper_takes
 
 BACKENDS = ("auto", "reference", "tpu", "gpu", "xla")
@@ -22,33 +23,44 @@ XLA_FROM_TOKENS = 1024  # GPU: the XLA formulation from this many tokens (3x the
 
 
 def attn_res_norm(
-    sources: Sequence[jax.Array],
+    sources: Sources,
     partial: jax.Array,
     queries: jax.Array,
     norm_weights: jax.Array,
     *,
     eps: float,
     out_dtype: jnp.dtype,
+    valid: int | jax.Array | None = None,
     backend: str = "auto",
 ) -> jax.Array:
-    """`reference.attn_res_norm`'s contract ([Q, ..., H]: RMSNorm_q(mix_q)), computed by `backend`."""
+    """`reference.attn_res_norm`'s contract ([Q, ..., H]: RMSNorm_q(mix_q) of sources[:valid] and the partial),
+    computed by `backend`. sources: N arrays [..., H] or one stacked [N, ..., H]; valid: None (all N real) or an
+    int32 scalar, possibly traced."""
     if backend not in BACKENDS:
         raise ValueError(f"attention-residual backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if valid is not None:
+        valid = jnp.asarray(valid, jnp.int32)
+        if valid.shape:
+            raise ValueError(f"valid must be a scalar count of sources, not of shape {valid.shape}")
     if backend == "auto":
         platform, tokens = jax.default_backend(), math.prod(partial.shape[:-1])
         on_gpu = "xla" if tokens >= XLA_FROM_TOKENS else "reference"
         if hopper_takes(gpu.check, sources, partial, queries, norm_weights):
             on_gpu = "gpu"
         backend = {"tpu": "tpu", "gpu": on_gpu}.get(platform, "reference")
+    options = {"eps": eps, "out_dtype": out_dtype}
     if backend in ("reference", "xla"):
         module = reference if backend == "reference" else xla
-        return module.attn_res_norm(sources, partial, queries, norm_weights, eps=eps, out_dtype=out_dtype)
-    if backend == "tpu":
-        kernel = functools.partial(tpu.attn_res_norm, eps=eps, out_dtype=out_dtype)
-    else:
-        interpret = jax.default_backend() == "cpu"
-        kernel = functools.partial(gpu.attn_res_norm, eps=eps, out_dtype=out_dtype, interpret=interpret)
-    return per_device(kernel, sources, partial, queries, norm_weights)
+        return module.attn_res_norm(sources, partial, queries, norm_weights, valid=valid, **options)
+    if backend == "gpu":
+        options["interpret"] = jax.default_backend() == "cpu"
+    module = tpu if backend == "tpu" else gpu
+
+    def kernel(*operands) -> jax.Array:  # per_device passes operands by position; the kernels take valid by name
+        *arrays, count = operands
+        return module.attn_res_norm(*arrays, valid=count, **options)
+
+    return per_device(kernel, sources, partial, queries, norm_weights, valid)
 
 
 def per_device(kernel: Callable[..., jax.Array], *args) -> jax.Array:

@@ -19,6 +19,11 @@ the production shape (8 bf16 blocks + the fp32 partial at H = 4608: 92 KB of SME
 SM, so one's copies land while the other computes; two warpgroups per token give each SM 16 warps to hide the
 latencies of a sweep. Mosaic GPU's cross-warp reductions share one SMEM scratch for the whole CTA, so the two
 warpgroups take turns through it. Sums run in another order than the oracle's: equal up to fp32 rounding.
+
+A stacked buffer of sources [N, ..., H] is one operand, its rows copied alike. With a count `valid` of real
+sources (an int32 in GMEM, loaded as a scalar), a masked source's row is not copied (its warpgroup arrives on the
+copies' barrier without one), and every load of its SMEM row, which holds whatever was there, is selected to 0
+and its logits to -inf: softmax weight exactly 0, nothing of it in the sums.
 """
 
 import functools
@@ -31,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attn_res.reference import SOURCE_EPS
+from pallas_kernels.attn_res.reference import SOURCE_EPS, Sources, mask_sources, source_specs
 
 V = 2  # contiguous values per thread in a row's chunk
 CHUNK = 128 * V  # columns per step: a warpgroup's 128 threads side by side
@@ -61,20 +66,38 @@ def _columns(values: jax.Array) -> jax.Array:
     return plgpu.layout_cast(lax.broadcast_in_dim(values, (values.shape[0], CHUNK), (0,)), ROWS)
 
 
-def _mix_and_norm(*refs, count: int, num_queries: int, hidden: int, eps: float):
-    """One token: refs = count row refs [M, H] (GMEM), queries [Q, H] fp32, gains [Q, H], out [Q, M, H]; then
-    count SMEM rows [1, H], the exchanges [W, (1 + Q) count] and [W, max(2, Q)] fp32, and the barriers (each
+def _source_rows(refs) -> list:
+    """The sources' GMEM refs [M, H], one per source: each listed operand, and each entry of a stacked one."""
+    rows = []
+    for ref in refs:
+        rows += [ref] if len(ref.shape) == 2 else [ref.at[s] for s in range(ref.shape[0])]
+    return rows
+
+
+def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: int, eps: float):
+    """One token: refs = the count of real sources [1] int32 if masked, the sources' operands ([M, H] each, or one
+    stacked [N, M, H]) and the partial [M, H] (GMEM), queries [Q, H] fp32, gains [Q, H], out [Q, M, H]; then
+    N + 1 SMEM rows [1, H], the exchanges [W, (1 + Q) (N + 1)] and [W, max(2, Q)] fp32, and the barriers (each
     warpgroup's copies landed; each warpgroup's turn at the two exchanges)."""
-    row_refs, (query_ref, gain_ref, out_ref) = refs[:count], refs[count : count + 3]
-    smem, (scores_smem, squares_smem, landed, score_turns, square_turns) = refs[count + 3 :][:count], refs[-5:]
+    inputs = masked + operands + 1
+    valid = refs[0][0] if masked else None
+    row_refs = [*_source_rows(refs[masked : inputs - 1]), refs[inputs - 1]]
+    count = len(row_refs)
+    query_ref, gain_ref, out_ref = refs[inputs : inputs + 3]
+    smem, (scores_smem, squares_smem, landed, score_turns, square_turns) = refs[inputs + 3 :][:count], refs[-5:]
     token, wg = lax.axis_index("token"), lax.axis_index("wg")
     share = hidden // WARPGROUPS
     mine = pl.ds(pl.multiple_of(wg * share, CHUNK), share)  # this warpgroup's columns
-    for row_ref, row_smem in zip(row_refs, smem, strict=True):
-        plgpu.copy_gmem_to_smem(
-            row_ref.at[pl.ds(token, 1), mine], row_smem.at[:, mine], landed.at[wg],
+    for s, (row_ref, row_smem) in enumerate(zip(row_refs, smem, strict=True)):
+        copy = functools.partial(
+            plgpu.copy_gmem_to_smem, row_ref.at[pl.ds(token, 1), mine], row_smem.at[:, mine], landed.at[wg],
             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
         )  # fmt: skip
+        if valid is None or s == count - 1:
+            copy()
+        else:  # a masked source's row is not read: its warpgroup arrives without a copy
+            pl.when(s < valid)(copy)
+            pl.when(s >= valid)(functools.partial(plgpu.barrier_arrive, landed.at[wg]))
     plgpu.barrier_wait(landed.at[wg])
     steps = share // CHUNK
 
@@ -83,7 +106,7 @@ def _mix_and_norm(*refs, count: int, num_queries: int, hidden: int, eps: float):
 
     def chunk(i: jax.Array) -> jax.Array:  # [count, CHUNK] fp32
         rows = [plgpu.load(row.at[:, columns(i)], layout=ROWS).astype(jnp.float32) for row in smem]
-        return jnp.concatenate(rows, axis=0)
+        return jnp.concatenate(mask_sources(rows, valid, 0.0), axis=0)
 
     def fetch(ref, i: jax.Array) -> list[jax.Array]:  # Q x [CHUNK] fp32 of a [Q, H] GMEM ref (the last again)
         i = jnp.minimum(i, steps - 1)
@@ -105,7 +128,7 @@ def _mix_and_norm(*refs, count: int, num_queries: int, hidden: int, eps: float):
     coefs = []  # Q x count x [1]: softmax weight / rms of each source
     for q in range(num_queries):
         logits = totals[(1 + q) * count : (2 + q) * count] * inverse_rms * hidden**-0.5
-        logits = [logits[s : s + 1] for s in range(count)]
+        logits = mask_sources([logits[s : s + 1] for s in range(count)], valid, -jnp.inf)
         top = functools.reduce(jnp.maximum, logits)
         weights = [jnp.exp(x - top) for x in logits]
         total = functools.reduce(jnp.add, weights)
@@ -151,9 +174,9 @@ def _summed(partials: jax.Array, exchange, turns, wg: jax.Array) -> jax.Array:
     return functools.reduce(jnp.add, sums)[:rows]
 
 
-def check(sources: Sequence[jax.Array], partial: jax.Array, queries: jax.Array, norm_weights: jax.Array) -> None:
-    """Raise ValueError (naming what) unless the kernel takes these operands."""
-    hidden = partial.shape[-1]
+def check(sources: Sources, partial: jax.Array, queries: jax.Array, norm_weights: jax.Array) -> None:
+    """Raise ValueError (naming what) unless the kernel takes these operands (sources listed or stacked)."""
+    sources, hidden = source_specs(sources), partial.shape[-1]
     if any(x.shape != partial.shape for x in sources):
         raise ValueError(f"sources {[x.shape for x in sources]} must have the partial's shape {partial.shape}")
     if queries.ndim != 2 or queries.shape[1] != hidden or norm_weights.shape != queries.shape:
@@ -172,33 +195,46 @@ def check(sources: Sequence[jax.Array], partial: jax.Array, queries: jax.Array, 
         )
 
 
+def _operands(sources: Sources, hidden: int) -> list[jax.Array]:
+    """The sources as kernel operands: each listed one [M, H], or the stacked buffer once [N, M, H] (none if
+    N = 0)."""
+    if isinstance(sources, Sequence):
+        return [x.reshape(-1, hidden) for x in sources]
+    return [sources.reshape(sources.shape[0], -1, hidden)] if sources.shape[0] else []
+
+
 def attn_res_norm(
-    sources: Sequence[jax.Array],
+    sources: Sources,
     partial: jax.Array,
     queries: jax.Array,
     norm_weights: jax.Array,
     *,
     eps: float,
     out_dtype: jnp.dtype,
+    valid: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """`reference.attn_res_norm`'s contract ([Q, ..., H] from N sources and the partial [..., H]); `interpret`:
-    run in Mosaic GPU's interpreter."""
+    """`reference.attn_res_norm`'s contract ([Q, ..., H] from sources[:valid] and the partial [..., H]);
+    `interpret`: run in Mosaic GPU's interpreter."""
     check(sources, partial, queries, norm_weights)
     lead, hidden = partial.shape[:-1], partial.shape[-1]
-    rows = [x.reshape(-1, hidden) for x in (*sources, partial)]  # (N + 1) x [M, H]
-    tokens, count, num_queries = math.prod(lead), len(rows), queries.shape[0]
+    operands, dtypes = _operands(sources, hidden), [x.dtype for x in (*source_specs(sources), partial)]
+    tokens, count, num_queries = math.prod(lead), len(dtypes), queries.shape[0]
     if tokens == 0:
         return jnp.zeros((num_queries, *lead, hidden), out_dtype)
+    counts = [] if valid is None else [jnp.asarray(valid, jnp.int32).reshape(1)]
+    kernel = functools.partial(
+        _mix_and_norm, operands=len(operands), masked=bool(counts), num_queries=num_queries, hidden=hidden, eps=eps
+    )
     out = plgpu.kernel(
-        functools.partial(_mix_and_norm, count=count, num_queries=num_queries, hidden=hidden, eps=eps),
+        kernel,
         out_type=jax.ShapeDtypeStruct((num_queries, tokens, hidden), out_dtype),
         grid=(tokens,),
         grid_names=("token",),
         num_threads=WARPGROUPS,
         thread_name="wg",
         scratch_types=[
-            *(plgpu.SMEM((1, hidden), x.dtype) for x in rows),
+            *(plgpu.SMEM((1, hidden), dtype) for dtype in dtypes),
             plgpu.SMEM((WARPGROUPS, (1 + num_queries) * count), jnp.float32),
             plgpu.SMEM((WARPGROUPS, max(2, num_queries)), jnp.float32),
             plgpu.Barrier(num_arrivals=count, num_barriers=WARPGROUPS),
@@ -212,5 +248,5 @@ def attn_res_norm(
             unsafe_no_auto_barriers=True,
         ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*rows, queries.astype(jnp.float32), norm_weights)
+    )(*counts, *operands, partial.reshape(-1, hidden), queries.astype(jnp.float32), norm_weights)
     return out.reshape(num_queries, *lead, hidden)

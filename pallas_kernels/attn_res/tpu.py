@@ -6,6 +6,12 @@ in VMEM: each source normalised once, its score against each query a lane reduct
 1 sources per token and query, the weighted sums, the final RMSNorm, one rounding to the output dtype. HBM
 traffic is the sources read once and the Q outputs written once, against several passes for XLA's unfused
 version.
+
+A stacked buffer of sources [N, ..., H] is passed once per source (the same buffer, no copy), each with its own
+tiles. The count of real sources `valid` comes by scalar prefetch (SMEM): a masked source's index map stays on
+its first tile, and a block whose index does not change from one step to the next is not fetched again, so its
+rows are read once per core rather than once per tile; in VMEM they are then selected away (values 0, logits
+-inf), whatever they hold.
 """
 
 import functools
@@ -16,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.attn_res.reference import SOURCE_EPS
+from pallas_kernels.attn_res.reference import SOURCE_EPS, Sources, mask_sources, source_specs
 from pallas_kernels.numerics import rms_normalize
 
 VMEM_BUDGET = 24 << 20  # bytes of VMEM a step may use (v7x: 64 MiB per core)
@@ -29,15 +35,42 @@ def _tokens_per_step(tokens: int, hidden: int, sources: int, queries: int, items
     return min(fits, -(-tokens // 8) * 8)
 
 
-def _mix_and_norm(*refs, count: int, eps: float):
-    """One tile: refs = count source refs [T, H], queries [Q, H], gains [Q, H], out [Q, T, H]."""
-    source_refs, (query_ref, gain_ref, out_ref) = refs[:count], refs[count:]
+def _tile(source: int, step: jax.Array, prefetch: tuple) -> jax.Array:
+    """The tile of tokens that source `source` reads at grid step `step`: the step's own, or the first for a
+    source past the prefetched count (an unchanged block index is not fetched again)."""
+    if not prefetch:
+        return step
+    (valid_ref,) = prefetch
+    return jnp.where(source < valid_ref[0], step, 0)
+
+
+def _source_blocks(sources: Sources, tile: int, hidden: int) -> tuple[list[jax.Array], list[pl.BlockSpec]]:
+    """The sources as operands, each with its tiles [tile, H]: a listed source [M, H] its own operand, a stacked
+    buffer [N, M, H] once per source."""
+    if isinstance(sources, Sequence):
+        return [x.reshape(-1, hidden) for x in sources], [
+            pl.BlockSpec((tile, hidden), lambda i, *prefetch, s=s: (_tile(s, i, prefetch), 0))
+            for s in range(len(sources))
+        ]
+    stacked = sources.reshape(len(sources), -1, hidden)
+    return [stacked] * len(sources), [
+        pl.BlockSpec((pl.squeezed, tile, hidden), lambda i, *prefetch, s=s: (s, _tile(s, i, prefetch), 0))
+        for s in range(len(sources))
+    ]
+
+
+def _mix_and_norm(*refs, count: int, eps: float, masked: bool):
+    """One tile: refs = the count of real sources [1] (SMEM) if masked, count row refs [T, H] (the sources, then
+    the partial), queries [Q, H], gains [Q, H], out [Q, T, H]."""
+    valid = refs[0][0] if masked else None
+    row_refs, (query_ref, gain_ref, out_ref) = refs[masked : masked + count], refs[masked + count :]
     queries = query_ref[...].astype(jnp.float32)  # [Q, H]
     scale = queries.shape[-1] ** -0.5
-    normed = [rms_normalize(ref[...], SOURCE_EPS) for ref in source_refs]  # count x [T, H]
+    normed = mask_sources([rms_normalize(ref[...], SOURCE_EPS) for ref in row_refs], valid, 0.0)  # count x [T, H]
     for q in range(queries.shape[0]):
         query = queries[q : q + 1]  # [1, H]
         logits = [jnp.sum(x * query, axis=-1, keepdims=True) * scale for x in normed]  # count x [T, 1]
+        logits = mask_sources(logits, valid, -jnp.inf)
         top = functools.reduce(jnp.maximum, logits)
         weights = [jnp.exp(x - top) for x in logits]
         total = functools.reduce(jnp.add, weights)
@@ -46,28 +79,33 @@ def _mix_and_norm(*refs, count: int, eps: float):
 
 
 def attn_res_norm(
-    sources: Sequence[jax.Array],
+    sources: Sources,
     partial: jax.Array,
     queries: jax.Array,
     norm_weights: jax.Array,
     *,
     eps: float,
     out_dtype: jnp.dtype,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
-    """`reference.attn_res_norm`'s contract ([Q, ..., H] from N sources and the partial [..., H])."""
+    """`reference.attn_res_norm`'s contract ([Q, ..., H] from sources[:valid] and the partial [..., H])."""
     lead, hidden = partial.shape[:-1], partial.shape[-1]
-    rows = [x.reshape(-1, hidden) for x in (*sources, partial)]  # (N + 1) x [M, H]
-    tokens, count, num_queries = rows[0].shape[0], len(rows), queries.shape[0]
-    itemsize = max(x.dtype.itemsize for x in rows)
+    partial = partial.reshape(-1, hidden)  # [M, H]
+    tokens, count, num_queries = partial.shape[0], len(sources) + 1, queries.shape[0]
+    itemsize = max(x.dtype.itemsize for x in (*source_specs(sources), partial))
     tile = _tokens_per_step(tokens, hidden, count, num_queries, itemsize)
-    row_spec = pl.BlockSpec((tile, hidden), lambda i: (i, 0))
-    whole = pl.BlockSpec((num_queries, hidden), lambda i: (0, 0))
+    operands, specs = _source_blocks(sources, tile, hidden)
+    prefetch = [] if valid is None else [jnp.asarray(valid, jnp.int32).reshape(1)]
+    whole = pl.BlockSpec((num_queries, hidden), lambda i, *_: (0, 0))
     out = pl.pallas_call(
-        functools.partial(_mix_and_norm, count=count, eps=eps),
-        grid=(pl.cdiv(tokens, tile),),
-        in_specs=[row_spec] * count + [whole, whole],
-        out_specs=pl.BlockSpec((num_queries, tile, hidden), lambda i: (0, i, 0)),
+        functools.partial(_mix_and_norm, count=count, eps=eps, masked=bool(prefetch)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=(pl.cdiv(tokens, tile),),
+            in_specs=[*specs, pl.BlockSpec((tile, hidden), lambda i, *_: (i, 0)), whole, whole],
+            out_specs=pl.BlockSpec((num_queries, tile, hidden), lambda i, *_: (0, i, 0)),
+        ),
         out_shape=jax.ShapeDtypeStruct((num_queries, tokens, hidden), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=2 * VMEM_BUDGET),
-    )(*rows, queries, norm_weights)
+    )(*prefetch, *operands, partial, queries, norm_weights)
     return out.reshape(num_queries, *lead, hidden)

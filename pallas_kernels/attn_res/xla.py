@@ -7,28 +7,29 @@ for 4096 tokens and 8 blocks, 9% of copy bandwidth; bench/results/README.md). He
 and its dots with the queries are sibling reductions over that source alone, the softmax runs on [..., Q, N + 1]
 scalars, and the mix is one elementwise pass over the sources, so XLA reads each source a few times and
 materialises nothing of their size. Sums run in another order than the oracle's: equal up to fp32 rounding.
+A stacked buffer of sources is read source by source alike; a source past the count `valid` has its values and
+its scores selected away (0 and -inf) before they meet the others'.
 """
-
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attn_res.reference import SOURCE_EPS
+from pallas_kernels.attn_res.reference import SOURCE_EPS, Sources, mask_sources
 from pallas_kernels.numerics import rms_normalize, round_to
 
 
 def attn_res_norm(
-    sources: Sequence[jax.Array],
+    sources: Sources,
     partial: jax.Array,
     queries: jax.Array,
     norm_weights: jax.Array,
     *,
     eps: float,
     out_dtype: jnp.dtype,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
-    """`reference.attn_res_norm`'s contract ([Q, ..., H] from N sources and the partial [..., H])."""
-    rows = [x.astype(jnp.float32) for x in (*sources, partial)]
+    """`reference.attn_res_norm`'s contract ([Q, ..., H] from sources[:valid] and the partial [..., H])."""
+    rows = mask_sources([x.astype(jnp.float32) for x in (*sources, partial)], valid, 0.0)
     hidden = partial.shape[-1]
     queries = queries.astype(jnp.float32)
     inverse_rms = [jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + SOURCE_EPS) for x in rows]  # (N + 1) x [...]
@@ -36,7 +37,7 @@ def attn_res_norm(
         jnp.stack([jnp.sum(x * q, axis=-1) for q in queries]) * r * hidden**-0.5  # [Q, ...]
         for x, r in zip(rows, inverse_rms, strict=True)
     ]  # fmt: skip
-    weights = jax.nn.softmax(jnp.stack(scores, axis=-1), axis=-1)  # [Q, ..., N + 1]
+    weights = jax.nn.softmax(jnp.stack(mask_sources(scores, valid, -jnp.inf), axis=-1), axis=-1)  # [Q, ..., N + 1]
     gains = norm_weights.astype(jnp.float32)
     out = []
     for q in range(queries.shape[0]):
