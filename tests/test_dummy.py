@@ -1,5 +1,5 @@
 """`--load-format dummy`: random weights of a config built on the devices, in the checkpoint's expert formats and
-with its draft, served through the scheduler."""
+with its draft, served through the scheduler; the one-H200 proxy config."""
 
 import json
 from pathlib import Path
@@ -14,11 +14,13 @@ from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.checkpoint.quantized import configured_expert_formats
 from inkling_jax.config import load_config
 from inkling_jax.generate import main as generate_main
+from inkling_jax.param_count import count_parameters
 from inkling_jax.sharding import make_mesh
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.json"  # 12 layers, a 2-layer DSpark draft
+PROXY = REPO / "configs" / "proxy_h200.json"
 
 
 def placement(model: nnx.Module) -> dict:
@@ -116,3 +118,20 @@ def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
     assert code == 2 and "'prompt' (text) needs a tokenizer" in capsys.readouterr().err
     code, _ = run_generate(tmp_path, lines, *common[:2], "--dtype", "float32")  # the default format reads weights
     assert code == 2 and "is not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_the_proxy_config_is_the_full_model_with_16_experts_in_native_formats():
+    """configs/proxy_h200.json: every width and all 48 layers of configs/inkling2_small.json, 16 routed experts
+    (top 8), NVFP4 experts on layers 0-39 and MXFP8 on 40-47 stated as the native checkpoint states them, and a
+    DSpark draft; its parameters fit one H200 with room for the decode state."""
+    full, proxy = load_config(REPO / "configs" / "inkling2_small.json"), load_config(PROXY)
+    assert (proxy.text.n_routed_experts, proxy.text.num_experts_per_tok) == (16, 8)
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "moe_intermediate_size", "vocab_size", "sliding_window_size", "layer_types", "d_rel"):  # fmt: skip
+        assert getattr(proxy.text, field) == getattr(full.text, field), field
+    assert proxy.quantization["quant_algo"] == "MIXED_PRECISION"
+    formats = configured_expert_formats(str(PROXY), proxy.quantization, proxy.text.num_hidden_layers)
+    assert formats == [NVFP4] * 40 + [MXFP8] * 8
+    assert proxy.draft is not None and max(proxy.draft.target_layer_ids) < 48
+    counts = count_parameters(proxy)
+    assert counts.total < 40e9
