@@ -35,11 +35,12 @@ from jax.sharding import Mesh
 
 from bench.timing import device_ms
 from inkling_jax.cache import kv_bytes_per_token
+from inkling_jax.checkpoint.dummy import random_model
 from inkling_jax.checkpoint.synthetic import expert_formats
 from inkling_jax.config import load_config
-from inkling_jax.engine import Engine, host_batch
 from inkling_jax.model.text import CausalLM
-from inkling_jax.sharding import DATA, MODEL, make_mesh, parameter_shardings
+from inkling_jax.runtime.engine import Engine, host_batch
+from inkling_jax.sharding import DATA, MODEL, make_mesh
 from inkling_jax.step import step_fn
 
 FULL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "inkling2_small.json"
@@ -50,16 +51,8 @@ COPY_TB_S = 4.3
 def build(config, layers: int, experts: str, mesh: Mesh) -> CausalLM:
     """A random slice of `layers` layers, built under jit directly into its shards on `mesh`."""
     text = dataclasses.replace(config.text, num_hidden_layers=layers, layer_types=config.text.layer_types[:layers])
-    config = dataclasses.replace(config, text=text)
-    formats = expert_formats(config, experts, None)
-
-    def make() -> CausalLM:
-        return CausalLM(text, jnp.bfloat16, nnx.Rngs(0), formats)
-
-    abstract = nnx.eval_shape(make)
-    graphdef, _ = nnx.split(abstract)
-    shardings = parameter_shardings(abstract, mesh)
-    return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)())
+    config = dataclasses.replace(config, text=text, draft=None)
+    return random_model(config, jnp.bfloat16, mesh, expert_formats(config, experts, None))
 
 
 def shard_bytes(module: nnx.Module) -> int:
@@ -72,8 +65,8 @@ def slice_bytes(model: CausalLM, batch: int, context: int, tp: int) -> dict[str,
     bytes (bf16, the heads one device's cache keeps)."""
     text = model.config
     layers = text.num_hidden_layers
-    total = shard_bytes(model.model.layers)
-    expert_total = sum(shard_bytes(layer.mlp.experts) for layer in model.model.layers)
+    total = shard_bytes(model.model.segments)
+    expert_total = sum(shard_bytes(place.mlp.experts) for stack in model.model.segments for place in stack.positions)
     experts, top_k = text.n_routed_experts, text.num_experts_per_tok
     distinct = experts * (1 - (1 - top_k / experts) ** batch)
     kv = 0

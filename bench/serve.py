@@ -1,10 +1,12 @@
 """Load generator over gRPC: a concurrency sweep of streamed Generate calls; TTFT, TPOT, tokens/s.
 
-    python -m bench.serve [--address HOST:PORT | --checkpoint DIR [--mesh tp1 --dtype bfloat16 ...]]
+    python -m bench.serve [--address HOST:PORT | --checkpoint DIR [--mesh tp1 --dtype bfloat16 ...]
+        [--load-format auto|dummy] [--compilation-cache DIR|none]]
         [--concurrency 1 4 16 64] [--requests-per-level 64] [--prompt-tokens 64] [--max-tokens 32] [--out FILE]
 
 Without --address it starts the server in-process on the checkpoint (default: the tiny synthetic one,
-written to a temporary directory). Each level keeps `concurrency` streams open until
+written to a temporary directory; with --load-format dummy, --checkpoint may be a config file, default
+configs/tiny.json, and random weights are built on the devices). Each level keeps `concurrency` streams open until
 `requests-per-level` have finished; every request has a fresh random prompt of `prompt-tokens` token
 ids and runs to `max-tokens` (ignore_eos), sampled at temperature 1. Reported per level: time to first
 token and time per output token (p50 / p90 / p99, ms), output tokens/s (also per device of the server's mesh)
@@ -26,6 +28,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from inkling_jax.runtime import compilation_cache
+from inkling_jax.runtime.engine import LOAD_FORMATS
 from inkling_jax.sharding import parse_mesh
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
@@ -87,13 +91,19 @@ def level(stub, concurrency: int, count: int, prompt_tokens: int, max_tokens: in
 def start_server(args: argparse.Namespace):
     """An in-process server on the checkpoint (or a fresh tiny synthetic one); (server, scheduler, info)."""
     from inkling_jax.checkpoint.synthetic import write_checkpoint
-    from serving.engine import load_engine
-    from serving.scheduler import Scheduler
+    from inkling_jax.runtime.engine import load_engine
+    from inkling_jax.runtime.scheduler import Scheduler
     from serving.server import serve
 
-    checkpoint = args.checkpoint or write_checkpoint(TINY, Path(tempfile.mkdtemp()) / "tiny", experts="mixed")
+    compilation_cache.enable(args.compilation_cache)
+    if args.checkpoint:
+        checkpoint = args.checkpoint
+    elif args.load_format == "dummy":
+        checkpoint = TINY
+    else:
+        checkpoint = write_checkpoint(TINY, Path(tempfile.mkdtemp()) / "tiny", experts="mixed")
     engine = load_engine(str(checkpoint), mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                         chunk=args.chunk)  # fmt: skip
+                         chunk=args.chunk, load_format=args.load_format)  # fmt: skip
     scheduler = Scheduler(engine)
     scheduler.warm_up()
     scheduler.start()
@@ -104,6 +114,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="a running server; default: start one in-process")
     parser.add_argument("--checkpoint", help="in-process server's checkpoint (default: tiny synthetic)")
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: random weights built on the devices from the config alone",
+    )
+    compilation_cache.add_argument(parser)
     parser.add_argument("--mesh", default="tp1")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=64)

@@ -31,9 +31,10 @@ from flax import nnx
 
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
-from inkling_jax.engine import Engine
-from inkling_jax.generate import Request, run_requests
 from inkling_jax.model.text import CausalLM
+from inkling_jax.runtime.batch import run_requests
+from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.requests import Request
 from inkling_jax.sharding import make_mesh
 
 TARGET = {

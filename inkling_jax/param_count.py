@@ -1,7 +1,9 @@
 """Parameter counts of an Inkling 2 config, from shapes alone (nothing is allocated).
 
-The text stack is counted from `jax.eval_shape` of `CausalLM`; the image tower (not modelled in JAX
-yet) from the tensor shapes transformers' `Inkling2VisionModel` declares for the config.
+The text stack (with the DSpark draft when the config has one) is counted from `jax.eval_shape` of
+`CausalLM`; the image tower (not modelled in JAX yet) from the tensor shapes transformers'
+`Inkling2VisionModel` declares for the config. `parameter_bytes` is what the text stack and draft hold on a
+device in bf16, the routed experts in the formats the config's `quantization_config` states.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+from flax import nnx
 
-from inkling_jax.checkpoint.loader import checkpoint_parameters
+from inkling_jax.checkpoint.loader import abstract_causal_lm, checkpoint_parameters, parameter_paths
+from inkling_jax.checkpoint.quantized import configured_expert_formats
 from inkling_jax.config import ModelConfig, VisionConfig, load_config
 
 
@@ -62,13 +66,23 @@ def count_parameters(config: ModelConfig) -> ParameterCounts:
     )
 
 
+def parameter_bytes(config: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> int:
+    """Bytes of the text stack's and draft's parameters in `dtype`, experts as the config stores them."""
+    formats = configured_expert_formats("config", config.quantization, config.text.num_hidden_layers)
+    _, state = nnx.split(abstract_causal_lm(config, dtype, formats))
+    return sum(math.prod(var.shape) * var.dtype.itemsize for var in parameter_paths(state).values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Parameter counts of an Inkling 2 config.json")
     parser.add_argument("config", help="config.json or a checkpoint directory")
-    counts = count_parameters(load_config(parser.parse_args().config))
+    config = load_config(parser.parse_args().config)
+    counts = count_parameters(config)
     for name in ("total", "text", "vision", "routed_experts", "active_per_token",
                  "active_per_token_without_embedding"):  # fmt: skip
         print(f"{name:>36}: {getattr(counts, name):>16,} ({getattr(counts, name) / 1e9:.2f}B)")
+    size = parameter_bytes(config)
+    print(f"{'bytes (bf16, experts as configured)':>36}: {size:>16,} ({size / 2**30:.2f} GiB)")
 
 
 if __name__ == "__main__":

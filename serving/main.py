@@ -2,6 +2,7 @@
 
     python -m serving.main [--checkpoint DIR] [--mesh tp1] [--host 127.0.0.1] [--port 50051]
         [--dtype bfloat16] [--max-num-seqs 8] [--chunk 64] [--kv-cache-mib M] [--metrics-port P]
+        [--speculative none|dspark|dspark-greedy] [--load-format auto|dummy] [--compilation-cache DIR|none]
         [--drain-timeout 30] [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
 
 The port is bound first and answers health checks (NOT_SERVING) while the model loads and every step
@@ -9,7 +10,8 @@ shape compiles; health turns SERVING when warm-up is done. SIGTERM or SIGINT dra
 NOT_SERVING, new requests get UNAVAILABLE, in-flight ones finish (up to --drain-timeout seconds, then
 they are aborted), and the process exits 0. Bad flags, config or checkpoint: one line on stderr, exit 2.
 Without --checkpoint the embedded synthetic checkpoint (configs/tiny.json, random weights) is served,
-written to out/tiny-checkpoint first if it is not there.
+written to out/tiny-checkpoint first if it is not there. With --load-format dummy, --checkpoint may be a
+config JSON file: random weights are built on the devices from it (no tokenizer: token-id prompts only).
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import ConfigError
 from inkling_jax.distributed import DistributedError
 from inkling_jax.model.draft import NoDraftError
+from inkling_jax.runtime import compilation_cache
+from inkling_jax.runtime.engine import LOAD_FORMATS, load_engine
+from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.tokenizer import TokenizerError
-from serving.engine import load_engine
-from serving.scheduler import Scheduler
 from serving.server import ServeError, serve
 
 log = logging.getLogger("serving")
@@ -49,7 +52,7 @@ DEFAULT_CONFIG = REPO / "configs" / "tiny.json"
 DEFAULT_CHECKPOINT = REPO / "out" / "tiny-checkpoint"
 LOAD_ERRORS = (
     ConfigError, CheckpointError, MeshError, CacheBudgetError, TokenizerError, DistributedError, NoDraftError,
-    SpeculationError,
+    SpeculationError, OSError,
 )  # fmt: skip
 # A process-directed signal may land on any thread; its Python handler then runs only when the main thread next
 # executes bytecode, which a wait without a timeout never lets it do. The main thread waits in slices this long.
@@ -62,7 +65,8 @@ class ShutdownRequested(Exception):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m serving.main", description="Serve Inkling 2 over gRPC")
-    parser.add_argument("--checkpoint", help=f"checkpoint directory (default: the synthetic {DEFAULT_CHECKPOINT})")
+    parser.add_argument("--checkpoint", help=f"checkpoint directory, or with --load-format dummy a config JSON file "
+                        f"(default: the synthetic {DEFAULT_CHECKPOINT})")  # fmt: skip
     parser.add_argument("--mesh", default="tp1", help="device mesh: tpN or dpMtpN (default tp1)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
@@ -76,6 +80,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "requests may opt out; outputs follow the model's distribution either way"
     )
     parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none", help=speculative_help)
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: random weights built on the devices from the config alone (no tokenizer)",
+    )
+    compilation_cache.add_argument(parser)
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on exit")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -141,16 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = None
     try:
         distributed.initialize(args)
+        compilation_cache.enable(args.compilation_cache)
         if jax.process_count() > 1:  # every process would need the same requests in the same order
             raise DistributedError(
                 "serving from several processes is not available yet: serve from one host (tpN over its "
-                "devices); pods run batch jobs with python -m serving.offline"
+                "devices); pods run batch jobs with python -m inkling_jax.offline"
             )
         checkpoint = args.checkpoint or str(default_checkpoint())
         log.info("loading %s on mesh %s (%s)", checkpoint, args.mesh, args.dtype)
         engine = load_engine(
             checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
-            kv_cache_mib=args.kv_cache_mib, speculative=args.speculative,
+            kv_cache_mib=args.kv_cache_mib, speculative=args.speculative, load_format=args.load_format,
         )  # fmt: skip
         scheduler = Scheduler(engine)
         log.info("warming up: compiling every step shape")

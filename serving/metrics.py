@@ -26,7 +26,7 @@ ACCEPTANCE_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0
 
 
 class Stats(Protocol):
-    """What `Scheduler.stats()` returns (`serving.scheduler.Stats`)."""
+    """What `Scheduler.stats()` returns (`inkling_jax.runtime.scheduler.Stats`)."""
 
     waiting: int
     running: int

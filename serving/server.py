@@ -5,9 +5,10 @@ own event loop, so hundreds of concurrent streams cost a coroutine each) and ret
 that can attach a model later, drain and stop. Until a scheduler is attached and ready, health says
 NOT_SERVING and calls are refused with UNAVAILABLE; while draining, health says NOT_SERVING again.
 
-Each Generate call becomes one `EngineRequest`: text is tokenized with the checkpoint's tokenizer, ids
-and parameters are checked (`validate_options`), and the scheduler's deltas are streamed back as they
-come, detokenized incrementally and cut at the first stop string (`serving.text_stream`). A call that
+Each Generate call becomes one `inkling_jax.runtime.requests.Request`: text is tokenized with the
+checkpoint's tokenizer, ids and parameters are checked (`requests.validate`), and the scheduler's deltas
+are streamed back as they come, detokenized incrementally and cut at the first stop string
+(`inkling_jax.runtime.text_stream`). A call that
 is cancelled or runs past its deadline cancels its request, which frees its slot. Every refusal is a
 gRPC status with a message; an unexpected error fails only its own call (INTERNAL).
 """
@@ -22,21 +23,23 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inkling_jax.config import TextConfig, load_config
+from inkling_jax.config import load_config
+from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.requests import MAX_LOGPROBS, NO_TOKENIZER, Code, Delta, Rejected, Request, validate
+from inkling_jax.runtime.scheduler import Scheduler
+from inkling_jax.runtime.text_stream import TextStream
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
-from serving.metrics import Metrics, Stats
+from serving.metrics import Metrics
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
-from serving.requests import MAX_LOGPROBS, Code, Delta, EngineRequest, Options, Rejected, validate_options
-from serving.text_stream import TextStream
 
 log = logging.getLogger("serving")
 
@@ -62,34 +65,6 @@ FINISH_REASONS = {
 }
 
 
-class Engine(Protocol):
-    """The parts of `serving.engine.Engine` the server reads."""
-
-    text: TextConfig
-    tokenizer: Tokenizer | None
-    mesh_spec: str
-    max_num_seqs: int
-    num_pages: int
-    page_size: int
-    checkpoint: str
-    dtype: str
-
-
-class Scheduler(Protocol):
-    """The parts of `serving.scheduler.Scheduler` the server drives."""
-
-    ready: bool
-    draining: bool
-
-    def submit(self, request: EngineRequest, on_delta: Callable[[Delta], None]) -> None: ...
-
-    def cancel(self, request_id: str) -> None: ...
-
-    def drain(self, timeout: float | None = None) -> None: ...
-
-    def stats(self) -> Stats: ...
-
-
 class CallError(Exception):
     """Ends a call with a gRPC status; the message says what is wrong."""
 
@@ -98,15 +73,18 @@ class CallError(Exception):
         self.status = status
 
 
-def options_from_request(request: pb.GenerateRequest, seed: int) -> Options:
-    """The request's sampling and stopping, unset fields at their defaults (`seed` when it has none)."""
+def request_from_message(request: pb.GenerateRequest, request_id: str, prompt: tuple[int, ...], seed: int) -> Request:
+    """The call's Request (not validated yet): its sampling and stopping, unset fields at their defaults
+    (`seed` when it has none)."""
     sampling, stop = request.sampling, request.stop
-    defaults = Options()
+    defaults = Request("", ())
 
     def value(message: Any, name: str, default: Any) -> Any:
         return getattr(message, name) if message.HasField(name) else default
 
-    return Options(
+    return Request(
+        id=request_id,
+        prompt_token_ids=prompt,
         max_tokens=value(stop, "max_tokens", defaults.max_tokens),
         temperature=value(sampling, "temperature", defaults.temperature),
         top_p=value(sampling, "top_p", defaults.top_p),
@@ -200,8 +178,7 @@ class InklingServicer(pb_grpc.InklingServicer):
         if engine.tokenizer is None:
             raise CallError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"{what} needs a tokenizer, and checkpoint {engine.checkpoint} has none (no tokenizer.json); "
-                "send token ids",
+                f"{what} needs a tokenizer, and {engine.checkpoint} has none ({NO_TOKENIZER}); send token ids",
             )
         return engine.tokenizer
 
@@ -215,12 +192,6 @@ class InklingServicer(pb_grpc.InklingServicer):
                 ids = list(request.token_ids.ids)
             case _:
                 raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "give the prompt as text or token_ids")
-        if not ids:
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
-        try:
-            validate_token_ids(ids, engine.text)
-        except TokenIdError as error:
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {error}") from None
         return tuple(ids)
 
     def _request_id(self, requested: str) -> str:
@@ -234,16 +205,18 @@ class InklingServicer(pb_grpc.InklingServicer):
             raise CallError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {requested!r} is already in flight")
         return requested
 
-    def _engine_request(self, request: pb.GenerateRequest, engine: Engine) -> EngineRequest:
+    def _engine_request(self, request: pb.GenerateRequest, engine: Engine) -> Request:
         prompt = self._prompt(request, engine)
-        options = options_from_request(request, seed=secrets.randbelow(2**32))
-        if options.stop:
+        engine_request = request_from_message(
+            request, self._request_id(request.request_id), prompt, seed=secrets.randbelow(2**32)
+        )
+        if engine_request.stop:
             self._tokenizer(engine, "stop strings")
         try:
-            validate_options(options, engine.text, len(prompt))
+            validate(engine_request, engine.text)
         except Rejected as rejected:
             raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
-        return EngineRequest(self._request_id(request.request_id), prompt, options)
+        return engine_request
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -261,7 +234,7 @@ class InklingServicer(pb_grpc.InklingServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
         outcome = "cancelled"
         try:
-            text = self._text_stream(engine, engine_request.options.stop, not request.keep_special_tokens)
+            text = self._text_stream(engine, engine_request.stop, not request.keep_special_tokens)
             async for response in self._stream(scheduler, engine_request, deltas, text, received):
                 if response.finish_reason:
                     outcome = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
@@ -278,7 +251,7 @@ class InklingServicer(pb_grpc.InklingServicer):
                 scheduler.cancel(engine_request.id)
             self.metrics.requests_finished.labels(finish_reason=outcome).inc()
 
-    def _submit(self, scheduler: Scheduler, request: EngineRequest) -> asyncio.Queue[Delta]:
+    def _submit(self, scheduler: Scheduler, request: Request) -> asyncio.Queue[Delta]:
         """Hand the request to the scheduler; its deltas arrive on the returned queue, on this loop.
 
         The request id stays reserved until the scheduler's last delta, even when the call ends earlier,
@@ -316,13 +289,12 @@ class InklingServicer(pb_grpc.InklingServicer):
     async def _stream(
         self,
         scheduler: Scheduler,
-        request: EngineRequest,
+        request: Request,
         deltas: asyncio.Queue[Delta],
         text: TextStream | None,
         received: float,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The call's responses, from the scheduler's deltas up to the last (finish reason and usage)."""
-        options = request.options
         completion, first_token_at = 0, None
         while True:
             delta = await deltas.get()
@@ -347,7 +319,7 @@ class InklingServicer(pb_grpc.InklingServicer):
                 request_id=request.id,
                 token_ids=delta.token_ids[:kept],
                 text=piece,
-                logprobs=logprobs_of(delta, kept) if options.logprobs is not None else (),
+                logprobs=logprobs_of(delta, kept) if request.logprobs is not None else (),
                 finish_reason=finish,
             )
             if finish:

@@ -30,6 +30,9 @@ CACHE = tempfile.mkdtemp(prefix="inkling-jax-tests-")
 atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the engines' steps, not every small jit
+# the command-line entry points tests run (in this process or as subprocesses) leave JAX's cache settings alone
+# and never write into the home directory (`inkling_jax.runtime.compilation_cache`)
+os.environ["INKLING_JAX_COMPILATION_CACHE"] = "none"
 
 HANG_SECONDS = 900  # the slowest module's first test compiles for ~2 min on 2 cores
 HANGS = Path(__file__).resolve().parent.parent / ".pytest-hangs"

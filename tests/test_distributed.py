@@ -1,6 +1,6 @@
 """Multi-host: two processes on localhost joined by `jax.distributed` (CPU collectives over gloo) run a
-batch job (`python -m serving.offline`: the serving scheduler in lockstep on every process, over the
-engine step that `inkling_jax.generate` shares) and agree with a single process."""
+batch job (`python -m inkling_jax.offline`: the scheduler in lockstep on every process) and agree with a
+single process."""
 
 import json
 import os
@@ -14,7 +14,8 @@ import pytest
 
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.distributed import DistributedError, add_arguments, initialize
-from inkling_jax.generate import Request, generate
+from inkling_jax.runtime.batch import generate
+from inkling_jax.runtime.requests import Request
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text"
 REFERENCE = dict(np.load(FIXTURE / "reference.npz"))
@@ -52,7 +53,7 @@ def test_two_processes_agree_with_one(tmp_path, one_process):
     address = f"127.0.0.1:{free_port()}"
 
     def command(rank: int) -> list[str]:
-        return [sys.executable, "-m", "serving.offline", "--checkpoint", str(FIXTURE / "hf"), "--quiet",
+        return [sys.executable, "-m", "inkling_jax.offline", "--checkpoint", str(FIXTURE / "hf"), "--quiet",
                 "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"out{rank}.jsonl"),
                 "--dtype", "float32", "--max-num-seqs", "2", "--chunk", "4", "--mesh", "tp4",
                 "--coordinator-address", address, "--num-processes", "2", "--process-id", str(rank)]  # fmt: skip

@@ -1,4 +1,4 @@
-"""`python -m inkling_jax.generate` on the tiny parity checkpoint."""
+"""`python -m inkling_jax.generate` (the batch runner over the scheduler) on the tiny parity checkpoint."""
 
 import json
 from pathlib import Path
@@ -49,9 +49,12 @@ def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path)
         ("{not json", "line 2: not JSON"),
         ({"prompt_token_ids": [1]}, "line 2: missing 'id'"),
         ({"id": 1, "prompt_token_ids": [1], "temprature": 0.5}, "line 2: unknown field(s) temprature"),
-        ({"id": 1, "prompt_token_ids": [1], "temperature": -1}, "line 2: 'temperature' must be within"),
-        ({"id": 1, "prompt_token_ids": [1, 600]}, "line 2: token id #1 is 600, outside the vocabulary"),
-        ({"id": 1, "prompt_token_ids": [1], "max_tokens": 0}, "line 2: 'max_tokens' must be within"),
+        ({"id": 1, "prompt_token_ids": [1], "temperature": -1}, "line 2: temperature must be within [0.0, 100.0]"),
+        ({"id": 1, "prompt_token_ids": [1, 600]}, "line 2: prompt_token_ids[1] is 600, outside the vocabulary"),
+        ({"id": 1, "prompt_token_ids": [1], "max_tokens": 0}, "line 2: max_tokens must be at least 1"),
+        ({"id": 1, "prompt_token_ids": [1], "top_k": 1.5}, "line 2: top_k must be an integer"),
+        ({"id": 1, "prompt_token_ids": [1], "max_tokens": 5000}, "line 2: prompt (1 tokens) + max_tokens (5000)"),
+        ({"id": 0, "prompt_token_ids": [1]}, "line 2: id 0 is already used on line 1"),
         ({"id": 1, "prompt": "hello"}, "line 2: 'prompt' (text) needs a tokenizer"),
     ],
 )
@@ -65,7 +68,8 @@ def test_a_small_budget_makes_requests_wait_for_pages(tmp_path):
     """Three slots but pages for two sequences: the third request waits, and nothing changes."""
     from inkling_jax.cache import CacheLayout, init_state
     from inkling_jax.checkpoint import load_causal_lm
-    from inkling_jax.generate import Request, generate
+    from inkling_jax.runtime.batch import generate
+    from inkling_jax.runtime.requests import Request
 
     _, model = load_causal_lm(FIXTURE / "hf", np.float32)
     rng = np.random.default_rng(4)

@@ -1,20 +1,19 @@
-"""The continuous-batching scheduler on the tiny parity model: concurrent requests equal the offline
-engine's outputs, preempted sequences resume exactly, cancelled ones free their slots and pages."""
+"""The continuous-batching scheduler on the tiny parity model: concurrent requests equal the same requests run
+one at a time, preempted sequences resume exactly, cancelled ones free their slots and pages."""
 
+import dataclasses
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from inkling_jax import engine as core
 from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
-from inkling_jax.generate import Request, generate
+from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.requests import MAX_LOGPROBS, Code, Rejected, Request
+from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.sharding import make_mesh
-from serving.engine import Engine
-from serving.requests import MAX_LOGPROBS, Code, EngineRequest, Options, Rejected
-from serving.scheduler import Scheduler
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text" / "hf"
 CHUNK = 8
@@ -27,8 +26,7 @@ def model():
 
 def make_engine(model, slots: int, pages: int) -> Engine:
     layout = CacheLayout(slots, pages, 32, CHUNK)  # 32 pages of 128 tokens: the model's whole context
-    engine = core.Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS)
-    return Engine(engine, None, str(FIXTURE), "tp1", "float32")
+    return Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, checkpoint=str(FIXTURE))
 
 
 @pytest.fixture(scope="module")
@@ -77,34 +75,30 @@ def random_requests(rng, count: int, prompt_range=(1, 20), max_tokens=(1, 12)) -
     ]  # fmt: skip
 
 
-def engine_request(request: Request, **options) -> EngineRequest:
-    fields = {name: getattr(request, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")}
-    return EngineRequest(request.id, tuple(request.prompt_token_ids), Options(**fields, **options))
-
-
 def run(scheduler: Scheduler, requests: list[Request], **options) -> Collector:
     collector = Collector(len(requests))
     for request in requests:
-        scheduler.submit(engine_request(request, **options), collector.sink(request.id))
+        scheduler.submit(dataclasses.replace(request, **options), collector.sink(request.id))
     assert collector.done.wait(300)
     return collector
 
 
-def test_concurrent_requests_equal_the_offline_engine(model):
+def test_concurrent_requests_equal_running_alone(model):
     requests = random_requests(np.random.default_rng(0), 12)
-    offline = generate(model, requests, max_num_seqs=3, chunk=CHUNK)
     scheduler = make_scheduler(make_engine(model, slots=4, pages=8), prefill_budget=10)
-    compiled = scheduler.core.compilations
+    compiled = scheduler.engine.compilations
     try:
+        alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
         collector = run(scheduler, requests, logprobs=3)
     finally:
         scheduler.stop()
-    assert scheduler.core.compilations == compiled  # warm-up compiled every shape the workload used
-    for request, result in zip(requests, offline, strict=True):
-        assert collector.tokens[request.id] == result["token_ids"]
+    assert scheduler.engine.compilations == compiled  # warm-up compiled every shape the workload used
+    for request in requests:
+        tokens = [t for delta in alone[request.id] for t in delta.token_ids]
+        assert collector.tokens[request.id] == tokens
         deltas = collector.deltas[request.id]
-        assert deltas[-1].finish_reason == result["finish_reason"]
-        assert deltas[-1].completion_tokens == len(result["token_ids"])
+        assert deltas[-1].finish_reason == alone[request.id][-1].finish_reason
+        assert deltas[-1].completion_tokens == len(tokens)
         assert all(len(d.logprobs) == len(d.token_ids) and len(d.top_logprobs[0]) == 3 for d in deltas)
         for delta in deltas:  # the chosen token's logprob is at most the best one's
             assert delta.logprobs[0] <= delta.top_logprobs[0][0].logprob + 1e-6
@@ -112,7 +106,7 @@ def test_concurrent_requests_equal_the_offline_engine(model):
     assert (
         stats.pages_used == 0
         and stats.running == 0
-        and stats.generated_tokens == sum(len(r["token_ids"]) for r in offline)
+        and stats.generated_tokens == 2 * sum(len(tokens) for tokens in collector.tokens.values())
     )
 
 
@@ -140,7 +134,7 @@ def test_cancelled_and_refused_requests(two_slots):
     try:
         request = random_requests(rng, 1, max_tokens=(300, 301))[0]
         collector = Collector(1)
-        scheduler.submit(engine_request(request), collector.sink(request.id))
+        scheduler.submit(request, collector.sink(request.id))
         while not collector.tokens[request.id]:
             threading.Event().wait(0.01)
         scheduler.cancel(request.id)
@@ -149,9 +143,9 @@ def test_cancelled_and_refused_requests(two_slots):
         stats = scheduler.stats()
         assert (stats.running, stats.pages_used) == (0, 0)
         bad = {
-            Code.INVALID_ARGUMENT: EngineRequest("a", (1, 700), Options()),
-            Code.OUT_OF_RANGE: EngineRequest("b", (1, 2), Options(max_tokens=5000)),
-            Code.RESOURCE_EXHAUSTED: EngineRequest("c", tuple(range(400)), Options(max_tokens=200)),  # > 3 pages
+            Code.INVALID_ARGUMENT: Request("a", (1, 700)),
+            Code.OUT_OF_RANGE: Request("b", (1, 2), max_tokens=5000),
+            Code.RESOURCE_EXHAUSTED: Request("c", tuple(range(400)), max_tokens=200),  # > 3 pages
         }
         for code, bad_request in bad.items():
             with pytest.raises(Rejected) as refused:
@@ -159,6 +153,6 @@ def test_cancelled_and_refused_requests(two_slots):
             assert refused.value.code is code
         scheduler.drain(timeout=10)
         with pytest.raises(Rejected, match="draining"):
-            scheduler.submit(engine_request(request), lambda delta: None)
+            scheduler.submit(request, lambda delta: None)
     finally:
         scheduler.stop()

@@ -1,6 +1,6 @@
 """The gRPC server over a real loopback channel, driven by a fake scheduler (no model, no JAX compiles).
 
-The fake implements `serving.scheduler.Scheduler`'s interface over an "echo model" whose continuation
+The fake implements `inkling_jax.runtime.scheduler.Scheduler`'s interface over an "echo model" whose continuation
 repeats the prompt's tokens, so every expected output is known exactly; it honours max_tokens, EOS,
 stop tokens, cancellation, draining and its slot limit, and counts what it is asked to do.
 """
@@ -31,15 +31,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer
 from inkling_jax.config import TextConfig, load_config
+from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob
+from inkling_jax.runtime.scheduler import Stats
+from inkling_jax.runtime.text_stream import StopStringMatcher, TextStream
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer
 from serving import client as cli
 from serving import main as server_main
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
-from serving.requests import Code, Delta, EngineRequest, Rejected, TopLogprob
-from serving.scheduler import Stats
 from serving.server import SERVICE_NAME, Server, serve
-from serving.text_stream import StopStringMatcher, TextStream
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.json"  # vocabulary 500 (EOS 499), context 4096
@@ -64,7 +64,7 @@ class FakeEngine:
 
 @dataclasses.dataclass
 class Sequence:
-    request: EngineRequest
+    request: Request
     on_delta: Callable[[Delta], None]
     generated: int = 0
     cancelled: bool = False
@@ -98,7 +98,7 @@ class FakeScheduler:
     def start(self) -> None:
         """The step loop runs from construction."""
 
-    def submit(self, request: EngineRequest, on_delta: Callable[[Delta], None]) -> None:
+    def submit(self, request: Request, on_delta: Callable[[Delta], None]) -> None:
         if self.fail_submit is not None:
             error, self.fail_submit = self.fail_submit, None
             raise error
@@ -106,7 +106,7 @@ class FakeScheduler:
             raise Rejected(Code.UNAVAILABLE, "the scheduler is warming up")
         if self.draining:
             raise Rejected(Code.UNAVAILABLE, "the server is draining")
-        pages = math.ceil((len(request.prompt_token_ids) + request.options.max_tokens) / PAGE_SIZE)
+        pages = math.ceil((len(request.prompt_token_ids) + request.max_tokens) / PAGE_SIZE)
         if pages > NUM_PAGES:
             raise Rejected(Code.RESOURCE_EXHAUSTED, f"needs {pages} pages, the cache has {NUM_PAGES}")
         with self._lock:
@@ -179,7 +179,7 @@ class FakeScheduler:
         return deltas
 
     def _advance(self, sequence: Sequence) -> Delta:
-        request, options = sequence.request, sequence.request.options
+        request = options = sequence.request
         prompt = request.prompt_token_ids
         usage = {"prompt_tokens": len(prompt)}
         if sequence.cancelled:
@@ -418,7 +418,7 @@ BAD_REQUESTS = {
     "logprobs": (lambda: request([1], logprobs=21), StatusCode.INVALID_ARGUMENT, "logprobs"),
     "stop token": (
         lambda: request([1], stop=pb.StopConditions(max_tokens=4, stop_token_ids=[500])),
-        StatusCode.INVALID_ARGUMENT, "stop token",
+        StatusCode.INVALID_ARGUMENT, "stop_token_ids[0] is 500",
     ),
     "empty stop string": (
         lambda: request([1], stop=pb.StopConditions(max_tokens=4, stop=[""])), StatusCode.INVALID_ARGUMENT, "stop",

@@ -1,7 +1,8 @@
 """The server end to end on the embedded tiny synthetic checkpoint (with its tokenizer): 64 concurrent
-gRPC streams each equal the offline runner's output for the same request; cancelled and timed-out
-streams free their slots and pages; `python -m serving.offline` on text prompts and stop strings."""
+gRPC streams each equal the batch runner's output for the same request; cancelled and timed-out
+streams free their slots and pages; `python -m inkling_jax.offline` on text prompts and stop strings."""
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,13 +12,14 @@ import grpc
 import numpy as np
 import pytest
 
+from inkling_jax import offline
 from inkling_jax.checkpoint.synthetic import write_checkpoint
-from serving import offline
-from serving.engine import load_engine
+from inkling_jax.runtime.batch import run_requests
+from inkling_jax.runtime.engine import load_engine
+from inkling_jax.runtime.requests import Request
+from inkling_jax.runtime.scheduler import Scheduler
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
-from serving.requests import EngineRequest, Options
-from serving.scheduler import Scheduler
 from serving.server import serve
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
@@ -34,7 +36,7 @@ def engine(checkpoint):
     return load_engine(str(checkpoint), dtype="float32", max_num_seqs=8, chunk=8)
 
 
-def random_requests(rng, count: int) -> list[EngineRequest]:
+def random_requests(rng, count: int) -> list[tuple]:
     requests = []
     for i in range(count):
         if i % 2:
@@ -43,7 +45,7 @@ def random_requests(rng, count: int) -> list[EngineRequest]:
         else:
             text = " ".join(rng.choice(WORDS, int(rng.integers(1, 12))))
             prompt = None
-        options = Options(max_tokens=int(rng.integers(1, 24)), temperature=float(rng.choice([0.0, 0.8, 1.5])),
+        options = Request("", (), max_tokens=int(rng.integers(1, 24)), temperature=float(rng.choice([0.0, 0.8, 1.5])),
                           top_k=int(rng.choice([0, 40])), top_p=float(rng.choice([1.0, 0.85])),
                           repetition_penalty=float(rng.choice([1.0, 1.2])), seed=int(rng.integers(0, 2**31)),
                           stop=("e",) if i % 7 == 0 else ())  # fmt: skip
@@ -51,9 +53,10 @@ def random_requests(rng, count: int) -> list[EngineRequest]:
     return requests
 
 
-def as_engine_request(request, tokenizer) -> EngineRequest:
+def as_engine_request(request, tokenizer) -> Request:
     request_id, text, prompt, options = request
-    return EngineRequest(request_id, tuple(tokenizer.encode(text)) if text is not None else prompt, options)
+    ids = tuple(tokenizer.encode(text)) if text is not None else prompt
+    return dataclasses.replace(options, id=request_id, prompt_token_ids=ids)
 
 
 def as_grpc_request(request) -> pb.GenerateRequest:
@@ -76,15 +79,9 @@ def stream(stub, request) -> dict:
     return {"token_ids": token_ids, "text": "".join(text), "finish_reason": pb.FinishReason.Name(reason)}
 
 
-def test_64_concurrent_streams_equal_the_offline_runner(engine):
+def test_64_concurrent_streams_equal_the_batch_runner(engine):
     requests = random_requests(np.random.default_rng(0), 64)
-    scheduler = Scheduler(engine)
-    scheduler.warm_up()
-    try:
-        want = offline.run(scheduler, [as_engine_request(r, engine.tokenizer) for r in requests], engine.tokenizer,
-                           progress=False)  # fmt: skip
-    finally:
-        scheduler.stop()
+    want = run_requests(engine, [as_engine_request(r, engine.tokenizer) for r in requests])
     scheduler = Scheduler(engine)
     scheduler.warm_up()
     scheduler.start()
@@ -99,7 +96,7 @@ def test_64_concurrent_streams_equal_the_offline_runner(engine):
             assert result["finish_reason"] == f"FINISH_REASON_{expected['finish_reason'].upper()}"
             assert (result["token_ids"], result["text"]) == (expected["token_ids"], expected["text"])
 
-        long = Options(max_tokens=3000, ignore_eos=True)
+        long = Request("", (), max_tokens=3000, ignore_eos=True)
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.InklingStub(channel)
             with pytest.raises(grpc.RpcError) as timed_out:

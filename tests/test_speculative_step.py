@@ -16,15 +16,14 @@ from inkling_jax import speculative
 from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
-from inkling_jax.engine import Engine, host_batch
-from inkling_jax.generate import Request, generate
 from inkling_jax.generate import main as generate_main
 from inkling_jax.model.draft import NoDraftError
+from inkling_jax.runtime.batch import generate
+from inkling_jax.runtime.engine import Engine, host_batch
+from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Request
+from inkling_jax.runtime.scheduler import Scheduler, Stats
 from inkling_jax.sharding import make_mesh
 from inkling_jax.speculative import SpeculationError, vocab_probs
-from serving.engine import Engine as ServedEngine
-from serving.requests import MAX_LOGPROBS, Delta, EngineRequest, Options
-from serving.scheduler import Scheduler, Stats
 
 VOCAB = 12  # small enough that the joint of two tokens has 144 cells
 CONFIG = {
@@ -184,12 +183,12 @@ def test_bad_speculation_settings_are_named(model):
         engine.step(engine.idle_batch(8, speculative=True))
 
 
-def scheduler_outputs(model, speculative: str, requests: list[EngineRequest]) -> tuple[dict, dict, Stats, int]:
+def scheduler_outputs(model, speculative: str, requests: list[Request]) -> tuple[dict, dict, Stats, int]:
     """Run `requests` through a scheduler whose small page pool forces preemptions: (tokens by id, last
     delta by id, stats, compilations after warm-up)."""
     layout = CacheLayout(4, 5, 2, 8)  # 4 slots, 5 pages of 128 tokens, 2 per sequence (the whole context)
     engine = Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, speculative=speculative)
-    scheduler = Scheduler(ServedEngine(engine, None, "small", "tp1", "float32"))
+    scheduler = Scheduler(engine)
     scheduler.warm_up()
     compiled = engine.compilations
     scheduler.start()
@@ -223,16 +222,15 @@ def test_the_scheduler_speculates_through_preemption(model):
     requests = []
     for i in range(8):
         prompt = tuple(rng.integers(4, VOCAB, 12 if i == 0 else rng.integers(2, 12)).tolist())
-        options = Options(max_tokens=240 if i == 0 else int(rng.integers(60, 180)), ignore_eos=True, seed=i,
-                          temperature=0.0 if i % 3 == 0 else 0.9, speculative=i % 3 != 2,
-                          logprobs=2 if i % 2 else None)  # fmt: skip
-        requests.append(EngineRequest(f"r{i}", prompt, options))
+        requests.append(Request(f"r{i}", prompt, max_tokens=240 if i == 0 else int(rng.integers(60, 180)),
+                                ignore_eos=True, seed=i, temperature=0.0 if i % 3 == 0 else 0.9,
+                                speculative=i % 3 != 2, logprobs=2 if i % 2 else None))  # fmt: skip
     plain, _, _, _ = scheduler_outputs(model, "none", requests)
     speculated, last, stats, compiled = scheduler_outputs(model, "dspark", requests)
     assert compiled == 0 and stats.preemptions > 0 and stats.speculative_rounds > 0
     assert stats.running == stats.waiting == stats.pages_used == 0
     for request in requests:
-        got, options = speculated[request.id], request.options
+        got, options = speculated[request.id], request
         assert len(got) == options.max_tokens and last[request.id].finish_reason == "length"
         if options.temperature == 0 or not options.speculative:
             assert got == plain[request.id], request.id

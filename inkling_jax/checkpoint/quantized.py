@@ -153,6 +153,34 @@ def check_quantization_config(
             )
 
 
+def configured_expert_formats(source: str, quantization: Mapping | None, layers: int) -> list[str | None]:
+    """Each layer's expert format (None for plain) as a config's `quantization_config` states it, for a model
+    built from its config alone: none, `fp8` (MXFP8 everywhere), `modelopt` NVFP4 / MXFP8 everywhere, or
+    `modelopt` MIXED_PRECISION per layer from `quantized_layers` (layers it does not list stay plain)."""
+    if quantization is None:
+        return [None] * layers
+    method, algo = quantization.get("quant_method"), quantization.get("quant_algo")
+    if method == "fp8":
+        check_quantization_config(Path(source), quantization, dict.fromkeys(range(layers), MXFP8))
+        return [MXFP8] * layers
+    if method == "modelopt" and algo in _QUANT_ALGOS:
+        return [_QUANT_ALGOS[algo]] * layers
+    if method != "modelopt" or algo != "MIXED_PRECISION":
+        check_quantization_config(Path(source), quantization, {})  # names the unsupported method or algorithm
+    formats: list[str | None] = [None] * layers
+    for module, spec in (quantization.get("quantized_layers") or {}).items():
+        layer = _layer_of(module)
+        format = _QUANT_ALGOS.get(spec.get("quant_algo")) if isinstance(spec, dict) else None
+        if format is None:
+            raise CheckpointError(f"{source}: quantization_config says {module} is {spec}, not NVFP4 or MXFP8")
+        if layer is None or layer >= layers:
+            raise CheckpointError(f"{source}: quantization_config names {module}, which is no layer of the model")
+        formats[layer] = format
+    if not any(formats):
+        raise CheckpointError(f"{source}: quantization_config says MIXED_PRECISION but lists no quantized layer")
+    return formats
+
+
 def _layer_of(module: str) -> int | None:
     parts = module.split(".")
     for before, after in itertools.pairwise(parts):

@@ -5,7 +5,7 @@ be split across tokens (or deltas). `StopStringMatcher` holds back the end of th
 still be the start of a stop string, and releases it once it cannot; when a stop string is completed
 (the first one to be, as generation has to stop there) the text ends just before it. `TextStream` puts
 it behind an incremental detokenizer and tells which token completed the match, so the caller can stop
-generation there. The server and the offline runner share both.
+generation there. The gRPC server and the batch runner share both.
 """
 
 from __future__ import annotations

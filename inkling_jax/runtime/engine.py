@@ -1,8 +1,9 @@
 """The engine: parameters and decode state on a mesh, and the jitted step fed from host batches.
 
-Batch generation (`inkling_jax.generate`) and the server's scheduler (`serving.scheduler`) both drive it:
-they decide what each slot does; the engine sizes the state, places it, runs steps and hands results
-back on every process (they come back replicated).
+The scheduler (`inkling_jax.runtime.scheduler`) drives it for every front door (the gRPC server, the batch
+runner): it decides what each slot does; the engine sizes the state, places it, runs steps and hands
+results back on every process (they come back replicated). `load_engine` makes one from a checkpoint (or,
+with `load_format="dummy"`, from a config alone: random weights built on the devices), with its tokenizer.
 
 Slots and pages: the state has `slots` slots, `slots_per_replica` for each data-parallel replica, and
 each replica a pool of `pages_per_replica` pages; page tables hold replica-local page ids.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -25,13 +27,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state, layout_for_budget
+from inkling_jax.checkpoint import CheckpointError, load_model
+from inkling_jax.checkpoint.dummy import dummy_model
+from inkling_jax.config import ModelConfig, load_config
 from inkling_jax.model.draft import require_draft
 from inkling_jax.model.moe import kernel_platform, lay_out_experts
 from inkling_jax.model.text import CausalLM
+from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sampling import SamplingParams
-from inkling_jax.sharding import DATA, MODEL, shard_model, state_shardings
+from inkling_jax.score import DTYPES
+from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shardings
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.step import Emitted, StepBatch, step_fn
+from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
+
+LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: random weights from its config alone
 
 # What an idle slot samples with (its token is discarded), and each parameter's neutral value.
 NEUTRAL_SAMPLING = {
@@ -46,9 +56,8 @@ def pages_for(tokens: int) -> int:
 
 
 class Engine:
-    """The step over `mesh`; create with `Engine.create`. Use it inside `with jax.set_mesh(engine.mesh)`. On TPU and
-    on Hopper GPUs it re-lays the model's experts for the expert kernels, in place: save checkpoints from a model
-    no engine has taken."""
+    """The step over `mesh`; create with `Engine.create` or `load_engine`. On TPU and on Hopper GPUs it re-lays
+    the model's experts for the expert kernels, in place: save checkpoints from a model no engine has taken."""
 
     def __init__(
         self,
@@ -58,11 +67,15 @@ class Engine:
         num_top: int = 0,
         speculative: str = "none",
         compiler_options: dict[str, object] | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        checkpoint: str = "",
     ):
         """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
         (NoDraftError) and a chunk of at least γ + 1 tokens (SpeculationError). compiler_options: XLA's, for
         the step's programs (jax.jit's argument; e.g. a test that runs many large steps on a backend set to
-        compile fast asks for optimised code)."""
+        compile fast asks for optimised code). tokenizer and checkpoint (its directory or config file) are
+        what the front doors report and encode text with."""
         if speculative not in SPECULATIVE_MODES:
             raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         self.speculative = speculative != "none"
@@ -73,6 +86,7 @@ class Engine:
                 f"{self.gamma + 1} (the anchor and {self.gamma} drafts)"
             )
         self.text, self.mesh = model.config, mesh
+        self.tokenizer, self.checkpoint = tokenizer, checkpoint
         self.dtype = model.model.embed_tokens.weight.dtype
         self.replicas = mesh.shape[DATA]
         self.slots_per_replica, self.pages_per_replica = replica.max_num_seqs, replica.num_pages
@@ -112,6 +126,8 @@ class Engine:
         budget_bytes: int | None = None,
         num_top: int = 0,
         speculative: str = "none",
+        tokenizer: Tokenizer | None = None,
+        checkpoint: str = "",
     ) -> Engine:
         """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
         after the slots' fixed state (CacheBudgetError if not even one `max_context` sequence fits);
@@ -125,12 +141,32 @@ class Engine:
                 dtype=model.model.embed_tokens.weight.dtype, tp=mesh.shape[MODEL],
                 draft=require_draft(model) if speculative != "none" else None,
             )  # fmt: skip
-        return cls(model, replica, mesh, num_top, speculative)
+        return cls(model, replica, mesh, num_top, speculative, tokenizer=tokenizer, checkpoint=checkpoint)
 
     @property
     def compilations(self) -> int:
         """Step programs compiled so far (warm-up compiles one per shape; serving must add none)."""
         return self._step._cache_size()
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Slots over all data-parallel replicas."""
+        return self.slots
+
+    @property
+    def num_pages(self) -> int:
+        """Pages over all data-parallel replicas."""
+        return self.pages_per_replica * self.replicas
+
+    @property
+    def page_size(self) -> int:
+        return PAGE_SIZE
+
+    @property
+    def mesh_spec(self) -> str:
+        """The mesh as `--mesh` spells it: tpN or dpMtpN."""
+        tp = self.mesh.shape[MODEL]
+        return f"dp{self.replicas}tp{tp}" if self.replicas > 1 else f"tp{tp}"
 
     @property
     def widths(self) -> tuple[tuple[int, bool], ...]:
@@ -206,3 +242,75 @@ def host_batch(
 
     params = SamplingParams(**{name: column(name) for name in NEUTRAL_SAMPLING})
     return StepBatch(tokens, counts, *flags, page_table.copy(), params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A model source with its config and tokenizer read and no weights yet: what the front doors check
+    requests against before the expensive load."""
+
+    path: str
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    load_format: str
+
+
+def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
+    """Read the config (and tokenizer) of `path`: a checkpoint directory, or for `load_format="dummy"` also a
+    config JSON file. A dummy model has no tokenizer. CheckpointError / ConfigError / TokenizerError name what
+    is wrong."""
+    if load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"load format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    path = Path(path)
+    if not (path / "config.json").is_file() and not (load_format == "dummy" and path.is_file()):
+        wanted = "a checkpoint directory (no config.json)"
+        raise CheckpointError(f"{path} is not {wanted}" + (" nor a config file" if load_format == "dummy" else ""))
+    config = load_config(path)
+    tokenizer = None
+    if load_format == "auto" and (path / TOKENIZER_FILE).is_file():
+        tokenizer = Tokenizer.from_checkpoint(path)
+        try:
+            tokenizer.check_against(config.text)
+        except TokenizerError as error:
+            raise CheckpointError(f"{path}: {error}") from error
+    return Checkpoint(str(path), config, tokenizer, load_format)
+
+
+def load_engine(
+    checkpoint: str | Path | Checkpoint,
+    *,
+    mesh: str = "tp1",
+    dtype: str = "bfloat16",
+    max_num_seqs: int = 8,
+    chunk: int = 64,
+    kv_cache_mib: float | None = None,
+    speculative: str = "none",
+    load_format: str = "auto",
+    max_context: int | None = None,
+) -> Engine:
+    """The model of `checkpoint` on the mesh `mesh` (read straight into its shards, or with `load_format`
+    "dummy" random weights built there from the config alone) and its decode state: `max_num_seqs` slots per
+    replica, each with room for `max_context` tokens (default: the model's context) or, with `kv_cache_mib`,
+    the page pool that fits that many MiB per device. Errors are ValueErrors naming what is wrong (config,
+    checkpoint, tokenizer, mesh, cache budget, speculation without a draft), raised before any weight is read
+    where they can be. speculative: one of SPECULATIVE_MODES."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
+    if max_num_seqs < 1 or chunk < 1:
+        raise ValueError("max_num_seqs and chunk must be at least 1")
+    source = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, load_format)
+    if speculative not in SPECULATIVE_MODES:
+        raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
+    if speculative != "none":
+        require_draft(source.config, source.path)  # before loading anything
+    device_mesh = make_mesh(mesh, source.config.text)
+    if source.load_format == "dummy":
+        model = dummy_model(source.config, DTYPES[dtype], device_mesh, source=source.path)
+    else:
+        _, model = load_model(source.path, DTYPES[dtype], device_mesh)  # straight into its shards
+    return Engine.create(
+        model, device_mesh, max_num_seqs=max_num_seqs, chunk=chunk,
+        max_context=max_context or source.config.text.max_position_embeddings,
+        budget_bytes=None if kv_cache_mib is None else int(kv_cache_mib * 2**20), num_top=MAX_LOGPROBS,
+        speculative=speculative, tokenizer=source.tokenizer, checkpoint=source.path,
+    )  # fmt: skip

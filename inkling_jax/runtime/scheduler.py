@@ -17,8 +17,8 @@ emitted for it, read on device, so step N + 1 is dispatched before step N's toke
 them, checking stop conditions and handing deltas to the streams happen while the device computes. The
 host does not know how many tokens an unread round emits, so it gives the sequence pages for the most
 it can. A sequence that stops (EOS, stop token, max_tokens, cancellation) may have one more step in
-flight; its result is dropped. Detokenizing and stop strings happen in the consumers' threads
-(`serving.text_stream`).
+flight; its result is dropped. Detokenizing and stop strings happen in the consumers' threads (the
+server's) or in their `on_delta` callbacks (the batch runner's), through `inkling_jax.runtime.text_stream`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from inkling_jax.engine import host_batch, pages_for
+from inkling_jax.runtime.engine import Engine, host_batch, pages_for
+from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
 from inkling_jax.step import Emitted, StepBatch
-from serving.engine import Engine
-from serving.requests import Code, Delta, EngineRequest, Rejected, TopLogprob, validate_options
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class Stats:
 
 @dataclasses.dataclass(eq=False)
 class _Sequence:
-    request: EngineRequest
+    request: Request
     on_delta: Callable[[Delta], None]
     arrival: int  # admission order: the lowest is served first and preempted last
     outputs: list[int] = dataclasses.field(default_factory=list)
@@ -102,17 +101,16 @@ class _Plan:
 class Scheduler:
     def __init__(self, engine: Engine, *, prefill_budget: int | None = None, max_waiting: int = 4096):
         self.engine = engine
-        self.core = engine.core
         self.text = engine.text
-        self.prefill_budget = prefill_budget or 2 * self.core.chunk
+        self.prefill_budget = prefill_budget or 2 * engine.chunk
         self.max_waiting = max_waiting
         eos = self.text.eos_token_id
         self.eos = frozenset(eos if isinstance(eos, tuple) else (eos,))
         self._lock = threading.Condition()
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._waiting: list[_Sequence] = []
-        self._slots: list[_Sequence | None] = [None] * self.core.slots
-        self._free_pages = [list(range(self.core.pages_per_replica)) for _ in range(self.core.replicas)]
+        self._slots: list[_Sequence | None] = [None] * self.engine.slots
+        self._free_pages = [list(range(self.engine.pages_per_replica)) for _ in range(self.engine.replicas)]
         self._ids: dict[str, _Sequence] = {}  # every unfinished request
         self._arrivals = itertools.count()
         self._counters = collections.Counter()
@@ -123,18 +121,16 @@ class Scheduler:
 
     # --- the consumer side (any thread) ---
 
-    def submit(self, request: EngineRequest, on_delta: Callable[[Delta], None]) -> None:
+    def submit(self, request: Request, on_delta: Callable[[Delta], None]) -> None:
         """Queue a request; `on_delta` receives its deltas from the scheduler thread (it must not block).
-        Raises Rejected when the request can never be served or the server is not accepting."""
+        Raises Rejected when the request is invalid (`validate`), can never be served or the scheduler is not
+        accepting."""
         if not self.ready or self.draining:
             raise Rejected(Code.UNAVAILABLE, "the server is warming up" if not self.ready else "the server is draining")
-        validate_options(request.options, self.text, len(request.prompt_token_ids))
-        for token in request.prompt_token_ids:
-            if not 0 <= token < self.text.unpadded_vocab_size:
-                raise Rejected(Code.INVALID_ARGUMENT, f"prompt token id {token} is outside the vocabulary")
-        needed = pages_for(len(request.prompt_token_ids) + request.options.max_tokens)
-        if needed > min(self.core.pages_per_replica, self.core.max_pages):
-            capacity = min(self.core.pages_per_replica, self.core.max_pages) * self.engine.page_size
+        validate(request, self.text)
+        needed = pages_for(len(request.prompt_token_ids) + request.max_tokens)
+        if needed > min(self.engine.pages_per_replica, self.engine.max_pages):
+            capacity = min(self.engine.pages_per_replica, self.engine.max_pages) * self.engine.page_size
             raise Rejected(Code.RESOURCE_EXHAUSTED,
                            f"prompt + max_tokens needs {needed} pages; one sequence can hold at most {capacity} "
                            "tokens in this server's cache")  # fmt: skip
@@ -157,7 +153,7 @@ class Scheduler:
     def warm_up(self) -> None:
         """Compile every step shape (`Engine.widths`); then accept requests."""
         start = time.perf_counter()
-        self.core.warm_up()
+        self.engine.warm_up()
         logger.info("warm-up compiled and ran every step shape in %.1f s", time.perf_counter() - start)
         self.ready = True
 
@@ -215,7 +211,7 @@ class Scheduler:
             try:
                 plan = self._plan()
                 if plan is not None:
-                    plan.emitted = self.core.step(plan.batch)
+                    plan.emitted = self.engine.step(plan.batch)
                 if pending is not None:
                     self._read(pending)  # overlaps the step just dispatched
                 pending = plan
@@ -239,25 +235,25 @@ class Scheduler:
     def _plan(self) -> _Plan | None:
         """Admit, allocate pages (preempting if needed) and build the next step's batch."""
         self._admit()
-        core, budget = self.core, self.prefill_budget
-        capacity = min(core.pages_per_replica, core.max_pages)  # pages one sequence can hold
+        engine, budget = self.engine, self.prefill_budget
+        capacity = min(engine.pages_per_replica, engine.max_pages)  # pages one sequence can hold
         pieces: dict[int, tuple[_Sequence, list[int], int, bool]] = {}  # slot -> (sequence, tokens, width, speculate)
         for slot in self._by_priority():
             sequence = self._slots[slot]
-            options = sequence.request.options
+            request = sequence.request
             if sequence.decoding:
-                wanted = options.max_tokens - len(sequence.outputs) - sequence.in_flight  # at least this many more
+                wanted = request.max_tokens - len(sequence.outputs) - sequence.in_flight  # at least this many more
                 if wanted > 0:
                     held = sequence.known + sequence.bound - 1  # the most the state holds once in-flight steps land
                     speculate = (
-                        core.speculative and options.speculative and wanted > 1
-                        and pages_for(held + core.gamma + 1) <= capacity
+                        engine.speculative and request.speculative and wanted > 1
+                        and pages_for(held + engine.gamma + 1) <= capacity
                     )  # fmt: skip
                     piece = [] if sequence.in_flight else [sequence.token(sequence.known - 1)]  # else on device
-                    pieces[slot] = (sequence, piece, core.gamma + 1 if speculate else 1, speculate)
+                    pieces[slot] = (sequence, piece, engine.gamma + 1 if speculate else 1, speculate)
             elif sequence.fed < sequence.known and budget > 0:  # the prompt, or outputs fed again
                 boundary = len(sequence.prompt) if sequence.fed < len(sequence.prompt) else sequence.known
-                end = min(boundary, sequence.fed + core.chunk, sequence.fed + budget)
+                end = min(boundary, sequence.fed + engine.chunk, sequence.fed + budget)
                 piece = [sequence.token(p) for p in range(sequence.fed, end)]
                 pieces[slot] = (sequence, piece, len(piece), False)
                 budget -= end - sequence.fed
@@ -268,20 +264,20 @@ class Scheduler:
         pieces = {slot: piece for slot, piece in pieces.items() if self._slots[slot] is piece[0]}  # not preempted
         if not pieces:
             return None
-        slots = core.slots
+        slots = engine.slots
         prefill = any(not sequence.decoding for sequence, *_ in pieces.values())
-        width = core.width(prefill, any(speculate for *_, speculate in pieces.values()))
+        width = engine.width(prefill, any(speculate for *_, speculate in pieces.values()))
         tokens = np.zeros((slots, width), np.int32)
         counts = np.zeros(slots, np.int32)
         reset, is_prompt, emit, feedback, replay, speculate = (np.zeros(slots, bool) for _ in range(6))
-        table = np.zeros((slots, core.max_pages), np.int32)
+        table = np.zeros((slots, engine.max_pages), np.int32)
         sampling = [None] * slots
         kept: dict[int, _Sequence] = {}
         bounds: dict[int, int] = {}
         for slot, (sequence, piece, span, speculating) in pieces.items():
             tokens[slot, : len(piece)] = piece
             table[slot, : len(sequence.pages)] = sequence.pages
-            sampling[slot] = sequence.request.options
+            sampling[slot] = sequence.request
             if sequence.decoding:
                 counts[slot], feedback[slot], speculate[slot] = 1, not piece, speculating
             else:
@@ -301,20 +297,20 @@ class Scheduler:
 
     def _by_priority(self) -> list[int]:
         """Occupied slots, earliest admitted first."""
-        occupied = [s for s in range(self.core.slots) if self._slots[s] is not None]
+        occupied = [s for s in range(self.engine.slots) if self._slots[s] is not None]
         return sorted(occupied, key=lambda s: self._slots[s].arrival)
 
     def _admit(self) -> None:
         """Fill free slots from the waiting queue, first come first served, while the head's known tokens
         (and one more) fit in its replica's free pages."""
         self._waiting.sort(key=lambda s: s.arrival)
-        for slot in range(self.core.slots):
+        for slot in range(self.engine.slots):
             if not self._waiting:
                 return
             head = self._waiting[0]
             if head.in_flight:  # preempted with a token still to read: re-admit once it is read
                 return
-            pool = self._free_pages[self.core.replica_of(slot)]
+            pool = self._free_pages[self.engine.replica_of(slot)]
             if self._slots[slot] is None and pages_for(head.known + 1) <= len(pool):
                 self._waiting.pop(0)
                 if head.replay_until == 0:  # first admission
@@ -325,7 +321,7 @@ class Scheduler:
     def _grow(self, sequence: _Sequence, tokens: int) -> None:
         """Give `sequence` pages for `tokens` tokens, preempting the latest-admitted sequences of its
         replica (last of all, itself) while the pool is empty."""
-        replica = self.core.replica_of(sequence.slot)
+        replica = self.engine.replica_of(sequence.slot)
         pool = self._free_pages[replica]
         while sequence.slot is not None and len(sequence.pages) < pages_for(tokens):
             if pool:
@@ -334,7 +330,7 @@ class Scheduler:
                 self._preempt(self._latest_in_replica(replica))
 
     def _latest_in_replica(self, replica: int) -> _Sequence:
-        running = [s for s in self._slots if s is not None and self.core.replica_of(s.slot) == replica]
+        running = [s for s in self._slots if s is not None and self.engine.replica_of(s.slot) == replica]
         return max(running, key=lambda s: s.arrival)
 
     def _preempt(self, sequence: _Sequence) -> None:
@@ -347,13 +343,13 @@ class Scheduler:
     def _release(self, sequence: _Sequence) -> None:
         """Free the sequence's slot and pages."""
         if sequence.slot is not None:
-            self._free_pages[self.core.replica_of(sequence.slot)].extend(sequence.pages)
+            self._free_pages[self.engine.replica_of(sequence.slot)].extend(sequence.pages)
             self._slots[sequence.slot] = None
         sequence.slot, sequence.pages = None, []
 
     def _read(self, plan: _Plan) -> None:
         """Read a step's tokens and hand each sequence's to its stream, finishing sequences that stop."""
-        emitted = self.core.fetch(plan.emitted)
+        emitted = self.engine.fetch(plan.emitted)
         for slot, sequence in plan.sequences.items():
             sequence.in_flight -= 1
             sequence.bound -= plan.bounds[slot]
@@ -365,21 +361,21 @@ class Scheduler:
                 sequence.round_tokens += count
                 self._counters["rounds"] += 1
                 self._counters["round_tokens"] += count
-            options = sequence.request.options
+            request = sequence.request
             reason, taken = None, 0
             for token in emitted.tokens[slot, :count].tolist():
                 sequence.outputs.append(token)
                 taken += 1
-                if token in options.stop_token_ids or (token in self.eos and not options.ignore_eos):
+                if token in request.stop_token_ids or (token in self.eos and not request.ignore_eos):
                     reason = "stop"
-                elif len(sequence.outputs) >= options.max_tokens:
+                elif len(sequence.outputs) >= request.max_tokens:
                     reason = "length"
                 if reason is not None:
                     break
             self._counters["generated"] += taken
             logprobs, top = (), ()
-            if options.logprobs is not None:
-                n = options.logprobs
+            if request.logprobs is not None:
+                n = request.logprobs
                 logprobs = tuple(float(x) for x in emitted.logprobs[slot, :taken])
                 top = tuple(
                     tuple(TopLogprob(int(i), float(p)) for i, p in zip(ids[:n], values[:n], strict=True))

@@ -1,0 +1,264 @@
+"""Batch generation through the scheduler: JSONL requests in, one result line per request out, in input order.
+
+`python -m inkling_jax.generate` and `python -m inkling_jax.offline` are this runner (`main`); `generate` and
+`run_requests` are its library form. Input lines are `Request`s as JSON ({"id", "prompt_token_ids" | "prompt"
+(text, with the checkpoint's tokenizer), and optionally "max_tokens", "temperature", "top_p", "top_k", "min_p",
+"repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop" (strings),
+"ignore_eos", "logprobs", "speculative"}), every line checked (`requests.validate`) before the model loads.
+Output lines: {"id", "token_ids", "finish_reason": "stop" | "length"} plus "text" (with a tokenizer; special
+tokens left out, cut before the first stop string), "logprobs" and "top_logprobs" (when asked for) and
+"acceptance_length" (tokens emitted per speculative round, when the request ran any).
+
+All requests are queued before the first step, and every decision of the scheduler follows from them and the
+replicated sampled tokens, so on a pod every process runs the same command and the processes step the same
+global batch in lockstep; the `data` axis of the mesh holds the replicas. Process 0 writes the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+from inkling_jax import distributed
+from inkling_jax.cache import CacheBudgetError
+from inkling_jax.checkpoint import CheckpointError
+from inkling_jax.config import ConfigError
+from inkling_jax.distributed import DistributedError
+from inkling_jax.model.draft import NoDraftError, require_draft
+from inkling_jax.model.text import CausalLM
+from inkling_jax.runtime import compilation_cache
+from inkling_jax.runtime.engine import LOAD_FORMATS, Checkpoint, Engine, load_engine, open_checkpoint
+from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request, request_from_json
+from inkling_jax.runtime.scheduler import Scheduler
+from inkling_jax.runtime.text_stream import TextStream
+from inkling_jax.score import DTYPES, log_to_stderr
+from inkling_jax.sharding import MeshError, make_mesh
+from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
+from inkling_jax.tokenizer import IncrementalDecoder, TokenizerError
+
+
+class RequestError(ValueError):
+    """An input that cannot be run; the message names the line (or request) and the field."""
+
+
+@dataclasses.dataclass
+class _Result:
+    """One request's output, filled from the scheduler thread."""
+
+    request: Request
+    stream: TextStream | None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[dict]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    acceptance_length: float = 0.0
+
+    def line(self) -> dict:
+        out = {"id": self.request.id, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+        if self.stream is not None:
+            out["text"] = "".join(self.text)
+        if self.request.logprobs is not None:
+            out |= {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
+        return {**out, "acceptance_length": self.acceptance_length} if self.acceptance_length else out
+
+
+class _Run:
+    """Queues every request, then counts them off as they finish."""
+
+    def __init__(self, scheduler: Scheduler, requests: Sequence[Request]):
+        self.scheduler = scheduler
+        tokenizer = scheduler.engine.tokenizer
+        self.results = [
+            _Result(r, tokenizer and TextStream(IncrementalDecoder(tokenizer, skip_special_tokens=True), r.stop))
+            for r in requests
+        ]
+        self.done = threading.Event()
+        self.finished = 0
+        self.generated = 0
+
+    def submit_all(self) -> None:
+        for result in self.results:
+            try:
+                self.scheduler.submit(result.request, lambda delta, result=result: self._on_delta(result, delta))
+            except Rejected as error:
+                raise RequestError(f"request {result.request.id!r}: {error}") from error
+        if not self.results:
+            self.done.set()
+
+    def _on_delta(self, result: _Result, delta: Delta) -> None:
+        """Runs on the scheduler thread, so a stop string cancels at the same step on every process."""
+        if result.finish_reason is not None:
+            return
+        tokens, result.acceptance_length = delta.token_ids, delta.acceptance_length
+        if result.stream is not None:
+            piece = result.stream.push(tokens)
+            tokens = tokens[: piece.tokens]
+            result.text.append(piece.text)
+            if piece.stopped:
+                self.scheduler.cancel(result.request.id)
+                result.finish_reason = "stop"
+        result.token_ids.extend(tokens)
+        result.logprobs.extend(delta.logprobs[: len(tokens)])
+        result.top_logprobs.extend(
+            [{"token_id": t.token_id, "logprob": t.logprob} for t in top] for top in delta.top_logprobs[: len(tokens)]
+        )
+        self.generated += len(tokens)
+        if result.finish_reason is None and delta.finish_reason is not None:
+            result.finish_reason = delta.finish_reason if delta.error is None else f"error: {delta.error}"
+            if result.stream is not None:
+                result.text.append(result.stream.finish())
+        if result.finish_reason is not None:
+            self.finished += 1
+            if self.finished == len(self.results):
+                self.done.set()
+
+
+def run_requests(
+    engine: Engine, requests: Sequence[Request], *, prefill_budget: int | None = None, progress: bool = False
+) -> list[dict]:
+    """Every request through a scheduler over `engine` (warmed up first); result lines in input order. With
+    `progress`, a progress line and a throughput summary go to stderr. RequestError names a request that can
+    never be served (e.g. larger than the page pool)."""
+    scheduler = Scheduler(engine, prefill_budget=prefill_budget, max_waiting=max(len(requests), 1))
+    scheduler.warm_up()
+    run = _Run(scheduler, requests)
+    start = time.perf_counter()
+    try:
+        run.submit_all()
+        scheduler.start()
+        while not run.done.wait(0.5):
+            if progress:
+                rate = run.generated / (time.perf_counter() - start)
+                print(f"\r{run.finished}/{len(requests)} requests, {rate:.1f} tokens/s", end="", file=sys.stderr,
+                      flush=True)  # fmt: skip
+    finally:
+        scheduler.stop()
+    if progress:
+        elapsed, stats = time.perf_counter() - start, scheduler.stats()
+        rates = f"{run.generated / elapsed:.1f} tokens/s, {len(requests) / elapsed:.2f} requests/s"
+        rounds = stats.speculative_rounds
+        accepted = f", acceptance length {stats.speculative_tokens / rounds:.2f}" if rounds else ""
+        print(f"\r{len(requests)} requests in {elapsed:.2f} s: {stats.prompt_tokens} prompt tokens, "
+              f"{run.generated} generated ({rates}), {stats.preemptions} preemptions{accepted}",
+              file=sys.stderr)  # fmt: skip
+    return [result.line() for result in run.results]
+
+
+def generate(
+    model: CausalLM,
+    requests: Sequence[Request],
+    max_num_seqs: int,
+    chunk: int,
+    budget_bytes: int | None = None,
+    mesh: Mesh | None = None,
+    speculative: str = "none",
+) -> list[dict]:
+    """Run `requests` on `model` (no tokenizer: token ids only); result lines in input order.
+
+    Each data-parallel replica of the mesh (tp1 without one) has `max_num_seqs` slots and a page pool of its
+    own: what fits the per-device `budget_bytes`, or room for the longest request in every slot.
+    speculative: one of SPECULATIVE_MODES."""
+    mesh = make_mesh("tp1", model.config) if mesh is None else mesh
+    room = require_draft(model).block_size if speculative != "none" else 0  # a last verify pass's positions
+    engine = Engine.create(
+        model, mesh, max_num_seqs=max_num_seqs, chunk=chunk, max_context=_longest(requests) + room,
+        budget_bytes=budget_bytes, num_top=MAX_LOGPROBS, speculative=speculative,
+    )  # fmt: skip
+    return run_requests(engine, requests)
+
+
+def _longest(requests: Sequence[Request]) -> int:
+    return max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+
+
+def read_requests(path: str | Path, checkpoint: Checkpoint) -> list[Request]:
+    """The JSONL file's requests, each validated against the checkpoint's config (RequestError names the line
+    and the field); ids must be unique."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise RequestError(f"cannot read {path}: {error}") from error
+    requests, lines_of = [], {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            request = request_from_json(line, checkpoint.tokenizer, checkpoint.config.text)
+        except Rejected as error:
+            raise RequestError(f"line {number}: {error}") from error
+        if request.id in lines_of:
+            raise RequestError(f"line {number}: id {request.id!r} is already used on line {lines_of[request.id]}")
+        lines_of[request.id] = number
+        requests.append(request)
+    if not requests:
+        raise RequestError(f"{path} holds no requests")
+    return requests
+
+
+# Bad input of any kind: one line naming it, exit status 2.
+_USER_ERRORS = (
+    ConfigError, CheckpointError, TokenizerError, RequestError, CacheBudgetError, MeshError, DistributedError,
+    NoDraftError, SpeculationError, OSError,
+)  # fmt: skip
+
+
+def main(argv: list[str] | None, prog: str) -> int:
+    """The batch runner's command line (`prog` names the entry point); 0, or 2 after one line on bad input."""
+    parser = argparse.ArgumentParser(prog=prog, description="Batch generation of JSONL requests")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory (with --load-format dummy: or "
+                        "a config JSON file)")  # fmt: skip
+    parser.add_argument("--input", required=True, help="JSONL requests")
+    parser.add_argument("--output", required=True, help="JSONL results, in input order")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--mesh", default="tp1", help="tpN (tensor and expert parallel over N devices) or dpMtpN "
+                        "(M replicas of tpN)")  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="slots per data-parallel replica")
+    parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (token bucket) width")
+    parser.add_argument("--kv-cache-mib", type=float, help="decode-state budget per device; default: room for "
+                        "the longest request in every slot")  # fmt: skip
+    parser.add_argument("--prefill-budget", type=int, help="prompt tokens per step (default: 2 chunks)")
+    parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
+                        help="DSpark speculative decoding with the checkpoint's draft (dspark-greedy: drafts are the "
+                             "draft's argmax); the output's distribution is the target's either way")  # fmt: skip
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: random weights built on the devices from the config alone (no tokenizer)",
+    )
+    compilation_cache.add_argument(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress line or summary on stderr")
+    distributed.add_arguments(parser)
+    args = parser.parse_args(argv)
+    log_to_stderr()
+    try:
+        distributed.initialize(args)
+        compilation_cache.enable(args.compilation_cache)
+        if args.max_num_seqs < 1 or args.chunk < 1:
+            raise RequestError("--max-num-seqs and --chunk must be at least 1")
+        checkpoint = open_checkpoint(args.checkpoint, args.load_format)
+        requests = read_requests(args.input, checkpoint)  # every line checked before the model loads
+        draft = checkpoint.config.draft
+        room = draft.block_size if args.speculative != "none" and draft is not None else 0
+        engine = load_engine(
+            checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
+            kv_cache_mib=args.kv_cache_mib, speculative=args.speculative, max_context=_longest(requests) + room,
+        )  # fmt: skip
+        progress = not args.quiet and jax.process_index() == 0
+        results = run_requests(engine, requests, prefill_budget=args.prefill_budget, progress=progress)
+        if jax.process_index() == 0:
+            Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))
+    except _USER_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

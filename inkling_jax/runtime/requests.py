@@ -1,0 +1,184 @@
+"""What a request to the engine is, where it is checked, what its stream receives, and how it is refused.
+
+Every front door builds the same `Request` (the gRPC server from its message, the batch runner from a
+JSONL line with `request_from_json`) and `validate` checks it against the model once, before anything
+is queued: types, ranges and token ids, each error naming the field. The scheduler streams `Delta`s back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import Sequence
+
+from inkling_jax.config import TextConfig
+from inkling_jax.tokenizer import Tokenizer
+
+# How many top log-probabilities a request may ask for per token (the step computes this many always).
+MAX_LOGPROBS = 20
+
+
+class Code(enum.Enum):
+    """Why a request is refused (the server maps these to gRPC status codes)."""
+
+    INVALID_ARGUMENT = (
+        "invalid_argument"  # a field of the wrong type or out of range, a token id outside the vocabulary
+    )
+    OUT_OF_RANGE = "out_of_range"  # prompt + max_tokens past the model's context
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # could never fit the page pool, or the queue is full
+    UNAVAILABLE = "unavailable"  # warming up or draining
+
+
+class Rejected(ValueError):
+    """A refused request; `code` says which kind, the message says what is wrong."""
+
+    def __init__(self, code: Code, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request: the prompt as token ids, sampling and stopping. The defaults are neutral
+    (temperature 1, no filtering, no penalties)."""
+
+    id: str | int
+    prompt_token_ids: Sequence[int]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()  # stop strings: the text ends before the first one (needs a tokenizer)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the top n
+    speculative: bool = True  # speculate when the engine does (--speculative); False: plain decoding
+
+
+# name: (integral, low, high, low open); every number field's one range
+RANGES = {
+    "max_tokens": (True, 1, math.inf, False),
+    "temperature": (False, 0.0, 100.0, False),
+    "top_p": (False, 0.0, 1.0, True),
+    "top_k": (True, 0, math.inf, False),
+    "min_p": (False, 0.0, 1.0, False),
+    "repetition_penalty": (False, 0.0, 10.0, True),
+    "presence_penalty": (False, -2.0, 2.0, False),
+    "frequency_penalty": (False, -2.0, 2.0, False),
+    "seed": (True, 0, 2**32 - 1, False),
+    "logprobs": (True, 0, MAX_LOGPROBS, False),
+}
+FIELDS = frozenset(field.name for field in dataclasses.fields(Request))
+NO_TOKENIZER = "the checkpoint has no tokenizer.json, or the model was loaded with --load-format dummy"
+
+
+def validate(request: Request, text: TextConfig) -> None:
+    """Raise Rejected naming the first field of the wrong type or out of range, or a token id outside the
+    vocabulary; OUT_OF_RANGE when prompt + max_tokens runs past the model's context."""
+
+    def refuse(message: str) -> Rejected:
+        return Rejected(Code.INVALID_ARGUMENT, message)
+
+    if isinstance(request.id, bool) or not isinstance(request.id, str | int):
+        raise refuse(f"id must be a string or an integer, got {request.id!r}")
+    vocab = text.unpadded_vocab_size
+    for name in ("prompt_token_ids", "stop_token_ids"):
+        ids = getattr(request, name)
+        if not isinstance(ids, list | tuple):
+            raise refuse(f"{name} must be a list of integers")
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise refuse(f"{name}[{i}] is {token!r}, not an integer")
+            if not 0 <= token < vocab:
+                raise refuse(f"{name}[{i}] is {token}, outside the vocabulary [0, {vocab})")
+    if not request.prompt_token_ids:
+        raise refuse("the prompt is empty")
+    for name, (integral, low, high, low_open) in RANGES.items():
+        value = getattr(request, name)
+        if value is None and name == "logprobs":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or (integral and not isinstance(value, int)):
+            raise refuse(f"{name} must be {'an integer' if integral else 'a number'}, got {value!r}")
+        if not math.isfinite(value):
+            raise refuse(f"{name} must be a finite number, got {value!r}")
+        if not (low < value if low_open else low <= value) or value > high:
+            raise refuse(f"{name} must be {_bounds(low, high, low_open)}, got {value!r}")
+    if not isinstance(request.stop, list | tuple) or not all(isinstance(s, str) and s for s in request.stop):
+        raise refuse("stop must be a list of non-empty strings")
+    for name in ("ignore_eos", "speculative"):
+        if not isinstance(getattr(request, name), bool):
+            raise refuse(f"{name} must be true or false, got {getattr(request, name)!r}")
+    prompt, context = len(request.prompt_token_ids), text.max_position_embeddings
+    if prompt + request.max_tokens > context:
+        raise Rejected(
+            Code.OUT_OF_RANGE,
+            f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) exceeds the model's {context} positions",
+        )
+
+
+def _bounds(low: float, high: float, low_open: bool) -> str:
+    if high == math.inf:
+        return f"{'greater than' if low_open else 'at least'} {low}"
+    return f"within {'(' if low_open else '['}{low}, {high}]"
+
+
+def request_from_json(line: str, tokenizer: Tokenizer | None, text: TextConfig) -> Request:
+    """One JSON object -> a validated Request: {"id", "prompt_token_ids" | "prompt" (text, encoded with
+    `tokenizer`), and any other `Request` field}. Rejected names what is wrong."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise Rejected(Code.INVALID_ARGUMENT, f"not JSON ({error})") from error
+    if not isinstance(raw, dict):
+        raise Rejected(Code.INVALID_ARGUMENT, "a request must be a JSON object")
+    unknown = sorted(set(raw) - FIELDS - {"prompt"})
+    if unknown:
+        raise Rejected(Code.INVALID_ARGUMENT, f"unknown field(s) {', '.join(unknown)}")
+    if "id" not in raw:
+        raise Rejected(Code.INVALID_ARGUMENT, "missing 'id'")
+    if ("prompt" in raw) == ("prompt_token_ids" in raw):
+        raise Rejected(Code.INVALID_ARGUMENT, "give exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    if tokenizer is None and ("prompt" in raw or raw.get("stop")):
+        field = "'prompt' (text)" if "prompt" in raw else "'stop' strings"
+        raise Rejected(Code.INVALID_ARGUMENT, f"{field} needs a tokenizer ({NO_TOKENIZER}); send token ids")
+    if "prompt" in raw:
+        if not isinstance(raw["prompt"], str):
+            raise Rejected(Code.INVALID_ARGUMENT, "'prompt' must be a string")
+        raw["prompt_token_ids"] = tokenizer.encode(raw.pop("prompt"))
+    for name in ("prompt_token_ids", "stop_token_ids", "stop"):
+        if isinstance(raw.get(name), list):
+            raw[name] = tuple(raw[name])
+    request = Request(**raw)
+    validate(request, text)
+    return request
+
+
+@dataclasses.dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """Newly generated tokens of one request, and at the end why it finished.
+
+    finish_reason: None while running; "stop" (EOS, a stop token, included in token_ids, or a stop
+    string), "length" (max_tokens), "abort" (cancelled) or "error" (message in `error`).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()  # of each token in token_ids, when asked for
+    top_logprobs: tuple[tuple[TopLogprob, ...], ...] = ()
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+    error: str | None = None
+    acceptance_length: float = 0.0  # tokens emitted per speculative round so far (0: none ran)
