@@ -471,3 +471,19 @@ def test_the_moe_layer_on_gpu_laid_out_experts(monkeypatch):
         assert_tp2_matches(layer, text, x, want)
     else:
         assert_close_to_oracle(layer(x), want)
+
+
+@pytest.mark.parametrize(("fmt", "tokens"), [(NVFP4, 3), (MXFP8, 32)])
+def test_a_layer_of_a_stack_is_read_in_place(fmt, tokens):
+    """Stacked layers' weights [L, E, ...] and a traced layer: that layer's own call, bit for bit (the kernels read
+    it at its experts' offset in the stack, not a copy of it), through the few-token plan and the sorted copies;
+    another layer gives another result."""
+    cases = [routed_case(70 + layer, tokens, 2, fmt) for layer in range(3)]
+    x, _, _, experts, weights = cases[1]
+    laid = [(for_gpu(gate_up, paired=True), for_gpu(down)) for _, gate_up, down, _, _ in cases]
+    stacked = [jax.tree.map(lambda *a: jnp.stack(a), *(pair[i] for pair in laid)) for i in range(2)]
+    run = jax.jit(lambda layer, *a: moe_experts(*a, **CAPS, layer=layer, backend="gpu"))
+    got = np.asarray(run(jnp.int32(1), x, *stacked, experts, weights), np.float32)
+    one = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))
+    np.testing.assert_array_equal(got, np.asarray(one(x, *laid[1], experts, weights), np.float32))
+    assert not np.allclose(got, np.asarray(one(x, *laid[2], experts, weights), np.float32))

@@ -335,3 +335,17 @@ def test_the_moe_layer_on_tpu_laid_out_experts(monkeypatch):
     monkeypatch.undo()
 
     assert_tp2_matches(layer, text, x, want)
+
+
+@pytest.mark.parametrize(("fmt", "tokens"), [(NVFP4, 3), (MXFP8, 70)])
+def test_a_layer_of_a_stack_is_read_in_place(fmt, tokens):
+    """Stacked layers' weights [L, E, ...] and a traced layer: that layer's own call, bit for bit (the kernels read
+    it at its experts' offset in the stack, not a copy of it); another layer gives another result."""
+    laid = [for_tpu_experts(*expert_weights(60 + layer, fmt)) for layer in range(3)]
+    stacked = [jax.tree.map(lambda *a: jnp.stack(a), *(weights[i] for weights in laid)) for i in range(2)]
+    x, chosen, weights = routed(tokens, tokens, 4, (0, EXPERTS))
+    got = np.asarray(interpreted(x, *stacked, chosen, weights, **CAPS, layer=jnp.int32(1)), np.float32)
+    want = np.asarray(interpreted(x, *laid[1], chosen, weights, **CAPS), np.float32)
+    np.testing.assert_array_equal(got, want)
+    other = np.asarray(interpreted(x, *laid[2], chosen, weights, **CAPS), np.float32)
+    assert not np.allclose(got, other)

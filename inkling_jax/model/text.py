@@ -88,11 +88,13 @@ class DecoderLayer(nnx.Module):
         kv: KVCache | None = None,
         chunk: Chunk | None = None,
         at: LayerIndex | None = None,
+        row: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, KVCache | None]:
         """x [B, T, H] (activation dtype); sources [blocks, B, T, H]: the closed blocks' inputs, real before
         `block` (this layer's attention-residual block, int32) -> (x, sources, kv) after the layer: a block's
         first layer closes the previous block (its input joins the sources); the cache's part at `at` is
-        updated when the tokens continue one."""
+        updated when the tokens continue one. `row`: the experts are the whole stack of the layer's segment
+        [blocks, E, ...] and this layer's are row `row` of it (None: the layer's own)."""
         dtype = x.dtype
         if self.sliding:
             norms = [self.input_layernorm]
@@ -117,12 +119,17 @@ class DecoderLayer(nnx.Module):
             h = x.astype(jnp.float32) + h
         residual = h
         mlp_in = mixed_norms(self.mlp_input, [self.post_attention_layernorm], sources, block + 1, h, dtype)[0]
-        mlp_out = self.mlp(mlp_in)
+        mlp_out = self.mlp(mlp_in, row)
         h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[at.layer])
         if kv is not None:
             kv = advance_conv(kv, "attention", at.layer, attention_out, chunk.counts)
             kv = advance_conv(kv, "mlp", at.layer, mlp_out, chunk.counts)
         return round_to(residual + h, dtype), sources, kv
+
+
+def expert_weights(path: tuple, _: object) -> bool:
+    """An nnx filter: the routed experts' weights (of every layer of a stack)."""
+    return "experts" in path
 
 
 class LayerStack(nnx.Module):
@@ -170,16 +177,17 @@ class LayerStack(nnx.Module):
         taps = [
             j for j in range(segment.width) if any(layer in capture for layer in segment.layers[j :: segment.width])
         ]
-        graphdef, params = nnx.split(self.positions)
+        # the expert weights stay whole, read in place by the kernels at the block's row; the rest is sliced
+        graphdef, experts, params = nnx.split(self.positions, expert_weights, ...)
 
         def block(carry: tuple, inputs: tuple) -> tuple[tuple, list[jax.Array]]:
             x, sources, kv = carry
             row, params = inputs
             index = segment.first_block + row
             outputs = []
-            for j, layer in enumerate(nnx.merge(graphdef, params)):
+            for j, layer in enumerate(nnx.merge(graphdef, experts, params)):
                 at = LayerIndex(index * segment.size + j, self.kind_base[j] + row * self.kind_step[j])
-                x, sources, kv = layer(x, sources, index, positions, kv, chunk, at)
+                x, sources, kv = layer(x, sources, index, positions, kv, chunk, at, row)
                 if j in taps:
                     outputs.append(x)
             return (x, sources, kv), outputs

@@ -20,29 +20,35 @@ Weight = jax.Array | QuantizedArray | TpuWeight | GpuWeight
 
 def moe_experts(
     x: jax.Array, gate_up: Weight, down: Weight, experts: jax.Array, weights: jax.Array, *, gate_cap: float,
-    up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None, backend: str = "auto",
+    up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
+    layer: jax.Array | int | None = None, backend: str = "auto",
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract ([N, H]: each token's weighted sum over its experts), by `backend`.
     `routed_experts`: under expert parallelism, the experts the ids were chosen among (these weights hold only
     some; the others' ids are dropped here): the TPU kernels size their row tiles for the copies expected to stay,
-    the GPU's choose between shared tiles and own windows by them."""
+    the GPU's choose between shared tiles and own windows by them. `layer`: gate_up and down hold several layers'
+    experts stacked [L, E, ...] and the call is layer `layer`'s (an int32 scalar, traced inside a scan over
+    layers): the kernels read its weights in place, where indexing them out of the stack would copy them."""
     if backend not in BACKENDS:
         raise ValueError(f"MoE backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    held = gate_up.shape[0]
+    one_gate_up, one_down = (_one_layer(w) for w in (gate_up, down)) if layer is not None else (gate_up, down)
+    held = one_gate_up.shape[0]
     if routed_experts is not None and routed_experts < held:
         raise ValueError(f"routed_experts ({routed_experts}) is fewer than the {held} experts the weights hold")
     for_tpu_kernels = isinstance(gate_up, TpuWeight) and isinstance(down, TpuWeight)
     for_gpu_kernels = isinstance(gate_up, GpuWeight) and isinstance(down, GpuWeight)
     if backend == "auto":
         platform = jax.default_backend()
-        if platform == "tpu" and for_tpu_kernels and tpu.supports(*gate_up.shape[1:]):
+        if platform == "tpu" and for_tpu_kernels and tpu.supports(*one_gate_up.shape[1:]):
             backend = "tpu"
-        elif platform == "gpu" and for_gpu_kernels and hopper_takes(gpu.check, x, gate_up, down):
+        elif platform == "gpu" and for_gpu_kernels and hopper_takes(gpu.check, x, one_gate_up, one_down):
             backend = "gpu"
         else:
             backend = "reference"
     options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype}
     if backend == "reference":
+        if layer is not None:  # the oracle takes the layer's weights out of the stack
+            gate_up, down = (jax.tree.map(lambda a: a[layer], w) for w in (gate_up, down))
         return reference.moe_experts(x, gate_up, down, experts, weights, **options)
     laid_out, layout = (for_tpu_kernels, "for_tpu") if backend == "tpu" else (for_gpu_kernels, "for_gpu")
     if not laid_out:
@@ -50,10 +56,15 @@ def moe_experts(
             f"the {backend.upper()} expert kernels take weights laid out by pallas_kernels.moe.layouts.{layout}"
             f" (once, at load); got {type(gate_up).__name__} and {type(down).__name__}"
         )
-    options["routed_experts"] = routed_experts
+    options |= {"routed_experts": routed_experts, "layer": layer}
     if backend == "tpu":
         return tpu.moe_experts(x, gate_up, down, experts, weights, **options)
     return gpu.moe_experts(x, gate_up, down, experts, weights, **options, interpret=jax.default_backend() == "cpu")
+
+
+def _one_layer(weight: Weight) -> Weight:
+    """One layer's weight of a stack [L, E, ...], shapes and dtypes only (nothing is read)."""
+    return jax.eval_shape(lambda w: jax.tree.map(lambda a: a[0], w), weight)
 
 
 __all__ = ["BACKENDS", "GpuWeight", "TpuWeight", "for_gpu", "for_tpu", "moe_experts"]

@@ -46,6 +46,7 @@ from pallas_kernels.moe.layouts import (
     GpuWeight,
     check_experts,
     in_gpu_k_order,
+    layers_as_one,
     rows_in_gpu_k_order,
 )
 from pallas_kernels.moe.reference import capped_swiglu
@@ -365,30 +366,35 @@ def supports(two_i: int, hidden: int, fmt: str) -> bool:
 
 def _few_tokens(
     x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
-    caps: tuple[float, float], out_dtype: jnp.dtype, interpret: bool = False,
+    caps: tuple[float, float], out_dtype: jnp.dtype, num_experts: int, first: jax.Array | int,
+    interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """At most SHARED_TM[0] tokens, at least one expert each (x in gate_up's `layouts.gpu_k_order`, checked by
-    `check`) by `chosen_experts`, in two kernels."""
-    tiles, visit = chosen_experts(experts, gate_up.shape[0])
+    `check`) by `chosen_experts`, in two kernels; the ids name experts first ... first + num_experts - 1 of
+    the weights."""
+    tiles, visit = chosen_experts(experts, num_experts)
+    tiles = dataclasses.replace(tiles, expert=tiles.expert + first)
     # the token rows as they are: TMA reads the tile's rows past them as zeros (no padded copy)
     hidden_rows = grouped_matmul(x, gate_up, tiles, swiglu=caps, interpret=interpret)
     written = dataclasses.replace(tiles, reads_tokens=False)  # down reads the rows gate_up wrote
     out_rows = grouped_matmul(hidden_rows, down, written, interpret=interpret)
     token_rows = out_rows[visit * tiles.tm + jnp.arange(experts.shape[0])[:, None]]  # [N, k, H]
-    return weighted_sum(token_rows, weights, kept_copies(experts, gate_up.shape[0]), out_dtype)
+    return weighted_sum(token_rows, weights, kept_copies(experts, num_experts), out_dtype)
 
 
 def moe_experts(
     x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
     gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
-    interpret: bool = False,
+    layer: jax.Array | int | None = None, interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_gpu` (`interpret`: run the
     kernels in Mosaic GPU's interpreter): at most SHARED_TM[0] tokens by `chosen_experts`, more by the copies
     sorted by expert (`tile_copies`, choosing shared tiles or own windows by the copies `routing.route` expects
-    to keep for `routed_experts`)."""
+    to keep for `routed_experts`). With `layer`, the weights are stacked layers' [L, E, ...] and layer `layer`'s
+    are read in place (`layouts.layers_as_one`)."""
+    gate_up, down, num_experts, first = layers_as_one(gate_up, down, layer)
     check(x, gate_up, down)
-    num_experts, _, hidden = gate_up.shape
+    hidden = gate_up.shape[2]
     tokens = experts.shape[0]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if experts.size == 0:
@@ -396,9 +402,10 @@ def moe_experts(
     caps = (gate_cap, up_cap)
     if tokens <= SHARED_TM[0]:
         return _few_tokens(in_gpu_k_order(x, gate_up.format), gate_up, down, experts, weights, caps=caps,
-                           out_dtype=out_dtype, interpret=interpret)  # fmt: skip
+                           out_dtype=out_dtype, num_experts=num_experts, first=first, interpret=interpret)  # fmt: skip
     routing = route(experts, weights, num_experts, routed_experts)
     tiles = tile_copies(routing)
+    tiles = dataclasses.replace(tiles, expert=tiles.expert + first)
     token_rows = routing.token_of if tiles.source is None else composed_indices(routing.token_of, tiles.source)
     rows = rows_in_gpu_k_order(x, token_rows, gate_up.format)
     if tiles.source is None:  # shared tiles: the sorted copies in whole tiles

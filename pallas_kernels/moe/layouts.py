@@ -420,6 +420,20 @@ def for_gpu_experts(
     return _GATE_UP_FOR_GPU(gate_up), _DOWN_FOR_GPU(down)
 
 
+def layers_as_one(
+    gate_up: TpuWeight | GpuWeight, down: TpuWeight | GpuWeight, layer: jax.Array | int | None
+) -> tuple[TpuWeight | GpuWeight, TpuWeight | GpuWeight, int, jax.Array | int]:
+    """Laid-out weights of several layers stacked [L, E, ...] (every array's first two axes) as one weight of L * E
+    experts (a free reshape), with E and where layer `layer`'s experts start in it: a kernel shifts its visits'
+    expert ids by that start and reads the layer in place, where indexing the layer out of the stack would copy
+    its weights first (inside a scan over layers, every step). With `layer` None the weights are one layer's."""
+    if layer is None:
+        return gate_up, down, gate_up.data.shape[0], 0
+    experts = gate_up.data.shape[1]
+    one = [jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), w) for w in (gate_up, down)]
+    return one[0], one[1], experts, layer * experts
+
+
 def check_experts(x: jax.Array, gate_up: TpuWeight | GpuWeight, down: TpuWeight | GpuWeight) -> None:
     """Raise unless x [..., H], gate_up [E, 2I, H] and down [E, H, I] fit together in one format."""
     experts, two_i, hidden = gate_up.shape

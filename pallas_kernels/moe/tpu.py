@@ -32,6 +32,7 @@ from pallas_kernels.moe.layouts import (
     PLAIN,
     TpuWeight,
     check_experts,
+    layers_as_one,
     nvfp4_e4m3,
     nvfp4_order,
 )
@@ -354,19 +355,22 @@ def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight, experts: jax.Array
 def moe_experts(
     x: jax.Array, gate_up: TpuWeight, down: TpuWeight, experts: jax.Array, weights: jax.Array, *,
     gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
-    interpret: pltpu.InterpretParams | None = None,
+    layer: jax.Array | int | None = None, interpret: pltpu.InterpretParams | None = None,
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_tpu` (`interpret`: run the
     kernels in Pallas' TPU interpreter with these parameters; the tiles sized as `routing.route` expects for
-    `routed_experts`)."""
+    `routed_experts`). With `layer`, the weights are stacked layers' [L, E, ...] and layer `layer`'s are read in
+    place (`layouts.layers_as_one`)."""
+    gate_up, down, num_experts, first = layers_as_one(gate_up, down, layer)
     _check(x, gate_up, down, experts)
-    num_experts, two_i, hidden = gate_up.shape
+    _, two_i, hidden = gate_up.shape
     inter = two_i // 2
     routing = route(experts, weights, num_experts, routed_experts)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if routing.order.shape[0] == 0:
         return jnp.zeros((experts.shape[0], hidden), out_dtype)
     plan = _plan(routing)
+    plan = dataclasses.replace(plan, expert=plan.expert + first)
     itemsize = {PLAIN: gate_up.data.dtype.itemsize, MXFP8: 1, NVFP4: 0.5}[gate_up.format]
 
     def rows_in_order(rows: jax.Array, k: int) -> jax.Array:  # [R, K], K in the order the weight's rows are
