@@ -122,7 +122,7 @@ def step_fn(
     `batch.feedback` is set). Outputs are meaningful for slots with counts > 0. speculative (static):
     run DSpark rounds for the `batch.speculate` slots (the model needs a draft); greedy_draft (static):
     the draft proposes its argmax instead of sampling. `step` is it jitted with the state donated;
-    `inkling_jax.engine` jits it with the output shardings pinned to the input ones."""
+    `inkling_jax.runtime.engine` jits it with the output shardings pinned to the input ones."""
     replica_step = functools.partial(_step, graphdef, num_top=num_top, speculative=speculative,
                                      greedy_draft=greedy_draft)  # fmt: skip
     mesh = jax.sharding.get_abstract_mesh()
