@@ -165,45 +165,46 @@ class SparseMoeBlock(nnx.Module):
         stack, read in place by the kernels) and this is layer `layer`'s call."""
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
-        run = functools.partial(
-            moe_experts, gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap, layer=layer
-        )
+        run = functools.partial(moe_experts, gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap)
         mesh = jax.sharding.get_abstract_mesh()
         if MODEL in mesh.axis_names and mesh.shape[MODEL] > 1:
-            out = expert_parallel(run, mesh, flat, *self.experts.weights(), experts, weights, stacked=layer is not None)
+            out = expert_parallel(run, mesh, flat, *self.experts.weights(), experts, weights, layer)
         else:
-            out = run(flat, *self.experts.weights(), experts, weights)
+            out = run(flat, *self.experts.weights(), experts, weights, layer=layer)
         return out.reshape(x.shape)
 
 
-def expert_parallel(run, mesh, x, gate_up, down, experts, weights, stacked: bool = False) -> jax.Array:
+def expert_parallel(run, mesh, x, gate_up, down, experts, weights, layer: jax.Array | None = None) -> jax.Array:
     """`run` (the MoE op) over experts split on the mesh's `model` axis; x [N, H] replicated -> [N, H].
 
     Tokens are already on every device, so dispatch costs nothing; the combine is a reduce-scatter of
     fp32 partial sums (each token's experts add up in fp32 and round once, as without the mesh) and an
-    all-gather in the activation dtype. bench/moe_exchange.py compares it with an all-to-all exchange. `stacked`:
-    the weights are stacked layers' [L, E, ...], split on E.
+    all-gather in the activation dtype. bench/moe_exchange.py compares it with an all-to-all exchange. With
+    `layer`, the weights are stacked layers' [L, E, ...], split on E, and the call is that layer's.
     """
     tp, tokens = mesh.shape[MODEL], x.shape[0]
     padded = -(-tokens // tp) * tp  # the reduce-scatter splits tokens evenly
+    stacked = layer is not None
 
-    def local(x, gate_up, down, experts, weights):  # gate_up, down: this device's experts ([L, E / tp] stacked)
+    def local(x, gate_up, down, experts, weights, *layer):  # gate_up, down: this device's experts
         per_device = jax.tree.leaves(gate_up)[0].shape[1 if stacked else 0]
         mine = experts - jax.lax.axis_index(MODEL) * per_device  # ids outside [0, per_device) are dropped
-        partial = run(x, gate_up, down, mine, weights, out_dtype=jnp.float32, routed_experts=per_device * tp)
+        partial = run(x, gate_up, down, mine, weights, out_dtype=jnp.float32, routed_experts=per_device * tp,
+                      layer=layer[0] if layer else None)  # fmt: skip
         partial = jnp.pad(partial, ((0, padded - tokens), (0, 0)))
         summed = jax.lax.psum_scatter(partial, MODEL, scatter_dimension=0, tiled=True)
         return jax.lax.all_gather(round_to(summed, x.dtype), MODEL, axis=0, tiled=True)[:tokens]
 
     experts_on_model = P(None, MODEL) if stacked else P(MODEL)
+    layers = (layer,) if stacked else ()  # an operand, not a closure: it is traced outside this shard_map
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(P(), experts_on_model, experts_on_model, P(), P()),
+        in_specs=(P(), experts_on_model, experts_on_model, P(), P(), *(P() for _ in layers)),
         out_specs=P(),
         axis_names={MODEL},
         check_vma=False,  # the all-gather's result is replicated; the type check cannot see it
-    )(x, gate_up, down, experts, weights)
+    )(x, gate_up, down, experts, weights, *layers)
 
 
 def kernel_platform() -> str | None:
