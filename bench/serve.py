@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from inkling_jax.runtime import compilation_cache
-from inkling_jax.runtime.engine import LOAD_FORMATS
+from inkling_jax.runtime.engine import add_load_format_argument
 from inkling_jax.sharding import parse_mesh
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
@@ -114,12 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="a running server; default: start one in-process")
     parser.add_argument("--checkpoint", help="in-process server's checkpoint (default: tiny synthetic)")
-    parser.add_argument(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default="auto",
-        help="dummy: random weights built on the devices from the config alone",
-    )
+    add_load_format_argument(parser)
     compilation_cache.add_argument(parser)
     parser.add_argument("--mesh", default="tp1")
     parser.add_argument("--dtype", default="bfloat16")

@@ -37,7 +37,7 @@ from inkling_jax.config import ConfigError
 from inkling_jax.distributed import DistributedError
 from inkling_jax.model.draft import NoDraftError
 from inkling_jax.runtime import compilation_cache
-from inkling_jax.runtime.engine import LOAD_FORMATS, load_engine
+from inkling_jax.runtime.engine import add_load_format_argument, load_engine
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
@@ -80,12 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "requests may opt out; outputs follow the model's distribution either way"
     )
     parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none", help=speculative_help)
-    parser.add_argument(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default="auto",
-        help="dummy: random weights built on the devices from the config alone (no tokenizer)",
-    )
+    add_load_format_argument(parser)
     compilation_cache.add_argument(parser)
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on exit")
     distributed.add_arguments(parser)

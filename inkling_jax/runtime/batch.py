@@ -36,7 +36,7 @@ from inkling_jax.distributed import DistributedError
 from inkling_jax.model.draft import NoDraftError, require_draft
 from inkling_jax.model.text import CausalLM
 from inkling_jax.runtime import compilation_cache
-from inkling_jax.runtime.engine import LOAD_FORMATS, Checkpoint, Engine, load_engine, open_checkpoint
+from inkling_jax.runtime.engine import Checkpoint, Engine, add_load_format_argument, load_engine, open_checkpoint
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request, request_from_json
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
@@ -230,12 +230,7 @@ def main(argv: list[str] | None, prog: str) -> int:
     parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
                         help="DSpark speculative decoding with the checkpoint's draft (dspark-greedy: drafts are the "
                              "draft's argmax); the output's distribution is the target's either way")  # fmt: skip
-    parser.add_argument(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default="auto",
-        help="dummy: random weights built on the devices from the config alone (no tokenizer)",
-    )
+    add_load_format_argument(parser)
     compilation_cache.add_argument(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary on stderr")
     distributed.add_arguments(parser)

@@ -15,6 +15,7 @@ only) or `chunk` wide, in its own program. `widths` lists them; `warm_up` compil
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -42,6 +43,17 @@ from inkling_jax.step import Emitted, StepBatch, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: random weights from its config alone
+
+
+def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
+    """`--load-format`, as every command that loads a model takes it (vLLM's name)."""
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: random weights built on the devices from the config alone (no tokenizer)",
+    )
+
 
 # What an idle slot samples with (its token is discarded), and each parameter's neutral value.
 NEUTRAL_SAMPLING = {
