@@ -76,7 +76,8 @@ def checkpoint_parameters(
     """Every parameter as checkpoints name them (a layer's by `model.layers.{i}.…`), with its shape and dtype."""
     formats = expert_formats if expert_formats is not None else [None] * config.text.num_hidden_layers
     _, state = nnx.split(abstract_causal_lm(config, dtype, formats))
-    return layer_parameters(config.text, formats, parameter_paths(state))
+    variables = parameter_paths(state)
+    return layer_parameters(variables, stacked_rows(config.text, formats, list(variables)))
 
 
 def named_parameters(model: CausalLM) -> dict[str, jax.Array]:
@@ -261,10 +262,10 @@ def load_causal_lm(
     abstract = abstract_causal_lm(config, dtype, formats)
     graphdef, state = nnx.split(abstract)
     variables = parameter_paths(state)
-    named = layer_parameters(config.text, formats, variables)
+    rows = stacked_rows(config.text, formats, list(variables))
+    named = layer_parameters(variables, rows)
     shardings = parameter_paths(parameter_shardings(abstract, mesh)) if mesh is not None else {}
     plan = _plan(checkpoint, files, layout, groups, formats, named)
-    rows = stacked_rows(config.text, formats, list(variables))
     experts = config.text.n_routed_experts
     for path, variable in variables.items():
 

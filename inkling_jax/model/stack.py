@@ -102,12 +102,9 @@ def stacked_rows(text: TextConfig, expert_formats: Sequence[str | None], paths: 
     return rows
 
 
-def layer_parameters(
-    text: TextConfig, expert_formats: Sequence[str | None], variables: dict[str, nnx.Variable]
-) -> dict[str, jax.ShapeDtypeStruct]:
+def layer_parameters(variables: dict[str, nnx.Variable], rows: dict[str, dict]) -> dict[str, jax.ShapeDtypeStruct]:
     """The parameters as checkpoints name them: every unstacked path as it is, and each filled row of a stacked
-    parameter under its layer's path, with that row's shape and dtype."""
-    rows = stacked_rows(text, expert_formats, list(variables))
+    parameter (`rows`: `stacked_rows` of these paths) under its layer's path, with that row's shape and dtype."""
     named = {path: jax.ShapeDtypeStruct(v.shape, v.dtype) for path, v in variables.items() if path not in rows}
     for path, by_row in rows.items():
         variable = variables[path]
