@@ -1,5 +1,6 @@
-"""Which accelerator the kernels run on, for the entry points' "auto" choice."""
+"""Which accelerator the kernels run on (the entry points' "auto" choice), and how Mosaic GPU lowers them."""
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -22,3 +23,18 @@ def hopper_takes(check: Callable[..., None], *operands) -> bool:
     except ValueError:
         return False
     return True
+
+
+def ask_ptxas_once() -> None:
+    """Make Mosaic GPU ask ptxas for its PTX ISA version once per process. jax 0.11 asks it again at every
+    conversion to or from a type of 8 bits or fewer that a kernel lowers (about a millisecond each; the expert
+    kernels' FP4/FP8 decoding makes some 20,000 of them in the model's step, a third of its lowering time), and
+    the answer cannot change while the process runs."""
+    try:
+        from jax._src.lib import mosaic_gpu
+    except ImportError:  # no CUDA plugin: nothing lowers for a GPU here
+        return
+    extension = getattr(mosaic_gpu, "_mosaic_gpu_ext", None)
+    asked = getattr(extension, "_get_ptxas_isa_version", None)
+    if asked is not None and not hasattr(asked, "cache_info"):
+        extension._get_ptxas_isa_version = functools.cache(asked)

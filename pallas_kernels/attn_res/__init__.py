@@ -6,6 +6,7 @@ at their best: bench/results/README.md); otherwise on GPU the XLA formulation fo
 oracle for decode-sized ones; the oracle on CPU. Every backend takes the sources as a list or as one stacked
 buffer, and a count `valid` of real ones (a scan over the blocks carries it)."""
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -48,6 +49,16 @@ def attn_res_norm(
         if hopper_takes(gpu.check, sources, partial, queries, norm_weights):
             on_gpu = "gpu"
         backend = {"tpu": "tpu", "gpu": on_gpu}.get(platform, "reference")
+    return _computed(sources, partial, queries, norm_weights, valid, eps=eps, out_dtype=out_dtype, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "backend"))
+def _computed(
+    sources: Sources, partial: jax.Array, queries: jax.Array, norm_weights: jax.Array, valid: jax.Array | None, *,
+    eps: float, out_dtype: jnp.dtype, backend: str,
+) -> jax.Array:  # fmt: skip
+    """One backend's mix as its own jaxpr: every layer's call of one shape traces to the same jaxpr, which a
+    program lowers once (lowering a Mosaic kernel takes about a second)."""
     options = {"eps": eps, "out_dtype": out_dtype}
     if backend in ("reference", "xla"):
         module = reference if backend == "reference" else xla

@@ -6,6 +6,8 @@
 out for them (and of a shape they take), the reference otherwise.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -45,17 +47,29 @@ def moe_experts(
             backend = "gpu"
         else:
             backend = "reference"
+    laid_out, layout = (for_tpu_kernels, "for_tpu") if backend == "tpu" else (for_gpu_kernels, "for_gpu")
+    if backend != "reference" and not laid_out:
+        raise ValueError(
+            f"the {backend.upper()} expert kernels take weights laid out by pallas_kernels.moe.layouts.{layout}"
+            f" (once, at load); got {type(gate_up).__name__} and {type(down).__name__}"
+        )
+    options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype, "routed_experts": routed_experts}
+    layer = None if layer is None else jnp.asarray(layer, jnp.int32)
+    return _computed(x, gate_up, down, experts, weights, layer, backend=backend, **options)
+
+
+@functools.partial(jax.jit, static_argnames=("gate_cap", "up_cap", "out_dtype", "routed_experts", "backend"))
+def _computed(
+    x: jax.Array, gate_up: Weight, down: Weight, experts: jax.Array, weights: jax.Array, layer: jax.Array | None, *,
+    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None, routed_experts: int | None, backend: str,
+) -> jax.Array:  # fmt: skip
+    """One backend's experts as their own jaxpr: every layer's call of one shape traces to the same jaxpr, which
+    a program lowers once (lowering a Mosaic kernel takes about a second)."""
     options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype}
     if backend == "reference":
         if layer is not None:  # the oracle takes the layer's weights out of the stack
             gate_up, down = (jax.tree.map(lambda a: a[layer], w) for w in (gate_up, down))
         return reference.moe_experts(x, gate_up, down, experts, weights, **options)
-    laid_out, layout = (for_tpu_kernels, "for_tpu") if backend == "tpu" else (for_gpu_kernels, "for_gpu")
-    if not laid_out:
-        raise ValueError(
-            f"the {backend.upper()} expert kernels take weights laid out by pallas_kernels.moe.layouts.{layout}"
-            f" (once, at load); got {type(gate_up).__name__} and {type(down).__name__}"
-        )
     options |= {"routed_experts": routed_experts, "layer": layer}
     if backend == "tpu":
         return tpu.moe_experts(x, gate_up, down, experts, weights, **options)

@@ -64,7 +64,10 @@ from pallas_kernels.moe.routing import (
     weighted_sum,
 )
 from pallas_kernels.numerics import round_to
+from pallas_kernels.platform import ask_ptxas_once
 from pallas_kernels.quantized import MXFP8, NVFP4
+
+ask_ptxas_once()
 
 OWN_TMS = (64, 80, 96, 112)  # prefill: the widths (rows) of the windows of an expert's own, each window the narrowest
 # that holds its copies (at 4096 tokens the groups average 85 copies: one width of 96, two windows for groups past
