@@ -203,26 +203,78 @@ class KVCache:
 def record_windows(kv: KVCache, width: int) -> KVCache:
     """kv, set to also record every layer's convolution windows (`ConvWindows`) of a chunk of `width` tokens."""
 
-    def empty(history: jax.Array) -> jax.Array:  # [layers, S, K - 1, ch] -> [layers, S, K - 1 + width, ch]
-        return jnp.pad(jnp.zeros_like(history), ((0, 0), (0, 0), (0, width), (0, 0)))  # varies where history does
+    return dataclasses.replace(
+        kv, windows=ConvWindows(*(_empty_windows(getattr(kv, f"conv_{s}"), width) for s in CONV_STREAMS))
+    )
 
-    return dataclasses.replace(kv, windows=ConvWindows(*(empty(getattr(kv, f"conv_{s}")) for s in CONV_STREAMS)))
+
+def _empty_windows(history: jax.Array, width: int) -> jax.Array:
+    """[layers, S, K - 1, ch] -> zeros [layers, S, K - 1 + width, ch] (varying where history does)."""
+    return jnp.pad(jnp.zeros_like(history), ((0, 0), (0, 0), (0, width), (0, 0)))
 
 
-def advance_conv(kv: KVCache, stream: str, layer: int, x: jax.Array, counts: jax.Array) -> KVCache:
-    """kv with `layer`'s `stream` convolution state moved past the first counts[s] of the chunk's inputs
-    x [S, C, ch] (ch: the layer's channels, a prefix of the state's), and its window recorded when kv
-    records them."""
+def advance_conv(kv: KVCache, stream: str, x: jax.Array, counts: jax.Array) -> KVCache:
+    """kv (one layer's view, `layer_view`) with its `stream` convolution state moved past the first counts[s] of
+    the chunk's inputs x [S, C, ch] (ch: the layer's channels, a prefix of the state's), and its window recorded
+    when kv records them."""
     name, channels = f"conv_{stream}", x.shape[-1]
-    state = getattr(kv, name)  # [layers, S, K - 1, all channels]
-    window = conv_window(state[layer, ..., :channels], x)  # [S, K - 1 + C, ch]
+    state = getattr(kv, name)  # [1, S, K - 1, all channels]
+    window = conv_window(state[0, ..., :channels], x)  # [S, K - 1 + C, ch]
     kv = dataclasses.replace(
-        kv, **{name: state.at[layer, ..., :channels].set(committed_history(window, counts, state.shape[2]))}
+        kv, **{name: state.at[0, ..., :channels].set(committed_history(window, counts, state.shape[2]))}
     )
     if kv.windows is None:
         return kv
-    recorded = getattr(kv.windows, stream).at[layer, ..., :channels].set(window)
+    recorded = getattr(kv.windows, stream).at[0, ..., :channels].set(window)
     return dataclasses.replace(kv, windows=dataclasses.replace(kv.windows, **{stream: recorded}))
+
+
+def conv_rows(kv: KVCache, first: int, rows: int, width: int) -> tuple[jax.Array, ...]:
+    """The four convolution states of layers first .. first + rows * width - 1, each [rows, width, S, K - 1, ch]:
+    the per-layer inputs of a scan over `rows` blocks of `width` layers."""
+    return tuple(
+        getattr(kv, f"conv_{s}")[first : first + rows * width].reshape(rows, width, *getattr(kv, f"conv_{s}").shape[1:])
+        for s in CONV_STREAMS
+    )
+
+
+def layer_view(kv: KVCache, states: tuple[jax.Array, ...]) -> KVCache:
+    """kv as one layer sees it: its four convolution states `states` ([S, K - 1, ch] each) as stacks of one layer,
+    and, when kv records windows, empty windows of one layer. A scan over layers carries the rest of the cache and
+    hands each layer its states as scan inputs, so that no layer updates a stack of every layer's (XLA copies a
+    stack that one layer reads and another updates inside a loop)."""
+    views = {f"conv_{s}": state[None] for s, state in zip(CONV_STREAMS, states, strict=True)}
+    if kv.windows is not None:
+        width = kv.windows.k.shape[2] - kv.conv_k.shape[2]
+        views["windows"] = ConvWindows(*(_empty_windows(state[None], width) for state in states))
+    return dataclasses.replace(kv, **views)
+
+
+def leave_view(view: KVCache, kv: KVCache) -> tuple[KVCache, tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
+    """A layer's `layer_view` after the layer -> (kv with the view's attention state, the layer's four convolution
+    states [S, K - 1, ch], its four windows [S, K - 1 + C, ch] or None when not recording)."""
+    states = tuple(getattr(view, f"conv_{s}")[0] for s in CONV_STREAMS)
+    windows = None if view.windows is None else tuple(getattr(view.windows, s)[0] for s in CONV_STREAMS)
+    convs = {f"conv_{s}": getattr(kv, f"conv_{s}") for s in CONV_STREAMS}
+    return dataclasses.replace(view, **convs, windows=kv.windows), states, windows
+
+
+def put_conv_rows(
+    kv: KVCache, first: int, states: tuple[jax.Array, ...], windows: tuple[jax.Array, ...] | None
+) -> KVCache:
+    """kv with layers first .. first + n - 1's convolution states (and windows) set from a scan's outputs
+    [rows, width, ...] (n = rows * width)."""
+
+    def put(stack: jax.Array, rows: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(stack, rows.reshape(-1, *stack.shape[1:]), first, 0)
+
+    kv = dataclasses.replace(
+        kv, **{f"conv_{s}": put(getattr(kv, f"conv_{s}"), rows) for s, rows in zip(CONV_STREAMS, states, strict=True)}
+    )
+    if windows is None:
+        return kv
+    recorded = ConvWindows(*(put(getattr(kv.windows, s), rows) for s, rows in zip(CONV_STREAMS, windows, strict=True)))
+    return dataclasses.replace(kv, windows=recorded)
 
 
 def commit_conv(kv: KVCache, windows: ConvWindows, commit: jax.Array) -> KVCache:

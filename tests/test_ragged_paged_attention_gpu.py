@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from test_ragged_paged_attention import among_other_layers
 
 from pallas_kernels.ragged_paged_attention import gpu
 from pallas_kernels.ragged_paged_attention.blocks import attend
@@ -71,15 +72,25 @@ def inputs(
     return case
 
 
-def run(fn, case: dict, window: int | None) -> np.ndarray:
+def run(fn, case: dict, window: int | None, **ring) -> np.ndarray:
     args = [case[name] for name in ("q", "k", "v", "kv_lens", "query_lens", "rel", "rel_proj", "sinks")]
-    out = fn(*args, page_table=case["page_table"], scale=DIM**-0.5, window=window)
+    out = fn(*args, page_table=case["page_table"], scale=DIM**-0.5, window=window, **ring)
     return np.asarray(out.astype(jnp.float32))
 
 
-def compare(case: dict, window: int | None, splits: int | None, **options) -> None:
+def compare(case: dict, window: int | None, splits: int | None, among_layers: bool = False, **options) -> None:
+    """The kernel equals the reference on `case`; `among_layers`: the kernel reads the case's rings in place from
+    a stack of several layers' rings."""
     kernel = functools.partial(gpu._attention, splits=splits, interpret=jax.default_backend() == "cpu", **options)
-    got = run(jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window")), case, window)
+    on_kernel, ring = case, {}
+    if among_layers:
+        rng = np.random.default_rng(0)
+        k, v, base = among_other_layers(rng, *(np.asarray(case[n], np.float32) for n in ("k", "v")))
+        on_kernel = case | {"k": jnp.asarray(k, jnp.bfloat16), "v": jnp.asarray(v, jnp.bfloat16)}
+        ring = {"ring_base": jnp.int32(base)}
+    got = run(
+        jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window")), on_kernel, window, **ring
+    )
     want = run(reference, case, window)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
@@ -110,7 +121,7 @@ def test_pool_prefill(window, extent):  # on CPU also the interpreter's window o
 def test_ring_mixed_batch(splits):
     window = 200
     case = inputs(5, *MIXED, extent=window, ring=384)  # at least window + C slots, a multiple of the block
-    compare(case, window, splits)
+    compare(case, window, splits, among_layers=True)
 
 
 # decode with its bias built in the kernel (None) or read from the frame (False); verify always reads the frame

@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 from jax import export
 from jax.experimental.pallas import tpu as pltpu
-from test_ragged_paged_attention import DIM, MIXED, WIDTH, check, paged, random_case, rings, step_inputs
+from test_ragged_paged_attention import (
+    DIM,
+    MIXED,
+    WIDTH,
+    among_other_layers,
+    check,
+    paged,
+    random_case,
+    rings,
+    step_inputs,
+)
 from tpu_interpret import race_checked
 
 import pallas_kernels.ragged_paged_attention as ragged_paged_attention
@@ -24,12 +34,13 @@ def interpreted(**inputs) -> np.ndarray:
 
 
 def inputs(
-    case: dict, k: np.ndarray, v: np.ndarray, table: np.ndarray | None, window: int | None, width: int = WIDTH
-) -> dict:
+    case: dict, k: np.ndarray, v: np.ndarray, table: np.ndarray | None, window: int | None, width: int = WIDTH,
+    ring_base: int = 0,
+) -> dict:  # fmt: skip
     step = step_inputs(case, width)
     return dict(
         q=step["q"], k=k, v=v, kv_lens=case["kv_lens"], query_lens=case["query_lens"], rel=step["rel"],
-        rel_proj=case["rel_proj"], sinks=step["sinks"], page_table=table, window=window,
+        rel_proj=case["rel_proj"], sinks=step["sinks"], page_table=table, window=window, ring_base=ring_base,
     )  # fmt: skip
 
 
@@ -45,12 +56,13 @@ def test_decode_only_steps(ring):
     """A step of width 1 (every row of a KV head at one position): bias rows rotated alike."""
     window = 9 if ring else None
     case = random_case(5, [37, 29, 61, 1, 140], [1, 1, 1, 1, 0], extent=9 if ring else 24)
-    if ring:
-        k, v = rings(case, size=window + 1)
+    base = 0
+    if ring:  # read in place among other layers' rings
+        k, v, base = among_other_layers(case["rng"], *rings(case, size=window + 1))
         table = None
     else:
         k, v, table = paged(case, num_pages=128, max_pages=20)
-    check(case, interpreted(**inputs(case, k, v, table, window, width=1)), window)
+    check(case, interpreted(**inputs(case, k, v, table, window, width=1, ring_base=base)), window)
 
 
 def test_wide_chunks_in_row_tiles_over_many_steps():

@@ -51,10 +51,10 @@ class Chunk:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerIndex:
-    """Where a layer's state sits in the decode state (int32 scalars, traced inside the scan over layers): its
-    index among all layers (convolution states) and among the layers of its kind (K/V)."""
+    """Where a layer's K/V sit in the decode state: its index among the layers of its kind (an int32 scalar,
+    traced inside the scan over layers). Its convolution states come in the cache's one-layer view
+    (`inkling_jax.cache.layer_view`)."""
 
-    layer: jax.Array
     kind: jax.Array
 
 
@@ -74,6 +74,13 @@ def all_layer_pages(pages: jax.Array, layer: jax.Array | int, page_table: jax.Ar
     layers) would copy all its pages first."""
     layers, count = pages.shape[:2]
     return pages.reshape(layers * count, *pages.shape[2:]), page_table + layer * count
+
+
+def all_layer_rings(rings: jax.Array, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+    """rings [layers, S, H, R, D] as one stack [layers * S, H, R, D] (a free reshape) and where `layer`'s rings
+    start in it: a kernel reads the layer in place, where indexing it (traced inside the scan) would copy them."""
+    layers, slots = rings.shape[:2]
+    return rings.reshape(layers * slots, *rings.shape[2:]), jnp.asarray(layer, jnp.int32) * slots
 
 
 def read_pages(pages: jax.Array, layer: int, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
@@ -123,27 +130,30 @@ def cached_attention(
     page_table: jax.Array | None,
     scale: float,
     window: int | None,
+    ring_base: jax.Array | int = 0,
 ) -> jax.Array:
     """`ragged_paged_attention` (the platform's kernel) over this device's heads: q, rel, sinks split by
     query head and the cache by KV head on the mesh's `model` axis (heads never meet in attention)."""
     attend = functools.partial(ragged_paged_attention, scale=scale, window=window)
     mesh = jax.sharding.get_abstract_mesh()
+    ring_base = jnp.asarray(ring_base, jnp.int32)
     if MODEL not in mesh.axis_names or mesh.shape[MODEL] == 1:
-        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table)
+        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, ring_base=ring_base)
     heads, kv_heads = P(None, None, MODEL), P(None, MODEL)
     tables = () if page_table is None else (page_table,)
 
-    def local(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, *tables):
-        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=tables[0] if tables else None)
+    def local(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, ring_base, *tables):
+        table = tables[0] if tables else None
+        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=table, ring_base=ring_base)
 
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads, kv_heads, kv_heads, P(), P(), heads, P(), heads, *(P() for _ in tables)),
+        in_specs=(heads, kv_heads, kv_heads, P(), P(), heads, P(), heads, P(), *(P() for _ in tables)),
         out_specs=heads,
         axis_names={MODEL},
         check_vma=False,  # Pallas kernels' outputs carry no varying-axes type
-    )(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, *tables)
+    )(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, ring_base, *tables)
 
 
 class RelativeLogits(nnx.Module):
@@ -217,7 +227,7 @@ class Attention(nnx.Module):
         k_pre, v_pre = self.k_proj(k_in), self.v_proj(v_in)
         k_history = v_history = None
         if kv is not None:
-            k_history, v_history = kv.conv_k[at.layer, ..., :kv_size], kv.conv_v[at.layer, ..., :kv_size]
+            k_history, v_history = kv.conv_k[0, ..., :kv_size], kv.conv_v[0, ..., :kv_size]
         k = self._convolve(self.k_sconv, k_pre, k_in, k_history)
         v = self._convolve(self.v_sconv, v_pre, v_in, v_history)
         k = round_to(l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold), dtype)
@@ -244,7 +254,8 @@ class Attention(nnx.Module):
                     sliding_k=write_ring(kv.sliding_k, kind, k, chunk),
                     sliding_v=write_ring(kv.sliding_v, kind, v, chunk),
                 )
-                k, v, page_table = kv.sliding_k[kind], kv.sliding_v[kind], None
+                (k, ring_base), (v, _) = (all_layer_rings(rings, kind) for rings in (kv.sliding_k, kv.sliding_v))
+                page_table = None
             else:
                 kv = dataclasses.replace(
                     kv, full_k=write_pages(kv.full_k, kind, k, chunk), full_v=write_pages(kv.full_v, kind, v, chunk)
@@ -252,10 +263,11 @@ class Attention(nnx.Module):
                 (k, page_table), (v, _) = (
                     all_layer_pages(pages, kind, chunk.page_table) for pages in (kv.full_k, kv.full_v)
                 )
-            kv = advance_conv(advance_conv(kv, "k", at.layer, k_pre, chunk.counts), "v", at.layer, v_pre, chunk.counts)
+                ring_base = 0
+            kv = advance_conv(advance_conv(kv, "k", k_pre, chunk.counts), "v", v_pre, chunk.counts)
             out = cached_attention(
                 q, k, v, chunk.lengths + chunk.counts, chunk.counts, rel, proj, sinks,
-                page_table=page_table, scale=scale, window=window,
+                page_table=page_table, scale=scale, window=window, ring_base=ring_base,
             )  # fmt: skip
         gate = jax.nn.sigmoid(self.gate_proj(q_in).astype(jnp.float32))
         out = round_to(out.reshape(batch, length, -1).astype(jnp.float32) * gate, dtype)

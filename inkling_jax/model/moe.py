@@ -160,11 +160,15 @@ class SparseMoeBlock(nnx.Module):
         self.gate = Router(rngs, config)
         self.experts = Experts(rngs, config, dtype, expert_format)
 
-    def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None, valid: jax.Array | None = None) -> jax.Array:
         """x [B, T, H] -> [B, T, H]. `layer`: the experts hold stacked layers' weights [L, E, ...] (a scan's whole
-        stack, read in place by the kernels) and this is layer `layer`'s call."""
+        stack, read in place by the kernels) and this is layer `layer`'s call. `valid` [B, T]: the real tokens;
+        the others (idle slots, padding) visit no expert, so that a step reads only the experts its real tokens
+        chose, and their rows of the output are zero."""
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
+        if valid is not None:  # an id past every expert is dropped by every backend
+            experts = jnp.where(valid.reshape(-1, 1), experts, self.config.n_routed_experts)
         run = functools.partial(moe_experts, gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap)
         mesh = jax.sharding.get_abstract_mesh()
         if MODEL in mesh.axis_names and mesh.shape[MODEL] > 1:

@@ -23,7 +23,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax.cache import ConvWindows, KVCache, advance_conv, record_windows
+from inkling_jax.cache import (
+    ConvWindows,
+    KVCache,
+    advance_conv,
+    conv_rows,
+    layer_view,
+    leave_view,
+    put_conv_rows,
+    record_windows,
+)
 from inkling_jax.config import DraftConfig, TextConfig
 from inkling_jax.model.attention import Attention, Chunk, LayerIndex, write_draft_context
 from inkling_jax.model.attn_res import BlockAttentionResidual
@@ -110,7 +119,7 @@ class DecoderLayer(nnx.Module):
         else:
             h, kv = self.self_attn(*inputs, positions, kv, chunk, at)
         attention_out = h
-        h = self.post_attention_convolution(h, None if kv is None else kv.conv_attention[at.layer])
+        h = self.post_attention_convolution(h, None if kv is None else kv.conv_attention[0])
         h = h.astype(jnp.float32)
 
         if self.block_boundary:
@@ -119,11 +128,11 @@ class DecoderLayer(nnx.Module):
             h = x.astype(jnp.float32) + h
         residual = h
         mlp_in = mixed_norms(self.mlp_input, [self.post_attention_layernorm], sources, block + 1, h, dtype)[0]
-        mlp_out = self.mlp(mlp_in, row)
-        h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[at.layer])
+        mlp_out = self.mlp(mlp_in, row, None if chunk is None else chunk.valid)
+        h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[0])
         if kv is not None:
-            kv = advance_conv(kv, "attention", at.layer, attention_out, chunk.counts)
-            kv = advance_conv(kv, "mlp", at.layer, mlp_out, chunk.counts)
+            kv = advance_conv(kv, "attention", attention_out, chunk.counts)
+            kv = advance_conv(kv, "mlp", mlp_out, chunk.counts)
         return round_to(residual + h, dtype), sources, kv
 
 
@@ -180,20 +189,33 @@ class LayerStack(nnx.Module):
         # the expert weights stay whole, read in place by the kernels at the block's row; the rest is sliced
         graphdef, experts, params = nnx.split(self.positions, expert_weights, ...)
 
-        def block(carry: tuple, inputs: tuple) -> tuple[tuple, list[jax.Array]]:
+        first = segment.layers[0]
+        convs = None if kv is None else conv_rows(kv, first, segment.blocks, segment.width)
+
+        def block(carry: tuple, inputs: tuple) -> tuple[tuple, tuple]:
             x, sources, kv = carry
-            row, params = inputs
+            row, params, convs = inputs
             index = segment.first_block + row
-            outputs = []
+            outputs, states, windows = [], [], []
             for j, layer in enumerate(nnx.merge(graphdef, experts, params)):
-                at = LayerIndex(index * segment.size + j, self.kind_base[j] + row * self.kind_step[j])
-                x, sources, kv = layer(x, sources, index, positions, kv, chunk, at, row)
+                at = LayerIndex(self.kind_base[j] + row * self.kind_step[j])
+                view = None if kv is None else layer_view(kv, tuple(c[j] for c in convs))
+                x, sources, view = layer(x, sources, index, positions, view, chunk, at, row)
+                if kv is not None:
+                    kv, state, window = leave_view(view, kv)
+                    states.append(state)
+                    windows.append(window)
                 if j in taps:
                     outputs.append(x)
-            return (x, sources, kv), outputs
+            if kv is None:
+                return (x, sources, kv), (outputs, None, None)
+            stack = functools.partial(jax.tree.map, lambda *layers: jnp.stack(layers))
+            return (x, sources, kv), (outputs, stack(*states), None if kv.windows is None else stack(*windows))
 
         rows = jnp.arange(segment.blocks, dtype=jnp.int32)
-        (x, sources, kv), outputs = jax.lax.scan(block, (x, sources, kv), (rows, params))
+        (x, sources, kv), (outputs, states, windows) = jax.lax.scan(block, (x, sources, kv), (rows, params, convs))
+        if kv is not None:
+            kv = put_conv_rows(kv, first, states, windows)
         captured = {
             segment.layers[row * segment.width + j]: out[row]
             for j, out in zip(taps, outputs, strict=True)

@@ -4,10 +4,12 @@ point the model calls. `backend` picks the implementation: "tpu" (Mosaic TPU), "
 (CPU, other GPUs) and for inputs a kernel does not take (on GPU fp32, head dims or blocks not multiples of 64:
 the tiny test models; on TPU rings without a block of whole sublane tiles)."""
 
+import functools
 import importlib
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.platform import on_hopper
 from pallas_kernels.ragged_paged_attention import reference, tpu
@@ -51,13 +53,28 @@ def ragged_paged_attention(
     page_table: jax.Array | None,
     scale: float,
     window: int | None,
+    ring_base: jax.Array | int = 0,
     backend: str = "auto",
 ) -> jax.Array:
     """`reference.ragged_paged_attention`'s contract (shapes and semantics there), computed by `backend`."""
     chosen = automatic(q, k, page_table) if backend == "auto" else backend
-    return implementation(chosen)(
-        q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, scale=scale, window=window
-    )
+    ring_base = jnp.asarray(ring_base, jnp.int32)
+    return _computed(
+        q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_base, scale=scale, window=window,
+        backend=chosen,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "backend"))
+def _computed(
+    q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_base, *, scale, window, backend
+) -> jax.Array:
+    """One backend's attention as its own jaxpr: every layer's call of one shape traces to the same jaxpr, which
+    a program lowers once (lowering a Mosaic kernel takes about a second)."""
+    return implementation(backend)(
+        q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, scale=scale, window=window,
+        ring_base=ring_base,
+    )  # fmt: skip
 
 
 __all__ = ["BACKENDS", "automatic", "implementation", "ragged_paged_attention"]

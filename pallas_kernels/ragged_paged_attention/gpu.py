@@ -129,13 +129,14 @@ def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarr
 
 
 def _work(
-    kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, c_min: np.ndarray, c_max: np.ndarray, *,
-    block: int, splits: int, window: int | None, ring: int | None,
+    kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, ring_base: jax.Array, c_min: np.ndarray,
+    c_max: np.ndarray, *, block: int, splits: int, window: int | None, ring: int | None,
 ) -> jax.Array:  # fmt: skip
-    """[S, tiles, splits, 7] int32, the kernel's one table of scalars: each CTA's KV blocks [lo, hi), its
+    """[S, tiles, splits, 8] int32, the kernel's one table of scalars: each CTA's KV blocks [lo, hi), its
     tile's smallest and largest real query position (tiles of padding queries get nothing to visit), then
-    its sequence's first query position, last key position and bias frame start."""
-    seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, bias_first], axis=-1)  # [S, 3]
+    its sequence's first query position, last key position, bias frame start and ring (ring_base + s)."""
+    rings = ring_base + jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
+    seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, bias_first, rings], axis=-1)  # [S, 4]
     kv_lens, query_lens = kv_lens[:, None], query_lens[:, None]  # [S, 1]
     q_min = kv_lens - query_lens + c_min  # [S, tiles]
     q_max = kv_lens - query_lens + jnp.minimum(c_max, query_lens - 1)
@@ -143,7 +144,7 @@ def _work(
     share = (hi - lo + splits - 1) // splits
     start = jnp.minimum(lo[..., None] + share[..., None] * jnp.arange(splits), hi[..., None])  # [S, tiles, splits]
     stop = jnp.minimum(start + share[..., None], hi[..., None])
-    bounds = [jnp.broadcast_to(x[..., None], start.shape) for x in (q_min, q_max, *(seq[:, None, i] for i in range(3)))]
+    bounds = [jnp.broadcast_to(x[..., None], start.shape) for x in (q_min, q_max, *(seq[:, None, i] for i in range(4)))]
     return jnp.stack([start, stop, *bounds], axis=-1).astype(jnp.int32)
 
 
@@ -201,8 +202,8 @@ def _step_keys(kv_parallel: bool, block: int, step_keys: int | None) -> int:
 
 def _attention(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
-    query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
-    splits: int | None = None, step_keys: int | None = None, in_kernel: bool | None = None,
+    query_lens: jax.Array, page_table: jax.Array | None, ring_base: jax.Array, plan: Plan, *, scale: float,
+    window: int | None, splits: int | None = None, step_keys: int | None = None, in_kernel: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """`kernel` with the KV split count (None: chosen for the SMs), the keys per pipeline step (None: see
@@ -265,7 +266,7 @@ def _attention(
     rel_in_smem = flat or (in_kernel and interpret)  # copied to SMEM, not loaded into registers from GMEM
     c_min, c_max = _row_bounds(rows, padded, tile, width)
     work = _work(
-        kv_lens, query_lens, plan.bias_first, c_min, c_max, block=block, splits=splits, window=window,
+        kv_lens, query_lens, plan.bias_first, ring_base, c_min, c_max, block=block, splits=splits, window=window,
         ring=ring_size if ring else None,
     )  # fmt: skip
     pad = ((0, 0), (0, 0), (0, padded - rows))
@@ -299,7 +300,7 @@ def _attention(
         split, sh = lax.axis_index("split"), lax.axis_index("sh")
         tile_idx = tiles - 1 - lax.axis_index("tile")  # the tiles with the most blocks start first
         s, h = sh // kv_heads, sh % kv_heads
-        lo, hi, q_min, q_max, first_q, last, bias_first = (work_ref[s, tile_idx, split, i] for i in range(7))
+        lo, hi, q_min, q_max, first_q, last, bias_first, ring_row = (work_ref[s, tile_idx, split, i] for i in range(8))
         wg = lax.axis_index("wg")
 
         def in_frame(j):
@@ -312,7 +313,7 @@ def _attention(
             def issue(step, page):
                 j, off, slot = lo + step // sub, step % sub * keys, step % stages
                 if ring:
-                    src_k, src_v = (ref.at[s, h, pl.ds(j * block + off, keys)] for ref in (k_ref, v_ref))
+                    src_k, src_v = (ref.at[ring_row, h, pl.ds(j * block + off, keys)] for ref in (k_ref, v_ref))
                 else:  # the next step's page number is read now, so that its latency hides behind the waits
                     src_k, src_v = (ref.at[page, h, pl.ds(off, keys)] for ref in (k_ref, v_ref))
                     page = table_ref[s, jnp.minimum(lo + (step + 1) // sub, hi - 1)]
@@ -726,13 +727,14 @@ def _attention(
 
 def kernel(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
-    query_lens: jax.Array, page_table: jax.Array | None, plan: Plan, *, scale: float, window: int | None,
+    query_lens: jax.Array, page_table: jax.Array | None, ring_base: jax.Array, plan: Plan, *, scale: float,
+    window: int | None,
 ) -> jax.Array:  # fmt: skip
     """[S, C, Hq, D] attention of the queries q [S, C, Hq, D] over the pool or the rings (see `attend`)."""
     interpret = jax.default_backend() == "cpu"
     return _attention(
-        q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, plan, scale=scale, window=window,
-        interpret=interpret,
+        q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, ring_base, plan, scale=scale,
+        window=window, interpret=interpret,
     )  # fmt: skip
 
 

@@ -52,20 +52,22 @@ def ragged_paged_attention(
     page_table: jax.Array | None,
     scale: float,
     window: int | None,
+    ring_base: jax.Array | int = 0,
 ) -> jax.Array:
     """Attention output [S, C, Hq, D] in q's dtype (zeros at padding queries).
 
     q [S, C, Hq, D] (clipped and tau-scaled by the caller); with a page_table [S, max pages]: k, v the
-    page pool [P, Hkv, page, D]; without one: k, v the rings [S, Hkv, R, D] (head-major, so that a
-    kernel reads one head's page or ring slice as one contiguous block). kv_lens [S], query_lens [S]
-    int32 (query_lens <= C, kv_lens >= query_lens); rel [S, C, Hq, d_rel]; rel_proj [d_rel, extent];
-    sinks [S, C, Hq]; window: keys closer than this, or None for all.
+    page pool [P, Hkv, page, D]; without one: k, v rings [N, Hkv, R, D] (head-major, so that a
+    kernel reads one head's page or ring slice as one contiguous block), sequence s's at ring_base + s (an int32
+    scalar: several layers' rings stacked [layers * S, ...] are read in place, where slicing one out would copy).
+    kv_lens [S], query_lens [S] int32 (query_lens <= C, kv_lens >= query_lens); rel [S, C, Hq, d_rel];
+    rel_proj [d_rel, extent]; sinks [S, C, Hq]; window: keys closer than this, or None for all.
     """
     positions = query_positions(kv_lens, query_lens, q.shape[1])
     if page_table is not None:
         (k, kv_positions), (v, _) = paged_keys(k, page_table), paged_keys(v, page_table)
     else:
-        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        k, v = (jnp.swapaxes(jax.lax.dynamic_slice_in_dim(x, ring_base, q.shape[0]), 1, 2) for x in (k, v))
         kv_positions = ring_positions(k.shape[1], kv_lens)
     out = relative_attention(
         q, k.astype(q.dtype), v.astype(q.dtype), rel, rel_proj, sinks, positions, kv_positions,

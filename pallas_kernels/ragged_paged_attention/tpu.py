@@ -86,8 +86,7 @@ def _attend_step(
     scale: float, window: int | None, width: int, tile_rows: int, block: int, per_step: int, steps: int,
     extent: int, pad: int, span: int, ring: int | None,
 ) -> None:  # fmt: skip
-    if ring is None:
-        refs = refs[1:]  # the page table is only read by the index maps
+    refs = refs[1:]  # the page table or the ring base: only the index maps read it
     q_ref, sinks_ref, rel_ref, table_ref = refs[:4]
     k_refs, v_refs = refs[4 : 4 + per_step], refs[4 + per_step : 4 + 2 * per_step]
     out_ref, m_ref, l_ref, acc_ref = refs[4 + 2 * per_step :]
@@ -184,6 +183,7 @@ def kernel(
     kv_lens: jax.Array,
     query_lens: jax.Array,
     page_table: jax.Array | None,
+    ring_base: jax.Array,
     plan: Plan,
     *,
     scale: float,
@@ -219,8 +219,8 @@ def kernel(
 
             return index
 
-        def ring_index(s, tile, step, kv_lens, query_lens):
-            return s, 0, visited(s, tile, step, m, kv_lens, query_lens), 0
+        def ring_index(s, tile, step, kv_lens, query_lens, base):
+            return base[0] + s, 0, visited(s, tile, step, m, kv_lens, query_lens), 0
 
         return ring_index
 
@@ -233,9 +233,7 @@ def kernel(
     sinks_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, 1), row_index)
     rel_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, rel.shape[-1]), row_index)
     table_spec = pl.BlockSpec(table.shape, lambda *_: (0, 0))
-    scalars = [kv_lens, query_lens]
-    if paged:
-        scalars.append(page_table.reshape(-1))
+    scalars = [kv_lens, query_lens, page_table.reshape(-1) if paged else ring_base.reshape(1)]
     body = functools.partial(
         _attend_step, scale=scale, window=window, width=width, tile_rows=tile_rows, block=block, per_step=per_step,
         steps=steps, extent=rel_proj.shape[1], pad=pad, span=span, ring=ring,
