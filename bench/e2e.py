@@ -4,7 +4,7 @@
         [--requests-per-level 16] [--prompt-tokens 512] [--max-tokens 128] [--long-prompt-tokens 2048]
         [--long-prompts 4] [--context N] [--max-num-seqs S] [--chunk 64] [--kv-cache-mib M] [--steps 32]
         [--repeats 5] [--bandwidth 4.3e12] [--compilation-cache DIR] [--skip-engine] [--skip-restart]
-        [--skip-grpc] [--out FILE.json] [--markdown FILE.md]
+        [--skip-grpc] [--commit HASH] [--out FILE.json] [--markdown FILE.md]
     python -m bench.e2e --render PART.json [PART.json ...] --markdown FILE.md    # one record from split runs
 
 The model is the config's with random weights built on the devices (`--load-format dummy`), in the engine
@@ -112,11 +112,12 @@ def state_budget_mib(text: TextConfig, slots: int, chunk: int, tokens: int) -> i
 
 
 def stream_tokens(args: argparse.Namespace, text: TextConfig) -> int:
-    """max_tokens of the long-prompt phase's decoding streams: four times the scheduler steps all the prompts'
-    prefill takes (at its default budget of two chunks a step), plus the baseline, so they outlast the phase."""
+    """max_tokens of the long-prompt phase's decoding streams, ample for them to outlast it (they are cancelled at
+    its end): four times the scheduler steps all its prompts' prefill takes (at the scheduler's default budget of
+    two chunks a step), plus 16 times the baseline for the time the client takes to send the long prompts."""
     prompts = max(args.concurrency) * args.prompt_tokens + args.long_prompts * args.long_prompt_tokens
     steps = -(-prompts // (2 * args.chunk))
-    return min(4 * steps + 4 * BASELINE_TOKENS, text.max_position_embeddings - args.prompt_tokens)
+    return min(4 * steps + 16 * BASELINE_TOKENS, text.max_position_embeddings - args.prompt_tokens)
 
 
 def decode_bytes(engine: Engine, batch: int, context: int) -> dict[str, float]:
@@ -589,6 +590,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-engine", action="store_true", help="no compile, decode step or bytes phase")
     parser.add_argument("--skip-restart", action="store_true", help="no timed server start (gRPC still starts one)")
     parser.add_argument("--skip-grpc", action="store_true", help="no gRPC or long-prompt phase")
+    parser.add_argument("--commit", help="the code's commit, for a copy of the tree without git (default: git's)")
     parser.add_argument("--out", type=Path, help="the results as JSON (rewritten as each one comes)")
     parser.add_argument("--markdown", type=Path, help="the results as markdown, e.g. bench/results/e2e_h200.md")
     parser.add_argument("--render", type=Path, nargs="+", help="measure nothing: merge these runs' JSON files")
@@ -638,7 +640,8 @@ def main(argv: list[str] | None = None) -> None:
                  "cold (give an empty directory, or --skip-engine)")  # fmt: skip
     result: dict = {
         "setup": {
-            "command": " ".join(["python -m bench.e2e", *given]), "commit": commit(), "config": str(args.config),
+            "command": " ".join(["python -m bench.e2e", *given]), "commit": args.commit or commit(),
+            "config": str(args.config),
             **{key: getattr(args, key) for key in ("mesh", "max_num_seqs", "chunk", "kv_cache_mib", "context",
                                                    "prompt_tokens", "max_tokens", "requests_per_level",
                                                    "long_prompt_tokens", "long_prompts", "bandwidth")},
