@@ -2,6 +2,7 @@
 
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -20,6 +21,30 @@ def kernels_ms(fn, *args, repeats: int) -> list[tuple[str, float]]:
     jax.block_until_ready(fn(*args))
     runs = _kernel_runs(fn, *args, repeats=repeats)
     return [(name, statistics.median(run[i][1] for run in runs)) for i, (name, _) in enumerate(runs[0])]
+
+
+class _AsItIs:
+    """A call that CUPTI's `measure` runs unchanged instead of jitting it: measure jits whatever is not a
+    `jax.stages.Wrapped`, and this has the protocol's methods (trace and lower are never called)."""
+
+    def __init__(self, call: Callable[[], object]):
+        self.call = call
+
+    def __call__(self) -> object:
+        return self.call()
+
+    def trace(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def lower(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+def call_kernels_ms(call: Callable[[], object], repeats: int) -> list[tuple[str, float]]:
+    """Like kernels_ms for a call that is not a function of fixed arguments: one that runs compiled programs and
+    carries its own state from call to call (a step with its state donated, which cannot run twice on the same
+    arguments, as `Engine.step` does). Each call must launch the same kernels."""
+    return kernels_ms(_AsItIs(call), repeats=repeats)
 
 
 def device_ms(fn, *args, repeats: int) -> tuple[float, float]:
