@@ -58,19 +58,32 @@ def penalize(logits: jax.Array, params: SamplingParams, output_counts: jax.Array
     return logits - params.presence_penalty[:, None] * (counts > 0)
 
 
-def filtered_logits(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """(order [S, V], logits [S, V]): tokens by decreasing scaled logit, and their scaled logits with
-    everything outside top-k, top-p and min-p set to -inf."""
+def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """[S, V]: the temperature-scaled logits in vocabulary order, -inf outside top-k, top-p and min-p (each
+    measured on the whole scaled distribution; a token tied with the last one top-k or top-p keeps is kept too).
+    The vocabulary is sorted only when some slot asks for top-k or top-p: at decode that sort costs more than
+    any layer, and each row's result is the same either way."""
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     scaled = logits / temperature
-    order = jnp.argsort(-scaled, axis=-1, stable=True)
-    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep = probs >= params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    ranked_filters = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1)
+    floor = jax.lax.cond(ranked_filters, _ranked_floor, _no_floor, scaled, params)
+    return jnp.where(keep & (scaled >= floor), scaled, -jnp.inf)
+
+
+def _ranked_floor(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """[S, 1]: each row's smallest scaled logit that top-k and top-p keep (its smallest of all without them)."""
+    ranked = -jnp.sort(-scaled, axis=-1)
     probs = jax.nn.softmax(ranked, axis=-1)
-    rank = jnp.arange(logits.shape[-1])[None, :]
+    rank = jnp.arange(scaled.shape[-1])[None, :]
     keep = (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < params.top_p[:, None]  # the mass before a token
-    keep &= probs >= params.min_p[:, None] * probs[:, :1]
-    return order, jnp.where(keep, ranked, -jnp.inf)
+    return jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
+
+
+def _no_floor(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    return jnp.where(False, scaled[:, :1], -jnp.inf)  # varies over the mesh where scaled does
 
 
 def request_keys(seed: jax.Array, generated: jax.Array) -> jax.Array:
@@ -93,9 +106,7 @@ def sample(
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     penalized = penalize(logits, params, output_counts, prompt_mask)
-    order, ranked = filtered_logits(penalized, params)
-    choice = jax.vmap(jax.random.categorical)(request_keys(params.seed, generated), ranked)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    sampled = jax.vmap(jax.random.categorical)(request_keys(params.seed, generated), filtered_logits(penalized, params))
     tokens = jnp.where(params.temperature > 0, sampled, jnp.argmax(penalized, axis=-1)).astype(jnp.int32)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

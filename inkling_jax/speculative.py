@@ -66,9 +66,7 @@ class Verified:
 def vocab_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """probs [S, V] in vocabulary order: the distribution `sample` draws from at temperature > 0
     (softmax of the temperature-scaled logits restricted by top-k, top-p and min-p)."""
-    order, ranked = filtered_logits(logits, params)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    return jnp.put_along_axis(jnp.zeros_like(probs), order, probs, axis=-1, inplace=False)
+    return jax.nn.softmax(filtered_logits(logits, params), axis=-1)
 
 
 def token_keys(seed: jax.Array, first: jax.Array, count: int, purpose: int) -> jax.Array:
