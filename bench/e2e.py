@@ -58,21 +58,20 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-import grpc
 import jax
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.serve import level, one_request, percentiles
 from bench.timing import call_kernels_ms
 from inkling_jax.cache import PAGE_SIZE, bytes_per_sequence, conv_state_bytes, kv_bytes_per_token, ring_size
 from inkling_jax.config import TextConfig, load_config
 from inkling_jax.runtime import compilation_cache
 from inkling_jax.runtime.engine import Engine, host_batch, load_engine, pages_for
 from inkling_jax.sharding import MODEL
-from serving.proto import inkling_pb2 as pb
-from serving.proto import inkling_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from serving.proto import inkling_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 PROXY = REPO / "configs" / "proxy_h200.json"
@@ -94,7 +93,6 @@ LOADING = re.compile(r" loading \S+ on mesh ")
 WARMING_UP = re.compile(r" warming up: compiling every step shape")
 SERVING = re.compile(r" SERVING \S+ on ")
 LISTENING = re.compile(r" listening on (\S+):(\d+) ")
-SERVING_STATUS = health_pb2.HealthCheckResponse.SERVING
 
 
 # --- sizes ---
@@ -288,11 +286,15 @@ class ServerProcess:
         while not (listening := [m for _, line in self.lines if (m := LISTENING.search(line))]):
             self._still_starting(deadline)
         address = "{}:{}".format(*listening[0].groups())
+        import grpc  # the server phases' imports: the engine phase runs where no gRPC is installed
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING_STATUS:
+                    answer = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    if answer.status == health_pb2.HealthCheckResponse.SERVING:
                         return address, time.perf_counter() - self.start
                 except grpc.RpcError:
                     pass
@@ -362,6 +364,11 @@ def _gaps(arrivals: list[list[tuple[float, int]]], start: float, end: float) -> 
 def long_prompts(stub: pb_grpc.InklingStub, args: argparse.Namespace, vocab: int, text: TextConfig) -> dict:
     """Phase 4: max(--concurrency) streams decoding, then --long-prompts prompts of --long-prompt-tokens sent at
     once; their time to first token and the streams' time per output token before and while they prefill."""
+    import grpc
+
+    from bench.serve import one_request, percentiles
+    from serving.proto import inkling_pb2 as pb
+
     streams, rng = max(args.concurrency), np.random.default_rng(2048)
     arrivals: list[list[tuple[float, int]]] = [[] for _ in range(streams)]
     budget = stream_tokens(args, text)
@@ -713,6 +720,12 @@ def server_phases(args: argparse.Namespace, result: dict, save: Callable[[], Non
             say("\n" + start_section("Restart over the filled cache", started) + "\n")
         if args.skip_grpc:
             return
+        import grpc
+
+        from bench.serve import level
+        from serving.proto import inkling_pb2 as pb
+        from serving.proto import inkling_pb2_grpc as pb_grpc
+
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.InklingStub(channel)
             vocab = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).unpadded_vocab_size
