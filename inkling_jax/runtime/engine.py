@@ -47,6 +47,7 @@ from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shar
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.step import Emitted, StepBatch, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
+from pallas_kernels.platform import import_kernel_runtimes
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ class Engine:
             options = {**self._options, "width": width, "speculative": speculative}
             label = f"step-{self.slots}x{width}" + ("-speculative" if speculative else "")
             key = self._executables.key(label, self.mesh, options, self.graphdef, args)
+            import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
             compiled = self._executables.load(key, args, list(self.mesh.devices.flat))
         if compiled is not None:
             self.programs_loaded += 1
@@ -280,9 +282,14 @@ class Engine:
         return host_batch(tokens, np.zeros(self.slots, np.int32), [None] * self.slots, table, speculate=speculate)
 
     def warm_up(self) -> None:
-        """Compile (and run once) every step shape, so serving never compiles."""
+        """Compile or load (and run once) every step shape, so serving never compiles. Logs each shape's time to
+        ready: its program (logged by itself) and a first run (on GPU that compiles the Mosaic GPU kernels that the
+        program's custom calls carry)."""
         for width, speculative in self.widths:
+            start = time.perf_counter()
             self.fetch(self.step(self.idle_batch(width, speculative)))
+            logger.info("step [%d, %d] (speculative=%s): ready in %.1f s (its program and a first run)", self.slots,
+                        width, speculative, time.perf_counter() - start)  # fmt: skip
 
 
 def host_batch(
