@@ -20,7 +20,9 @@ A mismatch anywhere is a miss (the program is compiled and stored under the new 
 entry until it is deleted. An entry that cannot be read back (truncated, corrupt, from another build) is logged,
 deleted and compiled again; entries are written to a temporary file and renamed, so a reader never sees half of
 one. A backend that cannot serialize its executables turns the cache off for the process (logged once). Only
-single-process runs use it (a multi-host program's executable is not one process's to store).
+single-process runs use it (a multi-host program's executable is not one process's to store). Programs compiled
+while it is on bypass JAX's persistent cache (`ExecutableCache.compile`): an executable read back from there does
+not re-serialize whole on every backend, so what is stored is always XLA's own output.
 
 Entries are pickles: load only directories you wrote yourself.
 """
