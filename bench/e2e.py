@@ -25,8 +25,9 @@ server requires of its pool). The phases, each printed as it finishes:
    sequence its visible K/V and its convolution state) and the time that takes at `--bandwidth` bytes/s.
 2. restart: `python -m serving.main` started over the cache phase 1 filled (with --skip-engine and an empty
    cache, after a cold start first): time from process start to health SERVING; the weights' build and the
-   warm-up from its log lines, stamped as they arrive; what is left beyond loading; the cache entries it wrote
-   (0: every program came from the cache).
+   warm-up from its log lines, stamped as they arrive; what is left beyond loading; the step programs it loaded
+   from the executable cache and those it compiled (its log lines); the cache entries it wrote (0: every program
+   came from the cache).
 3. gRPC, against that server: `bench.serve.level` per concurrency level (fresh random prompts of
    `--prompt-tokens`, `--max-tokens` each, ignore_eos, temperature 1): time per output token p50 / p99, time to
    first token, output tokens/s.
@@ -93,6 +94,9 @@ LOADING = re.compile(r" loading \S+ on mesh ")
 WARMING_UP = re.compile(r" warming up: compiling every step shape")
 SERVING = re.compile(r" SERVING \S+ on ")
 LISTENING = re.compile(r" listening on (\S+):(\d+) ")
+# the engine's line per step program at start-up (`Engine._program`)
+STEP_LOADED = re.compile(r"^step \[.*\): loaded from the executable cache in ")
+STEP_COMPILED = re.compile(r"^step \[.*\): compiled in ")
 
 
 # --- sizes ---
@@ -200,7 +204,7 @@ def engine_phase(args: argparse.Namespace, record: Callable[[dict], None]) -> No
     """Phase 1 in this process: build the engine serving.main would, compile its step shapes cold into
     `--compilation-cache` (which must be empty), then time decode steps at each concurrency level; each result
     goes to `record` as it is known."""
-    compilation_cache.enable(str(args.compilation_cache))
+    cache = compilation_cache.enable(str(args.compilation_cache))
     durations: dict[str, float] = collections.Counter()
 
     def on_duration(event: str, seconds: float, fun_name: str = "", **_: object) -> None:
@@ -211,7 +215,8 @@ def engine_phase(args: argparse.Namespace, record: Callable[[dict], None]) -> No
     record({"section": "device", "device": devices()})
     start = time.perf_counter()
     engine = load_engine(str(args.config), mesh=args.mesh, dtype=DTYPE, max_num_seqs=args.max_num_seqs,
-                         chunk=args.chunk, kv_cache_mib=args.kv_cache_mib, load_format="dummy")  # fmt: skip
+                         chunk=args.chunk, kv_cache_mib=args.kv_cache_mib, load_format="dummy",
+                         executable_cache=compilation_cache.executables(cache))  # fmt: skip
     record({"section": "load", "seconds": time.perf_counter() - start})
     for width, speculative in engine.widths:  # as Engine.warm_up compiles them
         durations.clear()
@@ -251,8 +256,11 @@ def run_engine_child(args: argparse.Namespace, record: Callable[[dict], None]) -
 
 
 def cache_entries(directory: Path) -> set[str]:
-    """The programs in a JAX compilation cache directory."""
-    return {path.name for path in directory.glob("*-cache")}
+    """The programs in a compilation cache directory: JAX's entries, and the executable cache's step programs."""
+    executables = directory / compilation_cache.EXECUTABLES
+    return {path.name for path in directory.glob("*-cache")} | {
+        f"{executables.name}/{path.name}" for path in executables.glob("*.exe")
+    }
 
 
 class ServerProcess:
@@ -279,6 +287,10 @@ class ServerProcess:
         if not found:
             raise RuntimeError(f"serving.main logged no line matching {pattern.pattern!r}")
         return found[0][0]
+
+    def count(self, pattern: re.Pattern) -> int:
+        """Log lines matching `pattern` so far."""
+        return sum(bool(pattern.search(line)) for _, line in self.lines)
 
     def wait_serving(self) -> tuple[str, float]:
         """(address, seconds from process start) once health answers SERVING."""
@@ -335,6 +347,7 @@ def start_server(args: argparse.Namespace) -> tuple[ServerProcess, str, dict]:
         "to_serving_s": serving, "before_load_s": loading, "load_s": load,
         "warm_up_s": server.stamp(SERVING) - warming_up, "beyond_load_s": serving - load,
         "cache_entries_before": len(before), "cache_entries_written": len(written),
+        "steps_loaded": server.count(STEP_LOADED), "steps_compiled": server.count(STEP_COMPILED),
     }  # fmt: skip
     return server, address, timings
 
@@ -456,6 +469,8 @@ def start_section(title: str, start: dict) -> str:
         ["  of which the weights' build (load)", _number(start["load_s"], 1)],
         ["  of which warm-up (every step shape)", _number(start["warm_up_s"], 1)],
         ["beyond loading (SERVING - load)", _number(start["beyond_load_s"], 1)],
+        ["step programs loaded from the executable cache", str(start.get("steps_loaded", "n/a"))],
+        ["step programs compiled", str(start.get("steps_compiled", "n/a"))],
         ["compilation cache: entries before", str(start["cache_entries_before"])],
         ["compilation cache: entries written", str(start["cache_entries_written"])],
     ]

@@ -95,7 +95,7 @@ def start_server(args: argparse.Namespace):
     from inkling_jax.runtime.scheduler import Scheduler
     from serving.server import serve
 
-    compilation_cache.enable(args.compilation_cache)
+    cache = compilation_cache.enable(args.compilation_cache)
     if args.checkpoint:
         checkpoint = args.checkpoint
     elif args.load_format == "dummy":
@@ -103,7 +103,8 @@ def start_server(args: argparse.Namespace):
     else:
         checkpoint = write_checkpoint(TINY, Path(tempfile.mkdtemp()) / "tiny", experts="mixed")
     engine = load_engine(str(checkpoint), mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                         chunk=args.chunk, load_format=args.load_format)  # fmt: skip
+                         chunk=args.chunk, load_format=args.load_format,
+                         executable_cache=compilation_cache.executables(cache))  # fmt: skip
     scheduler = Scheduler(engine)
     scheduler.warm_up()
     scheduler.start()

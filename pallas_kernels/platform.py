@@ -1,6 +1,8 @@
-"""Which accelerator the kernels run on (the entry points' "auto" choice), and how Mosaic GPU lowers them."""
+"""Which accelerator the kernels run on (the entry points' "auto" choice), how Mosaic GPU lowers them, and what
+their custom calls need when a program runs."""
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import jax
@@ -23,6 +25,19 @@ def hopper_takes(check: Callable[..., None], *operands) -> bool:
     except ValueError:
         return False
     return True
+
+
+def import_kernel_runtimes() -> None:
+    """Import what the kernels' custom calls need when a program runs, for a program that was not lowered in this
+    process (read back from the executable cache): on a GPU, Mosaic GPU's module, which points its custom call at
+    the CUDA tools and the runtime library it compiles and loads the kernels with (MOSAIC_GPU_CUDA_ROOT,
+    MOSAIC_GPU_RUNTIME_LIB_PATH). Mosaic TPU kernels are compiled into the program: nothing to import."""
+    if jax.devices()[0].platform != "gpu":
+        return
+    try:
+        importlib.import_module("jax.experimental.mosaic.gpu")
+    except ImportError:  # no CUDA plugin: no Mosaic GPU kernel in any program here
+        pass
 
 
 def ask_ptxas_once() -> None:

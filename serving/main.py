@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = None
     try:
         distributed.initialize(args)
-        compilation_cache.enable(args.compilation_cache)
+        cache = compilation_cache.enable(args.compilation_cache)
         if jax.process_count() > 1:  # every process would need the same requests in the same order
             raise DistributedError(
                 "serving from several processes is not available yet: serve from one host (tpN over its "
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_engine(
             checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
             kv_cache_mib=args.kv_cache_mib, speculative=args.speculative, load_format=args.load_format,
+            executable_cache=compilation_cache.executables(cache),
         )  # fmt: skip
         scheduler = Scheduler(engine)
         log.info("warming up: compiling every step shape")

@@ -1,7 +1,7 @@
 """bench.e2e on the tiny config's dummy model, on CPU: one run prints and records every section (the cold compile
 of each step shape the engine compiles, decode steps and the bytes they must read, the restart over the cache the
-compile filled, the gRPC levels, long prompts among decoding streams) with sane values, and --render gives the
-record back as markdown."""
+compile filled, its step programs read from the executable cache, the gRPC levels, long prompts among decoding
+streams) with sane values, and --render gives the record back as markdown."""
 
 import json
 import os
@@ -67,6 +67,8 @@ def test_the_restart_reads_every_program_from_the_cache(run):
     restart = result["restart"]
     assert "cold_start" not in result  # the engine phase filled the cache
     assert restart["cache_entries_before"] > 0 and restart["cache_entries_written"] == 0
+    # every step shape the engine phase compiled came from the executable cache: no tracing, lowering or compile
+    assert restart["steps_loaded"] == len(result["compile"]) and restart["steps_compiled"] == 0
     assert 0 < restart["load_s"] < restart["to_serving_s"] and restart["warm_up_s"] > 0
     assert restart["beyond_load_s"] == pytest.approx(restart["to_serving_s"] - restart["load_s"])
 

@@ -1,5 +1,6 @@
-"""`--compilation-cache DIR`: a second batch job in a fresh process reads every program it compiles, the engine's
-step programs included, from the cache the first one filled."""
+"""`--compilation-cache DIR`: a second batch job in a fresh process reads every program it compiles from the cache
+the first one filled: the engine's step programs from the executable cache in DIR/executables (neither traced,
+lowered nor compiled), every other program from JAX's persistent compilation cache."""
 
 import json
 import os
@@ -29,19 +30,22 @@ def test_a_second_process_compiles_from_the_cache(tmp_path):
     cache = tmp_path / "xla"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
 
-    def run(output: str) -> dict:
+    def run(output: str) -> tuple[dict, str]:
         command = [sys.executable, "-c", SCRIPT, "--checkpoint", str(REPO / "configs" / "tiny.json"),
                    "--load-format", "dummy", "--dtype", "float32", "--input", str(tmp_path / "in.jsonl"),
                    "--output", str(tmp_path / output), "--quiet", "--compilation-cache", str(cache)]  # fmt: skip
         done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.splitlines()[-1])
+        return json.loads(done.stdout.splitlines()[-1]), done.stderr
 
-    first = run("first.jsonl")
+    first, log = run("first.jsonl")
     assert first["code"] == 0 and first["hits"] == 0 and first["misses"] > 0
-    assert len(list(cache.iterdir())) >= first["misses"]  # every program written
-    second = run("second.jsonl")
+    assert len(list(cache.glob("*-cache"))) >= first["misses"]  # every program written
+    steps = log.count("): compiled in ")
+    assert steps == 2 and len(list((cache / "executables").glob("*.exe"))) == steps  # widths 1 and the chunk
+    second, log = run("second.jsonl")
     assert second["code"] == 0 and second["misses"] == 0 and second["hits"] == first["misses"]
+    assert log.count("): loaded from the executable cache in ") == steps and "): compiled in " not in log
     assert (tmp_path / "second.jsonl").read_text() == (tmp_path / "first.jsonl").read_text()
 
 
@@ -52,3 +56,4 @@ def test_the_default_directory_is_the_users_cache_and_none_turns_it_off(monkeypa
     monkeypatch.setenv(compilation_cache.ENVIRONMENT, "none")
     assert compilation_cache.default_directory() == "none"
     assert compilation_cache.enable("none") is None
+    assert compilation_cache.executables(None) is None  # and so is the executable cache

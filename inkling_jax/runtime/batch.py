@@ -238,7 +238,7 @@ def main(argv: list[str] | None, prog: str) -> int:
     log_to_stderr()
     try:
         distributed.initialize(args)
-        compilation_cache.enable(args.compilation_cache)
+        cache = compilation_cache.enable(args.compilation_cache)
         if args.max_num_seqs < 1 or args.chunk < 1:
             raise RequestError("--max-num-seqs and --chunk must be at least 1")
         checkpoint = open_checkpoint(args.checkpoint, args.load_format)
@@ -248,6 +248,7 @@ def main(argv: list[str] | None, prog: str) -> int:
         engine = load_engine(
             checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
             kv_cache_mib=args.kv_cache_mib, speculative=args.speculative, max_context=_longest(requests) + room,
+            executable_cache=compilation_cache.executables(cache),
         )  # fmt: skip
         progress = not args.quiet and jax.process_index() == 0
         results = run_requests(engine, requests, prefill_budget=args.prefill_budget, progress=progress)

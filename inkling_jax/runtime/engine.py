@@ -10,7 +10,10 @@ each replica a pool of `pages_per_replica` pages; page tables hold replica-local
 
 Step shapes: a plain step is 1 token wide (decoding only) or `chunk` wide (with prefill); with
 speculation (`--speculative dspark`), a step in which some slot speculates is γ + 1 wide (decoding
-only) or `chunk` wide, in its own program. `widths` lists them; `warm_up` compiles them all.
+only) or `chunk` wide, in its own program. `widths` lists them; `warm_up` compiles them all (a shape first seen
+later is compiled then). Each is lowered and compiled explicitly and kept as its executable; with an executable
+cache directory (`inkling_jax.runtime.executable_cache`) each is read from there when a program of the same key was
+stored, and stored there when compiled.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +39,7 @@ from inkling_jax.config import ModelConfig, load_config
 from inkling_jax.model.draft import require_draft
 from inkling_jax.model.moe import kernel_platform, lay_out_experts
 from inkling_jax.model.text import CausalLM
+from inkling_jax.runtime.executable_cache import ExecutableCache
 from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES
@@ -41,6 +47,9 @@ from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shar
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.step import Emitted, StepBatch, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
+from pallas_kernels.platform import import_kernel_runtimes
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: random weights from its config alone
 
@@ -82,12 +91,14 @@ class Engine:
         *,
         tokenizer: Tokenizer | None = None,
         checkpoint: str = "",
+        executable_cache: str | Path | None = None,
     ):
         """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
         (NoDraftError) and a chunk of at least γ + 1 tokens (SpeculationError). compiler_options: XLA's, for
         the step's programs (jax.jit's argument; e.g. a test that runs many large steps on a backend set to
         compile fast asks for optimised code). tokenizer and checkpoint (its directory or config file) are
-        what the front doors report and encode text with."""
+        what the front doors report and encode text with. executable_cache: a directory for the compiled step
+        programs (`inkling_jax.runtime.executable_cache`; None: compile every one)."""
         if speculative not in SPECULATIVE_MODES:
             raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         self.speculative = speculative != "none"
@@ -117,12 +128,20 @@ class Engine:
             shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
             self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
         # each step returns the state exactly as it took it, so one compilation per width serves all steps
+        num_top, greedy_draft = min(num_top, self.text.unpadded_vocab_size), speculative == "dspark-greedy"
+        out_shardings = (NamedSharding(mesh, P()), shardings)
         self._step = jax.jit(
-            functools.partial(step_fn, self.graphdef, num_top=min(num_top, self.text.unpadded_vocab_size),
-                              greedy_draft=speculative == "dspark-greedy"),
-            static_argnames="speculative", donate_argnames="state", out_shardings=(NamedSharding(mesh, P()), shardings),
+            functools.partial(step_fn, self.graphdef, num_top=num_top, greedy_draft=greedy_draft),
+            static_argnames="speculative", donate_argnames="state", out_shardings=out_shardings,
             compiler_options=compiler_options,
         )  # fmt: skip
+        # what the executable cache's key needs beyond the arguments, the mesh and the graph definition
+        self._options = {"num_top": num_top, "greedy_draft": greedy_draft, "donate": "state",
+                         "compiler_options": repr(sorted((compiler_options or {}).items())),
+                         "out_shardings": repr(out_shardings)}  # fmt: skip
+        self._executables = ExecutableCache(executable_cache) if executable_cache is not None else None
+        self._programs: dict[tuple[int, bool], jax.stages.Compiled] = {}  # (width, speculative): executable
+        self.programs_loaded = 0  # of them, read from the executable cache
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
 
@@ -140,6 +159,7 @@ class Engine:
         speculative: str = "none",
         tokenizer: Tokenizer | None = None,
         checkpoint: str = "",
+        executable_cache: str | Path | None = None,
     ) -> Engine:
         """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
         after the slots' fixed state (CacheBudgetError if not even one `max_context` sequence fits);
@@ -153,12 +173,13 @@ class Engine:
                 dtype=model.model.embed_tokens.weight.dtype, tp=mesh.shape[MODEL],
                 draft=require_draft(model) if speculative != "none" else None,
             )  # fmt: skip
-        return cls(model, replica, mesh, num_top, speculative, tokenizer=tokenizer, checkpoint=checkpoint)
+        return cls(model, replica, mesh, num_top, speculative, tokenizer=tokenizer, checkpoint=checkpoint,
+                   executable_cache=executable_cache)  # fmt: skip
 
     @property
     def compilations(self) -> int:
-        """Step programs compiled so far (warm-up compiles one per shape; serving must add none)."""
-        return self._step._cache_size()
+        """Step programs compiled or loaded so far (warm-up makes one per shape; serving must add none)."""
+        return len(self._programs)
 
     @property
     def max_num_seqs(self) -> int:
@@ -204,10 +225,48 @@ class Engine:
         on_mesh = jax.tree.map(
             lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
         )
-        with jax.set_mesh(self.mesh):
-            emitted, self.state = self._step(self.params, self.state, on_mesh, self.previous, speculative=speculative)
+        args = (self.params, self.state, on_mesh, self.previous)
+        shape = (batch.token_ids.shape[1], speculative)
+        program = self._programs.get(shape)
+        if program is None:
+            program = self._program(*shape, args)
+        emitted, self.state = program(*args)
         self.previous = emitted.last
         return emitted
+
+    def _program(self, width: int, speculative: bool, args: tuple) -> jax.stages.Compiled:
+        """The step program for batches `width` tokens wide: read from the executable cache, else lowered and
+        compiled (and stored there); kept for the engine's life."""
+        name = f"step [{self.slots}, {width}] (speculative={speculative})"
+        start = time.perf_counter()
+        key = compiled = None
+        if self._executables is not None:
+            options = {**self._options, "width": width, "speculative": speculative}
+            label = f"step-{self.slots}x{width}" + ("-speculative" if speculative else "")
+            key = self._executables.key(label, self.mesh, options, self.graphdef, args)
+            import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
+            compiled = self._executables.load(key, args, list(self.mesh.devices.flat))
+        if compiled is not None:
+            self.programs_loaded += 1
+            logger.info("%s: loaded from the executable cache in %.1f s", name, time.perf_counter() - start)
+        else:
+            lowering = time.perf_counter()
+            lowered = self._lower(args, speculative)
+            compiling = time.perf_counter()
+            compiled = lowered.compile() if self._executables is None else self._executables.compile(lowered)
+            done = time.perf_counter()
+            line = f"{name}: compiled in {done - start:.1f} s (lowered {compiling - lowering:.1f} s, "
+            line += f"XLA {done - compiling:.1f} s)"
+            if key is not None and self._executables.store(key, compiled):
+                line += f", stored in the executable cache in {time.perf_counter() - done:.1f} s"
+            logger.info(line)
+        self._programs[width, speculative] = compiled
+        return compiled
+
+    def _lower(self, args: tuple, speculative: bool) -> jax.stages.Lowered:
+        """Trace and lower the step for `args` (what a restart over the executable cache skips)."""
+        with jax.set_mesh(self.mesh):
+            return self._step.lower(*args, speculative=speculative)
 
     @staticmethod
     def fetch(emitted: Emitted) -> Emitted:
@@ -223,9 +282,14 @@ class Engine:
         return host_batch(tokens, np.zeros(self.slots, np.int32), [None] * self.slots, table, speculate=speculate)
 
     def warm_up(self) -> None:
-        """Compile (and run once) every step shape, so serving never compiles."""
+        """Compile or load (and run once) every step shape, so serving never compiles. Logs each shape's time to
+        ready: its program (logged by itself) and a first run (on GPU that compiles the Mosaic GPU kernels that the
+        program's custom calls carry)."""
         for width, speculative in self.widths:
+            start = time.perf_counter()
             self.fetch(self.step(self.idle_batch(width, speculative)))
+            logger.info("step [%d, %d] (speculative=%s): ready in %.1f s (its program and a first run)", self.slots,
+                        width, speculative, time.perf_counter() - start)  # fmt: skip
 
 
 def host_batch(
@@ -299,13 +363,15 @@ def load_engine(
     speculative: str = "none",
     load_format: str = "auto",
     max_context: int | None = None,
+    executable_cache: str | Path | None = None,
 ) -> Engine:
     """The model of `checkpoint` on the mesh `mesh` (read straight into its shards, or with `load_format`
     "dummy" random weights built there from the config alone) and its decode state: `max_num_seqs` slots per
     replica, each with room for `max_context` tokens (default: the model's context) or, with `kv_cache_mib`,
     the page pool that fits that many MiB per device. Errors are ValueErrors naming what is wrong (config,
     checkpoint, tokenizer, mesh, cache budget, speculation without a draft), raised before any weight is read
-    where they can be. speculative: one of SPECULATIVE_MODES."""
+    where they can be. speculative: one of SPECULATIVE_MODES. executable_cache: a directory for the compiled step
+    programs (None: compile every one)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
     if max_num_seqs < 1 or chunk < 1:
@@ -324,5 +390,5 @@ def load_engine(
         model, device_mesh, max_num_seqs=max_num_seqs, chunk=chunk,
         max_context=max_context or source.config.text.max_position_embeddings,
         budget_bytes=None if kv_cache_mib is None else int(kv_cache_mib * 2**20), num_top=MAX_LOGPROBS,
-        speculative=speculative, tokenizer=source.tokenizer, checkpoint=source.path,
+        speculative=speculative, tokenizer=source.tokenizer, checkpoint=source.path, executable_cache=executable_cache,
     )  # fmt: skip

@@ -1,0 +1,154 @@
+"""The executable cache on the tiny parity model: a second engine over the same directory loads its step program
+without lowering it and emits the same tokens bit for bit, with the state still donated; another program's key
+misses; a corrupt or truncated entry is deleted and compiled again. One program (width 1) keeps it fast."""
+
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from inkling_jax.cache import CacheLayout
+from inkling_jax.checkpoint import load_causal_lm
+from inkling_jax.runtime import executable_cache
+from inkling_jax.runtime.engine import Engine, host_batch
+from inkling_jax.runtime.requests import MAX_LOGPROBS
+from inkling_jax.sharding import make_mesh
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text" / "hf"
+SLOTS, PROMPT, NEW_TOKENS = 2, [3, 1, 4, 1, 5, 9], 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_causal_lm(FIXTURE, np.float32)[1]
+
+
+def make_engine(model, directory: Path | None, mesh: str = "tp1", num_top: int = MAX_LOGPROBS) -> Engine:
+    return Engine(model, CacheLayout(SLOTS, 3, 32, 8), make_mesh(mesh, model.config), num_top=num_top,
+                  executable_cache=directory)  # fmt: skip
+
+
+def one_token_batch(engine: Engine, token: int, first: bool, prompt: bool, emit: bool):
+    """Slot 0 takes one token; slot 1 idles."""
+    tokens, counts = np.zeros((SLOTS, 1), np.int32), np.zeros(SLOTS, np.int32)
+    tokens[0, 0], counts[0] = token, 1
+    flags = {name: np.asarray([value] + [False] * (SLOTS - 1)) for name, value in
+             (("reset", first), ("is_prompt", prompt), ("emit", emit))}  # fmt: skip
+    return host_batch(tokens, counts, [None] * SLOTS, np.zeros((SLOTS, engine.max_pages), np.int32), **flags)
+
+
+def greedy(engine: Engine) -> tuple[list[int], np.ndarray, list[bool]]:
+    """The prompt fed one token a step, then NEW_TOKENS greedy tokens: (tokens, their top log-probabilities, which
+    of the state's leaves the first step deleted: those the program donates)."""
+    state = jax.tree.leaves(engine.state)
+    out = engine.step(one_token_batch(engine, PROMPT[0], True, True, False))
+    donated = [leaf.is_deleted() for leaf in state]
+    for i, token in enumerate(PROMPT[1:], 1):
+        out = engine.step(one_token_batch(engine, token, False, True, i == len(PROMPT) - 1))
+    tokens, logprobs = [], []
+    for _ in range(NEW_TOKENS):
+        out = engine.fetch(out)
+        tokens.append(int(out.tokens[0, 0]))
+        logprobs.append(out.top_logprobs[0, 0])
+        out = engine.step(one_token_batch(engine, tokens[-1], False, False, True))
+    return tokens, np.stack(logprobs), donated
+
+
+def same(got: tuple, want: tuple) -> bool:
+    return got[0] == want[0] and np.array_equal(got[1], want[1]) and got[2] == want[2]
+
+
+@pytest.fixture(scope="module")
+def first(model, tmp_path_factory) -> tuple[Path, tuple]:
+    """(directory, greedy's result) of an engine that compiled its program into an empty cache."""
+    directory = tmp_path_factory.mktemp("executables")
+    engine = make_engine(model, directory)
+    result = greedy(engine)
+    assert engine.compilations == 1 and engine.programs_loaded == 0
+    assert len(list(directory.glob("*.exe"))) == 1 and not list(directory.glob(".partial-*"))
+    assert sum(result[2]) >= len(result[2]) - 1  # the decode state is donated (all but the page table)
+    return directory, result
+
+
+def no_lowering(*args, **kwargs):
+    raise AssertionError("the step was lowered")
+
+
+def test_a_second_engine_loads_the_program_and_emits_the_same_tokens(model, first, monkeypatch):
+    directory, want = first
+    engine = make_engine(model, directory)
+    monkeypatch.setattr(Engine, "_lower", no_lowering)
+    assert same(greedy(engine), want)  # bit for bit, and donating the same state buffers
+    assert engine.compilations == 1 and engine.programs_loaded == 1
+
+
+def test_another_program_misses(model, first):
+    directory, _ = first
+    base, other_top = make_engine(model, None), make_engine(model, None, num_top=3)
+    tp2 = make_engine(model, None, "tp2")
+    more_pages = Engine(model, CacheLayout(SLOTS, 4, 32, 8), make_mesh("tp1", model.config), num_top=MAX_LOGPROBS)
+    cache = executable_cache.ExecutableCache(directory)
+
+    def arguments(engine: Engine, width: int = 1, speculative: bool = False) -> tuple:
+        batch = jax.tree.map(lambda host: jax.make_array_from_callback(host.shape, engine.by_slot, lambda i: host[i]),
+                             engine.idle_batch(width, speculative))  # fmt: skip
+        return engine.params, engine.state, batch, engine.previous
+
+    def key(engine: Engine, width: int = 1, speculative: bool = False, **changes) -> str:
+        options = {**engine._options, "width": width, "speculative": speculative, **changes}
+        label = f"step-{SLOTS}x{width}" + ("-speculative" if speculative else "")
+        return cache.key(label, engine.mesh, options, engine.graphdef, arguments(engine, width, speculative))
+
+    stored = key(base)
+    assert [path.name for path in directory.glob("*.exe")] == [stored]  # the first engine's key, recomputed
+    fast_math = repr([("xla_cpu_enable_fast_math", True)])
+    others = [key(base, width=8), key(base, speculative=True), key(base, greedy_draft=True), key(other_top),
+              key(more_pages), key(tp2), key(base, compiler_options=fast_math)]  # fmt: skip
+    assert len({stored, *others}) == len(others) + 1
+    assert repr(model.config) in repr(base.graphdef)  # the key hashes the graph: every config field is in it
+    # an entry filed under another program's name is refused (and deleted), never run
+    misfiled = directory / others[2]
+    misfiled.write_bytes((directory / stored).read_bytes())
+    assert cache.load(misfiled.name, arguments(base), list(base.mesh.devices.flat)) is None
+    assert not misfiled.exists() and (directory / stored).exists()
+
+
+def test_a_corrupt_entry_is_deleted_compiled_again_and_stored(model, first, caplog, monkeypatch):
+    directory, want = first
+    (entry,) = directory.glob("*.exe")
+    blob = bytearray(entry.read_bytes())
+    blob[len(blob) // 2 : len(blob) // 2 + 64] = bytes(b ^ 0xFF for b in blob[len(blob) // 2 : len(blob) // 2 + 64])
+    entry.write_bytes(blob)
+    engine = make_engine(model, directory)
+    with caplog.at_level(logging.WARNING, logger="inkling_jax.runtime.executable_cache"):
+        assert same(greedy(engine), want)
+    assert any("unusable (ValueError: checksum mismatch): deleted" in record.message for record in caplog.records)
+    assert engine.compilations == 1 and engine.programs_loaded == 0
+    again = make_engine(model, directory)
+    monkeypatch.setattr(Engine, "_lower", no_lowering)
+    assert same(greedy(again), want) and again.programs_loaded == 1
+
+
+def test_a_truncated_entry_is_deleted(first, tmp_path, caplog):
+    directory, _ = first
+    (entry,) = directory.glob("*.exe")
+    (tmp_path / entry.name).write_bytes(entry.read_bytes()[:1000])
+    with caplog.at_level(logging.WARNING, logger="inkling_jax.runtime.executable_cache"):
+        assert executable_cache.ExecutableCache(tmp_path).load(entry.name, (), jax.devices()[:1]) is None
+    assert "truncated" in caplog.text and not (tmp_path / entry.name).exists()
+
+
+def test_a_backend_that_cannot_serialize_turns_the_cache_off_with_one_warning(tmp_path, monkeypatch, caplog):
+    def refuse(compiled):
+        raise ValueError("Compilation does not support serialization")
+
+    monkeypatch.setattr(executable_cache.serialize_executable, "serialize", refuse)
+    monkeypatch.setattr(executable_cache, "_warned", [])
+    compiled = jax.jit(lambda x: x + 1).lower(np.zeros(3, np.float32)).compile()
+    caches = [executable_cache.ExecutableCache(tmp_path) for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="inkling_jax.runtime.executable_cache"):
+        assert not any(cache.store("entry.exe", compiled) for cache in caches)
+    assert caplog.text.count("cannot serialize") == 1 and all(cache.off for cache in caches)
+    assert not list(tmp_path.iterdir())
