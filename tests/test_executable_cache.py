@@ -11,8 +11,9 @@ import pytest
 
 from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
+from inkling_jax.runtime import engine as engine_module
 from inkling_jax.runtime import executable_cache
-from inkling_jax.runtime.engine import Engine, host_batch
+from inkling_jax.runtime.engine import Engine, host_batch, shape_compiler_options
 from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sharding import make_mesh
 
@@ -152,3 +153,16 @@ def test_a_backend_that_cannot_serialize_turns_the_cache_off_with_one_warning(tm
         assert not any(cache.store("entry.exe", compiled) for cache in caches)
     assert caplog.text.count("cannot serialize") == 1 and all(cache.off for cache in caches)
     assert not list(tmp_path.iterdir())
+
+
+def test_decode_programs_get_their_platforms_options(model, monkeypatch):
+    """A plain decode step adds its platform's options (TPU: gathers off SparseCore; GPU: no autotuning) to what
+    XLA compiles; prefill and speculative shapes, and CPU, add none."""
+    assert shape_compiler_options("tpu", 1, False) == {"xla_tpu_offload_gather_to_sparsecore": False}
+    assert shape_compiler_options("gpu", 1, False) == {"xla_gpu_autotune_level": 0}
+    assert shape_compiler_options("gpu", 8, False) == shape_compiler_options("tpu", 8, True) == {}
+    asked = []
+    monkeypatch.setattr(engine_module, "shape_compiler_options", lambda *shape: asked.append(shape) or {})
+    engine = make_engine(model, None)
+    engine.fetch(engine.step(one_token_batch(engine, 3, first=True, prompt=True, emit=True)))
+    assert asked == [(jax.default_backend(), 1, False)]

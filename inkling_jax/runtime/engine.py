@@ -240,8 +240,9 @@ class Engine:
         name = f"step [{self.slots}, {width}] (speculative={speculative})"
         start = time.perf_counter()
         key = compiled = None
+        shape_options = shape_compiler_options(jax.default_backend(), width, speculative)
         if self._executables is not None:
-            options = {**self._options, "width": width, "speculative": speculative}
+            options = {**self._options, "width": width, "speculative": speculative, "shape_options": shape_options}
             label = f"step-{self.slots}x{width}" + ("-speculative" if speculative else "")
             key = self._executables.key(label, self.mesh, options, self.graphdef, args)
             import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
@@ -253,7 +254,10 @@ class Engine:
             lowering = time.perf_counter()
             lowered = self._lower(args, speculative)
             compiling = time.perf_counter()
-            compiled = lowered.compile() if self._executables is None else self._executables.compile(lowered)
+            if self._executables is None:
+                compiled = lowered.compile(shape_options or None)
+            else:
+                compiled = self._executables.compile(lowered, shape_options)
             done = time.perf_counter()
             line = f"{name}: compiled in {done - start:.1f} s (lowered {compiling - lowering:.1f} s, "
             line += f"XLA {done - compiling:.1f} s)"
@@ -290,6 +294,19 @@ class Engine:
             self.fetch(self.step(self.idle_batch(width, speculative)))
             logger.info("step [%d, %d] (speculative=%s): ready in %.1f s (its program and a first run)", self.slots,
                         width, speculative, time.perf_counter() - start)  # fmt: skip
+
+
+def shape_compiler_options(platform: str, width: int, speculative: bool) -> dict[str, object]:
+    """The XLA options a step program of this shape adds on `platform` to the engine's. Plain decode steps (one
+    token per slot): on TPU small gathers stay off SparseCore (jax 0.11 offloads them there, and batch-1 decode
+    runs at half speed); on GPU the matmuls are not autotuned (the H200 ran the proxy's 64-slot decode step as fast
+    untuned, 32.6 ms, and compiled it in 27 s instead of 92 s). Other shapes keep XLA's defaults."""
+    if width != 1 or speculative:
+        return {}
+    return {
+        "tpu": {"xla_tpu_offload_gather_to_sparsecore": False},
+        "gpu": {"xla_gpu_autotune_level": 0},
+    }.get(platform, {})
 
 
 def host_batch(

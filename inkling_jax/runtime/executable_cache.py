@@ -172,19 +172,19 @@ class ExecutableCache:
             return None
         return compiled
 
-    def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-        """`lowered.compile()`, and while the cache is on, with JAX's persistent compilation cache bypassed: an
-        executable read back from there does not serialize whole on every backend (on CPU a copy of one lacks
-        compiled functions and fails when it runs: "Function ... not found"), so what is stored is always fresh
-        from XLA."""
+    def compile(self, lowered: jax.stages.Lowered, options: dict[str, object] | None = None) -> jax.stages.Compiled:
+        """`lowered.compile(options)` (XLA options added to the jit's), with JAX's persistent compilation cache
+        bypassed while this cache is on: an executable read back from there does not serialize whole on every
+        backend (on CPU a copy of one lacks compiled functions and fails when it runs: "Function ... not found"),
+        so what is stored is always fresh from XLA."""
         if self.off:
-            return lowered.compile()
+            return lowered.compile(options or None)
         with _BYPASS:
             enabled = jax.config.jax_enable_compilation_cache
             jax.config.update("jax_enable_compilation_cache", False)
             persistent_cache.reset_cache()  # JAX decides once whether its cache is used: decide again, off
             try:
-                return lowered.compile()
+                return lowered.compile(options or None)
             finally:
                 jax.config.update("jax_enable_compilation_cache", enabled)
                 persistent_cache.reset_cache()
