@@ -98,7 +98,7 @@ def test_another_program_misses(model, first):
         return engine.params, engine.state, batch, engine.previous
 
     def key(engine: Engine, width: int = 1, speculative: bool = False, **changes) -> str:
-        options = {**engine._options, "width": width, "speculative": speculative, **changes}
+        options = {**engine.program_options(width, speculative), **changes}
         label = f"step-{SLOTS}x{width}" + ("-speculative" if speculative else "")
         return cache.key(label, engine.mesh, options, engine.graphdef, arguments(engine, width, speculative))
 

@@ -242,7 +242,7 @@ class Engine:
         key = compiled = None
         shape_options = shape_compiler_options(jax.default_backend(), width, speculative)
         if self._executables is not None:
-            options = {**self._options, "width": width, "speculative": speculative, "shape_options": shape_options}
+            options = self.program_options(width, speculative)
             label = f"step-{self.slots}x{width}" + ("-speculative" if speculative else "")
             key = self._executables.key(label, self.mesh, options, self.graphdef, args)
             import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
@@ -266,6 +266,12 @@ class Engine:
             logger.info(line)
         self._programs[width, speculative] = compiled
         return compiled
+
+    def program_options(self, width: int, speculative: bool) -> dict[str, object]:
+        """What keys the step program of this shape in the executable cache beyond its arguments, the mesh and the
+        graph definition: the step's options and the XLA options it compiles with."""
+        shape_options = shape_compiler_options(jax.default_backend(), width, speculative)
+        return {**self._options, "width": width, "speculative": speculative, "shape_options": shape_options}
 
     def _lower(self, args: tuple, speculative: bool) -> jax.stages.Lowered:
         """Trace and lower the step for `args` (what a restart over the executable cache skips)."""
