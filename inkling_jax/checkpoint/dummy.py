@@ -5,20 +5,29 @@ Nothing is read but the config: every parameter is initialised under `jax.jit` s
 host copy. The routed experts take the formats the config's `quantization_config` states (plain, MXFP8,
 NVFP4, or mixed per layer, as the checkpoint would hold them), and the DSpark draft is built when the config
 has a `dspark_config`. For measuring and testing the serving paths at full size: the output is noise.
+
+A build is compile-bound, so it runs as small programs that repeat (`plan_build`): one per layer signature
+(`inkling_jax.model.stack.layer_signature`: every layer of a signature, in any segment, is made by the same
+program from its own key, and a stacked position's layers are concatenated by a stack program per signature and
+depth), one for the draft's layers and one for everything else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from inkling_jax.checkpoint.quantized import configured_expert_formats
 from inkling_jax.config import ModelConfig
-from inkling_jax.model.text import CausalLM
+from inkling_jax.model.draft import draft_layer
+from inkling_jax.model.stack import layer_signature, plan_segments
+from inkling_jax.model.text import CausalLM, decoder_layer
 from inkling_jax.sharding import parameter_shardings
 
 
@@ -33,12 +42,109 @@ def random_model(
     config: ModelConfig, dtype: jnp.dtype, mesh: Mesh, expert_formats: Sequence[str | None], seed: int = 0
 ) -> CausalLM:
     """A random CausalLM of `config` with the given per-layer expert formats (None: plain), and its draft when
-    the config has one, built under jit straight into the shards `parameter_shardings` gives each parameter."""
+    the config has one, built under jit straight into the shards `parameter_shardings` gives each parameter.
 
-    def make() -> CausalLM:
-        return CausalLM(config.text, dtype, nnx.Rngs(seed), expert_formats, config.draft)
+    Each layer is drawn from the seed folded with its layer id, the draft's layers and the other parameters from
+    the seed folded with ids past the layers' (`plan_build`): a build is reproducible, and a parameter's values
+    depend neither on the mesh nor on how the layers are grouped into segments."""
+    plan = plan_build(config, dtype, mesh, expert_formats)
+    programs = compile_programs(plan.programs)
+    values = {}
+    for part in plan.parts:
+        states = [programs[part.program](np.uint32(seed), np.uint32(id)) for id in part.ids]
+        state = programs[part.stack](*states) if part.stack else states[0]
+        values |= {(*part.prefix, *path): variable[...] for path, variable in nnx.to_flat_state(state)}
+    state = nnx.from_flat_state(
+        [(path, variable.replace(values.pop(path))) for path, variable in nnx.to_flat_state(plan.state)]
+    )
+    assert not values, f"built parameters the model does not have: {sorted(values)}"
+    return nnx.merge(plan.graphdef, state)
 
-    abstract = nnx.eval_shape(make)
-    graphdef, _ = nnx.split(abstract)
-    state = jax.jit(lambda: nnx.split(make())[1], out_shardings=parameter_shardings(abstract, mesh))()
-    return nnx.merge(graphdef, state)
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """The parameters under `prefix` in the model's state: `program` run on the seed and each of `ids`, the
+    results stacked by the `stack` program when there are several."""
+
+    prefix: tuple
+    program: tuple
+    ids: tuple[int, ...]
+    stack: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """How a random model is built: the lowered `programs` make the `parts`, which together hold every parameter
+    of `state` (the abstract model's, split from `graphdef`)."""
+
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    programs: dict[tuple, jax.stages.Lowered]
+    parts: list[Part]
+
+
+def plan_build(config: ModelConfig, dtype: jnp.dtype, mesh: Mesh, expert_formats: Sequence[str | None]) -> BuildPlan:
+    """The programs (traced and lowered, not compiled) and parts of a random build of `config` on `mesh`.
+
+    A layer program makes one layer of a signature (`layer_signature`) with a leading block axis of one, from the
+    seed and the layer's id; a stacked position of several blocks concatenates its layers' with a stack program
+    (one per signature and depth). The draft's layers (ids past the layers') share a program, and a model of no
+    layers with a draft of no layers holds the other parameters (id: the layer count)."""
+    text, draft = config.text, config.draft
+    abstract = nnx.eval_shape(lambda: CausalLM(text, dtype, nnx.Rngs(0), expert_formats, draft))
+    graphdef, state = nnx.split(abstract)
+    shardings = parameter_shardings(abstract, mesh)
+    programs: dict[tuple, jax.stages.Lowered] = {}
+    parts: list[Part] = []
+    scalar = jax.ShapeDtypeStruct((), jnp.uint32)
+
+    def add(program: tuple, make: Callable[[nnx.Rngs], nnx.Module], out: nnx.State, leading: bool = False) -> None:
+        """Lower `program` (unless done): `make`'s state from the seed and an id, in the `out` shardings (with a
+        leading axis of one when `leading`)."""
+        if program in programs:
+            return
+
+        def build(seed: jax.Array, id: jax.Array) -> nnx.State:
+            state = nnx.split(make(nnx.Rngs(jax.random.fold_in(jax.random.key(seed), id))))[1]
+            return jax.tree.map(lambda value: value[None], state) if leading else state
+
+        programs[program] = jax.jit(build, out_shardings=out).lower(scalar, scalar)
+
+    outside = dataclasses.replace(text, num_hidden_layers=0, layer_types=())
+    outside_draft = None if draft is None else dataclasses.replace(draft, num_hidden_layers=0)
+
+    def make_outside(rngs: nnx.Rngs) -> CausalLM:
+        return CausalLM(outside, dtype, rngs, [], outside_draft)
+
+    add(("outside",), make_outside, parameter_shardings(nnx.eval_shape(make_outside, nnx.Rngs(0)), mesh))
+    parts.append(Part((), ("outside",), (text.num_hidden_layers,)))
+    for index, segment in enumerate(plan_segments(text, expert_formats)):
+        for position, first in enumerate(segment.layers[: segment.width]):
+            prefix = ("model", "segments", index, "positions", position)
+            signature = layer_signature(text, expert_formats, first)
+            program, stack = ("layer", signature), ("stack", signature, segment.blocks)
+            add(program, decoder_layer(text, first, dtype, expert_formats), _at(shardings, prefix), leading=True)
+            if segment.blocks > 1 and stack not in programs:
+                programs[stack] = jax.jit(
+                    lambda *rows: jax.tree.map(lambda *values: jnp.concatenate(values), *rows),
+                    out_shardings=_at(shardings, prefix),
+                ).lower(*[programs[program].out_info] * segment.blocks)
+            parts.append(Part(prefix, program, segment.layers[position :: segment.width],
+                              stack if segment.blocks > 1 else None))  # fmt: skip
+    for index in range(0 if draft is None else draft.num_hidden_layers):
+        prefix = ("dspark", "layers", index)
+        add(("draft layer",), draft_layer(draft, text, dtype), _at(shardings, prefix))
+        parts.append(Part(prefix, ("draft layer",), (text.num_hidden_layers + 1 + index,)))
+    return BuildPlan(graphdef, state, programs, parts)
+
+
+def compile_programs(programs: dict[tuple, jax.stages.Lowered]) -> dict[tuple, jax.stages.Compiled]:
+    """Each of `programs` compiled (JAX's persistent compilation cache applies, when it is on)."""
+    return {name: lowered.compile() for name, lowered in programs.items()}
+
+
+def _at(state: nnx.State, path: tuple) -> nnx.State:
+    """The part of `state` at `path`."""
+    for name in path:
+        state = state[name]
+    return state
