@@ -5,12 +5,14 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.checkpoint import CheckpointError, load_model
-from inkling_jax.checkpoint.dummy import dummy_model, random_model
+from inkling_jax.checkpoint.dummy import HASH_PRNG, dummy_model, random_model
 from inkling_jax.checkpoint.loader import abstract_causal_lm
 from inkling_jax.checkpoint.quantized import configured_expert_formats
 from inkling_jax.config import load_config
@@ -93,6 +95,29 @@ def test_a_random_model_is_the_abstract_model_with_values_as_its_initialisers_dr
     on_one_device = random_model(config, np.float32, make_mesh("tp1", config.text), formats, seed=3)
     for path, v in nnx.to_flat_state(nnx.state(on_one_device)):
         np.testing.assert_array_equal(v[...], values[path], err_msg=str(path))
+
+
+def test_the_hash_prng_draws_like_jax_random():
+    """HASH_PRNG, the random builds' generator: uniform bits, normal draws of mean 0 and std 1, keys that split and
+    fold in to distinct streams (fold_in does not commute), other values for another seed, and the same values
+    however the draw is sharded."""
+    key = jax.random.key(3, impl=HASH_PRNG)
+    counts = np.bincount(np.asarray(jax.random.bits(key, (1 << 16,), jnp.uint8)), minlength=256)
+    assert ((counts - 256) ** 2 / 256).sum() < 340  # chi-square, 255 degrees of freedom: p ~ 0.0003
+    normal = np.asarray(jax.random.normal(key, (512, 512)))
+    assert abs(normal.mean()) < 0.01 and normal.std() == pytest.approx(1.0, abs=0.01)
+    other = np.asarray(jax.random.normal(jax.random.key(4, impl=HASH_PRNG), (512, 512)))
+    assert abs(np.corrcoef(normal.ravel(), other.ravel())[0, 1]) < 0.01
+
+    keys = [jax.random.key_data(k) for k in jax.random.split(key, 1000)]
+    keys += [jax.random.key_data(jax.random.fold_in(key, i)) for i in range(100)]
+    keys += [jax.random.key_data(jax.random.fold_in(jax.random.fold_in(key, b), a)) for a, b in ((1, 2), (2, 1))]
+    assert len({tuple(np.asarray(k).tolist()) for k in keys}) == len(keys)
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    split = NamedSharding(mesh, PartitionSpec("data", None, "model"))
+    sharded = jax.jit(lambda k: jax.random.normal(k, (16, 8, 64)), out_shardings=split)(key)
+    np.testing.assert_array_equal(sharded, jax.jit(lambda k: jax.random.normal(k, (16, 8, 64)))(key))
 
 
 @pytest.mark.parametrize(

@@ -9,18 +9,23 @@ has a `dspark_config`. For measuring and testing the serving paths at full size:
 A build is compile-bound, so it runs as small programs that repeat (`plan_build`): one per layer signature
 (`inkling_jax.model.stack.layer_signature`: every layer of a signature, in any segment, is made by the same
 program from its own key, and a stacked position's layers are concatenated by a stack program per signature and
-depth), one for the draft's layers and one for everything else.
+depth), one for the draft's layers and one for everything else. The random bits come from `HASH_PRNG`, a
+counter-based hash that compiles to a few integer ops per draw and per key derivation, where threefry's twenty
+rounds make the proxy's build programs take 2-2.5x longer to compile on XLA:CPU (`bench/random_build.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
+from jax.extend.random import define_prng_impl
 from jax.sharding import Mesh
 
 from inkling_jax.checkpoint.quantized import configured_expert_formats
@@ -29,6 +34,76 @@ from inkling_jax.model.draft import draft_layer
 from inkling_jax.model.stack import layer_signature, plan_segments
 from inkling_jax.model.text import CausalLM, decoder_layer
 from inkling_jax.sharding import parameter_shardings
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """Wellons' lowbias32: a bijection of uint32 in which every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash(key: jax.Array, hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """32 random bits for each 64-bit counter (hi, lo) under `key` (two uint32 words)."""
+    return _mix(_mix(_mix(lo ^ key[0]) + (hi ^ key[1])) ^ key[0])
+
+
+def _counters(shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Each element's index as two uint32 words (hi, lo): lo over the trailing dimensions that fit in 32 bits, hi
+    over the others. Made of iotas, so a sharded draw computes only its own elements and every element's value is
+    the same under any sharding."""
+    split = len(shape)
+    while split and math.prod(shape[split - 1 :]) < 2**32:
+        split -= 1
+    if math.prod(shape[:split]) >= 2**32:
+        raise ValueError(f"random draw of shape {shape}: its elements' indices do not fit two 32-bit words")
+
+    def index(dims: range) -> jax.Array:
+        out, stride = jnp.zeros(shape, jnp.uint32), 1
+        for dim in reversed(dims):
+            out = out + lax.broadcasted_iota(jnp.uint32, shape, dim) * np.uint32(stride)
+            stride *= shape[dim]
+        return out
+
+    return index(range(split)), index(range(split, len(shape)))
+
+
+def _derive(key: jax.Array, salt: int, data: jax.Array) -> jax.Array:
+    """A key [..., 2] for each uint32 in `data`: one Feistel-like round (the words swap, one of them mixed) with the
+    salted data in both words, so that distinct data give distinct keys, split and fold_in (other salts) differ,
+    and folding in a then b is not folding in b then a."""
+    d = data * np.uint32(0x9E3779B9) + np.uint32(salt)
+    return jnp.stack([key[1] + d, _mix(key[0] ^ d)], axis=-1)
+
+
+def _seed(seed: jax.Array) -> jax.Array:
+    """The key of an integer seed (its low 32 bits)."""
+    words = jnp.asarray(seed).astype(jnp.uint32)
+    return _derive(jnp.zeros(2, jnp.uint32), 0x5EED, words)
+
+
+def _split(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return _derive(key, 0x5B117, jnp.arange(math.prod(shape), dtype=jnp.uint32)).reshape(*shape, 2)
+
+
+def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+    return _derive(key, 0xF01D, jnp.asarray(data).astype(jnp.uint32))
+
+
+def _random_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
+    """The top `bit_width` bits of each element's hash."""
+    if bit_width not in (8, 16, 32):
+        raise ValueError(f"random bits of width {bit_width}: 8, 16 or 32 only")
+    bits = _hash(key, *_counters(shape))
+    return (bits >> (32 - bit_width)).astype(f"uint{bit_width}")
+
+
+# a key implementation for jax.random (key, split, fold_in, bits, normal, ...): random weights' generator
+HASH_PRNG = define_prng_impl(
+    key_shape=(2,), seed=_seed, split=_split, random_bits=_random_bits, fold_in=_fold_in, name="inkling_hash"
+)
 
 
 def dummy_model(config: ModelConfig, dtype: jnp.dtype, mesh: Mesh, seed: int = 0, source: str = "") -> CausalLM:
@@ -105,7 +180,7 @@ def plan_build(config: ModelConfig, dtype: jnp.dtype, mesh: Mesh, expert_formats
             return
 
         def build(seed: jax.Array, id: jax.Array) -> nnx.State:
-            state = nnx.split(make(nnx.Rngs(jax.random.fold_in(jax.random.key(seed), id))))[1]
+            state = nnx.split(make(nnx.Rngs(jax.random.fold_in(jax.random.key(seed, impl=HASH_PRNG), id))))[1]
             return jax.tree.map(lambda value: value[None], state) if leading else state
 
         programs[program] = jax.jit(build, out_shardings=out).lower(scalar, scalar)
