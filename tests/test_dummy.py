@@ -5,18 +5,25 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.checkpoint import CheckpointError, load_model
-from inkling_jax.checkpoint.dummy import dummy_model
+from inkling_jax.checkpoint.dummy import HASH_PRNG, dummy_model, random_model
+from inkling_jax.checkpoint.loader import abstract_causal_lm
 from inkling_jax.checkpoint.quantized import configured_expert_formats
 from inkling_jax.config import load_config
 from inkling_jax.generate import main as generate_main
+from inkling_jax.model.attn_res import BlockAttentionResidual
+from inkling_jax.model.moe import QuantizedWeight
+from inkling_jax.model.norms import RMSNorm, ScaledL2Clip
+from inkling_jax.model.params import Linear
 from inkling_jax.param_count import count_parameters
-from inkling_jax.sharding import make_mesh
-from pallas_kernels.quantized import MXFP8, NVFP4
+from inkling_jax.sharding import make_mesh, parameter_shardings
+from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.json"  # 12 layers, a 2-layer DSpark draft
@@ -44,6 +51,73 @@ def test_dummy_model_is_laid_out_as_the_checkpoint_would_load(tmp_path):
     assert dummy.dspark is not None
     embedding = np.asarray(dummy.model.embed_tokens.weight[...])
     assert embedding.std() > 0 and not np.array_equal(embedding, np.asarray(loaded.model.embed_tokens.weight[...]))
+
+
+def test_a_random_model_is_the_abstract_model_with_values_as_its_initialisers_draw_them():
+    """The tiny config with NVFP4, MXFP8 and plain experts at the places of its blocks (one segment of two),
+    built at tp4: every parameter has the abstract model's shape and dtype and the shards the rules give it;
+    norm gains and clip scales are ones, attention-residual queries and biases zeros, the normal draws (every
+    projection, the quantized experts decoded) finite with the configured std, each layer of a stack its own;
+    the same values when built on one device."""
+    config = load_config(TINY)
+    formats = [NVFP4, MXFP8, None, NVFP4, MXFP8, None] * 2
+    mesh = make_mesh("tp4", config.text)
+    model = random_model(config, np.float32, mesh, formats, seed=3)
+    abstract = abstract_causal_lm(config, np.float32, formats)
+    assert nnx.graphdef(model) == nnx.graphdef(abstract)
+    shardings = dict(nnx.to_flat_state(parameter_shardings(abstract, mesh)))
+    expected = {path: (v.shape, v.dtype, shardings[path]) for path, v in nnx.to_flat_state(nnx.state(abstract))}
+    built = {path: (v[...].shape, v[...].dtype, v[...].sharding) for path, v in nnx.to_flat_state(nnx.state(model))}
+    assert built == expected
+    values = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}
+    assert all(np.isfinite(value).all() for value in values.values())
+
+    std = config.text.initializer_range
+    dequantize = jax.jit(QuantizedArray.dequantize)
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, RMSNorm):
+            np.testing.assert_array_equal(module.weight[...], 1.0)
+        elif isinstance(module, ScaledL2Clip):
+            np.testing.assert_array_equal(module.scale[...], 1.0)
+        elif isinstance(module, BlockAttentionResidual):
+            np.testing.assert_array_equal(module.query[...], 0.0)
+        elif isinstance(module, Linear) and module.weight.size >= 1000:  # fewer draws, more noise in their std
+            weight = np.asarray(module.weight[...])
+            assert abs(weight.mean()) < 0.1 * std and weight.std() == pytest.approx(std, rel=0.1)
+        elif isinstance(module, QuantizedWeight):
+            weight = np.asarray(dequantize(module.array()))
+            assert np.isfinite(weight).all() and weight.std() == pytest.approx(std, rel=0.1)
+    np.testing.assert_array_equal(model.model.segments[0].positions[0].mlp.gate.e_score_correction_bias[...], 0.0)
+    np.testing.assert_array_equal(model.dspark.confidence_head.proj.bias[...], 0.0)
+    layers_1_and_7 = np.asarray(model.model.segments[0].positions[1].self_attn.q_proj.weight[...])
+    assert abs(np.corrcoef(layers_1_and_7[0].ravel(), layers_1_and_7[1].ravel())[0, 1]) < 0.1
+
+    on_one_device = random_model(config, np.float32, make_mesh("tp1", config.text), formats, seed=3)
+    for path, v in nnx.to_flat_state(nnx.state(on_one_device)):
+        np.testing.assert_array_equal(v[...], values[path], err_msg=str(path))
+
+
+def test_the_hash_prng_draws_like_jax_random():
+    """HASH_PRNG, the random builds' generator: uniform bits, normal draws of mean 0 and std 1, keys that split and
+    fold in to distinct streams (fold_in does not commute), other values for another seed, and the same values
+    however the draw is sharded."""
+    key = jax.random.key(3, impl=HASH_PRNG)
+    counts = np.bincount(np.asarray(jax.random.bits(key, (1 << 16,), jnp.uint8)), minlength=256)
+    assert ((counts - 256) ** 2 / 256).sum() < 340  # chi-square, 255 degrees of freedom: p ~ 0.0003
+    normal = np.asarray(jax.random.normal(key, (512, 512)))
+    assert abs(normal.mean()) < 0.01 and normal.std() == pytest.approx(1.0, abs=0.01)
+    other = np.asarray(jax.random.normal(jax.random.key(4, impl=HASH_PRNG), (512, 512)))
+    assert abs(np.corrcoef(normal.ravel(), other.ravel())[0, 1]) < 0.01
+
+    keys = [jax.random.key_data(k) for k in jax.random.split(key, 1000)]
+    keys += [jax.random.key_data(jax.random.fold_in(key, i)) for i in range(100)]
+    keys += [jax.random.key_data(jax.random.fold_in(jax.random.fold_in(key, b), a)) for a, b in ((1, 2), (2, 1))]
+    assert len({tuple(np.asarray(k).tolist()) for k in keys}) == len(keys)
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    split = NamedSharding(mesh, PartitionSpec("data", None, "model"))
+    sharded = jax.jit(lambda k: jax.random.normal(k, (16, 8, 64)), out_shardings=split)(key)
+    np.testing.assert_array_equal(sharded, jax.jit(lambda k: jax.random.normal(k, (16, 8, 64)))(key))
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ RoPE, the RNN head and the confidence head compute in fp32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -168,6 +169,11 @@ class DraftLayer(nnx.Module):
         return _add(x, self.mlp(self.post_attention_layernorm(x)))
 
 
+def draft_layer(config: DraftConfig, text: TextConfig, dtype: jnp.dtype) -> Callable[[nnx.Rngs], DraftLayer]:
+    """How each of the draft's layers is made from its rngs."""
+    return functools.partial(DraftLayer, config=config, dtype=dtype, std=text.initializer_range)
+
+
 class Embedding(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, vocab: int, width: int, dtype: jnp.dtype, std: float):
         self.weight = param(rngs, (vocab, width), ("vocab", None), dtype, normal(std))
@@ -221,7 +227,7 @@ class Draft(nnx.Module):
         features = len(config.target_layer_ids) * text.hidden_size
         self.fc = Linear(rngs, features, hidden, ("embed", None), dtype, std)
         self.hidden_norm = RMSNorm(rngs, hidden, eps, dtype)
-        self.layers = nnx.List([DraftLayer(rngs, config, dtype, std) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List([draft_layer(config, text, dtype)(rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(rngs, hidden, eps, dtype)
         self.markov_head = RNNHead(rngs, text.vocab_size, config.markov_rank, hidden, dtype, std)
         self.confidence_head = ConfidenceHead(rngs, hidden, config.markov_rank, dtype, std)

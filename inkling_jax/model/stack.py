@@ -43,13 +43,20 @@ class Segment:
         return tuple(first + row * self.size + j for row in range(self.blocks) for j in range(self.width))
 
 
+def layer_signature(config: TextConfig, expert_formats: Sequence[str | None], layer: int) -> tuple[bool, str | None]:
+    """What a layer's parameters depend on: its attention kind and its expert format. Layers of one signature
+    have the same parameters (names, shapes, dtypes, initialisers), so a segment can stack them and a random
+    build (`inkling_jax.checkpoint.dummy`) can make them all with one program."""
+    return config.is_sliding(layer), expert_formats[layer]
+
+
 def plan_segments(config: TextConfig, expert_formats: Sequence[str | None]) -> tuple[Segment, ...]:
     """The fewest segments that cover the model's blocks in order."""
     size, count = config.n_layers_per_attn_res_block, config.num_hidden_layers
 
     def signature(block: int) -> tuple:
         layers = range(block * size, min(count, (block + 1) * size))
-        return tuple((config.is_sliding(layer), expert_formats[layer]) for layer in layers)
+        return tuple(layer_signature(config, expert_formats, layer) for layer in layers)
 
     segments: list[Segment] = []
     for block in range(config.num_blocks):

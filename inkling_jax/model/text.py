@@ -17,7 +17,7 @@ scan as one buffer [blocks, B, T, H] with a traced count of the real ones.
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +136,13 @@ class DecoderLayer(nnx.Module):
         return round_to(residual + h, dtype), sources, kv
 
 
+def decoder_layer(
+    config: TextConfig, layer: int, dtype: jnp.dtype, expert_formats: Sequence[str | None]
+) -> Callable[[nnx.Rngs], DecoderLayer]:
+    """How layer `layer` is made from its rngs: what `stacked` makes for each block at the layer's position."""
+    return functools.partial(DecoderLayer, config=config, layer=layer, dtype=dtype, expert_format=expert_formats[layer])
+
+
 def expert_weights(path: tuple, _: object) -> bool:
     """An nnx filter: the routed experts' weights (of every layer of a stack)."""
     return "experts" in path
@@ -156,15 +163,10 @@ class LayerStack(nnx.Module):
         self.segment = segment
         self.positions = nnx.List(
             [
-                stacked(
-                    functools.partial(DecoderLayer, config=config, layer=layer, dtype=dtype,
-                                      expert_format=expert_formats[layer]),
-                    rngs,
-                    segment.blocks,
-                )
+                stacked(decoder_layer(config, layer, dtype, expert_formats), rngs, segment.blocks)
                 for layer in segment.layers[: segment.width]
             ]
-        )  # fmt: skip
+        )
         # where each position's K/V sits among its kind's layers: first block's index, and the step per block
         kinds = [config.is_sliding(layer) for layer in range(config.num_hidden_layers)]
         first = segment.layers[: segment.width]
