@@ -33,13 +33,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from bench.e2e import prefill_random
 from bench.timing import device_ms
 from inkling_jax.cache import kv_bytes_per_token
 from inkling_jax.checkpoint.dummy import random_model
 from inkling_jax.checkpoint.synthetic import expert_formats
 from inkling_jax.config import load_config
 from inkling_jax.model.text import CausalLM
-from inkling_jax.runtime.engine import Engine, host_batch
+from inkling_jax.runtime.engine import Engine
 from inkling_jax.sharding import DATA, MODEL, make_mesh
 from inkling_jax.step import step_fn
 
@@ -81,18 +82,12 @@ def slice_bytes(model: CausalLM, batch: int, context: int, tp: int) -> dict[str,
 def step_ms(model: CausalLM, mesh: Mesh, batch: int, context: int, repeats: int) -> float:
     """Device time of one decode step for `batch` slots after `context`-token prompts."""
     engine = Engine.create(model, mesh, max_num_seqs=batch, chunk=CHUNK, max_context=context + 4 * repeats + 64)
-    slots, rng = engine.slots, np.random.default_rng(0)
+    slots = engine.slots
     table = np.arange(slots * engine.max_pages, dtype=np.int32).reshape(slots, engine.max_pages)
     everyone, idle = np.ones(slots, bool), [None] * slots
-    for start in range(0, context, CHUNK):
-        count = min(CHUNK, context - start)
-        tokens = rng.integers(0, model.config.unpadded_vocab_size, (slots, CHUNK)).astype(np.int32)
-        counts = np.full(slots, count, np.int32)
-        first, last = start == 0, start + CHUNK >= context
-        engine.fetch(engine.step(host_batch(tokens, counts, idle, table, reset=everyone if first else None,
-                                            is_prompt=everyone, emit=everyone if last else None)))  # fmt: skip
-    decode = host_batch(np.zeros((slots, 1), np.int32), np.ones(slots, np.int32), idle, table, feedback=everyone,
-                        emit=everyone)  # fmt: skip
+    prefill_random(engine, everyone, context, table, idle, np.random.default_rng(0))
+    decode = engine.host_batch(np.zeros((slots, 1), np.int32), np.ones(slots, np.int32), idle, table,
+                               feedback=everyone, emit=everyone)  # fmt: skip
     on_mesh = jax.tree.map(
         lambda host: jax.make_array_from_callback(host.shape, engine.by_slot, lambda i: host[i]), decode
     )

@@ -14,7 +14,7 @@ device (default: what this run's sequences need and at least one sequence of the
 server requires of its pool). The phases, each printed as it finishes:
 
 1. engine, in a child process (`--only-engine`; the device's memory is free again for the server after it):
-   the weights' build, then every step shape the engine compiles at start-up (`Engine.widths`), compiled as its
+   the weights' build, then every step shape the engine compiles at start-up (`Engine.shapes`), compiled as its
    warm-up does, into an empty compilation cache: per shape the lowering (tracing and lowering to StableHLO) and
    XLA compile seconds, from JAX's compile events. Then the decode step at each `--concurrency` level B: B slots
    prefilled with `--context` tokens (default: a gRPC request's mean, prompt + max_tokens / 2), the other slots
@@ -68,7 +68,7 @@ from bench.timing import call_kernels_ms
 from inkling_jax.cache import PAGE_SIZE, bytes_per_sequence, conv_state_bytes, kv_bytes_per_token, ring_size
 from inkling_jax.config import TextConfig, load_config
 from inkling_jax.runtime import compilation_cache
-from inkling_jax.runtime.engine import Engine, host_batch, load_engine, pages_for
+from inkling_jax.runtime.engine import Engine, load_engine, pages_for
 from inkling_jax.sharding import MODEL
 
 if TYPE_CHECKING:
@@ -154,12 +154,38 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> dict[str, float]:
 # --- phase 1: the engine, in a child process ---
 
 
+def prefill_random(
+    engine: Engine, active: np.ndarray, context: int, table: np.ndarray, sampling: list, rng: np.random.Generator
+) -> None:
+    """Fill each `active` slot with a random prompt of `context` tokens (its last chunk samples a kept token), in
+    steps the engine's shapes hold (`max_num_batched_tokens` and lanes a replica); the first step clears every
+    slot, so the others stay empty."""
+    slots, fed, first = engine.slots, np.zeros(engine.slots, int), True
+    while first or (fed[active] < context).any():
+        counts = np.zeros(slots, np.int32)
+        room = [engine.max_num_batched_tokens] * engine.replicas
+        lanes = [engine.lanes] * engine.replicas
+        for slot in np.flatnonzero(active & (fed < context)):
+            replica = engine.replica_of(slot)
+            count = min(engine.chunk, context - fed[slot], room[replica], lanes[replica] * engine.lane_width)
+            counts[slot] = count
+            room[replica] -= count
+            lanes[replica] -= -(-count // engine.lane_width)
+        tokens = rng.integers(0, engine.text.unpadded_vocab_size, (slots, max(counts.max(), 1)), dtype=np.int32)
+        emit = active & (fed + counts >= context) & (counts > 0)
+        reset = np.full(slots, first) | (active & (fed == 0) & (counts > 0))
+        engine.fetch(engine.step(engine.host_batch(tokens, counts, sampling, table, reset=reset,
+                                                   is_prompt=counts > 0, emit=emit)))  # fmt: skip
+        fed += counts
+        first = False
+
+
 def decode_step_ms(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float | None]:
     """(wall ms, kernels ms or None off GPU) of one decode step of `batch` slots holding `context` tokens, the
     other slots empty. Wall: `steps` steps of the engine's loop as the scheduler runs it (a host batch built per
     step, step N + 1 dispatched before step N's tokens are fetched). Kernels: CUPTI's sum over one step, median of
     `repeats`, of the engine's own (state-donating) step."""
-    slots, chunk = engine.slots, engine.chunk
+    slots = engine.slots
     active = np.arange(slots) < batch
     pages = pages_for(context + WARM_STEPS + steps + repeats + 4)
     if batch * pages > engine.num_pages or pages > engine.max_pages:
@@ -167,17 +193,12 @@ def decode_step_ms(engine: Engine, batch: int, context: int, steps: int, repeats
     table = np.zeros((slots, engine.max_pages), np.int32)
     table[:batch, :pages] = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
     sampling = [SAMPLED if on else None for on in active]
-    rng = np.random.default_rng(batch)
-    for start in range(0, context, chunk):  # the first step clears every slot: the others stay empty
-        tokens = rng.integers(0, engine.text.unpadded_vocab_size, (slots, chunk), dtype=np.int32)
-        counts = np.where(active, min(chunk, context - start), 0).astype(np.int32)
-        engine.fetch(engine.step(host_batch(tokens, counts, sampling, table, reset=np.full(slots, start == 0),
-                                            is_prompt=active, emit=active & (start + chunk >= context))))  # fmt: skip
+    prefill_random(engine, active, context, table, sampling, np.random.default_rng(batch))
 
     def decode() -> object:
         counts = active.astype(np.int32)
         zeros = np.zeros((slots, 1), np.int32)
-        return engine.step(host_batch(zeros, counts, sampling, table, feedback=active, emit=active))
+        return engine.step(engine.host_batch(zeros, counts, sampling, table, feedback=active, emit=active))
 
     for _ in range(WARM_STEPS):
         engine.fetch(decode())
@@ -218,11 +239,11 @@ def engine_phase(args: argparse.Namespace, record: Callable[[dict], None]) -> No
                          chunk=args.chunk, kv_cache_mib=args.kv_cache_mib, load_format="dummy",
                          executable_cache=compilation_cache.executables(cache))  # fmt: skip
     record({"section": "load", "seconds": time.perf_counter() - start})
-    for width, speculative in engine.widths:  # as Engine.warm_up compiles them
+    for shape in engine.shapes:  # as Engine.warm_up compiles them
         durations.clear()
         start = time.perf_counter()
-        engine.fetch(engine.step(engine.idle_batch(width, speculative)))
-        record({"section": "compile", "shape": [engine.slots, width], "speculative": speculative,
+        engine.fetch(engine.step(engine.idle_batch(shape)))
+        record({"section": "compile", "shape": str(shape), "speculative": shape.speculative,
                 "lower_s": durations["lower_s"], "compile_s": durations["compile_s"],
                 "first_call_s": time.perf_counter() - start})  # fmt: skip
     for batch in sorted(args.concurrency):
@@ -454,12 +475,12 @@ def _kernels(result: dict, ms: float | None) -> str:
 def compile_section(result: dict) -> str:
     keys = ("lower_s", "compile_s", "first_call_s")
     shapes = result["compile"]
-    rows = [[f"[{', '.join(map(str, s['shape']))}]" + " speculative" * s["speculative"]] for s in shapes]
+    rows = [[s["shape"]] for s in shapes]
     for row, shape in zip(rows, shapes, strict=True):
         row += [_number(shape[key], 1) for key in keys]
     rows.append(["total"] + [_number(sum(shape[key] for shape in shapes), 1) for key in keys])
     head = f"## Cold compile of every step shape (empty cache; weights built in {result['load']['seconds']:.1f} s)"
-    return head + "\n\n" + _table(["step shape [slots, width]", "lower s", "XLA compile s", "first call s"], rows)
+    return head + "\n\n" + _table(["step shape (per replica)", "lower s", "XLA compile s", "first call s"], rows)
 
 
 def start_section(title: str, start: dict) -> str:

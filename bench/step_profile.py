@@ -27,7 +27,7 @@ from flax import nnx
 from bench.timing import call_kernels_ms
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import load_config
-from inkling_jax.runtime.engine import Engine, host_batch
+from inkling_jax.runtime.engine import Engine
 from inkling_jax.sharding import make_mesh
 
 PROXY = Path(__file__).resolve().parents[1] / "configs" / "proxy_h200.json"
@@ -52,19 +52,22 @@ def main(argv: list[str] | None = None) -> None:
     jax.block_until_ready(nnx.state(model))
     print(f"weights built on the device: {_seconds(start)}", flush=True)
     with jax.set_mesh(mesh):
-        engine = Engine.create(model, mesh, max_num_seqs=args.slots, chunk=max(64, args.width), max_context=2048)
+        chunk = args.width if args.width > 1 else 64  # a prompt lane per slot of `width` tokens
+        engine = Engine.create(model, mesh, max_num_seqs=args.slots, chunk=chunk, max_context=2048,
+                               max_num_batched_tokens=args.slots * args.width + 1)  # fmt: skip
         table = np.arange(args.slots * engine.max_pages, dtype=np.int32).reshape(args.slots, -1)
         tokens = np.zeros((args.slots, args.width), np.int32)
 
         def on_mesh(active: int):
             real = np.arange(args.slots) < active
             counts = np.where(real, args.width, 0).astype(np.int32)
-            batch = host_batch(tokens, counts, [None] * args.slots, table, emit=real)
+            batch = engine.host_batch(tokens, counts, [None] * args.slots, table, emit=real)
             return jax.tree.map(lambda h: jax.make_array_from_callback(h.shape, engine.by_slot, lambda i: h[i]), batch)
 
-        shape = f"step [{args.slots}, {args.width}]"
+        shape = f"step [{args.slots} slots x {args.width} tokens]"
         start = time.perf_counter()
-        lowered = engine._step.lower(engine.params, engine.state, on_mesh(1), engine.previous, speculative=False)
+        lowered = engine._step.lower(engine.params, engine.state, on_mesh(max(args.active)), engine.previous,
+                                     speculative=False, width=1)  # fmt: skip
         print(f"{shape}: lowered in {_seconds(start)}", flush=True)
         start = time.perf_counter()
         compiled = lowered.compile()

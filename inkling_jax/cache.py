@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from inkling_jax.config import DraftConfig, TextConfig
+from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.short_conv import committed_history, conv_window
 
 PAGE_SIZE = 128
@@ -172,9 +173,9 @@ CONV_STREAMS = ("k", "v", "attention", "mlp")  # KVCache.conv_{stream}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ConvWindows:
-    """One step's short-convolution windows, per stream: each layer's history before the step followed
-    by the chunk's C inputs, [layers, S, K - 1 + C, channels] (channels as in the KVCache's conv_{stream};
-    a layer with fewer K/V channels leaves the rest zero, as its state does)."""
+    """One step's short-convolution windows, per stream: each layer's history before the step followed by the
+    narrow group's W inputs (`Chunk.narrow`), [layers, S, K - 1 + W, channels] (channels as in the KVCache's
+    conv_{stream}; a layer with fewer K/V channels leaves the rest zero, as its state does)."""
 
     k: jax.Array
     v: jax.Array
@@ -213,18 +214,17 @@ def _empty_windows(history: jax.Array, width: int) -> jax.Array:
     return jnp.pad(jnp.zeros_like(history), ((0, 0), (0, 0), (0, width), (0, 0)))
 
 
-def advance_conv(kv: KVCache, stream: str, x: jax.Array, counts: jax.Array) -> KVCache:
-    """kv (one layer's view, `layer_view`) with its `stream` convolution state moved past the first counts[s] of
-    the chunk's inputs x [S, C, ch] (ch: the layer's channels, a prefix of the state's), and its window recorded
-    when kv records them."""
+def advance_conv(kv: KVCache, stream: str, x: jax.Array, chunk: Chunk) -> KVCache:
+    """kv (one layer's view, `layer_view`) with its `stream` convolution state moved past each slot's span of the
+    step's inputs x [1, T, ch] (ch: the layer's channels, a prefix of the state's), and its narrow group's window
+    recorded when kv records them."""
     name, channels = f"conv_{stream}", x.shape[-1]
     state = getattr(kv, name)  # [1, S, K - 1, all channels]
-    window = conv_window(state[0, ..., :channels], x)  # [S, K - 1 + C, ch]
-    kv = dataclasses.replace(
-        kv, **{name: state.at[0, ..., :channels].set(committed_history(window, counts, state.shape[2]))}
-    )
+    history = state[0, ..., :channels]
+    kv = dataclasses.replace(kv, **{name: state.at[0, ..., :channels].set(chunk.history(x, history))})
     if kv.windows is None:
         return kv
+    window = conv_window(history, chunk.narrow(x))  # [S, K - 1 + width, ch]
     recorded = getattr(kv.windows, stream).at[0, ..., :channels].set(window)
     return dataclasses.replace(kv, windows=dataclasses.replace(kv.windows, **{stream: recorded}))
 
@@ -277,16 +277,20 @@ def put_conv_rows(
     return dataclasses.replace(kv, windows=recorded)
 
 
-def commit_conv(kv: KVCache, windows: ConvWindows, commit: jax.Array) -> KVCache:
-    """kv with every layer's four convolution states as if only the first commit[s] tokens of the
-    windows' chunk had been fed: window[layer, s, commit[s] : commit[s] + K - 1] (research 3.3). Full and
-    sliding K/V need no such step: entries past the committed length are never read."""
+def commit_conv(kv: KVCache, windows: ConvWindows, commit: jax.Array, slots: jax.Array) -> KVCache:
+    """kv with every layer's four convolution states, for the `slots` ([S] bool, slots of the narrow group), as
+    if only the first commit[s] tokens of the windows' chunk had been fed: window[layer, s, commit[s] : commit[s]
+    + K - 1] (research 3.3). Full and sliding K/V need no such step: entries past the committed length are never
+    read."""
     taps = kv.conv_k.shape[2]
 
-    def keep(window: jax.Array) -> jax.Array:  # [layers, S, K - 1 + C, ch] -> [layers, S, K - 1, ch]
-        return jax.vmap(committed_history, in_axes=(0, None, None))(window, commit, taps)
+    def keep(state: jax.Array, window: jax.Array) -> jax.Array:  # window [layers, S, K - 1 + W, ch]
+        committed = jax.vmap(committed_history, in_axes=(0, None, None))(window, commit, taps)
+        return jnp.where(slots[None, :, None, None], committed, state)
 
-    return dataclasses.replace(kv, **{f"conv_{s}": keep(getattr(windows, s)) for s in CONV_STREAMS})
+    return dataclasses.replace(
+        kv, **{f"conv_{s}": keep(getattr(kv, f"conv_{s}"), getattr(windows, s)) for s in CONV_STREAMS}
+    )
 
 
 @jax.tree_util.register_dataclass

@@ -2,7 +2,8 @@
 
     python -m inkling_jax.generate --checkpoint DIR --input IN.jsonl --output OUT.jsonl
         [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M] [--mesh tpN|dpMtpN]
-        [--prefill-budget T] [--speculative none|dspark|dspark-greedy] [--load-format auto|dummy]
+        [--max-num-batched-tokens N] [--prefill-budget T] [--speculative none|dspark|dspark-greedy]
+        [--load-format auto|dummy]
         [--compilation-cache DIR|none] [--quiet]
         [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
 

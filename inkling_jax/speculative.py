@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from inkling_jax.cache import KVCache
-from inkling_jax.model.attention import Chunk, read_draft_context
+from inkling_jax.model.attention import read_draft_context
+from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import SamplingParams, filtered_logits, penalize, request_keys
 

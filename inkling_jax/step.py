@@ -2,17 +2,20 @@
 
     step(graphdef, params, state, batch, previous) -> (emitted, state)   # jitted once per (slots, width, mode)
 
-A step's tokens are laid out [S, C]: slot s brings counts[s] real tokens (a prefill chunk, or the one
-token a decoding sequence sampled last), padded to the bucket width C; a slot with counts 0 idles.
-A decoding slot's token can come straight from the previous step's output on device (`feedback`), so
-the host can dispatch the next step before it has read the last one's tokens.
+A step's tokens are one flat run [T] (`inkling_jax.model.chunk`): slot s brings counts[s] tokens at
+starts[s] ... (a prompt chunk, or the one token a decoding sequence sampled last); a slot with counts 0
+idles. Attention reads decoding and verifying slots as a narrow group of `width` queries per slot and prompt
+chunks through lanes of `lane_width` (lane p: lane_count[p] tokens of slot lane_slot[p], from lane_first[p]
+in its span). A decoding slot's token can come straight from the previous step's output on device
+(`feedback`), so the host can dispatch the next step before it has read the last one's tokens.
 Every slot that brings tokens samples from the logits after its last real token; where `emit` is set
 the token counts as generated (penalties, seeded stream), elsewhere (a prompt's earlier chunks) it is
 discarded.
 
-A speculative step (`speculative=True`, C >= γ + 1) also lets the slots with `speculate` set run one
-DSpark round from their one token (the anchor): the draft proposes γ tokens, the target verifies
-[anchor, drafts] in the same pass as the other slots' chunks, and the slot emits its accepted drafts
+A speculative step (`speculative=True`, width γ + 1) also lets the slots with `speculate` set run one
+DSpark round from their one token (the anchor, at the start of a span of γ + 1 flat tokens the host leaves
+for it): the draft proposes γ tokens, the target verifies [anchor, drafts] in the same pass as the other
+slots' tokens, and the slot emits its accepted drafts
 and one more token (`inkling_jax.speculative`); its convolution states keep only the committed
 prefix. The emitted tokens follow the target's distribution exactly. Other slots run as in a plain step
 and sample from the same noise as a plain step, so a request's output does not depend on whether its
@@ -31,11 +34,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import DecodeState, commit_conv
-from inkling_jax.model.attention import Chunk
+from inkling_jax.model.chunk import Chunk, Lanes
 from inkling_jax.sampling import Sampled, SamplingParams, sample
 from inkling_jax.sharding import DATA, replica_specs
 from inkling_jax.speculative import propose, verify
@@ -44,10 +48,14 @@ from inkling_jax.speculative import propose, verify
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """What the host sends each step (all [S, ...])."""
+    """What the host sends each step ([S, ...] per slot unless noted)."""
 
-    token_ids: jax.Array  # [S, C] int32, the first counts[s] real
+    token_ids: jax.Array  # [T] int32, slot s's at starts[s] ... starts[s] + counts[s] - 1
     counts: jax.Array  # [S] int32
+    starts: jax.Array  # [S] int32
+    lane_slot: jax.Array  # [P] int32: the prompt lanes (`inkling_jax.model.chunk.Lanes`)
+    lane_first: jax.Array  # [P] int32
+    lane_count: jax.Array  # [P] int32
     reset: jax.Array  # [S] bool: a new sequence starts in this slot (its state is cleared first)
     is_prompt: jax.Array  # [S] bool: the tokens are prompt tokens (they join the repetition-penalty set)
     emit: jax.Array  # [S] bool: the sampled token is kept (the prompt's last chunk, or decoding)
@@ -70,6 +78,38 @@ class Emitted:
     top_ids: jax.Array  # [S, K, n] int32, the n most likely tokens at each position
     top_logprobs: jax.Array  # [S, K, n] float32
     last: jax.Array  # [S] int32: the token the slot's next step starts from (its feedback)
+
+
+def pack_spans(
+    tokens_of: np.ndarray, counts: np.ndarray, speculating: np.ndarray, *, width: int, lane_width: int, tokens: int,
+    lanes: int, replicas: int = 1,
+) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """The host's layout of a step (numpy): each slot's tokens_of[s, :counts[s]] ([S, any width]) at the next free
+    flat index of its replica's `tokens`, a speculating slot's span `width` long; a slot that brings more than
+    `width` tokens read through lanes of `lane_width`. -> (token_ids [replicas * tokens], starts [S] (replica-local),
+    lane_slot, lane_first, lane_count [replicas * lanes]). ValueError when a replica's spans or lanes do not fit."""
+    slots = counts.shape[0]
+    per_replica = slots // replicas
+    flat, starts = np.zeros((replicas, tokens), np.int32), np.zeros(slots, np.int32)
+    lane_table = np.zeros((3, replicas, lanes), np.int32)  # slot, first, count
+    for replica in range(replicas):
+        cursor = lane = 0
+        for local in range(per_replica):
+            slot = replica * per_replica + local
+            count = int(counts[slot])
+            if count > width:
+                for first in range(0, count, lane_width):
+                    if lane < lanes:
+                        lane_table[:, replica, lane] = local, first, min(lane_width, count - first)
+                    lane += 1
+            if cursor + count <= tokens:
+                flat[replica, cursor : cursor + count] = tokens_of[slot, :count]
+            starts[slot] = cursor
+            cursor += width if speculating[slot] else count
+        if cursor > tokens or lane > lanes:
+            raise ValueError(f"replica {replica}: spans of {cursor} tokens in {lane} lanes do not fit a step of "
+                             f"{tokens} tokens and {lanes} lanes")  # fmt: skip
+    return flat.reshape(-1), starts, *lane_table.reshape(3, -1)
 
 
 def _one_token(sampled: Sampled, emit: jax.Array) -> Emitted:
@@ -117,14 +157,17 @@ def step_fn(
     num_top: int = 0,
     speculative: bool = False,
     greedy_draft: bool = False,
+    width: int = 1,
+    lane_width: int = 1,
 ) -> tuple[Emitted, DecodeState]:
     """One engine step; previous [S]: each slot's `last` token of the previous step (read where
     `batch.feedback` is set). Outputs are meaningful for slots with counts > 0. speculative (static):
-    run DSpark rounds for the `batch.speculate` slots (the model needs a draft); greedy_draft (static):
-    the draft proposes its argmax instead of sampling. `step` is it jitted with the state donated;
-    `inkling_jax.runtime.engine` jits it with the output shardings pinned to the input ones."""
+    run DSpark rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1); greedy_draft
+    (static): the draft proposes its argmax instead of sampling; width, lane_width (static): the narrow group's
+    queries per slot and the lanes'. `step` is it jitted with the state donated; `inkling_jax.runtime.engine`
+    jits it with the output shardings pinned to the input ones."""
     replica_step = functools.partial(_step, graphdef, num_top=num_top, speculative=speculative,
-                                     greedy_draft=greedy_draft)  # fmt: skip
+                                     greedy_draft=greedy_draft, width=width, lane_width=lane_width)  # fmt: skip
     mesh = jax.sharding.get_abstract_mesh()
     if DATA in mesh.axis_names and mesh.shape[DATA] > 1:
         slots = P(DATA)
@@ -140,7 +183,7 @@ def step_fn(
     return emitted, state
 
 
-step = jax.jit(step_fn, static_argnames=("graphdef", "num_top", "speculative", "greedy_draft"),
+step = jax.jit(step_fn, static_argnames=("graphdef", "num_top", "speculative", "greedy_draft", "width", "lane_width"),
                donate_argnames="state")  # fmt: skip
 
 
@@ -153,30 +196,38 @@ def _step(
     num_top: int,
     speculative: bool,
     greedy_draft: bool,
+    width: int,
+    lane_width: int,
 ) -> tuple[Emitted, DecodeState]:
     model = nnx.merge(graphdef, params)
-    token_ids = batch.token_ids.at[:, 0].set(jnp.where(batch.feedback, previous, batch.token_ids[:, 0]))
+    tokens, starts = batch.token_ids.shape[0], batch.starts
+    token_ids = batch.token_ids.at[jnp.where(batch.feedback, starts, tokens)].set(previous, mode="drop")
     state = dataclasses.replace(_reset(state, batch.reset), page_table=batch.page_table)
-    fed = Chunk(state.lengths, batch.counts, state.page_table, token_ids.shape[1])  # the host's tokens
+    spec = batch.speculate & (batch.counts > 0) if speculative else jnp.zeros_like(batch.speculate)
+    gamma = model.dspark.config.block_size if speculative else 0
+    lanes = None
+    if batch.lane_slot.shape[0]:
+        lanes = Lanes(batch.lane_slot, batch.lane_first, batch.lane_count, lane_width)
+    counts = jnp.where(spec, gamma + 1, batch.counts)  # a verify pass: the anchor and its drafts
+    chunk = Chunk.make(state.lengths, counts, state.page_table, starts, lanes, width=width, tokens=tokens,
+                       kernel_size=model.config.conv_kernel_size)  # fmt: skip
 
     vocab = state.prompt_mask.shape[1]
-    slots = jnp.arange(batch.counts.shape[0])[:, None]
-    prompt_tokens = jnp.where(fed.valid & batch.is_prompt[:, None], token_ids, vocab)
-    prompt_mask = state.prompt_mask.at[slots, prompt_tokens].set(True, mode="drop")
-    replayed = fed.valid & batch.replay[:, None]  # earlier outputs count as generated again
-    output_counts = state.output_counts.at[slots, jnp.where(replayed, token_ids, vocab)].add(1, mode="drop")
-    generated = state.generated + jnp.sum(replayed, axis=1, dtype=jnp.int32)
+    slot, real = chunk.token_slot, chunk.valid[0]  # the host's tokens: a speculating slot's one is not a prompt's
+    prompt_tokens = jnp.where(real & batch.is_prompt[jnp.minimum(slot, batch.counts.shape[0] - 1)], token_ids, vocab)
+    prompt_mask = state.prompt_mask.at[slot, prompt_tokens].set(True, mode="drop")
+    replayed = real & batch.replay[jnp.minimum(slot, batch.counts.shape[0] - 1)]  # earlier outputs, generated again
+    output_counts = state.output_counts.at[slot, jnp.where(replayed, token_ids, vocab)].add(1, mode="drop")
+    generated = state.generated + jnp.where(batch.replay, batch.counts, 0)
     emit = batch.emit & (batch.counts > 0)
 
     if speculative:
-        spec = batch.speculate & (batch.counts > 0)
-        drafts, q = propose(model, token_ids[:, 0], state.kv, fed, batch.sampling, generated, greedy_draft)
-        gamma = drafts.shape[1]
-        verified = jnp.concatenate([token_ids[:, :1], drafts], axis=1)  # [S, γ + 1]: anchor, drafts
-        token_ids = jnp.where(spec[:, None], jnp.pad(verified, ((0, 0), (0, fed.width - gamma - 1))), token_ids)
-        chunk = dataclasses.replace(fed, counts=jnp.where(spec, gamma + 1, batch.counts))
-        at = jnp.where(spec[:, None], jnp.arange(gamma + 1), jnp.maximum(batch.counts - 1, 0)[:, None])  # [S, K]
-        logits, kv, windows = model.step(token_ids, state.kv, chunk, windows=True, at=at)
+        anchors = token_ids[jnp.minimum(starts, tokens - 1)]
+        drafts, q = propose(model, anchors, state.kv, chunk, batch.sampling, generated, greedy_draft)
+        after = starts[:, None] + 1 + jnp.arange(gamma)[None, :]
+        token_ids = token_ids.at[jnp.where(spec[:, None], after, tokens)].set(drafts, mode="drop")
+        at = jnp.where(spec[:, None], starts[:, None] + jnp.arange(gamma + 1), chunk.last[:, None])  # [S, γ + 1]
+        logits, kv, windows = model.step(token_ids, state.kv, chunk, windows=True, at=jnp.minimum(at, tokens - 1))
         plain = _one_token(sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top), emit)
         num_drafts = jnp.where(spec, gamma, 0)
         rounds = verify(logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top)
@@ -187,13 +238,14 @@ def _step(
             lambda ours, theirs: jnp.where(spec.reshape(-1, *(1,) * (ours.ndim - 1)), ours, theirs), speculated, plain
         )
         committed = jnp.where(spec, emitted.count, batch.counts)
-        kv = commit_conv(kv, windows, committed)
+        kv = commit_conv(kv, windows, committed, spec)
         lengths = state.lengths + committed
     else:
-        logits, kv = model.step(token_ids, state.kv, fed)
+        logits, kv = model.step(token_ids, state.kv, chunk)
         emitted = _one_token(sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top), emit)
         lengths = state.lengths + batch.counts
 
+    slots = jnp.arange(batch.counts.shape[0])[:, None]
     kept = jnp.where(jnp.arange(emitted.tokens.shape[1])[None, :] < emitted.count[:, None], emitted.tokens, vocab)
     state = dataclasses.replace(
         state,

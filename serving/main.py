@@ -1,7 +1,8 @@
 """`python -m serving.main`: serve a checkpoint over gRPC.
 
     python -m serving.main [--checkpoint DIR] [--mesh tp1] [--host 127.0.0.1] [--port 50051]
-        [--dtype bfloat16] [--max-num-seqs 8] [--chunk 64] [--kv-cache-mib M] [--metrics-port P]
+        [--dtype bfloat16] [--max-num-seqs 8] [--chunk 64] [--max-num-batched-tokens N] [--kv-cache-mib M]
+        [--metrics-port P]
         [--speculative none|dspark|dspark-greedy] [--load-format auto|dummy] [--compilation-cache DIR|none]
         [--drain-timeout 30] [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
 
@@ -37,7 +38,7 @@ from inkling_jax.config import ConfigError
 from inkling_jax.distributed import DistributedError
 from inkling_jax.model.draft import NoDraftError
 from inkling_jax.runtime import compilation_cache
-from inkling_jax.runtime.engine import add_load_format_argument, load_engine
+from inkling_jax.runtime.engine import add_batched_tokens_argument, add_load_format_argument, load_engine
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
+    add_batched_tokens_argument(parser)
     parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
     speculative_help = (
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_engine(
             checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
             kv_cache_mib=args.kv_cache_mib, speculative=args.speculative, load_format=args.load_format,
-            executable_cache=compilation_cache.executables(cache),
+            executable_cache=compilation_cache.executables(cache), max_num_batched_tokens=args.max_num_batched_tokens,
         )  # fmt: skip
         scheduler = Scheduler(engine)
         log.info("warming up: compiling every step shape")

@@ -37,7 +37,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
 def test_the_cold_compile_covers_every_step_shape(run):
     result, _, _ = run
     slots = max(CONCURRENCY) + LONG_PROMPTS
-    assert [shape["shape"] for shape in result["compile"]] == [[slots, 1], [slots, CHUNK]]  # Engine.widths
+    lanes = -(-(slots + 2 * CHUNK) // min(CHUNK, 64))  # the default token budget: a token a slot and two chunks
+    assert [shape["shape"] for shape in result["compile"]] == [
+        f"{slots} tokens, width 1, 0 lanes",
+        f"{slots + 2 * CHUNK} tokens, width 1, {lanes} lanes",
+    ]
     for shape in result["compile"]:
         assert 0 < shape["lower_s"] and 0 < shape["compile_s"]
         assert shape["lower_s"] + shape["compile_s"] <= shape["first_call_s"]

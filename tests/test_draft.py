@@ -15,7 +15,8 @@ from inkling_jax.checkpoint.loader import parameter_paths
 from inkling_jax.checkpoint.safetensors_io import CheckpointFiles
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import ConfigError, parse_config
-from inkling_jax.model.attention import Chunk, read_pages, write_pages
+from inkling_jax.model.attention import read_pages, write_pages
+from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.draft import NoDraftError, require_draft
 from inkling_jax.model.text import CausalLM
 
@@ -171,11 +172,13 @@ def test_context_kv_stored_per_committed_chunk_equals_one_pass(model):
     page_table = jnp.arange(2 * pages_per_seq, dtype=jnp.int32).reshape(2, pages_per_seq)[::-1]
     for start, stop in ((0, 5), (5, 7), (7, 9)):  # three commits of 5, 2 and 2 positions
         width = stop - start
-        chunk = Chunk(jnp.full((2,), start, jnp.int32), jnp.full((2,), width, jnp.int32), page_table, width)
+        chunk = Chunk.uniform(jnp.full((2,), start, jnp.int32), jnp.full((2,), width, jnp.int32), page_table, width,
+                              kernel_size=4)  # fmt: skip
         part_k, part_v = model.dspark.context_kv(c[:, start:stop], positions[:, start:stop])
         for layer in range(LAYERS):
-            pools = [write_pages(p, layer, part[layer], chunk) for p, part in zip(pools, (part_k, part_v), strict=True)]
-    read = Chunk(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), page_table)
+            pools = [write_pages(p, layer, part[layer].reshape(1, -1, *part.shape[3:]), chunk)
+                     for p, part in zip(pools, (part_k, part_v), strict=True)]  # fmt: skip
+    read = Chunk.uniform(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), page_table, 1, kernel_size=4)
     stored = [jnp.stack([read_pages(p, layer, read)[0] for layer in range(LAYERS)]) for p in pools]
     stored_positions = read_pages(pools[0], 0, read)[1]
     np.testing.assert_array_equal(stored[0][:, :, :9], k[:, :, :9])

@@ -1,6 +1,6 @@
 """The executable cache on the tiny parity model: a second engine over the same directory loads its step program
 without lowering it and emits the same tokens bit for bit, with the state still donated; another program's key
-misses; a corrupt or truncated entry is deleted and compiled again. One program (width 1) keeps it fast."""
+misses; a corrupt or truncated entry is deleted and compiled again. One program (the decode step) keeps it fast."""
 
 import logging
 from pathlib import Path
@@ -13,7 +13,7 @@ from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.runtime import engine as engine_module
 from inkling_jax.runtime import executable_cache
-from inkling_jax.runtime.engine import Engine, host_batch, shape_compiler_options
+from inkling_jax.runtime.engine import Engine, StepShape, shape_compiler_options
 from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sharding import make_mesh
 
@@ -37,7 +37,7 @@ def one_token_batch(engine: Engine, token: int, first: bool, prompt: bool, emit:
     tokens[0, 0], counts[0] = token, 1
     flags = {name: np.asarray([value] + [False] * (SLOTS - 1)) for name, value in
              (("reset", first), ("is_prompt", prompt), ("emit", emit))}  # fmt: skip
-    return host_batch(tokens, counts, [None] * SLOTS, np.zeros((SLOTS, engine.max_pages), np.int32), **flags)
+    return engine.host_batch(tokens, counts, [None] * SLOTS, np.zeros((SLOTS, engine.max_pages), np.int32), **flags)
 
 
 def greedy(engine: Engine) -> tuple[list[int], np.ndarray, list[bool]]:
@@ -92,27 +92,27 @@ def test_another_program_misses(model, first):
     more_pages = Engine(model, CacheLayout(SLOTS, 4, 32, 8), make_mesh("tp1", model.config), num_top=MAX_LOGPROBS)
     cache = executable_cache.ExecutableCache(directory)
 
-    def arguments(engine: Engine, width: int = 1, speculative: bool = False) -> tuple:
+    def arguments(engine: Engine, shape: StepShape) -> tuple:
         batch = jax.tree.map(lambda host: jax.make_array_from_callback(host.shape, engine.by_slot, lambda i: host[i]),
-                             engine.idle_batch(width, speculative))  # fmt: skip
+                             engine.idle_batch(shape))  # fmt: skip
         return engine.params, engine.state, batch, engine.previous
 
-    def key(engine: Engine, width: int = 1, speculative: bool = False, **changes) -> str:
-        options = {**engine.program_options(width, speculative), **changes}
-        label = f"step-{SLOTS}x{width}" + ("-speculative" if speculative else "")
-        return cache.key(label, engine.mesh, options, engine.graphdef, arguments(engine, width, speculative))
+    def key(engine: Engine, prefill: bool = False, speculative: bool = False, **changes) -> str:
+        shape = engine.shape(prefill, speculative)
+        options = {**engine.program_options(shape), **changes}
+        return cache.key(shape.label, engine.mesh, options, engine.graphdef, arguments(engine, shape))
 
     stored = key(base)
     assert [path.name for path in directory.glob("*.exe")] == [stored]  # the first engine's key, recomputed
     fast_math = repr([("xla_cpu_enable_fast_math", True)])
-    others = [key(base, width=8), key(base, speculative=True), key(base, greedy_draft=True), key(other_top),
+    others = [key(base, prefill=True), key(base, speculative=True), key(base, greedy_draft=True), key(other_top),
               key(more_pages), key(tp2), key(base, compiler_options=fast_math)]  # fmt: skip
     assert len({stored, *others}) == len(others) + 1
     assert repr(model.config) in repr(base.graphdef)  # the key hashes the graph: every config field is in it
     # an entry filed under another program's name is refused (and deleted), never run
     misfiled = directory / others[2]
     misfiled.write_bytes((directory / stored).read_bytes())
-    assert cache.load(misfiled.name, arguments(base), list(base.mesh.devices.flat)) is None
+    assert cache.load(misfiled.name, arguments(base, base.shape(False, False)), list(base.mesh.devices.flat)) is None
     assert not misfiled.exists() and (directory / stored).exists()
 
 
@@ -158,11 +158,12 @@ def test_a_backend_that_cannot_serialize_turns_the_cache_off_with_one_warning(tm
 def test_decode_programs_get_their_platforms_options(model, monkeypatch):
     """A plain decode step adds its platform's options (TPU: gathers off SparseCore; GPU: no autotuning) to what
     XLA compiles; prefill and speculative shapes, and CPU, add none."""
-    assert shape_compiler_options("tpu", 1, False) == {"xla_tpu_offload_gather_to_sparsecore": False}
-    assert shape_compiler_options("gpu", 1, False) == {"xla_gpu_autotune_level": 0}
-    assert shape_compiler_options("gpu", 8, False) == shape_compiler_options("tpu", 8, True) == {}
+    decode, prefill, verify = StepShape(8, 1, 0, False), StepShape(64, 1, 4, False), StepShape(16, 8, 0, True)
+    assert shape_compiler_options("tpu", decode) == {"xla_tpu_offload_gather_to_sparsecore": False}
+    assert shape_compiler_options("gpu", decode) == {"xla_gpu_autotune_level": 0}
+    assert shape_compiler_options("gpu", prefill) == shape_compiler_options("tpu", verify) == {}
     asked = []
     monkeypatch.setattr(engine_module, "shape_compiler_options", lambda *shape: asked.append(shape) or {})
     engine = make_engine(model, None)
     engine.fetch(engine.step(one_token_batch(engine, 3, first=True, prompt=True, emit=True)))
-    assert asked == [(jax.default_backend(), 1, False)]
+    assert asked == [(jax.default_backend(), engine.shape(prefill=False, speculative=False))]

@@ -80,15 +80,18 @@ def rings(case: dict, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def among_other_layers(rng: np.random.Generator, *rings: np.ndarray, before: int = 2) -> tuple:
-    """Each of `rings` [S, ...] as one layer's rows of a stack of layers' rings [(before + 2) * S, ...] (the other
-    layers noise), and the base to read it at: the kernels read a layer's rings in place."""
+    """Each of `rings` [S, ...] scattered over a stack of rings [(before + 2) * S, ...] (the other rows noise: other
+    layers' and slots'), sequence s's at a random row, and those rows [S]: the kernels read each sequence's ring in
+    place, wherever it is."""
     slots = rings[0].shape[0]
+    rows = rng.permutation((before + 2) * slots)[:slots].astype(np.int32)
 
-    def stacked(ring: np.ndarray) -> np.ndarray:
-        noise = rng.normal(size=((before + 1) * slots, *ring.shape[1:])).astype(ring.dtype)
-        return np.concatenate([noise[: before * slots], ring, noise[before * slots :]])
+    def scattered(ring: np.ndarray) -> np.ndarray:
+        stack = rng.normal(size=((before + 2) * slots, *ring.shape[1:])).astype(ring.dtype)
+        stack[rows] = ring
+        return stack
 
-    return (*(stacked(ring) for ring in rings), before * slots)
+    return (*(scattered(ring) for ring in rings), jnp.asarray(rows))
 
 
 def check(case: dict, got: jax.Array, window: int | None) -> None:
@@ -121,11 +124,11 @@ def test_ring_layout_equals_whole_sequences(extent):
     window = 6
     case = random_case(extent, *MIXED, extent)
     k_ring, v_ring = rings(case, size=window + WIDTH)  # a ring of window + chunk, as the decode state keeps
-    k_ring, v_ring, base = among_other_layers(case["rng"], k_ring, v_ring)
+    k_ring, v_ring, rows = among_other_layers(case["rng"], k_ring, v_ring)
     step = step_inputs(case)
     got = ragged_paged_attention(
         step["q"], k_ring, v_ring, case["kv_lens"], case["query_lens"], step["rel"], case["rel_proj"],
-        step["sinks"], page_table=None, scale=DIM**-0.5, window=window, ring_base=base,
+        step["sinks"], page_table=None, scale=DIM**-0.5, window=window, ring_rows=rows,
     )  # fmt: skip
     check(case, got, window)
 

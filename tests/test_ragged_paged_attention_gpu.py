@@ -85,9 +85,9 @@ def compare(case: dict, window: int | None, splits: int | None, among_layers: bo
     on_kernel, ring = case, {}
     if among_layers:
         rng = np.random.default_rng(0)
-        k, v, base = among_other_layers(rng, *(np.asarray(case[n], np.float32) for n in ("k", "v")))
+        k, v, rows = among_other_layers(rng, *(np.asarray(case[n], np.float32) for n in ("k", "v")))
         on_kernel = case | {"k": jnp.asarray(k, jnp.bfloat16), "v": jnp.asarray(v, jnp.bfloat16)}
-        ring = {"ring_base": jnp.int32(base)}
+        ring = {"ring_rows": rows}
     got = run(
         jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window")), on_kernel, window, **ring
     )

@@ -35,12 +35,12 @@ def interpreted(**inputs) -> np.ndarray:
 
 def inputs(
     case: dict, k: np.ndarray, v: np.ndarray, table: np.ndarray | None, window: int | None, width: int = WIDTH,
-    ring_base: int = 0,
+    ring_rows: jax.Array | None = None,
 ) -> dict:  # fmt: skip
     step = step_inputs(case, width)
     return dict(
         q=step["q"], k=k, v=v, kv_lens=case["kv_lens"], query_lens=case["query_lens"], rel=step["rel"],
-        rel_proj=case["rel_proj"], sinks=step["sinks"], page_table=table, window=window, ring_base=ring_base,
+        rel_proj=case["rel_proj"], sinks=step["sinks"], page_table=table, window=window, ring_rows=ring_rows,
     )  # fmt: skip
 
 
@@ -56,13 +56,13 @@ def test_decode_only_steps(ring):
     """A step of width 1 (every row of a KV head at one position): bias rows rotated alike."""
     window = 9 if ring else None
     case = random_case(5, [37, 29, 61, 1, 140], [1, 1, 1, 1, 0], extent=9 if ring else 24)
-    base = 0
+    rows = None
     if ring:  # read in place among other layers' rings
-        k, v, base = among_other_layers(case["rng"], *rings(case, size=window + 1))
+        k, v, rows = among_other_layers(case["rng"], *rings(case, size=window + 1))
         table = None
     else:
         k, v, table = paged(case, num_pages=128, max_pages=20)
-    check(case, interpreted(**inputs(case, k, v, table, window, width=1, ring_base=base)), window)
+    check(case, interpreted(**inputs(case, k, v, table, window, width=1, ring_rows=rows)), window)
 
 
 def test_wide_chunks_in_row_tiles_over_many_steps():

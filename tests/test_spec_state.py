@@ -24,12 +24,14 @@ from inkling_jax.cache import (
 )
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
-from inkling_jax.model.attention import Chunk, read_draft_context, write_draft_context
+from inkling_jax.model.attention import read_draft_context, write_draft_context
+from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.short_conv import committed_history, conv_window
 from inkling_jax.sharding import DATA, MODEL, state_specs
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text" / "hf"
 SLOTS, VERIFY = 4, 8  # the verify width: anchor + 7 drafts
+TAPS = 4  # the tiny models' convolution kernel size
 
 
 def test_committed_history_is_the_window_slice():
@@ -51,8 +53,8 @@ def target():
 
     @functools.partial(jax.jit, static_argnames="windows")
     def run(params, kv, tokens, lengths, counts, page_table, windows=False):
-        chunk = Chunk(lengths, counts, page_table, tokens.shape[1])
-        return nnx.merge(graphdef, params).step(tokens, kv, chunk, windows=windows)
+        chunk = Chunk.uniform(lengths, counts, page_table, tokens.shape[1], kernel_size=model.config.conv_kernel_size)
+        return nnx.merge(graphdef, params).step(tokens.reshape(-1), kv, chunk, windows=windows)
 
     return model.config, functools.partial(run, params)
 
@@ -83,16 +85,22 @@ def test_verify_then_commit_equals_feeding_the_committed_tokens(target, seed):
     _, verified, windows = run(kv, drafts, prompt, jnp.full(SLOTS, VERIFY, jnp.int32), page_table, windows=True)
     for s in CONV_STREAMS:  # the window starts with the history before the pass
         np.testing.assert_array_equal(getattr(windows, s)[:, :, : text.conv_kernel_size - 1], getattr(kv, f"conv_{s}"))
-    committed = commit_conv(verified, windows, commit)
+    every = jnp.ones(SLOTS, bool)
+    committed = commit_conv(verified, windows, commit, every)
     _, direct = run(kv, drafts, prompt, commit, page_table)
 
     assert verified.windows is None and direct.windows is None
     got, want = _conv_states(committed), _conv_states(direct)
     for s in CONV_STREAMS:
         np.testing.assert_array_equal(got[s], want[s], err_msg=s)
-    all_kept = _conv_states(commit_conv(verified, windows, jnp.full(SLOTS, VERIFY, jnp.int32)))
+    all_kept = _conv_states(commit_conv(verified, windows, jnp.full(SLOTS, VERIFY, jnp.int32), every))
     for s in CONV_STREAMS:  # committing everything is what the pass itself left
         np.testing.assert_array_equal(all_kept[s], _conv_states(verified)[s], err_msg=s)
+    some = jnp.asarray([True, False, True, False])
+    partly = _conv_states(commit_conv(verified, windows, commit, some))
+    for s in CONV_STREAMS:  # slots outside the mask keep what the pass left
+        np.testing.assert_array_equal(partly[s][:, ::2], want[s][:, ::2], err_msg=s)
+        np.testing.assert_array_equal(partly[s][:, 1::2], _conv_states(verified)[s][:, 1::2], err_msg=s)
 
     follow = tokens()
     lengths, counts = prompt + commit, jnp.asarray([1, 3, 8, 2], jnp.int32)
@@ -172,11 +180,12 @@ def test_block_from_the_pool_equals_the_block_from_features(drafted):
         commit = jnp.asarray(commit, jnp.int32)
         index = lengths[:, None] + jnp.arange(VERIFY)[None, :]  # the verify chunk's 8 positions
         part_k, part_v = (jnp.take_along_axis(x, index[None, :, :, None, None], axis=2) for x in (k, v))
-        kv = write(kv, part_k, part_v, Chunk(lengths, commit, page_table, VERIFY))
+        flat_k, flat_v = (x.reshape(x.shape[0], 1, -1, *x.shape[3:]) for x in (part_k, part_v))
+        kv = write(kv, flat_k, flat_v, Chunk.uniform(lengths, commit, page_table, VERIFY, kernel_size=TAPS))
         lengths = lengths + commit
     assert lengths.tolist() == [length, length]
 
-    read = Chunk(lengths, jnp.zeros(2, jnp.int32), page_table)
+    read = Chunk.uniform(lengths, jnp.zeros(2, jnp.int32), page_table, 1, kernel_size=TAPS)
     pool_k, pool_v, pool_positions = read_draft_context(kv, read)
     assert pool_k.shape == (2, 2, 4 * page, 2, 8)
     np.testing.assert_array_equal(pool_k[:, :, :length], k[:, :, :length])
@@ -204,10 +213,11 @@ def test_engine_steps_keep_the_draft_context(drafted):
     for start, width in ((0, VERIFY), (VERIFY, 4), (12, 1)):
         counts = jnp.full(2, width, jnp.int32)
         tokens = jnp.pad(ids[:, start : start + width], ((0, 0), (0, VERIFY - width)))
-        _, kv = step(tokens, kv, Chunk(lengths, counts, page_table, VERIFY))
+        _, kv = step(tokens.reshape(-1), kv, Chunk.uniform(lengths, counts, page_table, VERIFY, kernel_size=TAPS))
         lengths = lengths + counts
     positions = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), ids.shape)
     _, _, captured = model.model(ids, positions, capture=config.draft.target_layer_ids)
     k, _ = draft.context_kv(draft.context_features(captured), positions)
-    pool_k, _, _ = read_draft_context(kv, Chunk(lengths, jnp.zeros(2, jnp.int32), page_table))
+    read = Chunk.uniform(lengths, jnp.zeros(2, jnp.int32), page_table, 1, kernel_size=TAPS)
+    pool_k, _, _ = read_draft_context(kv, read)
     np.testing.assert_allclose(pool_k[:, :, :13], k, rtol=2e-5, atol=2e-5)

@@ -19,7 +19,7 @@ from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.generate import main as generate_main
 from inkling_jax.model.draft import NoDraftError
 from inkling_jax.runtime.batch import generate
-from inkling_jax.runtime.engine import Engine, host_batch
+from inkling_jax.runtime.engine import Engine, StepShape
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Request
 from inkling_jax.runtime.scheduler import Scheduler, Stats
 from inkling_jax.sharding import make_mesh
@@ -94,9 +94,9 @@ def first_two(engine: Engine, rounds: int, temperatures: tuple[float, ...]) -> d
         sampling = [Sampling(by_slot[s], round_ * SLOTS + s) for s in range(SLOTS)]
         tokens = np.zeros((SLOTS, GAMMA + 1), np.int32)
         tokens[:, 0] = ANCHOR
-        first = engine.step(host_batch(tokens, one, sampling, table, reset=everyone, is_prompt=everyone,
+        first = engine.step(engine.host_batch(tokens, one, sampling, table, reset=everyone, is_prompt=everyone,
                                        emit=everyone, speculate=everyone))  # fmt: skip
-        second = engine.step(host_batch(np.zeros_like(tokens), one, sampling, table, feedback=everyone,
+        second = engine.step(engine.host_batch(np.zeros_like(tokens), one, sampling, table, feedback=everyone,
                                         emit=everyone, speculate=everyone))  # fmt: skip
         first, second = engine.fetch(first), engine.fetch(second)
         assert np.all((first.count >= 1) & (first.count <= GAMMA + 1))
@@ -180,7 +180,7 @@ def test_bad_speculation_settings_are_named(model):
         Engine(plain[1], CacheLayout(2, 2, 1, 8), make_mesh("tp1", plain[1].config), speculative="dspark")
     engine = Engine(plain[1], CacheLayout(2, 2, 1, 8), make_mesh("tp1", plain[1].config))
     with pytest.raises(SpeculationError, match="without --speculative"):
-        engine.step(engine.idle_batch(8, speculative=True))
+        engine.step(engine.idle_batch(StepShape(2, 1, 0, True)))
 
 
 def scheduler_outputs(model, speculative: str, requests: list[Request]) -> tuple[dict, dict, Stats, int]:

@@ -13,7 +13,7 @@ from inkling_jax.cache import CacheLayout, init_state
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.forward import logits_fn
 from inkling_jax.sampling import SamplingParams
-from inkling_jax.step import StepBatch, step
+from inkling_jax.step import StepBatch, pack_spans, step
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text"
 SLOTS, WIDTH, MAX_PAGES = 3, 8, 1  # 128-token pages: one per slot holds these short sequences
@@ -33,11 +33,15 @@ NO_PREVIOUS = jnp.zeros(SLOTS, jnp.int32)
 
 
 class Driver:
-    """A minimal host loop: slots, fixed page tables, one step per call."""
+    """A minimal host loop: slots, fixed page tables, one step per call. Each step is SLOTS * width flat tokens;
+    with `lanes` every slot that brings more than one token is read through lanes of 3 (chunks straddle them), else
+    all slots are one narrow group of `width`."""
 
-    def __init__(self, model, width=WIDTH):
+    def __init__(self, model, width=WIDTH, lanes=False):
         self.graphdef, self.params = nnx.split(model)
         self.text, self.width = model.config, width
+        self.layout = dict(width=1, lane_width=3, lanes=-(-SLOTS * width // 3) + SLOTS) if lanes else \
+            dict(width=width, lane_width=1, lanes=0)  # fmt: skip
         self.state = init_state(self.text, CacheLayout(SLOTS, SLOTS * MAX_PAGES, MAX_PAGES, width), jnp.float32)
         self.page_table = jnp.arange(SLOTS * MAX_PAGES, dtype=jnp.int32).reshape(SLOTS, MAX_PAGES)
 
@@ -50,9 +54,14 @@ class Driver:
             counts[slot] = len(chunk)
         groups = {"reset": reset, "emit": emit, "is_prompt": prompt, "feedback": (), "replay": (), "speculate": ()}
         flags = {name: jnp.asarray([s in group for s in range(SLOTS)]) for name, group in groups.items()}
-        batch = StepBatch(jnp.asarray(tokens), jnp.asarray(counts), page_table=self.page_table,
-                          sampling=sampling or SamplingParams.neutral(SLOTS), **flags)  # fmt: skip
-        out, self.state = step(self.graphdef, self.params, self.state, batch, NO_PREVIOUS, num_top=num_top)
+        layout = self.layout
+        token_ids, starts, *lanes = pack_spans(tokens, counts, np.zeros(SLOTS, bool), tokens=SLOTS * self.width,
+                                               **layout)  # fmt: skip
+        batch = StepBatch(jnp.asarray(token_ids), jnp.asarray(counts), jnp.asarray(starts), *map(jnp.asarray, lanes),
+                          page_table=self.page_table, sampling=sampling or SamplingParams.neutral(SLOTS),
+                          **flags)  # fmt: skip
+        out, self.state = step(self.graphdef, self.params, self.state, batch, NO_PREVIOUS, num_top=num_top,
+                               width=layout["width"], lane_width=layout["lane_width"])  # fmt: skip
         return out
 
 
@@ -76,11 +85,12 @@ def prefill(driver, slot, ids, sizes, vocab):
     return results
 
 
+@pytest.mark.parametrize("lanes", [False, True])
 @pytest.mark.parametrize("sizes", [[8] * 5, [3, 8, 1, 7, 8, 5, 8], [1] * 40])
-def test_chunked_prefill_and_decode_match_the_whole_sequence(model, reference, sizes):
+def test_chunked_prefill_and_decode_match_the_whole_sequence(model, reference, sizes, lanes):
     ids = reference["input_ids"].tolist()
     want = full_logprobs(model, ids)
-    for position, got in prefill(Driver(model), 1, ids, sizes, len(want[0])):
+    for position, got in prefill(Driver(model, lanes=lanes), 1, ids, sizes, len(want[0])):
         error = np.abs(got - want[position]).max() / np.abs(want[position]).max()
         assert error < 1e-4, (position, error)
 
@@ -96,10 +106,10 @@ def test_greedy_decode_matches_the_reference_generation(model, reference):
     assert tokens == want  # 9 + 16 tokens cross the window (8), the relative extent (12) and the tau floor (10)
 
 
-def _sampled_continuation(model, reference, slot, neighbours, seed):
+def _sampled_continuation(model, reference, slot, neighbours, seed, lanes=False):
     """A seeded request in `slot`, while other slots prefill and decode random tokens."""
     rng = np.random.default_rng(slot)
-    driver = Driver(model)
+    driver = Driver(model, lanes=lanes)
     ours = reference["input_ids"][:12].tolist()
     params = dataclasses.replace(
         SamplingParams.neutral(SLOTS),
@@ -122,6 +132,7 @@ def _sampled_continuation(model, reference, slot, neighbours, seed):
 def test_outputs_do_not_depend_on_slot_or_batch(model, reference):
     alone = _sampled_continuation(model, reference, 0, [], seed=5)
     assert alone == _sampled_continuation(model, reference, 2, [0, 1], seed=5)
+    assert alone == _sampled_continuation(model, reference, 2, [0, 1], seed=5, lanes=True)
     assert alone == _sampled_continuation(model, reference, 1, [2], seed=5)
     assert alone != _sampled_continuation(model, reference, 0, [], seed=6)
 
@@ -153,9 +164,12 @@ def test_the_state_is_updated_in_place(model):
     slots, width = 2, 4
     state = init_state(model.config, CacheLayout(slots, 512, 8, width), jnp.float32)
     flags = (jnp.zeros(slots, bool) for _ in range(6))
-    batch = StepBatch(jnp.zeros((slots, width), jnp.int32), jnp.ones(slots, jnp.int32), *flags,
-                      jnp.zeros((slots, 8), jnp.int32), SamplingParams.neutral(slots))  # fmt: skip
-    memory = step.lower(graphdef, params, state, batch, jnp.zeros(slots, jnp.int32)).compile().memory_analysis()
+    no_lanes = jnp.zeros(0, jnp.int32)
+    batch = StepBatch(jnp.zeros(slots * width, jnp.int32), jnp.ones(slots, jnp.int32), jnp.arange(slots) * width,
+                      no_lanes, no_lanes, no_lanes, *flags, jnp.zeros((slots, 8), jnp.int32),
+                      SamplingParams.neutral(slots))  # fmt: skip
+    lowered = step.lower(graphdef, params, state, batch, jnp.zeros(slots, jnp.int32), width=width)
+    memory = lowered.compile().memory_analysis()
     assert memory.alias_size_in_bytes >= state.nbytes - 1024
     if jax.default_backend() == "cpu":
         # XLA:GPU (JAX 0.11.2, H200) stages this fp32 model's page scatter through a copy of the pools; a

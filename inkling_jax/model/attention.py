@@ -8,6 +8,7 @@ tau = 1 + alpha * log(max((pos + 1) / n_floor, 1)). The output is gated by sigmo
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import KVCache, advance_conv
 from inkling_jax.config import TextConfig
+from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
@@ -24,28 +26,6 @@ from pallas_kernels.numerics import round_to
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import paged_keys
 from pallas_kernels.relative_attention import relative_attention
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """Where a step's tokens [S, C] sit: each slot's tokens already in the state, how many of its C
-    tokens are real (the rest pad), and its page table (full-attention pages)."""
-
-    lengths: jax.Array  # [S] int32
-    counts: jax.Array  # [S] int32
-    page_table: jax.Array  # [S, max pages] int32
-    width: int = dataclasses.field(metadata={"static": True}, default=1)  # C
-
-    @property
-    def positions(self) -> jax.Array:
-        """[S, C] absolute positions of the step's tokens."""
-        return self.lengths[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
-
-    @property
-    def valid(self) -> jax.Array:
-        """[S, C] real tokens."""
-        return jnp.arange(self.width)[None, :] < self.counts[:, None]
 
 
 @jax.tree_util.register_dataclass
@@ -59,26 +39,26 @@ class LayerIndex:
 
 
 def write_pages(pages: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:
-    """pages [layers, P, H, page, D] with each real token's values [S, C, H, D] stored at its position in
+    """pages [layers, P, H, page, D] with each real token's values [1, T, H, D] stored at its position in
     `layer`'s pages (an in-place update of the donated state)."""
     page_size = pages.shape[3]
-    positions = chunk.positions
-    page = jnp.take_along_axis(chunk.page_table, positions // page_size, axis=1, mode="clip")
-    page = jnp.where(chunk.valid, page, pages.shape[1])  # padding writes nowhere
-    return pages.at[layer, page, :, positions % page_size].set(values.astype(pages.dtype), mode="drop")
+    positions, slot = chunk.positions[0], jnp.minimum(chunk.token_slot, chunk.slots - 1)
+    page = chunk.page_table[slot, jnp.minimum(positions // page_size, chunk.page_table.shape[1] - 1)]
+    page = jnp.where(chunk.valid[0], page, pages.shape[1])  # padding writes nowhere
+    return pages.at[layer, page, :, positions % page_size].set(values[0].astype(pages.dtype), mode="drop")
 
 
-def all_layer_pages(pages: jax.Array, layer: jax.Array | int, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """pages [layers, P, H, page, D] as one pool [layers * P, H, page, D] (a free reshape) and the page table of
-    `layer`'s pages in it: a kernel reads the layer in place, where indexing the layer (traced inside the scan over
-    layers) would copy all its pages first."""
+def all_layer_pages(pages: jax.Array, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+    """pages [layers, P, H, page, D] as one pool [layers * P, H, page, D] (a free reshape) and what to add to a page
+    id of `layer` to find it there: a kernel reads the layer in place, where indexing the layer (traced inside the
+    scan over layers) would copy all its pages first."""
     layers, count = pages.shape[:2]
-    return pages.reshape(layers * count, *pages.shape[2:]), page_table + layer * count
+    return pages.reshape(layers * count, *pages.shape[2:]), jnp.asarray(layer, jnp.int32) * count
 
 
 def all_layer_rings(rings: jax.Array, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
-    """rings [layers, S, H, R, D] as one stack [layers * S, H, R, D] (a free reshape) and where `layer`'s rings
-    start in it: a kernel reads the layer in place, where indexing it (traced inside the scan) would copy them."""
+    """rings [layers, S, H, R, D] as one stack [layers * S, H, R, D] (a free reshape) and the row where `layer`'s
+    rings start in it: a kernel reads the layer in place, where indexing it (traced inside the scan) would copy."""
     layers, slots = rings.shape[:2]
     return rings.reshape(layers * slots, *rings.shape[2:]), jnp.asarray(layer, jnp.int32) * slots
 
@@ -89,10 +69,10 @@ def read_pages(pages: jax.Array, layer: int, chunk: Chunk) -> tuple[jax.Array, j
 
 
 def write_draft_context(kv: KVCache, k: jax.Array, v: jax.Array, chunk: Chunk) -> KVCache:
-    """kv with the draft's context K, V [draft layers, S, C, Hkv, D] (`Draft.context_kv` of the chunk's
-    positions) stored for each slot's first counts[s] positions. A verify pass writes all its positions:
-    the draft reads only positions before its anchor, which are committed, and the next round overwrites
-    the rejected ones (as with the target's K/V, nothing is rolled back)."""
+    """kv with the draft's context K, V [draft layers, 1, T, Hkv, D] (`Draft.context_kv` of the step's
+    positions) stored for every real token. A verify pass writes all its positions: the draft reads only
+    positions before its anchor, which are committed, and the next round overwrites the rejected ones (as
+    with the target's K/V, nothing is rolled back)."""
     draft_k, draft_v = kv.draft_k, kv.draft_v
     for layer in range(k.shape[0]):
         draft_k = write_pages(draft_k, layer, k[layer], chunk)
@@ -110,11 +90,24 @@ def read_draft_context(kv: KVCache, chunk: Chunk) -> tuple[jax.Array, jax.Array,
 
 
 def write_ring(rings: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:
-    """rings [layers, S, H, R, D] with each real token's values at slot position % R of `layer`."""
+    """rings [layers, S, H, R, D] with each real token's values [1, T, H, D] at its slot's ring position
+    % R of `layer`."""
     size = rings.shape[3]
-    slots = jnp.broadcast_to(jnp.arange(rings.shape[1])[:, None], chunk.positions.shape)
-    index = jnp.where(chunk.valid, chunk.positions % size, size)
-    return rings.at[layer, slots, :, index].set(values.astype(rings.dtype), mode="drop")
+    index = jnp.where(chunk.valid[0], chunk.positions[0] % size, size)
+    return rings.at[layer, chunk.token_slot, :, index].set(values[0].astype(rings.dtype), mode="drop")
+
+
+def grouped_attention(chunk: Chunk, attend: Callable[..., jax.Array], q: jax.Array, rel: jax.Array,
+                      sinks: jax.Array) -> jax.Array:  # fmt: skip
+    """The step's attention [1, T, Hq, D] from q [1, T, Hq, D], rel [1, T, Hq, d_rel], sinks [1, T, Hq]: each
+    group of sequences (`Chunk.groups`) through attend(q, rel, sinks, kv_lens, query_lens, page_table, slots) with
+    its query rows gathered [N, W, ...], and the rows back to their tokens (zeros at padding)."""
+    outs = []
+    for index, kv_lens, query_lens, table, slots in chunk.groups():
+        out = attend(q[0][index], rel[0][index], sinks[0][index], kv_lens, query_lens, table, slots)
+        outs.append(out.reshape(-1, *out.shape[2:]))
+    outs.append(jnp.zeros((1, *outs[0].shape[1:]), outs[0].dtype))
+    return jnp.concatenate(outs)[chunk.source][None]
 
 
 def cached_attention(
@@ -130,21 +123,21 @@ def cached_attention(
     page_table: jax.Array | None,
     scale: float,
     window: int | None,
-    ring_base: jax.Array | int = 0,
+    ring_rows: jax.Array | None = None,
 ) -> jax.Array:
     """`ragged_paged_attention` (the platform's kernel) over this device's heads: q, rel, sinks split by
     query head and the cache by KV head on the mesh's `model` axis (heads never meet in attention)."""
     attend = functools.partial(ragged_paged_attention, scale=scale, window=window)
     mesh = jax.sharding.get_abstract_mesh()
-    ring_base = jnp.asarray(ring_base, jnp.int32)
+    ring_rows = jnp.arange(q.shape[0], dtype=jnp.int32) if ring_rows is None else ring_rows
     if MODEL not in mesh.axis_names or mesh.shape[MODEL] == 1:
-        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, ring_base=ring_base)
+        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, ring_rows=ring_rows)
     heads, kv_heads = P(None, None, MODEL), P(None, MODEL)
     tables = () if page_table is None else (page_table,)
 
-    def local(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, ring_base, *tables):
+    def local(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, ring_rows, *tables):
         table = tables[0] if tables else None
-        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=table, ring_base=ring_base)
+        return attend(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=table, ring_rows=ring_rows)
 
     return jax.shard_map(
         local,
@@ -153,7 +146,7 @@ def cached_attention(
         out_specs=heads,
         axis_names={MODEL},
         check_vma=False,  # Pallas kernels' outputs carry no varying-axes type
-    )(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, ring_base, *tables)
+    )(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, ring_rows, *tables)
 
 
 class RelativeLogits(nnx.Module):
@@ -198,8 +191,8 @@ class Attention(nnx.Module):
         self.q_l2_clip = ScaledL2Clip(rngs, self.num_heads, self.head_dim, config.qk_l2_clip_threshold, dtype)
         self.rel_l2_clip = ScaledL2Clip(rngs, self.num_heads, config.d_rel, config.rel_l2_clip_threshold, dtype)
 
-    def _convolve(self, conv: nnx.Module, x: jax.Array, source: jax.Array, history: jax.Array | None) -> jax.Array:
-        return conv(x, history=history) if self.sliding else conv(x, source, history=history)
+    def _convolve(self, conv: nnx.Module, x: jax.Array, source: jax.Array, lags: jax.Array | None) -> jax.Array:
+        return conv(x, lags=lags) if self.sliding else conv(x, source, lags=lags)
 
     def __call__(
         self,
@@ -225,11 +218,12 @@ class Attention(nnx.Module):
 
         q = self.q_l2_clip(self.q_proj(q_in).reshape(heads))
         k_pre, v_pre = self.k_proj(k_in), self.v_proj(v_in)
-        k_history = v_history = None
+        k_lags = v_lags = None
         if kv is not None:
-            k_history, v_history = kv.conv_k[0, ..., :kv_size], kv.conv_v[0, ..., :kv_size]
-        k = self._convolve(self.k_sconv, k_pre, k_in, k_history)
-        v = self._convolve(self.v_sconv, v_pre, v_in, v_history)
+            k_lags = chunk.lags(k_pre.astype(jnp.float32), kv.conv_k[0, ..., :kv_size])
+            v_lags = chunk.lags(v_pre.astype(jnp.float32), kv.conv_v[0, ..., :kv_size])
+        k = self._convolve(self.k_sconv, k_pre, k_in, k_lags)
+        v = self._convolve(self.v_sconv, v_pre, v_in, v_lags)
         k = round_to(l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold), dtype)
         v = round_to(rms_normalize(v.reshape(kv_heads), config.rms_norm_eps), dtype)
         rel = self.rel_l2_clip(self.r_proj(q_in).reshape(heads))
@@ -254,21 +248,23 @@ class Attention(nnx.Module):
                     sliding_k=write_ring(kv.sliding_k, kind, k, chunk),
                     sliding_v=write_ring(kv.sliding_v, kind, v, chunk),
                 )
-                (k, ring_base), (v, _) = (all_layer_rings(rings, kind) for rings in (kv.sliding_k, kv.sliding_v))
-                page_table = None
+                (k, base), (v, _) = (all_layer_rings(rings, kind) for rings in (kv.sliding_k, kv.sliding_v))
+                paged = False
             else:
                 kv = dataclasses.replace(
                     kv, full_k=write_pages(kv.full_k, kind, k, chunk), full_v=write_pages(kv.full_v, kind, v, chunk)
                 )
-                (k, page_table), (v, _) = (
-                    all_layer_pages(pages, kind, chunk.page_table) for pages in (kv.full_k, kv.full_v)
-                )
-                ring_base = 0
-            kv = advance_conv(advance_conv(kv, "k", k_pre, chunk.counts), "v", v_pre, chunk.counts)
-            out = cached_attention(
-                q, k, v, chunk.lengths + chunk.counts, chunk.counts, rel, proj, sinks,
-                page_table=page_table, scale=scale, window=window, ring_base=ring_base,
-            )  # fmt: skip
+                (k, base), (v, _) = (all_layer_pages(pages, kind) for pages in (kv.full_k, kv.full_v))
+                paged = True
+            kv = advance_conv(advance_conv(kv, "k", k_pre, chunk), "v", v_pre, chunk)
+
+            def attend(q, rel, sinks, kv_lens, query_lens, table, slots):  # base: the layer's first page or ring
+                return cached_attention(
+                    q, k, v, kv_lens, query_lens, rel, proj, sinks, page_table=table + base if paged else None,
+                    scale=scale, window=window, ring_rows=None if paged else base + slots,
+                )  # fmt: skip
+
+            out = grouped_attention(chunk, attend, q, rel, sinks)
         gate = jax.nn.sigmoid(self.gate_proj(q_in).astype(jnp.float32))
         out = round_to(out.reshape(batch, length, -1).astype(jnp.float32) * gate, dtype)
         return self.o_proj(out), kv

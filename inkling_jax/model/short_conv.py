@@ -16,13 +16,10 @@ from inkling_jax.model.params import Linear, normal, param, zeros
 from pallas_kernels.numerics import einsum, round_to
 
 
-def lagged(x: jax.Array, kernel_size: int, history: jax.Array | None = None) -> jax.Array:
-    """[..., T, C] -> [..., T, C, K] with [..., t, c, lag] = x[..., t - lag, c]; before the start come the
-    K - 1 earlier inputs in `history` [..., K - 1, C] (oldest first), or zeros."""
-    if history is None:
-        padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(kernel_size - 1, 0), (0, 0)])
-    else:
-        padded = jnp.concatenate([history.astype(x.dtype), x], axis=-2)
+def lagged(x: jax.Array, kernel_size: int) -> jax.Array:
+    """[..., T, C] -> [..., T, C, K] with [..., t, c, lag] = x[..., t - lag, c], zeros before the start: a whole
+    sequence's inputs at each lag (a step over a cache gathers them with its history, `Chunk.lags`)."""
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(kernel_size - 1, 0), (0, 0)])
     length = x.shape[-2]
     return jnp.stack(
         [padded[..., kernel_size - 1 - lag : kernel_size - 1 - lag + length, :] for lag in range(kernel_size)],
@@ -56,11 +53,13 @@ class ShortConvolution(nnx.Module):
         self.kernel_size = kernel_size
         self.conv1d = DepthwiseTaps(rngs, channels, kernel_size, axis, std)
 
-    def __call__(self, x: jax.Array, history: jax.Array | None = None) -> jax.Array:
-        """x [B, T, C] (after `history` [B, K - 1, C], if given) -> [B, T, C]."""
+    def __call__(self, x: jax.Array, lags: jax.Array | None = None) -> jax.Array:
+        """x [B, T, C] -> [B, T, C]; lags [B, T, C, K]: x's inputs at each lag, with what came before (None: x
+        is a whole sequence)."""
         xf = x.astype(jnp.float32)
         taps = self.conv1d.weight[...][:, 0, ::-1].astype(jnp.float32)  # [C, K], lag-indexed
-        out = einsum("btck,ck->btc", lagged(xf, self.kernel_size, history), taps)
+        lags = lagged(xf, self.kernel_size) if lags is None else lags.astype(jnp.float32)
+        out = einsum("btck,ck->btc", lags, taps)
         return round_to((out + xf) / math.sqrt(self.kernel_size + 1), x.dtype)
 
 
@@ -74,13 +73,14 @@ class DynamicShortConvolution(nnx.Module):
         self.static_weight = param(rngs, (kernel_size, channels), (None, "kv_heads"), dtype, zeros)
         self.weight_proj = Linear(rngs, input_size, num_heads * kernel_size, (None, "embed"), dtype, std)
 
-    def __call__(self, x: jax.Array, dynamic_input: jax.Array, history: jax.Array | None = None) -> jax.Array:
-        """x [B, T, C] (after `history` [B, K - 1, C], if given), dynamic_input [B, T, H_in] -> [B, T, C]."""
+    def __call__(self, x: jax.Array, dynamic_input: jax.Array, lags: jax.Array | None = None) -> jax.Array:
+        """x [B, T, C], dynamic_input [B, T, H_in] -> [B, T, C]; lags as `ShortConvolution` takes them."""
         batch, length, channels = x.shape
         dynamic = self.weight_proj(dynamic_input).astype(jnp.float32)
         dynamic = dynamic.reshape(batch, length, self.num_heads, 1, self.kernel_size)
         static = self.static_weight[...].astype(jnp.float32).T.reshape(self.num_heads, -1, self.kernel_size)
         taps = (static + dynamic).reshape(batch, length, channels, self.kernel_size)
         xf = x.astype(jnp.float32)
-        out = jnp.sum(lagged(xf, self.kernel_size, history) * taps, axis=-1)
+        lags = lagged(xf, self.kernel_size) if lags is None else lags.astype(jnp.float32)
+        out = jnp.sum(lags * taps, axis=-1)
         return round_to((out + xf) / math.sqrt(2 * self.kernel_size + 1), x.dtype)

@@ -34,8 +34,9 @@ from inkling_jax.cache import (
     record_windows,
 )
 from inkling_jax.config import DraftConfig, TextConfig
-from inkling_jax.model.attention import Attention, Chunk, LayerIndex, write_draft_context
+from inkling_jax.model.attention import Attention, LayerIndex, write_draft_context
 from inkling_jax.model.attn_res import BlockAttentionResidual
+from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.draft import Draft
 from inkling_jax.model.moe import SparseMoeBlock
 from inkling_jax.model.norms import RMSNorm, softcap
@@ -119,7 +120,7 @@ class DecoderLayer(nnx.Module):
         else:
             h, kv = self.self_attn(*inputs, positions, kv, chunk, at)
         attention_out = h
-        h = self.post_attention_convolution(h, None if kv is None else kv.conv_attention[0])
+        h = self.post_attention_convolution(h, None if kv is None else chunk.lags(h, kv.conv_attention[0]))
         h = h.astype(jnp.float32)
 
         if self.block_boundary:
@@ -129,10 +130,10 @@ class DecoderLayer(nnx.Module):
         residual = h
         mlp_in = mixed_norms(self.mlp_input, [self.post_attention_layernorm], sources, block + 1, h, dtype)[0]
         mlp_out = self.mlp(mlp_in, row, None if chunk is None else chunk.valid)
-        h = self.post_mlp_convolution(mlp_out, None if kv is None else kv.conv_mlp[0])
+        h = self.post_mlp_convolution(mlp_out, None if kv is None else chunk.lags(mlp_out, kv.conv_mlp[0]))
         if kv is not None:
-            kv = advance_conv(kv, "attention", attention_out, chunk.counts)
-            kv = advance_conv(kv, "mlp", mlp_out, chunk.counts)
+            kv = advance_conv(kv, "attention", attention_out, chunk)
+            kv = advance_conv(kv, "mlp", mlp_out, chunk)
         return round_to(residual + h, dtype), sources, kv
 
 
@@ -353,25 +354,25 @@ class CausalLM(nnx.Module):
     def step(
         self, token_ids: jax.Array, kv: KVCache, chunk: Chunk, windows: bool = False, at: jax.Array | None = None
     ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, ConvWindows]:
-        """Continue every slot's sequence by its chunk: token_ids [S, C] (the first counts[s] real) ->
-        float32 logits [S, vocab] at each slot's last real token, and the updated cache.
+        """Continue every slot's sequence by its span of the step's flat tokens: token_ids [T] (laid out as `chunk`
+        says) -> float32 logits [S, vocab] at each slot's last token, and the updated cache.
 
-        at [S, K]: indices into the chunk to read logits at instead ([S, K, vocab]; a speculative verify
-        pass reads all of its positions). With `windows`, also every layer's convolution windows of the
-        chunk (`ConvWindows`), from which `inkling_jax.cache.commit_conv` keeps the states of any prefix.
-        With a draft and a draft pool in the cache, the chunk's positions also enter the draft's context."""
+        at [S, K]: flat indices to read logits at instead ([S, K, vocab]; a speculative verify pass reads all of
+        its positions). With `windows`, also every layer's convolution windows of the narrow group (`ConvWindows`),
+        from which `inkling_jax.cache.commit_conv` keeps the states of any prefix. With a draft and a draft pool
+        in the cache, the step's positions also enter the draft's context."""
         if windows:
             kv = record_windows(kv, chunk.width)
-        hidden, kv = self._continue(token_ids, kv, chunk)
-        index = jnp.maximum(chunk.counts - 1, 0)[:, None] if at is None else at  # [S, K]
-        logits = self.logits(jnp.take_along_axis(hidden, index[..., None], axis=1))
+        hidden, kv = self._continue(token_ids[None], kv, chunk)
+        index = chunk.last[:, None] if at is None else at  # [S, K]
+        logits = self.logits(hidden[0][index])
         logits = logits[:, 0] if at is None else logits
         if not windows:
             return logits, kv
         return logits, dataclasses.replace(kv, windows=None), kv.windows
 
     def _continue(self, token_ids: jax.Array, kv: KVCache, chunk: Chunk) -> tuple[jax.Array, KVCache]:
-        """The target over a chunk; with a draft pool, every real position's draft context K/V is
+        """The target over a step's tokens [1, T]; with a draft pool, every real position's draft context K/V is
         stored too, so the draft can start from any step (prefill, plain decoding or speculation)."""
         if self.dspark is None or kv.draft_k is None:
             return self.model(token_ids, chunk.positions, kv, chunk)

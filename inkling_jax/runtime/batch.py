@@ -36,7 +36,14 @@ from inkling_jax.distributed import DistributedError
 from inkling_jax.model.draft import NoDraftError, require_draft
 from inkling_jax.model.text import CausalLM
 from inkling_jax.runtime import compilation_cache
-from inkling_jax.runtime.engine import Checkpoint, Engine, add_load_format_argument, load_engine, open_checkpoint
+from inkling_jax.runtime.engine import (
+    Checkpoint,
+    Engine,
+    add_batched_tokens_argument,
+    add_load_format_argument,
+    load_engine,
+    open_checkpoint,
+)
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request, request_from_json
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
@@ -223,7 +230,8 @@ def main(argv: list[str] | None, prog: str) -> int:
     parser.add_argument("--mesh", default="tp1", help="tpN (tensor and expert parallel over N devices) or dpMtpN "
                         "(M replicas of tpN)")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=8, help="slots per data-parallel replica")
-    parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (token bucket) width")
+    parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
+    add_batched_tokens_argument(parser)
     parser.add_argument("--kv-cache-mib", type=float, help="decode-state budget per device; default: room for "
                         "the longest request in every slot")  # fmt: skip
     parser.add_argument("--prefill-budget", type=int, help="prompt tokens per step (default: 2 chunks)")
@@ -248,7 +256,7 @@ def main(argv: list[str] | None, prog: str) -> int:
         engine = load_engine(
             checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
             kv_cache_mib=args.kv_cache_mib, speculative=args.speculative, max_context=_longest(requests) + room,
-            executable_cache=compilation_cache.executables(cache),
+            executable_cache=compilation_cache.executables(cache), max_num_batched_tokens=args.max_num_batched_tokens,
         )  # fmt: skip
         progress = not args.quiet and jax.process_index() == 0
         results = run_requests(engine, requests, prefill_budget=args.prefill_budget, progress=progress)

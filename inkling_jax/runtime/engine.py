@@ -8,12 +8,15 @@ with `load_format="dummy"`, from a config alone: random weights built on the dev
 Slots and pages: the state has `slots` slots, `slots_per_replica` for each data-parallel replica, and
 each replica a pool of `pages_per_replica` pages; page tables hold replica-local page ids.
 
-Step shapes: a plain step is 1 token wide (decoding only) or `chunk` wide (with prefill); with
-speculation (`--speculative dspark`), a step in which some slot speculates is γ + 1 wide (decoding
-only) or `chunk` wide, in its own program. `widths` lists them; `warm_up` compiles them all (a shape first seen
-later is compiled then). Each is lowered and compiled explicitly and kept as its executable; with an executable
-cache directory (`inkling_jax.runtime.executable_cache`) each is read from there when a program of the same key was
-stored, and stored there when compiled.
+Step shapes (`StepShape`): a step's tokens are one flat run (`inkling_jax.model.chunk`), each slot's a
+contiguous span. A decode step holds one token per slot (`slots_per_replica` tokens a replica); a step with
+prompt chunks holds `max_num_batched_tokens` a replica, the chunks read by attention through lanes of
+`lane_width` tokens, so a decoding slot costs one token there too. With speculation (`--speculative dspark`),
+a step in which some slot speculates leaves γ + 1 tokens to each speculating slot, in programs of their own.
+`shapes` lists them; `warm_up` compiles them all (a shape first seen later is compiled then). Each is lowered
+and compiled explicitly and kept as its executable; with an executable cache directory
+(`inkling_jax.runtime.executable_cache`) each is read from there when a program of the same key was stored,
+and stored there when compiled.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES
 from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shardings
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
-from inkling_jax.step import Emitted, StepBatch, step_fn
+from inkling_jax.step import Emitted, StepBatch, pack_spans, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 from pallas_kernels.platform import import_kernel_runtimes
 
@@ -72,8 +75,30 @@ NEUTRAL_SAMPLING = {
 _SAMPLING_DTYPES = {"top_k": np.int32, "seed": np.uint32}
 
 
+LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
+
+
 def pages_for(tokens: int) -> int:
     return -(-tokens // PAGE_SIZE)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """A compiled step's shape, per data-parallel replica: its flat tokens, its narrow group's queries per slot
+    (1, or γ + 1 when some slot speculates) and its prompt lanes."""
+
+    tokens: int
+    width: int
+    lanes: int
+    speculative: bool
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens, width {self.width}, {self.lanes} lanes" + (", speculative" * self.speculative)
+
+    @property
+    def label(self) -> str:
+        """Its name in the executable cache."""
+        return f"step-{self.tokens}x{self.width}-{self.lanes}" + ("-speculative" if self.speculative else "")
 
 
 class Engine:
@@ -92,13 +117,16 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         checkpoint: str = "",
         executable_cache: str | Path | None = None,
+        max_num_batched_tokens: int | None = None,
     ):
         """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
         (NoDraftError) and a chunk of at least γ + 1 tokens (SpeculationError). compiler_options: XLA's, for
         the step's programs (jax.jit's argument; e.g. a test that runs many large steps on a backend set to
         compile fast asks for optimised code). tokenizer and checkpoint (its directory or config file) are
         what the front doors report and encode text with. executable_cache: a directory for the compiled step
-        programs (`inkling_jax.runtime.executable_cache`; None: compile every one)."""
+        programs (`inkling_jax.runtime.executable_cache`; None: compile every one). max_num_batched_tokens: a
+        replica's tokens in a step with prompt chunks (decoding, verifying and prompt tokens; default: every
+        slot's decode tokens and two chunks); at least every slot's decode tokens and one more (ValueError)."""
         if speculative not in SPECULATIVE_MODES:
             raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         self.speculative = speculative != "none"
@@ -118,6 +146,10 @@ class Engine:
             replica.max_pages_per_seq,
             replica.max_chunk,
         )
+        self.max_num_batched_tokens = batched_tokens(max_num_batched_tokens, self.slots_per_replica, self.gamma,
+                                                     self.chunk)  # fmt: skip
+        self.lane_width = min(LANE, self.chunk)
+        self.lanes = -(-self.max_num_batched_tokens // self.lane_width)
         layout = dataclasses.replace(replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas)
         with jax.set_mesh(mesh):
             if platform := kernel_platform():  # the expert kernels' layout, made once here (in place)
@@ -131,16 +163,18 @@ class Engine:
         num_top, greedy_draft = min(num_top, self.text.unpadded_vocab_size), speculative == "dspark-greedy"
         out_shardings = (NamedSharding(mesh, P()), shardings)
         self._step = jax.jit(
-            functools.partial(step_fn, self.graphdef, num_top=num_top, greedy_draft=greedy_draft),
-            static_argnames="speculative", donate_argnames="state", out_shardings=out_shardings,
+            functools.partial(step_fn, self.graphdef, num_top=num_top, greedy_draft=greedy_draft,
+                              lane_width=self.lane_width),
+            static_argnames=("speculative", "width"), donate_argnames="state", out_shardings=out_shardings,
             compiler_options=compiler_options,
         )  # fmt: skip
         # what the executable cache's key needs beyond the arguments, the mesh and the graph definition
         self._options = {"num_top": num_top, "greedy_draft": greedy_draft, "donate": "state",
+                         "lane_width": self.lane_width,
                          "compiler_options": repr(sorted((compiler_options or {}).items())),
                          "out_shardings": repr(out_shardings)}  # fmt: skip
         self._executables = ExecutableCache(executable_cache) if executable_cache is not None else None
-        self._programs: dict[tuple[int, bool], jax.stages.Compiled] = {}  # (width, speculative): executable
+        self._programs: dict[StepShape, jax.stages.Compiled] = {}
         self.programs_loaded = 0  # of them, read from the executable cache
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
@@ -160,6 +194,7 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         checkpoint: str = "",
         executable_cache: str | Path | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> Engine:
         """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
         after the slots' fixed state (CacheBudgetError if not even one `max_context` sequence fits);
@@ -174,7 +209,7 @@ class Engine:
                 draft=require_draft(model) if speculative != "none" else None,
             )  # fmt: skip
         return cls(model, replica, mesh, num_top, speculative, tokenizer=tokenizer, checkpoint=checkpoint,
-                   executable_cache=executable_cache)  # fmt: skip
+                   executable_cache=executable_cache, max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
 
     @property
     def compilations(self) -> int:
@@ -202,23 +237,60 @@ class Engine:
         return f"dp{self.replicas}tp{tp}" if self.replicas > 1 else f"tp{tp}"
 
     @property
-    def widths(self) -> tuple[tuple[int, bool], ...]:
-        """Every step shape this engine runs: (width, speculative)."""
-        plain = ((1, False), (self.chunk, False))
-        return plain + (((self.gamma + 1, True), (self.chunk, True)) if self.speculative else ())
+    def shapes(self) -> tuple[StepShape, ...]:
+        """Every step shape this engine runs."""
+        return tuple(self.shape(prefill, speculative) for speculative in (False, True)[: 1 + self.speculative]
+                     for prefill in (False, True))  # fmt: skip
 
-    def width(self, prefill: bool, speculating: bool) -> int:
-        """The width of a step that holds a prompt chunk (`prefill`) or a speculating slot, or neither."""
-        return self.chunk if prefill else self.gamma + 1 if speculating else 1
+    def shape(self, prefill: bool, speculative: bool) -> StepShape:
+        """The shape of a step with prompt chunks (`prefill`) or a speculating slot, or neither."""
+        width = self.gamma + 1 if speculative else 1
+        if prefill:
+            return StepShape(self.max_num_batched_tokens, width, self.lanes, speculative)
+        return StepShape(self.slots_per_replica * width, width, 0, speculative)
 
     def replica_of(self, slot: int) -> int:
         return slot // self.slots_per_replica
 
+    def host_batch(
+        self,
+        tokens: np.ndarray,
+        counts: np.ndarray,
+        sampling: Sequence[object | None],
+        page_table: np.ndarray,
+        *,
+        reset: np.ndarray | None = None,
+        is_prompt: np.ndarray | None = None,
+        emit: np.ndarray | None = None,
+        feedback: np.ndarray | None = None,
+        replay: np.ndarray | None = None,
+        speculate: np.ndarray | None = None,
+    ) -> StepBatch:
+        """A host StepBatch of each slot's tokens[s, :counts[s]] (tokens: [S, any width] on the host), laid out
+        flat in the smallest shape that holds them: a slot that brings more than the narrow width goes through
+        lanes, a speculating slot gets γ + 1 tokens. `sampling[s]`: any object with the sampling fields (or None:
+        idle values). ValueError when a replica's tokens or lanes do not fit a step."""
+        slots = self.slots
+        flags = [np.zeros(slots, bool) if flag is None else flag
+                 for flag in (reset, is_prompt, emit, feedback, replay, speculate)]  # fmt: skip
+        speculating = flags[-1] & (counts > 0)
+        width = self.gamma + 1 if speculating.any() else 1
+        shape = self.shape(bool(np.any(counts > width)), bool(speculating.any()))
+        spans = pack_spans(tokens, counts, speculating, width=width, lane_width=self.lane_width, tokens=shape.tokens,
+                           lanes=shape.lanes, replicas=self.replicas)  # fmt: skip
+
+        def column(name: str) -> np.ndarray:
+            values = [NEUTRAL_SAMPLING[name] if s is None else getattr(s, name, NEUTRAL_SAMPLING[name])
+                      for s in sampling]  # fmt: skip
+            return np.asarray(values, _SAMPLING_DTYPES.get(name, np.float32))
+
+        params = SamplingParams(**{name: column(name) for name in NEUTRAL_SAMPLING})
+        return StepBatch(spans[0], np.asarray(counts, np.int32), *spans[1:], *flags, page_table.copy(), params)
+
     def step(self, batch: StepBatch) -> Emitted:
-        """Dispatch one step on a host batch ([S, ...] numpy leaves); returns at once with the device's
-        outputs (`fetch` waits for them). Slots with `feedback` set start from the last token emitted
-        for them by the previous step, which the host need not have read yet. The step is speculative
-        when any slot has `speculate` set."""
+        """Dispatch one step on a host batch (`host_batch`); returns at once with the device's outputs (`fetch`
+        waits for them). Slots with `feedback` set start from the last token emitted for them by the previous
+        step, which the host need not have read yet. The step is speculative when any slot has `speculate` set."""
         speculative = bool(np.any(batch.speculate))
         if speculative and not self.speculative:
             raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
@@ -226,25 +298,26 @@ class Engine:
             lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
         )
         args = (self.params, self.state, on_mesh, self.previous)
-        shape = (batch.token_ids.shape[1], speculative)
+        width = self.gamma + 1 if speculative else 1
+        shape = StepShape(batch.token_ids.shape[0] // self.replicas, width, batch.lane_slot.shape[0] // self.replicas,
+                          speculative)  # fmt: skip
         program = self._programs.get(shape)
         if program is None:
-            program = self._program(*shape, args)
+            program = self._program(shape, args)
         emitted, self.state = program(*args)
         self.previous = emitted.last
         return emitted
 
-    def _program(self, width: int, speculative: bool, args: tuple) -> jax.stages.Compiled:
-        """The step program for batches `width` tokens wide: read from the executable cache, else lowered and
-        compiled (and stored there); kept for the engine's life."""
-        name = f"step [{self.slots}, {width}] (speculative={speculative})"
+    def _program(self, shape: StepShape, args: tuple) -> jax.stages.Compiled:
+        """The step program of `shape`: read from the executable cache, else lowered and compiled (and stored
+        there); kept for the engine's life."""
+        name = f"step [{shape}]"
         start = time.perf_counter()
         key = compiled = None
-        shape_options = shape_compiler_options(jax.default_backend(), width, speculative)
+        shape_options = shape_compiler_options(jax.default_backend(), shape)
         if self._executables is not None:
-            options = self.program_options(width, speculative)
-            label = f"step-{self.slots}x{width}" + ("-speculative" if speculative else "")
-            key = self._executables.key(label, self.mesh, options, self.graphdef, args)
+            options = self.program_options(shape)
+            key = self._executables.key(shape.label, self.mesh, options, self.graphdef, args)
             import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
             compiled = self._executables.load(key, args, list(self.mesh.devices.flat))
         if compiled is not None:
@@ -252,7 +325,7 @@ class Engine:
             logger.info("%s: loaded from the executable cache in %.1f s", name, time.perf_counter() - start)
         else:
             lowering = time.perf_counter()
-            lowered = self._lower(args, speculative)
+            lowered = self._lower(args, shape)
             compiling = time.perf_counter()
             if self._executables is None:
                 compiled = lowered.compile(shape_options or None)
@@ -264,83 +337,83 @@ class Engine:
             if key is not None and self._executables.store(key, compiled):
                 line += f", stored in the executable cache in {time.perf_counter() - done:.1f} s"
             logger.info(line)
-        self._programs[width, speculative] = compiled
+        self._programs[shape] = compiled
         return compiled
 
-    def program_options(self, width: int, speculative: bool) -> dict[str, object]:
+    def program_options(self, shape: StepShape) -> dict[str, object]:
         """What keys the step program of this shape in the executable cache beyond its arguments, the mesh and the
         graph definition: the step's options and the XLA options it compiles with."""
-        shape_options = shape_compiler_options(jax.default_backend(), width, speculative)
-        return {**self._options, "width": width, "speculative": speculative, "shape_options": shape_options}
+        shape_options = shape_compiler_options(jax.default_backend(), shape)
+        return {**self._options, "shape": dataclasses.asdict(shape), "shape_options": shape_options}
 
-    def _lower(self, args: tuple, speculative: bool) -> jax.stages.Lowered:
+    def _lower(self, args: tuple, shape: StepShape) -> jax.stages.Lowered:
         """Trace and lower the step for `args` (what a restart over the executable cache skips)."""
         with jax.set_mesh(self.mesh):
-            return self._step.lower(*args, speculative=speculative)
+            return self._step.lower(*args, speculative=shape.speculative, width=shape.width)
 
     @staticmethod
     def fetch(emitted: Emitted) -> Emitted:
         """The step's outputs as numpy arrays, on every process (they are replicated)."""
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), emitted)
 
-    def idle_batch(self, width: int, speculative: bool = False) -> StepBatch:
-        """A batch in which no slot does anything (for compiling a shape)."""
-        tokens, table = np.zeros((self.slots, width), np.int32), np.zeros((self.slots, self.max_pages), np.int32)
+    def idle_batch(self, shape: StepShape) -> StepBatch:
+        """A batch of `shape` in which no slot does anything (for compiling a shape)."""
+        replicas, slots = self.replicas, self.slots
+        tokens, lanes = np.zeros(replicas * shape.tokens, np.int32), np.zeros(replicas * shape.lanes, np.int32)
+        flags = [np.zeros(slots, bool) for _ in range(5)]
         speculate = np.full(
-            self.slots, speculative
+            slots, shape.speculative
         )  # with counts 0 nothing runs, but the program is the speculative one
-        return host_batch(tokens, np.zeros(self.slots, np.int32), [None] * self.slots, table, speculate=speculate)
+        params = SamplingParams(**{name: np.full(slots, value, _SAMPLING_DTYPES.get(name, np.float32))
+                                   for name, value in NEUTRAL_SAMPLING.items()})  # fmt: skip
+        zeros = np.zeros(slots, np.int32)
+        return StepBatch(tokens, zeros, zeros, lanes, lanes, lanes, *flags, speculate,
+                         np.zeros((slots, self.max_pages), np.int32), params)  # fmt: skip
 
     def warm_up(self) -> None:
         """Compile or load (and run once) every step shape, so serving never compiles. Logs each shape's time to
         ready: its program (logged by itself) and a first run (on GPU that compiles the Mosaic GPU kernels that the
         program's custom calls carry)."""
-        for width, speculative in self.widths:
+        for shape in self.shapes:
             start = time.perf_counter()
-            self.fetch(self.step(self.idle_batch(width, speculative)))
-            logger.info("step [%d, %d] (speculative=%s): ready in %.1f s (its program and a first run)", self.slots,
-                        width, speculative, time.perf_counter() - start)  # fmt: skip
+            self.fetch(self.step(self.idle_batch(shape)))
+            logger.info("step [%s]: ready in %.1f s (its program and a first run)", shape, time.perf_counter() - start)
 
 
-def shape_compiler_options(platform: str, width: int, speculative: bool) -> dict[str, object]:
+def batched_tokens(asked: int | None, slots: int, gamma: int, chunk: int) -> int:
+    """A replica's tokens in a step with prompt chunks: `asked`, or by default every slot's decode tokens (γ + 1
+    each when speculating) and two chunks. ValueError when `asked` leaves no room for a prompt token."""
+    decode_tokens = slots * (gamma + 1)
+    if asked is None:
+        return decode_tokens + 2 * chunk
+    if asked <= decode_tokens:
+        raise ValueError(
+            f"max_num_batched_tokens {asked} leaves no prompt token beside the {decode_tokens} decode tokens of "
+            f"{slots} slots{' speculating' * bool(gamma)}: it must be at least {decode_tokens + 1}"
+        )
+    return asked
+
+
+def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
+    """`--max-num-batched-tokens`, as every command that runs the engine takes it (vLLM's name)."""
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int,
+        help="tokens of a step with prompt chunks, per data-parallel replica (decoding, verifying and prompt tokens; "
+             "default: every slot's decode tokens and two chunks)",
+    )  # fmt: skip
+
+
+def shape_compiler_options(platform: str, shape: StepShape) -> dict[str, object]:
     """The XLA options a step program of this shape adds on `platform` to the engine's. Plain decode steps (one
     token per slot): on TPU small gathers stay off SparseCore (jax 0.11 offloads them there, and batch-1 decode
     runs at half speed); on GPU the matmuls are not autotuned (the H200 ran the proxy's 64-slot decode step as fast
     untuned, 32.6 ms, and compiled it in 27 s instead of 92 s). Other shapes keep XLA's defaults."""
-    if width != 1 or speculative:
+    if shape.lanes or shape.speculative:
         return {}
     return {
         "tpu": {"xla_tpu_offload_gather_to_sparsecore": False},
         "gpu": {"xla_gpu_autotune_level": 0},
     }.get(platform, {})
-
-
-def host_batch(
-    tokens: np.ndarray,
-    counts: np.ndarray,
-    sampling: Sequence[object | None],
-    page_table: np.ndarray,
-    *,
-    reset: np.ndarray | None = None,
-    is_prompt: np.ndarray | None = None,
-    emit: np.ndarray | None = None,
-    feedback: np.ndarray | None = None,
-    replay: np.ndarray | None = None,
-    speculate: np.ndarray | None = None,
-) -> StepBatch:
-    """A host StepBatch; `sampling[s]` is any object with the sampling fields (or None: idle values)."""
-    slots = tokens.shape[0]
-    flags = [
-        np.zeros(slots, bool) if flag is None else flag
-        for flag in (reset, is_prompt, emit, feedback, replay, speculate)
-    ]
-
-    def column(name: str) -> np.ndarray:
-        values = [NEUTRAL_SAMPLING[name] if s is None else getattr(s, name, NEUTRAL_SAMPLING[name]) for s in sampling]
-        return np.asarray(values, _SAMPLING_DTYPES.get(name, np.float32))
-
-    params = SamplingParams(**{name: column(name) for name in NEUTRAL_SAMPLING})
-    return StepBatch(tokens, counts, *flags, page_table.copy(), params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +460,7 @@ def load_engine(
     load_format: str = "auto",
     max_context: int | None = None,
     executable_cache: str | Path | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> Engine:
     """The model of `checkpoint` on the mesh `mesh` (read straight into its shards, or with `load_format`
     "dummy" random weights built there from the config alone) and its decode state: `max_num_seqs` slots per
@@ -394,7 +468,7 @@ def load_engine(
     the page pool that fits that many MiB per device. Errors are ValueErrors naming what is wrong (config,
     checkpoint, tokenizer, mesh, cache budget, speculation without a draft), raised before any weight is read
     where they can be. speculative: one of SPECULATIVE_MODES. executable_cache: a directory for the compiled step
-    programs (None: compile every one)."""
+    programs (None: compile every one). max_num_batched_tokens: see `Engine`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
     if max_num_seqs < 1 or chunk < 1:
@@ -402,9 +476,11 @@ def load_engine(
     source = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, load_format)
     if speculative not in SPECULATIVE_MODES:
         raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
+    gamma = 0
     if speculative != "none":
-        require_draft(source.config, source.path)  # before loading anything
+        gamma = require_draft(source.config, source.path).block_size  # before loading anything
     device_mesh = make_mesh(mesh, source.config.text)
+    batched_tokens(max_num_batched_tokens, max_num_seqs, gamma, chunk)
     if source.load_format == "dummy":
         model = dummy_model(source.config, DTYPES[dtype], device_mesh, source=source.path)
     else:
@@ -414,4 +490,5 @@ def load_engine(
         max_context=max_context or source.config.text.max_position_embeddings,
         budget_bytes=None if kv_cache_mib is None else int(kv_cache_mib * 2**20), num_top=MAX_LOGPROBS,
         speculative=speculative, tokenizer=source.tokenizer, checkpoint=source.path, executable_cache=executable_cache,
+        max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip

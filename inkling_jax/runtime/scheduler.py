@@ -1,7 +1,8 @@
 """Continuous batching over the engine's fixed slots, on a thread of its own.
 
 Every step mixes decoding (one token for each running sequence) with chunks of prompts (at most
-`prefill_budget` prompt tokens per step, in pieces of the engine's chunk width). Pages are allocated
+`prefill_budget` prompt tokens per step, in pieces of at most the engine's chunk, within the engine's
+`max_num_batched_tokens` and lanes per replica once the decoding slots have theirs). Pages are allocated
 as sequences grow; when a replica runs out, its most recently admitted sequence is preempted (its
 pages freed) and later recomputed: its prompt and the tokens it had produced are fed again (the
 latter counted as its output, so penalties and its seeded random stream continue exactly) and
@@ -33,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from inkling_jax.runtime.engine import Engine, host_batch, pages_for
+from inkling_jax.runtime.engine import Engine, pages_for
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
 from inkling_jax.step import Emitted, StepBatch
 
@@ -237,8 +238,11 @@ class Scheduler:
         self._admit()
         engine, budget = self.engine, self.prefill_budget
         capacity = min(engine.pages_per_replica, engine.max_pages)  # pages one sequence can hold
+        room = [engine.max_num_batched_tokens] * engine.replicas  # each replica's tokens left in the step
+        lanes = [engine.lanes] * engine.replicas  # and its prompt lanes
         pieces: dict[int, tuple[_Sequence, list[int], int, bool]] = {}  # slot -> (sequence, tokens, width, speculate)
-        for slot in self._by_priority():
+        order = self._by_priority()
+        for slot in order:  # decoding first: the step always has room for every decoding slot's tokens
             sequence = self._slots[slot]
             request = sequence.request
             if sequence.decoding:
@@ -250,13 +254,22 @@ class Scheduler:
                         and pages_for(held + engine.gamma + 1) <= capacity
                     )  # fmt: skip
                     piece = [] if sequence.in_flight else [sequence.token(sequence.known - 1)]  # else on device
-                    pieces[slot] = (sequence, piece, engine.gamma + 1 if speculate else 1, speculate)
-            elif sequence.fed < sequence.known and budget > 0:  # the prompt, or outputs fed again
+                    span = engine.gamma + 1 if speculate else 1
+                    pieces[slot] = (sequence, piece, span, speculate)
+                    room[engine.replica_of(slot)] -= span
+        for slot in order:
+            sequence, replica = self._slots[slot], engine.replica_of(slot)
+            if not sequence.decoding and sequence.fed < sequence.known and budget > 0:  # the prompt, or outputs again
                 boundary = len(sequence.prompt) if sequence.fed < len(sequence.prompt) else sequence.known
-                end = min(boundary, sequence.fed + engine.chunk, sequence.fed + budget)
+                most = min(engine.chunk, budget, room[replica], lanes[replica] * engine.lane_width)
+                end = min(boundary, sequence.fed + most)
+                if end <= sequence.fed:
+                    continue
                 piece = [sequence.token(p) for p in range(sequence.fed, end)]
                 pieces[slot] = (sequence, piece, len(piece), False)
-                budget -= end - sequence.fed
+                budget -= len(piece)
+                room[replica] -= len(piece)
+                lanes[replica] -= -(-len(piece) // engine.lane_width)
         for slot, (sequence, _, span, _) in list(pieces.items()):
             if self._slots[slot] is sequence:
                 start = sequence.known + sequence.bound - 1 if sequence.decoding else sequence.fed
@@ -265,9 +278,7 @@ class Scheduler:
         if not pieces:
             return None
         slots = engine.slots
-        prefill = any(not sequence.decoding for sequence, *_ in pieces.values())
-        width = engine.width(prefill, any(speculate for *_, speculate in pieces.values()))
-        tokens = np.zeros((slots, width), np.int32)
+        tokens = np.zeros((slots, max(len(piece) for _, piece, *_ in pieces.values()) or 1), np.int32)
         counts = np.zeros(slots, np.int32)
         reset, is_prompt, emit, feedback, replay, speculate = (np.zeros(slots, bool) for _ in range(6))
         table = np.zeros((slots, engine.max_pages), np.int32)
@@ -291,8 +302,8 @@ class Scheduler:
                 kept[slot], bounds[slot] = sequence, span if speculating else 1
                 sequence.in_flight += 1
                 sequence.bound += bounds[slot]
-        batch = host_batch(tokens, counts, sampling, table, reset=reset, is_prompt=is_prompt, emit=emit,
-                           feedback=feedback, replay=replay, speculate=speculate)  # fmt: skip
+        batch = engine.host_batch(tokens, counts, sampling, table, reset=reset, is_prompt=is_prompt, emit=emit,
+                                  feedback=feedback, replay=replay, speculate=speculate)  # fmt: skip
         return _Plan(batch, kept, bounds)
 
     def _by_priority(self) -> list[int]:

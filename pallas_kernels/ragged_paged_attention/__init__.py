@@ -9,7 +9,6 @@ import importlib
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.platform import on_hopper
 from pallas_kernels.ragged_paged_attention import reference, tpu
@@ -53,27 +52,27 @@ def ragged_paged_attention(
     page_table: jax.Array | None,
     scale: float,
     window: int | None,
-    ring_base: jax.Array | int = 0,
+    ring_rows: jax.Array | None = None,
     backend: str = "auto",
 ) -> jax.Array:
     """`reference.ragged_paged_attention`'s contract (shapes and semantics there), computed by `backend`."""
     chosen = automatic(q, k, page_table) if backend == "auto" else backend
-    ring_base = jnp.asarray(ring_base, jnp.int32)
+    ring_rows = reference.sequence_rings(ring_rows, q.shape[0])
     return _computed(
-        q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_base, scale=scale, window=window,
+        q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_rows, scale=scale, window=window,
         backend=chosen,
     )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "backend"))
 def _computed(
-    q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_base, *, scale, window, backend
+    q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_rows, *, scale, window, backend
 ) -> jax.Array:
     """One backend's attention as its own jaxpr: every layer's call of one shape traces to the same jaxpr, which
     a program lowers once (lowering a Mosaic kernel takes about a second)."""
     return implementation(backend)(
         q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, scale=scale, window=window,
-        ring_base=ring_base,
+        ring_rows=ring_rows,
     )  # fmt: skip
 
 

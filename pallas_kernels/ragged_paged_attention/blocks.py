@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.numerics import einsum, round_to
+from pallas_kernels.ragged_paged_attention.reference import sequence_rings
 
 
 def group_rows(x: jax.Array, kv_heads: int) -> jax.Array:
@@ -181,14 +182,14 @@ def on_grouped_rows(kernel: Kernel) -> Kernel:
     """A kernel of `attend`'s contract from one that works on rows grouped per KV head:
 
     kernel(q [S, Hkv, R, D], k, v, rel [S, Hkv, R, d_rel], rel_proj, sinks [S, Hkv, R] fp32, kv_lens,
-           query_lens, page_table | None, ring_base, plan, *, scale, window, width) -> [S, Hkv, R, D]
+           query_lens, page_table | None, ring_rows, plan, *, scale, window, width) -> [S, Hkv, R, D]
     """
 
-    def grouped(q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, ring_base, plan, *, scale, window):
+    def grouped(q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, ring_rows, plan, *, scale, window):
         width, kv_heads = q.shape[1], k.shape[1]
         q, rel, sinks = (group_rows(x, kv_heads) for x in (q, rel, sinks.astype(jnp.float32)))
         out = kernel(
-            q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, ring_base, plan, scale=scale,
+            q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, ring_rows, plan, scale=scale,
             window=window, width=width,
         )  # fmt: skip
         return zero_padding(ungroup_rows(out, width), query_lens)
@@ -210,15 +211,15 @@ def attend(
     page_table: jax.Array | None,
     scale: float,
     window: int | None,
-    ring_base: jax.Array | int = 0,
+    ring_rows: jax.Array | None = None,
 ) -> jax.Array:
     """The reference's signature and result ([S, C, Hq, D], zeros at padding queries) through a kernel
     given the bias frame and the static sizes (`Plan`):
 
         kernel(q [S, C, Hq, D], k, v, rel [S, C, Hq, d_rel], rel_proj [d_rel, extent], sinks [S, C, Hq],
-               kv_lens, query_lens, page_table | None, ring_base, plan, *, scale, window) -> [S, C, Hq, D]
+               kv_lens, query_lens, page_table | None, ring_rows, plan, *, scale, window) -> [S, C, Hq, D]
 
-    with k, v as the reference takes them (pool [P, Hkv, page, D] or rings [N, Hkv, ring, D] from ring_base), read
+    with k, v as the reference takes them (pool [P, Hkv, page, D] or rings [N, Hkv, ring, D] read at ring_rows), read
     in whatever dtype the cache keeps, the sink logits in theirs (each one's fp32 value joins the softmax), and zeros at
     padding queries. A kernel lays out the rows (`on_grouped_rows`) and builds the bias (`frame_bias`, or in the
     kernel) as it reads best.
@@ -231,6 +232,6 @@ def attend(
         ring=ring,
     )  # fmt: skip
     return kernel(
-        q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, jnp.asarray(ring_base, jnp.int32), plan,
+        q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, sequence_rings(ring_rows, q.shape[0]), plan,
         scale=scale, window=window,
     )  # fmt: skip

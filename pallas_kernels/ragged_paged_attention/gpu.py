@@ -129,14 +129,13 @@ def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarr
 
 
 def _work(
-    kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, ring_base: jax.Array, c_min: np.ndarray,
+    kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, ring_rows: jax.Array, c_min: np.ndarray,
     c_max: np.ndarray, *, block: int, splits: int, window: int | None, ring: int | None,
 ) -> jax.Array:  # fmt: skip
     """[S, tiles, splits, 8] int32, the kernel's one table of scalars: each CTA's KV blocks [lo, hi), its
     tile's smallest and largest real query position (tiles of padding queries get nothing to visit), then
-    its sequence's first query position, last key position, bias frame start and ring (ring_base + s)."""
-    rings = ring_base + jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
-    seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, bias_first, rings], axis=-1)  # [S, 4]
+    its sequence's first query position, last key position, bias frame start and ring (ring_rows[s])."""
+    seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, bias_first, ring_rows], axis=-1)  # [S, 4]
     kv_lens, query_lens = kv_lens[:, None], query_lens[:, None]  # [S, 1]
     q_min = kv_lens - query_lens + c_min  # [S, tiles]
     q_max = kv_lens - query_lens + jnp.minimum(c_max, query_lens - 1)
@@ -202,7 +201,7 @@ def _step_keys(kv_parallel: bool, block: int, step_keys: int | None) -> int:
 
 def _attention(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
-    query_lens: jax.Array, page_table: jax.Array | None, ring_base: jax.Array, plan: Plan, *, scale: float,
+    query_lens: jax.Array, page_table: jax.Array | None, ring_rows: jax.Array, plan: Plan, *, scale: float,
     window: int | None, splits: int | None = None, step_keys: int | None = None, in_kernel: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
@@ -266,7 +265,7 @@ def _attention(
     rel_in_smem = flat or (in_kernel and interpret)  # copied to SMEM, not loaded into registers from GMEM
     c_min, c_max = _row_bounds(rows, padded, tile, width)
     work = _work(
-        kv_lens, query_lens, plan.bias_first, ring_base, c_min, c_max, block=block, splits=splits, window=window,
+        kv_lens, query_lens, plan.bias_first, ring_rows, c_min, c_max, block=block, splits=splits, window=window,
         ring=ring_size if ring else None,
     )  # fmt: skip
     pad = ((0, 0), (0, 0), (0, padded - rows))
@@ -727,13 +726,13 @@ def _attention(
 
 def kernel(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
-    query_lens: jax.Array, page_table: jax.Array | None, ring_base: jax.Array, plan: Plan, *, scale: float,
+    query_lens: jax.Array, page_table: jax.Array | None, ring_rows: jax.Array, plan: Plan, *, scale: float,
     window: int | None,
 ) -> jax.Array:  # fmt: skip
     """[S, C, Hq, D] attention of the queries q [S, C, Hq, D] over the pool or the rings (see `attend`)."""
     interpret = jax.default_backend() == "cpu"
     return _attention(
-        q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, ring_base, plan, scale=scale,
+        q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, ring_rows, plan, scale=scale,
         window=window, interpret=interpret,
     )  # fmt: skip
 

@@ -39,6 +39,11 @@ def ring_positions(size: int, kv_lens: jax.Array) -> jax.Array:
     return jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max // 2)
 
 
+def sequence_rings(ring_rows: jax.Array | None, slots: int) -> jax.Array:
+    """[S] int32: the ring each sequence reads (None: sequence s reads ring s)."""
+    return jnp.arange(slots, dtype=jnp.int32) if ring_rows is None else jnp.asarray(ring_rows, jnp.int32)
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k: jax.Array,
@@ -52,14 +57,15 @@ def ragged_paged_attention(
     page_table: jax.Array | None,
     scale: float,
     window: int | None,
-    ring_base: jax.Array | int = 0,
+    ring_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Attention output [S, C, Hq, D] in q's dtype (zeros at padding queries).
 
     q [S, C, Hq, D] (clipped and tau-scaled by the caller); with a page_table [S, max pages]: k, v the
     page pool [P, Hkv, page, D]; without one: k, v rings [N, Hkv, R, D] (head-major, so that a
-    kernel reads one head's page or ring slice as one contiguous block), sequence s's at ring_base + s (an int32
-    scalar: several layers' rings stacked [layers * S, ...] are read in place, where slicing one out would copy).
+    kernel reads one head's page or ring slice as one contiguous block), sequence s's at ring_rows[s] (int32 [S];
+    None: s): several layers' rings stacked [layers * slots, ...] are read in place, where slicing one out would
+    copy, and sequences that are parts of one slot's chunk read that slot's ring.
     kv_lens [S], query_lens [S] int32 (query_lens <= C, kv_lens >= query_lens); rel [S, C, Hq, d_rel];
     rel_proj [d_rel, extent]; sinks [S, C, Hq]; window: keys closer than this, or None for all.
     """
@@ -67,7 +73,8 @@ def ragged_paged_attention(
     if page_table is not None:
         (k, kv_positions), (v, _) = paged_keys(k, page_table), paged_keys(v, page_table)
     else:
-        k, v = (jnp.swapaxes(jax.lax.dynamic_slice_in_dim(x, ring_base, q.shape[0]), 1, 2) for x in (k, v))
+        rows = sequence_rings(ring_rows, q.shape[0])
+        k, v = (jnp.swapaxes(x[rows], 1, 2) for x in (k, v))
         kv_positions = ring_positions(k.shape[1], kv_lens)
     out = relative_attention(
         q, k.astype(q.dtype), v.astype(q.dtype), rel, rel_proj, sinks, positions, kv_positions,

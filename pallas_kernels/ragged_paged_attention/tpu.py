@@ -183,7 +183,7 @@ def kernel(
     kv_lens: jax.Array,
     query_lens: jax.Array,
     page_table: jax.Array | None,
-    ring_base: jax.Array,
+    ring_rows: jax.Array,
     plan: Plan,
     *,
     scale: float,
@@ -219,8 +219,8 @@ def kernel(
 
             return index
 
-        def ring_index(s, tile, step, kv_lens, query_lens, base):
-            return base[0] + s, 0, visited(s, tile, step, m, kv_lens, query_lens), 0
+        def ring_index(s, tile, step, kv_lens, query_lens, rings):
+            return rings[s], 0, visited(s, tile, step, m, kv_lens, query_lens), 0
 
         return ring_index
 
@@ -233,7 +233,7 @@ def kernel(
     sinks_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, 1), row_index)
     rel_spec = pl.BlockSpec((squeezed, kv_heads, tile_rows, rel.shape[-1]), row_index)
     table_spec = pl.BlockSpec(table.shape, lambda *_: (0, 0))
-    scalars = [kv_lens, query_lens, page_table.reshape(-1) if paged else ring_base.reshape(1)]
+    scalars = [kv_lens, query_lens, page_table.reshape(-1) if paged else ring_rows]
     body = functools.partial(
         _attend_step, scale=scale, window=window, width=width, tile_rows=tile_rows, block=block, per_step=per_step,
         steps=steps, extent=rel_proj.shape[1], pad=pad, span=span, ring=ring,

@@ -1,0 +1,175 @@
+"""Where a step's tokens sit: one flat run of T tokens in which every slot's new tokens are one contiguous span.
+
+Slot s brings counts[s] tokens at flat indices starts[s] ... starts[s] + counts[s] - 1, continuing the lengths[s]
+tokens its state holds; the rest of the T are padding. Everything that works token by token (projections,
+norms, experts, the convolutions' taps) runs over the T rows, so a slot costs the tokens it brings: a decoding
+slot one, a verify pass γ + 1, a prompt its chunk.
+
+Attention reads the spans as the ragged kernels take them, query rows padded per sequence, in two groups:
+- the narrow group: every slot, sequence s = slot s with up to `width` queries (1 when decoding, γ + 1 when a
+  step verifies drafts); a slot in a lane has none here;
+- the lanes (`Lanes`), for prompt chunks: lane p holds up to `lanes.width` consecutive tokens of one slot's span,
+  a longer chunk several lanes, so a chunk pads at most one lane's width.
+`source` maps each flat token to its row in the two groups' outputs, so a layer gathers its queries into the
+groups and its outputs back with one gather each; the maps are computed once per step (`Chunk.make`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Lanes:
+    """Prompt chunks as attention reads them: lane p holds tokens first[p] ... first[p] + count[p] - 1 of slot
+    slot[p]'s span (count 0: an unused lane)."""
+
+    slot: jax.Array  # [P] int32
+    first: jax.Array  # [P] int32
+    count: jax.Array  # [P] int32
+    width: int = dataclasses.field(metadata={"static": True})  # query rows per lane
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A step's layout over its T flat tokens (see the module docstring); make with `make` or `uniform`."""
+
+    lengths: jax.Array  # [S] int32 tokens already in each slot's state
+    counts: jax.Array  # [S] int32 tokens the slot brings
+    page_table: jax.Array  # [S, max pages] int32
+    starts: jax.Array  # [S] int32 flat index of the slot's first token
+    lanes: Lanes | None
+    token_slot: jax.Array  # [T] int32 the slot of each flat token (S for padding)
+    offset: jax.Array  # [T] int32 each token's index in its slot's span
+    narrow_counts: jax.Array  # [S] int32 each slot's queries in the narrow group
+    source: jax.Array  # [T] int32 each token's row in the groups' outputs (past them for padding)
+    lag_index: jax.Array  # [T, K] int32 each token's convolution inputs at lags 0..K-1 (see `lags`)
+    history_index: jax.Array  # [S, K - 1] int32 each slot's convolution history after the step (see `history`)
+    width: int = dataclasses.field(metadata={"static": True})  # the narrow group's queries per slot
+    tokens: int = dataclasses.field(metadata={"static": True})  # T
+
+    @classmethod
+    def make(
+        cls,
+        lengths: jax.Array,
+        counts: jax.Array,
+        page_table: jax.Array,
+        starts: jax.Array,
+        lanes: Lanes | None,
+        *,
+        width: int,
+        tokens: int,
+        kernel_size: int,
+    ) -> Chunk:
+        """The layout of spans (starts, counts) over `tokens` flat tokens, with its index maps for convolutions of
+        `kernel_size` taps. A slot covered by a used lane is in the lanes only; every other slot brings at most
+        `width` tokens."""
+        slots = lengths.shape[0]
+        flat = jnp.arange(tokens, dtype=jnp.int32)
+        inside = (flat[None, :] >= starts[:, None]) & (flat[None, :] < (starts + counts)[:, None])  # [S, T]
+        token_slot = jnp.where(inside.any(axis=0), jnp.argmax(inside, axis=0), slots).astype(jnp.int32)
+        offset = flat - starts[jnp.minimum(token_slot, slots - 1)]
+        laned = jnp.zeros(slots, bool)
+        if lanes is not None:
+            laned = laned.at[lanes.slot].max(lanes.count > 0)
+        narrow_counts = jnp.where(laned, 0, counts)
+
+        # the groups' rows: narrow slot s's query c at s * width + c, lane p's query c after them at p * lane + c
+        rows = jnp.full(tokens, _past(slots, width, lanes), jnp.int32)
+        c = jnp.arange(width, dtype=jnp.int32)
+        at = jnp.where(c[None, :] < narrow_counts[:, None], starts[:, None] + c[None, :], tokens)
+        rows = rows.at[at].set(jnp.arange(slots * width, dtype=jnp.int32).reshape(slots, width), mode="drop")
+        if lanes is not None:
+            at = jnp.where(_lane_real(lanes), _lane_tokens(starts, lanes), tokens)
+            lane_rows = slots * width + jnp.arange(lanes.count.shape[0] * lanes.width, dtype=jnp.int32)
+            rows = rows.at[at].set(lane_rows.reshape(at.shape), mode="drop")
+
+        # convolutions: a token's input at lag j is the span's token offset - j before it, else the slot's history
+        taps = kernel_size - 1
+        lag = jnp.arange(kernel_size, dtype=jnp.int32)
+        held = jnp.minimum(token_slot, slots - 1)[:, None] * taps + taps + offset[:, None] - lag[None, :]
+        lag_index = jnp.where(offset[:, None] >= lag[None, :], slots * taps + flat[:, None] - lag[None, :], held)
+        position = counts[:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :]  # [S, K - 1] in the span
+        held = jnp.arange(slots)[:, None] * taps + taps + position
+        history_index = jnp.where(position >= 0, slots * taps + starts[:, None] + position, held)
+        return cls(
+            lengths, counts, page_table, starts, lanes, token_slot, offset, narrow_counts, rows,
+            jnp.clip(lag_index, 0, slots * taps + tokens - 1).astype(jnp.int32), history_index.astype(jnp.int32),
+            width=width, tokens=tokens,
+        )  # fmt: skip
+
+    @classmethod
+    def uniform(
+        cls, lengths: jax.Array, counts: jax.Array, page_table: jax.Array, width: int, *, kernel_size: int
+    ) -> Chunk:
+        """Every slot's span at s * width (T = S * width), no lanes: a decode step's layout, or tokens laid out
+        [S, width] and flattened."""
+        starts = jnp.arange(lengths.shape[0], dtype=jnp.int32) * width
+        return cls.make(lengths, counts, page_table, starts, None, width=width, tokens=lengths.shape[0] * width,
+                        kernel_size=kernel_size)  # fmt: skip
+
+    @property
+    def slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def valid(self) -> jax.Array:
+        """[1, T] real tokens."""
+        return (self.token_slot < self.slots)[None]
+
+    @property
+    def positions(self) -> jax.Array:
+        """[1, T] int32 absolute positions of the tokens (padding: after its nearest slot's)."""
+        return (self.lengths[jnp.minimum(self.token_slot, self.slots - 1)] + self.offset)[None]
+
+    @property
+    def last(self) -> jax.Array:
+        """[S] int32 the flat index of each slot's last token (its first for a slot that brings none)."""
+        return self.starts + jnp.maximum(self.counts - 1, 0)
+
+    def groups(self) -> list[tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]]:
+        """Attention's sequences, per group: (flat index of each query row [N, W] (clipped into the step),
+        kv_lens [N], query_lens [N], page table [N, max pages], slot [N])."""
+        slots = jnp.arange(self.slots, dtype=jnp.int32)
+        narrow = self.starts[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
+        groups = [(narrow, self.lengths + self.narrow_counts, self.narrow_counts, self.page_table, slots)]
+        if self.lanes is not None:
+            lanes = self.lanes
+            kv_lens = self.lengths[lanes.slot] + lanes.first + lanes.count
+            index = _lane_tokens(self.starts, lanes)
+            groups.append((index, kv_lens, lanes.count, self.page_table[lanes.slot], lanes.slot))
+        return [(jnp.clip(index, 0, self.tokens - 1), *rest) for index, *rest in groups]
+
+    def lags(self, x: jax.Array, history: jax.Array) -> jax.Array:
+        """x [1, T, C] after each slot's history [S, K - 1, C] -> [1, T, C, K]: each token's inputs at lags 0..K-1."""
+        buffer = jnp.concatenate([history.reshape(-1, history.shape[-1]).astype(x.dtype), x[0]])
+        return jnp.moveaxis(buffer[self.lag_index], 1, 2)[None]
+
+    def history(self, x: jax.Array, history: jax.Array) -> jax.Array:
+        """x [1, T, C] after each slot's history [S, K - 1, C] -> the history [S, K - 1, C] once the spans are in."""
+        buffer = jnp.concatenate([history.reshape(-1, history.shape[-1]), x[0].astype(history.dtype)])
+        return buffer[self.history_index]
+
+    def narrow(self, x: jax.Array) -> jax.Array:
+        """x [1, T, ...] -> [S, width, ...]: each slot's narrow-group tokens (padding past its count)."""
+        return x[0][jnp.clip(self.groups()[0][0], 0, self.tokens - 1)]
+
+
+def _lane_tokens(starts: jax.Array, lanes: Lanes) -> jax.Array:
+    """[P, lane width] the flat index of each lane's query rows."""
+    c = jnp.arange(lanes.width, dtype=jnp.int32)
+    return (starts[lanes.slot] + lanes.first)[:, None] + c[None, :]
+
+
+def _lane_real(lanes: Lanes) -> jax.Array:
+    return jnp.arange(lanes.width)[None, :] < lanes.count[:, None]
+
+
+def _past(slots: int, width: int, lanes: Lanes | None) -> int:
+    """The row after both groups' (a zero row there gives padding tokens zeros)."""
+    return slots * width + (0 if lanes is None else lanes.count.shape[0] * lanes.width)
