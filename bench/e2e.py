@@ -83,20 +83,14 @@ WARM_STEPS = 3  # decode steps before the timed ones
 BASELINE_TOKENS = 16  # tokens each decoding stream gets before the long prompts are sent
 SAMPLING_BYTES_PER_TOKEN = 5  # a slot's sampling state per vocabulary entry (int32 counts, bool prompt mask)
 START_TIMEOUT_S = 1800.0  # a cold start of the proxy compiles for minutes
-# JAX's compile events for the engine's step (fun_name "step_fn" / "jit(step_fn)"), by the column they add to
-COMPILE_EVENTS = {
-    "/jax/core/compile/jaxpr_trace_duration": "lower_s",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-    "/jax/core/compile/backend_compile_duration": "compile_s",
-}
 # serving.main's log lines that open the phases of its start
 LOADING = re.compile(r" loading \S+ on mesh ")
 WARMING_UP = re.compile(r" warming up: compiling every step shape")
 SERVING = re.compile(r" SERVING \S+ on ")
 LISTENING = re.compile(r" listening on (\S+):(\d+) ")
 # the engine's line per step program at start-up (`Engine._program`)
-STEP_LOADED = re.compile(r"^step \[.*\): loaded from the executable cache in ")
-STEP_COMPILED = re.compile(r"^step \[.*\): compiled in ")
+STEP_LOADED = re.compile(r"^step \[.*\]: loaded from the executable cache in ")
+STEP_COMPILED = re.compile(r"^step \[.*\]: compiled in ")
 
 
 # --- sizes ---
@@ -226,26 +220,17 @@ def engine_phase(args: argparse.Namespace, record: Callable[[dict], None]) -> No
     `--compilation-cache` (which must be empty), then time decode steps at each concurrency level; each result
     goes to `record` as it is known."""
     cache = compilation_cache.enable(str(args.compilation_cache))
-    durations: dict[str, float] = collections.Counter()
-
-    def on_duration(event: str, seconds: float, fun_name: str = "", **_: object) -> None:
-        if event in COMPILE_EVENTS and "step_fn" in fun_name:
-            durations[COMPILE_EVENTS[event]] += seconds
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
     record({"section": "device", "device": devices()})
     start = time.perf_counter()
     engine = load_engine(str(args.config), mesh=args.mesh, dtype=DTYPE, max_num_seqs=args.max_num_seqs,
                          chunk=args.chunk, kv_cache_mib=args.kv_cache_mib, load_format="dummy",
                          executable_cache=compilation_cache.executables(cache))  # fmt: skip
     record({"section": "load", "seconds": time.perf_counter() - start})
-    for shape in engine.shapes:  # as Engine.warm_up compiles them
-        durations.clear()
-        start = time.perf_counter()
-        engine.fetch(engine.step(engine.idle_batch(shape)))
-        record({"section": "compile", "shape": str(shape), "speculative": shape.speculative,
-                "lower_s": durations["lower_s"], "compile_s": durations["compile_s"],
-                "first_call_s": time.perf_counter() - start})  # fmt: skip
+    start = time.perf_counter()
+    engine.warm_up()
+    record({"section": "warm_up", "seconds": time.perf_counter() - start})
+    for shape in engine.shapes:
+        record({"section": "compile", "shape": str(shape), **engine.program_times[shape]})
     for batch in sorted(args.concurrency):
         wall, kernels = decode_step_ms(engine, batch, args.context, args.steps, args.repeats)
         size = decode_bytes(engine, batch, args.context)
@@ -473,14 +458,13 @@ def _kernels(result: dict, ms: float | None) -> str:
 
 
 def compile_section(result: dict) -> str:
-    keys = ("lower_s", "compile_s", "first_call_s")
+    keys = ("lower_s", "compile_s", "first_run_s")
     shapes = result["compile"]
-    rows = [[s["shape"]] for s in shapes]
-    for row, shape in zip(rows, shapes, strict=True):
-        row += [_number(shape[key], 1) for key in keys]
-    rows.append(["total"] + [_number(sum(shape[key] for shape in shapes), 1) for key in keys])
+    rows = [[s["shape"]] + [_number(s.get(key), 1) for key in keys] for s in shapes]
+    warm_up = _number(result["warm_up"]["seconds"], 1)
+    rows.append(["warm-up, wall (the programs compiled at once, then each run)", "", "", warm_up])
     head = f"## Cold compile of every step shape (empty cache; weights built in {result['load']['seconds']:.1f} s)"
-    return head + "\n\n" + _table(["step shape (per replica)", "lower s", "XLA compile s", "first call s"], rows)
+    return head + "\n\n" + _table(["step shape (per replica)", "lower s", "XLA compile s", "first run s"], rows)
 
 
 def start_section(title: str, start: dict) -> str:
@@ -708,7 +692,10 @@ def main(argv: list[str] | None = None) -> None:
             result[section] = item
         save()
         if section == "compile":
-            say(f"compile {item['shape']}: lower {item['lower_s']:.1f} s, XLA {item['compile_s']:.1f} s")
+            say(
+                f"compile {item['shape']}: lower {item.get('lower_s', 0):.1f} s, XLA {item.get('compile_s', 0):.1f} s, "
+                f"first run {item.get('first_run_s', 0):.1f} s"
+            )
         elif section == "decode":
             kernels = _kernels(result, item["kernels_ms"]) + " ms" * (item["kernels_ms"] is not None)
             say(
@@ -717,6 +704,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         elif section == "load":
             say(f"weights built in {item['seconds']:.1f} s")
+        elif section == "warm_up":
+            say(f"warm-up (every step shape compiled and run once) in {item['seconds']:.1f} s")
 
     say(
         f"bench.e2e: {args.config} mesh {args.mesh}, {args.max_num_seqs} slots, chunk {args.chunk}, decode state "

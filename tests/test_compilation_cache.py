@@ -41,11 +41,11 @@ def test_a_second_process_compiles_from_the_cache(tmp_path):
     first, log = run("first.jsonl")
     assert first["code"] == 0 and first["hits"] == 0 and first["misses"] > 0
     assert len(list(cache.glob("*-cache"))) >= first["misses"]  # every program written
-    steps = log.count("): compiled in ")
-    assert steps == 2 and len(list((cache / "executables").glob("*.exe"))) == steps  # widths 1 and the chunk
+    steps = log.count("]: compiled in ")
+    assert steps == 2 and len(list((cache / "executables").glob("*.exe"))) == steps  # the decode and prompt-chunk shapes
     second, log = run("second.jsonl")
     assert second["code"] == 0 and second["misses"] == 0 and second["hits"] == first["misses"]
-    assert log.count("): loaded from the executable cache in ") == steps and "): compiled in " not in log
+    assert log.count("]: loaded from the executable cache in ") == steps and "]: compiled in " not in log
     assert (tmp_path / "second.jsonl").read_text() == (tmp_path / "first.jsonl").read_text()
 
 

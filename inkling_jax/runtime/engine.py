@@ -27,6 +27,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -176,6 +177,7 @@ class Engine:
         self._executables = ExecutableCache(executable_cache) if executable_cache is not None else None
         self._programs: dict[StepShape, jax.stages.Compiled] = {}
         self.programs_loaded = 0  # of them, read from the executable cache
+        self.program_times: dict[StepShape, dict[str, float]] = {}  # lower_s and compile_s, or loaded_s; first_run_s
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
 
@@ -294,10 +296,7 @@ class Engine:
         speculative = bool(np.any(batch.speculate))
         if speculative and not self.speculative:
             raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
-        on_mesh = jax.tree.map(
-            lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
-        )
-        args = (self.params, self.state, on_mesh, self.previous)
+        args = self._arguments(batch)
         width = self.gamma + 1 if speculative else 1
         shape = StepShape(batch.token_ids.shape[0] // self.replicas, width, batch.lane_slot.shape[0] // self.replicas,
                           speculative)  # fmt: skip
@@ -307,6 +306,13 @@ class Engine:
         emitted, self.state = program(*args)
         self.previous = emitted.last
         return emitted
+
+    def _arguments(self, batch: StepBatch) -> tuple:
+        """The step program's arguments for a host batch (placed on the mesh, split by slot)."""
+        on_mesh = jax.tree.map(
+            lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
+        )
+        return self.params, self.state, on_mesh, self.previous
 
     def _program(self, shape: StepShape, args: tuple) -> jax.stages.Compiled:
         """The step program of `shape`: read from the executable cache, else lowered and compiled (and stored
@@ -323,6 +329,7 @@ class Engine:
         if compiled is not None:
             self.programs_loaded += 1
             logger.info("%s: loaded from the executable cache in %.1f s", name, time.perf_counter() - start)
+            self.program_times[shape] = {"loaded_s": time.perf_counter() - start}
         else:
             lowering = time.perf_counter()
             lowered = self._lower(args, shape)
@@ -337,6 +344,7 @@ class Engine:
             if key is not None and self._executables.store(key, compiled):
                 line += f", stored in the executable cache in {time.perf_counter() - done:.1f} s"
             logger.info(line)
+            self.program_times[shape] = {"lower_s": compiling - lowering, "compile_s": done - compiling}
         self._programs[shape] = compiled
         return compiled
 
@@ -371,13 +379,22 @@ class Engine:
                          np.zeros((slots, self.max_pages), np.int32), params)  # fmt: skip
 
     def warm_up(self) -> None:
-        """Compile or load (and run once) every step shape, so serving never compiles. Logs each shape's time to
-        ready: its program (logged by itself) and a first run (on GPU that compiles the Mosaic GPU kernels that the
-        program's custom calls carry)."""
+        """Compile or load (and run once) every step shape, so serving never compiles: the programs at once, one
+        thread each (XLA compiles them in parallel), then a first run of each, one after the other. Logs each
+        shape's time to ready: its program (logged by itself) and a first run (on GPU that compiles the Mosaic GPU
+        kernels that the program's custom calls carry)."""
+        missing = [shape for shape in self.shapes if shape not in self._programs]
+        if missing:
+            with ThreadPoolExecutor(len(missing), thread_name_prefix="step-compile") as pool:
+                programs = [pool.submit(self._program, shape, self._arguments(self.idle_batch(shape)))
+                            for shape in missing]  # fmt: skip
+                for program in programs:
+                    program.result()
         for shape in self.shapes:
             start = time.perf_counter()
             self.fetch(self.step(self.idle_batch(shape)))
-            logger.info("step [%s]: ready in %.1f s (its program and a first run)", shape, time.perf_counter() - start)
+            self.program_times[shape]["first_run_s"] = time.perf_counter() - start
+            logger.info("step [%s]: first run in %.1f s", shape, time.perf_counter() - start)
 
 
 def batched_tokens(asked: int | None, slots: int, gamma: int, chunk: int) -> int:

@@ -180,14 +180,7 @@ class ExecutableCache:
         if self.off:
             return lowered.compile(options or None)
         with _BYPASS:
-            enabled = jax.config.jax_enable_compilation_cache
-            jax.config.update("jax_enable_compilation_cache", False)
-            persistent_cache.reset_cache()  # JAX decides once whether its cache is used: decide again, off
-            try:
-                return lowered.compile(options or None)
-            finally:
-                jax.config.update("jax_enable_compilation_cache", enabled)
-                persistent_cache.reset_cache()
+            return lowered.compile(options or None)
 
     def store(self, key: str, compiled: jax.stages.Compiled) -> bool:
         """Write `compiled` under `key` (atomically); False if this backend cannot serialize it (the cache is then
@@ -218,7 +211,32 @@ class ExecutableCache:
         return True
 
 
-_BYPASS = threading.Lock()  # one compile at a time turns JAX's persistent cache off
+class _PersistentCacheOff:
+    """JAX's persistent compilation cache off while any compile for an executable cache runs (several may run at
+    once, one per step shape): the first to enter turns it off, the last to leave turns it back as it was."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._enabled = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if not self._inside:
+                self._enabled = jax.config.jax_enable_compilation_cache
+                jax.config.update("jax_enable_compilation_cache", False)
+                persistent_cache.reset_cache()  # JAX decides once whether its cache is used: decide again, off
+            self._inside += 1
+
+    def __exit__(self, *_: object) -> None:
+        with self._lock:
+            self._inside -= 1
+            if not self._inside:
+                jax.config.update("jax_enable_compilation_cache", self._enabled)
+                persistent_cache.reset_cache()
+
+
+_BYPASS = _PersistentCacheOff()
 _warned = []  # the serialization failure is logged once per process
 
 
