@@ -42,7 +42,7 @@ def test_a_second_process_compiles_from_the_cache(tmp_path):
     assert first["code"] == 0 and first["hits"] == 0 and first["misses"] > 0
     assert len(list(cache.glob("*-cache"))) >= first["misses"]  # every program written
     steps = log.count("]: compiled in ")
-    assert steps == 2 and len(list((cache / "executables").glob("*.exe"))) == steps  # the decode and prompt-chunk shapes
+    assert steps == 2 and len(list((cache / "executables").glob("*.exe"))) == steps  # decode, prompt chunks
     second, log = run("second.jsonl")
     assert second["code"] == 0 and second["misses"] == 0 and second["hits"] == first["misses"]
     assert log.count("]: loaded from the executable cache in ") == steps and "]: compiled in " not in log
