@@ -156,11 +156,11 @@ def test_a_backend_that_cannot_serialize_turns_the_cache_off_with_one_warning(tm
 
 
 def test_decode_programs_get_their_platforms_options(model, monkeypatch):
-    """A plain decode step adds its platform's options (TPU: gathers off SparseCore; GPU: no autotuning) to what
+    """A plain decode step adds its platform's options (TPU: gathers off SparseCore; GPU: cuBLAS, untuned) to what
     XLA compiles; prefill and speculative shapes, and CPU, add none."""
     decode, prefill, verify = StepShape(8, 1, 0, False), StepShape(64, 1, 4, False), StepShape(16, 8, 0, True)
     assert shape_compiler_options("tpu", decode) == {"xla_tpu_offload_gather_to_sparsecore": False}
-    assert shape_compiler_options("gpu", decode) == {"xla_gpu_autotune_level": 0}
+    assert shape_compiler_options("gpu", decode) == {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
     assert shape_compiler_options("gpu", prefill) == shape_compiler_options("tpu", verify) == {}
     asked = []
     monkeypatch.setattr(engine_module, "shape_compiler_options", lambda *shape: asked.append(shape) or {})

@@ -423,13 +423,14 @@ def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
 def shape_compiler_options(platform: str, shape: StepShape) -> dict[str, object]:
     """The XLA options a step program of this shape adds on `platform` to the engine's. Plain decode steps (one
     token per slot): on TPU small gathers stay off SparseCore (jax 0.11 offloads them there, and batch-1 decode
-    runs at half speed); on GPU the matmuls are not autotuned (the H200 ran the proxy's 64-slot decode step as fast
-    untuned, 32.6 ms, and compiled it in 27 s instead of 92 s). Other shapes keep XLA's defaults."""
+    runs at half speed); on GPU the matmuls go to cuBLAS, untuned: the H200 ran the proxy's 64-slot decode step in
+    26.3 ms of kernels so (memcpy of stacked weights gone too) against 61.9 ms with untuned Triton gemms, whose
+    default tiles read the weights many times over, and compiled it in 87 s. Other shapes keep XLA's defaults."""
     if shape.lanes or shape.speculative:
         return {}
     return {
         "tpu": {"xla_tpu_offload_gather_to_sparsecore": False},
-        "gpu": {"xla_gpu_autotune_level": 0},
+        "gpu": {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False},
     }.get(platform, {})
 
 
