@@ -38,7 +38,12 @@ from inkling_jax.config import ConfigError
 from inkling_jax.distributed import DistributedError
 from inkling_jax.model.draft import NoDraftError
 from inkling_jax.runtime import compilation_cache
-from inkling_jax.runtime.engine import add_batched_tokens_argument, add_load_format_argument, load_engine
+from inkling_jax.runtime.engine import (
+    BatchedTokensError,
+    add_batched_tokens_argument,
+    add_load_format_argument,
+    load_engine,
+)
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
@@ -53,7 +58,7 @@ DEFAULT_CONFIG = REPO / "configs" / "tiny.json"
 DEFAULT_CHECKPOINT = REPO / "out" / "tiny-checkpoint"
 LOAD_ERRORS = (
     ConfigError, CheckpointError, MeshError, CacheBudgetError, TokenizerError, DistributedError, NoDraftError,
-    SpeculationError, OSError,
+    SpeculationError, BatchedTokensError, OSError,
 )  # fmt: skip
 # A process-directed signal may land on any thread; its Python handler then runs only when the main thread next
 # executes bytecode, which a wait without a timeout never lets it do. The main thread waits in slices this long.

@@ -39,6 +39,9 @@ def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path)
     assert batched[1] == {"id": "stop", "token_ids": stopped, "finish_reason": "stop"}
     code, alone = run(tmp_path, requests[2:], "--max-num-seqs", "1", "--chunk", "8")  # one slot: one at a time
     assert code == 0 and alone == batched[2:]
+    # steps of 5 tokens: beside two decoding slots, prompt pieces of up to 3 tokens, each in a lane of 4
+    code, narrow = run(tmp_path, requests, "--max-num-seqs", "2", "--chunk", "4", "--max-num-batched-tokens", "5")
+    assert code == 0 and narrow == batched
     for request, result in zip(requests[2:], batched[2:], strict=True):
         assert len(result["token_ids"]) == request["max_tokens"]
 
@@ -62,6 +65,13 @@ def test_malformed_lines_are_named(tmp_path, capsys, line, message):
     code, results = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}, line])
     assert code == 2 and results == []
     assert message in capsys.readouterr().err
+
+
+def test_a_step_budget_without_room_for_a_prompt_token_is_refused(tmp_path, capsys):
+    code, results = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}], "--max-num-seqs", "4",
+                        "--max-num-batched-tokens", "4")  # fmt: skip
+    assert code == 2 and results == []
+    assert "max_num_batched_tokens 4 leaves no prompt token beside the 4 decode tokens" in capsys.readouterr().err
 
 
 def test_a_small_budget_makes_requests_wait_for_pages(tmp_path):

@@ -37,6 +37,7 @@ from inkling_jax.model.draft import NoDraftError, require_draft
 from inkling_jax.model.text import CausalLM
 from inkling_jax.runtime import compilation_cache
 from inkling_jax.runtime.engine import (
+    BatchedTokensError,
     Checkpoint,
     Engine,
     add_batched_tokens_argument,
@@ -215,7 +216,7 @@ def read_requests(path: str | Path, checkpoint: Checkpoint) -> list[Request]:
 # Bad input of any kind: one line naming it, exit status 2.
 _USER_ERRORS = (
     ConfigError, CheckpointError, TokenizerError, RequestError, CacheBudgetError, MeshError, DistributedError,
-    NoDraftError, SpeculationError, OSError,
+    NoDraftError, SpeculationError, BatchedTokensError, OSError,
 )  # fmt: skip
 
 

@@ -127,7 +127,7 @@ class Engine:
         what the front doors report and encode text with. executable_cache: a directory for the compiled step
         programs (`inkling_jax.runtime.executable_cache`; None: compile every one). max_num_batched_tokens: a
         replica's tokens in a step with prompt chunks (decoding, verifying and prompt tokens; default: every
-        slot's decode tokens and two chunks); at least every slot's decode tokens and one more (ValueError)."""
+        slot's decode tokens and two chunks); at least every slot's decode tokens and one more (BatchedTokensError)."""
         if speculative not in SPECULATIVE_MODES:
             raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         self.speculative = speculative != "none"
@@ -397,14 +397,18 @@ class Engine:
             logger.info("step [%s]: first run in %.1f s", shape, time.perf_counter() - start)
 
 
+class BatchedTokensError(ValueError):
+    """A step's token budget (`--max-num-batched-tokens`) that leaves no room for a prompt token."""
+
+
 def batched_tokens(asked: int | None, slots: int, gamma: int, chunk: int) -> int:
     """A replica's tokens in a step with prompt chunks: `asked`, or by default every slot's decode tokens (γ + 1
-    each when speculating) and two chunks. ValueError when `asked` leaves no room for a prompt token."""
+    each when speculating) and two chunks. BatchedTokensError when `asked` leaves no room for a prompt token."""
     decode_tokens = slots * (gamma + 1)
     if asked is None:
         return decode_tokens + 2 * chunk
     if asked <= decode_tokens:
-        raise ValueError(
+        raise BatchedTokensError(
             f"max_num_batched_tokens {asked} leaves no prompt token beside the {decode_tokens} decode tokens of "
             f"{slots} slots{' speculating' * bool(gamma)}: it must be at least {decode_tokens + 1}"
         )
