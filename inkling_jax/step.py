@@ -1,6 +1,6 @@
 """The engine's pure step: continue every slot's sequence by a chunk of tokens and emit its next tokens.
 
-    step(graphdef, params, state, batch, previous) -> (emitted, state)   # jitted once per (slots, width, mode)
+    step(graphdef, params, state, batch, previous) -> (emitted, state)   # jitted once per step shape
 
 A step's tokens are one flat run [T] (`inkling_jax.model.chunk`): slot s brings counts[s] tokens at
 starts[s] ... (a prompt chunk, or the one token a decoding sequence sampled last); a slot with counts 0
@@ -15,11 +15,10 @@ discarded.
 A speculative step (`speculative=True`, width γ + 1) also lets the slots with `speculate` set run one
 DSpark round from their one token (the anchor, at the start of a span of γ + 1 flat tokens the host leaves
 for it): the draft proposes γ tokens, the target verifies [anchor, drafts] in the same pass as the other
-slots' tokens, and the slot emits its accepted drafts
-and one more token (`inkling_jax.speculative`); its convolution states keep only the committed
-prefix. The emitted tokens follow the target's distribution exactly. Other slots run as in a plain step
-and sample from the same noise as a plain step, so a request's output does not depend on whether its
-neighbours speculate.
+slots' tokens, and the slot emits its accepted drafts and one more token (`inkling_jax.speculative`); its
+convolution states keep only the committed prefix. The emitted tokens follow the target's distribution
+exactly. Other slots run as in a plain step and sample from the same noise as a plain step, so a request's
+output does not depend on whether its neighbours speculate.
 
 Under a mesh with a `data` axis (set with `jax.set_mesh`), the slots and the page pool split into
 data-parallel replicas: each replica steps its own slots against its own pages (page-table entries are
