@@ -136,8 +136,7 @@ class Chunk:
         """Attention's sequences, per group: (flat index of each query row [N, W] (clipped into the step),
         kv_lens [N], query_lens [N], page table [N, max pages], slot [N])."""
         slots = jnp.arange(self.slots, dtype=jnp.int32)
-        narrow = self.starts[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
-        groups = [(narrow, self.lengths + self.narrow_counts, self.narrow_counts, self.page_table, slots)]
+        groups = [(self._narrow_index(), self.lengths + self.narrow_counts, self.narrow_counts, self.page_table, slots)]
         if self.lanes is not None:
             lanes = self.lanes
             kv_lens = self.lengths[lanes.slot] + lanes.first + lanes.count
@@ -157,7 +156,11 @@ class Chunk:
 
     def narrow(self, x: jax.Array) -> jax.Array:
         """x [1, T, ...] -> [S, width, ...]: each slot's narrow-group tokens (padding past its count)."""
-        return x[0][jnp.clip(self.groups()[0][0], 0, self.tokens - 1)]
+        return x[0][jnp.clip(self._narrow_index(), 0, self.tokens - 1)]
+
+    def _narrow_index(self) -> jax.Array:
+        """[S, width] the flat index of each slot's narrow-group query rows (unclipped)."""
+        return self.starts[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
 
 
 def _lane_tokens(starts: jax.Array, lanes: Lanes) -> jax.Array:
