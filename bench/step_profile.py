@@ -1,7 +1,7 @@
 """One engine step shape on a dummy model: how long it takes to come up and where a step's device time goes.
 
     python -m bench.step_profile [--config configs/proxy_h200.json] [--width 1] [--slots 64] [--active 1 64]
-        [--repeats 5]
+        [--repeats 5] [--options JSON [JSON ...]]
 
 Builds the config's model with random weights on one device (`--load-format dummy`'s builder), the engine over
 it with `--slots` slots, and the step of `--width` tokens per slot; prints the time to build the weights, to
@@ -9,12 +9,17 @@ lower the step (tracing and kernel lowering, in Python) and to compile it (XLA);
 (slots with tokens, the others idle, as in a server with that many requests) the wall time per step issued back
 to back and the step's kernels by CUPTI (on a GPU): their count, their sum, and the kernels grouped by name,
 longest first. Copies of parameters or state show up there as memcpy and dynamic-slice kernels.
+
+Each `--options` is a set of XLA options (a JSON object) the step is compiled with, all from one lowering
+(default: the options the engine gives the shape); each program's first step from a zeroed state is checked
+against the first program's: its top log-probabilities' largest difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import time
 from pathlib import Path
@@ -27,7 +32,8 @@ from flax import nnx
 from bench.timing import call_kernels_ms
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import load_config
-from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.engine import Engine, StepShape, shape_compiler_options
+from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sharding import make_mesh
 
 PROXY = Path(__file__).resolve().parents[1] / "configs" / "proxy_h200.json"
@@ -44,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--active", type=int, nargs="+", default=[1, 64], help="slots with tokens in the step")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--options", type=json.loads, nargs="+", help="XLA option sets, each a JSON object")
     args = parser.parse_args(argv)
     config = load_config(args.config)
     mesh = make_mesh("tp1", config.text)
@@ -54,9 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     with jax.set_mesh(mesh):
         chunk = args.width if args.width > 1 else 64  # a prompt lane per slot of `width` tokens
         engine = Engine.create(model, mesh, max_num_seqs=args.slots, chunk=chunk, max_context=2048,
-                               max_num_batched_tokens=args.slots * args.width + 1)  # fmt: skip
+                               max_num_batched_tokens=args.slots * args.width + 1, num_top=MAX_LOGPROBS)  # fmt: skip
         table = np.arange(args.slots * engine.max_pages, dtype=np.int32).reshape(args.slots, -1)
-        tokens = np.zeros((args.slots, args.width), np.int32)
+        vocab = config.text.unpadded_vocab_size
+        tokens = np.random.default_rng(0).integers(0, vocab, (args.slots, args.width), dtype=np.int32)
 
         def on_mesh(active: int):
             real = np.arange(args.slots) < active
@@ -69,26 +77,43 @@ def main(argv: list[str] | None = None) -> None:
         lowered = engine._step.lower(engine.params, engine.state, on_mesh(max(args.active)), engine.previous,
                                      speculative=False, width=1)  # fmt: skip
         print(f"{shape}: lowered in {_seconds(start)}", flush=True)
-        start = time.perf_counter()
-        compiled = lowered.compile()
-        print(f"{shape}: compiled by XLA in {_seconds(start)}", flush=True)
-        for active in args.active:
-            batch = on_mesh(active)
+        decode = StepShape(args.slots * args.width, args.width, 0, False)
+        zeroed = jax.jit(lambda state: jax.tree.map(jnp.zeros_like, state), donate_argnums=0)
+        first_logprobs = None
+        for options in args.options or [shape_compiler_options(jax.default_backend(), decode)]:
+            start = time.perf_counter()
+            compiled = lowered.compile(options or None)
+            print(f"{shape} with {json.dumps(options)}: compiled by XLA in {_seconds(start)}", flush=True)
+            engine.state = zeroed(engine.state)
+            emitted, engine.state = compiled(engine.params, engine.state, on_mesh(max(args.active)), engine.previous)
+            logprobs = np.asarray(emitted.top_logprobs)
+            if first_logprobs is None:
+                first_logprobs = logprobs
+            print(f"first step's top log-probabilities against the first program's: largest difference "
+                  f"{np.abs(logprobs - first_logprobs).max():.3g}", flush=True)  # fmt: skip
+            profile(compiled, engine, on_mesh, args)
+            del compiled
 
-            def step(batch=batch):  # the state is donated: each step takes the one before's
-                emitted, engine.state = compiled(engine.params, engine.state, batch, engine.previous)
-                return emitted
 
-            for _ in range(3):
-                jax.block_until_ready(step())
-            start, steps = time.perf_counter(), 20
-            for _ in range(steps):
-                emitted = step()
-            jax.block_until_ready(emitted)
-            wall = (time.perf_counter() - start) / steps * 1e3
-            print(f"{active} active: wall time per step, back to back: {wall:.2f} ms", flush=True)
-            if jax.default_backend() == "gpu":
-                report(call_kernels_ms(step, repeats=args.repeats))
+def profile(compiled, engine: Engine, on_mesh, args: argparse.Namespace) -> None:
+    """Wall time per step issued back to back, and the step's kernels on a GPU, for each `--active` count."""
+    for active in args.active:
+        batch = on_mesh(active)
+
+        def step(batch=batch):  # the state is donated: each step takes the one before's
+            emitted, engine.state = compiled(engine.params, engine.state, batch, engine.previous)
+            return emitted
+
+        for _ in range(3):
+            jax.block_until_ready(step())
+        start, steps = time.perf_counter(), 20
+        for _ in range(steps):
+            emitted = step()
+        jax.block_until_ready(emitted)
+        wall = (time.perf_counter() - start) / steps * 1e3
+        print(f"{active} active: wall time per step, back to back: {wall:.2f} ms", flush=True)
+        if jax.default_backend() == "gpu":
+            report(call_kernels_ms(step, repeats=args.repeats))
 
 
 def report(kernels: list[tuple[str, float]]) -> None:

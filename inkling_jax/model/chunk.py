@@ -48,7 +48,7 @@ class Chunk:
     offset: jax.Array  # [T] int32 each token's index in its slot's span
     narrow_counts: jax.Array  # [S] int32 each slot's queries in the narrow group
     source: jax.Array  # [T] int32 each token's row in the groups' outputs (past them for padding)
-    lag_index: jax.Array  # [T, K] int32 each token's convolution inputs at lags 0..K-1 (see `lags`)
+    lag_index: jax.Array  # [K, T] int32 each token's convolution inputs at lags 0..K-1 (see `lags`)
     history_index: jax.Array  # [S, K - 1] int32 each slot's convolution history after the step (see `history`)
     width: int = dataclasses.field(metadata={"static": True})  # the narrow group's queries per slot
     tokens: int = dataclasses.field(metadata={"static": True})  # T
@@ -91,9 +91,9 @@ class Chunk:
 
         # convolutions: a token's input at lag j is the span's token offset - j before it, else the slot's history
         taps = kernel_size - 1
-        lag = jnp.arange(kernel_size, dtype=jnp.int32)
-        held = jnp.minimum(token_slot, slots - 1)[:, None] * taps + taps + offset[:, None] - lag[None, :]
-        lag_index = jnp.where(offset[:, None] >= lag[None, :], slots * taps + flat[:, None] - lag[None, :], held)
+        lag = jnp.arange(kernel_size, dtype=jnp.int32)[:, None]  # [K, 1]
+        held = jnp.minimum(token_slot, slots - 1)[None, :] * taps + taps + offset[None, :] - lag
+        lag_index = jnp.where(offset[None, :] >= lag, slots * taps + flat[None, :] - lag, held)
         position = counts[:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :]  # [S, K - 1] in the span
         held = jnp.arange(slots)[:, None] * taps + taps + position
         history_index = jnp.where(position >= 0, slots * taps + starts[:, None] + position, held)
@@ -145,9 +145,10 @@ class Chunk:
         return [(jnp.clip(index, 0, self.tokens - 1), *rest) for index, *rest in groups]
 
     def lags(self, x: jax.Array, history: jax.Array) -> jax.Array:
-        """x [1, T, C] after each slot's history [S, K - 1, C] -> [1, T, C, K]: each token's inputs at lags 0..K-1."""
+        """x [1, T, C] after each slot's history [S, K - 1, C] -> [K, 1, T, C]: each token's inputs at lags 0..K-1
+        (lag-major, as `short_conv.lagged`)."""
         buffer = jnp.concatenate([history.reshape(-1, history.shape[-1]).astype(x.dtype), x[0]])
-        return jnp.moveaxis(buffer[self.lag_index], 1, 2)[None]
+        return buffer[self.lag_index][:, None]
 
     def history(self, x: jax.Array, history: jax.Array) -> jax.Array:
         """x [1, T, C] after each slot's history [S, K - 1, C] -> the history [S, K - 1, C] once the spans are in."""

@@ -17,14 +17,13 @@ from pallas_kernels.numerics import round_to
 
 
 def lagged(x: jax.Array, kernel_size: int) -> jax.Array:
-    """[..., T, C] -> [..., T, C, K] with [..., t, c, lag] = x[..., t - lag, c], zeros before the start: a whole
-    sequence's inputs at each lag (a step over a cache gathers them with its history, `Chunk.lags`)."""
+    """[..., T, C] -> [K, ..., T, C] with [lag, ..., t, c] = x[..., t - lag, c], zeros before the start: a whole
+    sequence's inputs at each lag (a step over a cache gathers them with its history, `Chunk.lags`). Lag-major, so
+    that each lag's inputs are one contiguous slice."""
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(kernel_size - 1, 0), (0, 0)])
     length = x.shape[-2]
-    return jnp.stack(
-        [padded[..., kernel_size - 1 - lag : kernel_size - 1 - lag + length, :] for lag in range(kernel_size)],
-        axis=-1,
-    )
+    first = kernel_size - 1
+    return jnp.stack([padded[..., first - lag : first - lag + length, :] for lag in range(kernel_size)])
 
 
 def conv_window(history: jax.Array, x: jax.Array) -> jax.Array:
@@ -54,12 +53,15 @@ class ShortConvolution(nnx.Module):
         self.conv1d = DepthwiseTaps(rngs, channels, kernel_size, axis, std)
 
     def __call__(self, x: jax.Array, lags: jax.Array | None = None) -> jax.Array:
-        """x [B, T, C] -> [B, T, C]; lags [B, T, C, K]: x's inputs at each lag, with what came before (None: x
+        """x [B, T, C] -> [B, T, C]; lags [K, B, T, C]: x's inputs at each lag, with what came before (None: x
         is a whole sequence)."""
         xf = x.astype(jnp.float32)
-        taps = self.conv1d.weight[...][:, 0, ::-1].astype(jnp.float32)  # [C, K], lag-indexed
+        taps = self.conv1d.weight[...][:, 0].astype(jnp.float32)  # [C, K]: tap K - 1 - lag weights lag `lag`
         lags = lagged(xf, self.kernel_size) if lags is None else lags.astype(jnp.float32)
-        out = jnp.sum(lags * taps, axis=-1)  # elementwise: as a dot of K = 4 taps XLA:GPU makes it a gemm kernel
+        # a sum of K products over the lags' slices: not a dot (XLA:GPU makes a dot of 4 taps a gemm kernel), nor a
+        # reduction over reversed taps (in a scanned layer XLA:GPU copies them out transposed, a kernel per layer)
+        last = self.kernel_size - 1
+        out = sum(lags[lag] * taps[:, last - lag] for lag in range(self.kernel_size))
         return round_to((out + xf) / math.sqrt(self.kernel_size + 1), x.dtype)
 
 
@@ -82,5 +84,5 @@ class DynamicShortConvolution(nnx.Module):
         taps = (static + dynamic).reshape(batch, length, channels, self.kernel_size)
         xf = x.astype(jnp.float32)
         lags = lagged(xf, self.kernel_size) if lags is None else lags.astype(jnp.float32)
-        out = jnp.sum(lags * taps, axis=-1)
+        out = sum(lags[lag] * taps[..., lag] for lag in range(self.kernel_size))
         return round_to((out + xf) / math.sqrt(2 * self.kernel_size + 1), x.dtype)
