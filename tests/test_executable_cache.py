@@ -156,12 +156,18 @@ def test_a_backend_that_cannot_serialize_turns_the_cache_off_with_one_warning(tm
 
 
 def test_decode_programs_get_their_platforms_options(model, monkeypatch):
-    """A plain decode step adds its platform's options (TPU: gathers off SparseCore; GPU: cuBLAS, untuned) to what
-    XLA compiles; prefill and speculative shapes, and CPU, add none."""
+    """A plain decode step adds its platform's options (TPU: gathers off SparseCore; GPU: cuBLAS, untuned, reading
+    stacked weights in place) to what XLA compiles; every GPU shape keeps dots unmerged; TPU prefill and
+    speculative shapes, and CPU, add none."""
     decode, prefill, verify = StepShape(8, 1, 0, False), StepShape(64, 1, 4, False), StepShape(16, 8, 0, True)
     assert shape_compiler_options("tpu", decode) == {"xla_tpu_offload_gather_to_sparsecore": False}
-    assert shape_compiler_options("gpu", decode) == {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
-    assert shape_compiler_options("gpu", prefill) == shape_compiler_options("tpu", verify) == {}
+    unmerged = {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert shape_compiler_options("gpu", decode) == unmerged | {
+        "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True
+    }  # fmt: skip
+    assert shape_compiler_options("gpu", prefill) == shape_compiler_options("gpu", verify) == unmerged
+    assert shape_compiler_options("tpu", prefill) == shape_compiler_options("tpu", verify) == {}
+    assert shape_compiler_options("cpu", decode) == {}
     asked = []
     monkeypatch.setattr(engine_module, "shape_compiler_options", lambda *shape: asked.append(shape) or {})
     engine = make_engine(model, None)
