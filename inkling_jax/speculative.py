@@ -35,7 +35,7 @@ from inkling_jax.cache import KVCache
 from inkling_jax.model.attention import read_draft_context
 from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.text import CausalLM
-from inkling_jax.sampling import SamplingParams, filtered_logits, penalize, request_keys
+from inkling_jax.sampling import SamplingParams, filtered_logits, most_likely, penalize, request_keys
 
 # --speculative: no speculation, DSpark drafts sampled from the draft's distribution, or its argmax
 SPECULATIVE_MODES = ("none", "dspark", "dspark-greedy")
@@ -221,7 +221,7 @@ def verify(
 
     logprobs = jax.nn.log_softmax(target_logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, jnp.minimum(tokens, vocab - 1)[..., None], axis=-1)[..., 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
+    top_logprobs, top_ids = most_likely(logprobs, num_top)
     return Verified(
         num_accepted, tokens, jnp.where(tokens < vocab, chosen, 0.0), top_ids.astype(jnp.int32), top_logprobs
     )

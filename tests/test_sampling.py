@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inkling_jax.sampling import SamplingParams, penalize, sample
+from inkling_jax.sampling import SamplingParams, most_likely, penalize, sample
 
 VOCAB = 12
 
@@ -115,3 +115,16 @@ def test_greedy_and_logprobs():
     np.testing.assert_allclose(np.asarray(out.logprobs), logprobs[np.arange(4), expected], rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-logits, axis=-1)[:, :4])
     np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-logprobs, axis=-1)[:, :4], rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [0, 7, 16, 20, 40])
+def test_most_likely_is_top_k(n):
+    """The rounds of at most 16 give lax.top_k's values and ids, in its order, ties across a round's edge too."""
+    rng = np.random.default_rng(n)
+    logprobs = rng.standard_normal((3, 2, 1000)).astype(np.float32)
+    logprobs[1, 0, rng.choice(1000, 30, replace=False)] = 9.0  # 30 tied values at the top
+    values, ids = most_likely(jnp.asarray(logprobs), n)
+    expected_values, expected_ids = jax.lax.top_k(jnp.asarray(logprobs), n)
+    assert ids.dtype == jnp.int32 and values.shape == ids.shape == (3, 2, n)
+    np.testing.assert_array_equal(values, expected_values)
+    np.testing.assert_array_equal(ids, expected_ids)
