@@ -173,3 +173,39 @@ def test_decode_programs_get_their_platforms_options(model, monkeypatch):
     engine = make_engine(model, None)
     engine.fetch(engine.step(one_token_batch(engine, 3, first=True, prompt=True, emit=True)))
     assert asked == [(jax.default_backend(), engine.shape(prefill=False, speculative=False))]
+
+
+def test_few_decoding_slots_run_a_program_of_few_tokens(model):
+    """With more slots than FEW_TOKENS, a decode step of at most that many tokens runs a program of its own, and its
+    slots emit what the same sequences emit from the full decode program beside other slots."""
+    slots = engine_module.FEW_TOKENS + 4
+    engine = Engine(model, CacheLayout(slots, slots, 32, 8), make_mesh("tp1", model.config), num_top=MAX_LOGPROBS)
+    few = StepShape(engine_module.FEW_TOKENS, 1, 0, False)
+    assert few in engine.shapes and engine.shape(False, False).tokens == slots
+    table = np.zeros((slots, engine.max_pages), np.int32)
+    table[:, 0] = np.arange(slots)
+    prompts = np.random.default_rng(7).integers(0, model.config.unpadded_vocab_size, (3, 6), dtype=np.int32)
+
+    def run(chunks: dict[int, np.ndarray], reset: set[int], prompt: set[int], emit: set[int]):
+        tokens, counts = np.zeros((slots, 6), np.int32), np.zeros(slots, np.int32)
+        for slot, chunk in chunks.items():
+            tokens[slot, : len(chunk)], counts[slot] = chunk, len(chunk)
+        flags = {name: np.isin(np.arange(slots), list(group)) for name, group in
+                 (("reset", reset), ("is_prompt", prompt), ("emit", emit))}  # fmt: skip
+        batch = engine.host_batch(tokens, counts, [None] * slots, table, **flags)
+        return batch.token_ids.shape[0], engine.fetch(engine.step(batch))
+
+    firsts = []
+    for base in (0, 3):  # the same three prompts in slots 0-2, then in slots 3-5
+        chunks = {base + i: prompts[i] for i in range(3)}
+        firsts.append(run(chunks, set(chunks), set(chunks), set(chunks))[1].tokens[base : base + 3, 0])
+    np.testing.assert_array_equal(*firsts)
+    size, alone = run({i: firsts[0][i : i + 1] for i in range(3)}, set(), set(), {0, 1, 2})
+    assert size == few.tokens
+    others = {slot: np.asarray([slot]) for slot in range(6, slots)}  # new one-token prompts beside them
+    decoding = {3 + i: firsts[1][i : i + 1] for i in range(3)}
+    size, beside = run(decoding | others, set(others), set(others), set(decoding))
+    assert size == slots
+    np.testing.assert_array_equal(alone.tokens[:3], beside.tokens[3:6])
+    np.testing.assert_array_equal(alone.top_ids[:3], beside.top_ids[3:6])
+    np.testing.assert_allclose(alone.top_logprobs[:3], beside.top_logprobs[3:6], rtol=1e-5, atol=1e-6)

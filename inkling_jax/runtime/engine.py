@@ -77,6 +77,9 @@ _SAMPLING_DTYPES = {"top_k": np.int32, "seed": np.uint32}
 
 
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
+FEW_TOKENS = 8  # a plain decode step of at most this many tokens (per replica) compiles as a shape of its own, when
+# there are more slots: its token-wise work shrinks, and the GPU expert kernels take their few-token path (no sort
+# of the copies by expert); attention still reads every slot, idle ones as empty sequences
 
 
 def pages_for(tokens: int) -> int:
@@ -241,14 +244,18 @@ class Engine:
     @property
     def shapes(self) -> tuple[StepShape, ...]:
         """Every step shape this engine runs."""
-        return tuple(self.shape(prefill, speculative) for speculative in (False, True)[: 1 + self.speculative]
-                     for prefill in (False, True))  # fmt: skip
+        few = (self.shape(False, False, FEW_TOKENS),) if self.slots_per_replica > FEW_TOKENS else ()
+        return few + tuple(self.shape(prefill, speculative) for speculative in (False, True)[: 1 + self.speculative]
+                           for prefill in (False, True))  # fmt: skip
 
-    def shape(self, prefill: bool, speculative: bool) -> StepShape:
-        """The shape of a step with prompt chunks (`prefill`) or a speculating slot, or neither."""
+    def shape(self, prefill: bool, speculative: bool, tokens: int | None = None) -> StepShape:
+        """The shape of a step with prompt chunks (`prefill`) or a speculating slot, or neither; a plain decode
+        step of at most FEW_TOKENS `tokens` (a replica's) has a shape of its own."""
         width = self.gamma + 1 if speculative else 1
         if prefill:
             return StepShape(self.max_num_batched_tokens, width, self.lanes, speculative)
+        if not speculative and tokens is not None and tokens <= FEW_TOKENS < self.slots_per_replica:
+            return StepShape(FEW_TOKENS, 1, 0, False)
         return StepShape(self.slots_per_replica * width, width, 0, speculative)
 
     def replica_of(self, slot: int) -> int:
@@ -277,7 +284,8 @@ class Engine:
                  for flag in (reset, is_prompt, emit, feedback, replay, speculate)]  # fmt: skip
         speculating = flags[-1] & (counts > 0)
         width = self.gamma + 1 if speculating.any() else 1
-        shape = self.shape(bool(np.any(counts > width)), bool(speculating.any()))
+        busiest = int(np.asarray(counts).reshape(self.replicas, -1).sum(axis=1).max())
+        shape = self.shape(bool(np.any(counts > width)), bool(speculating.any()), busiest)
         spans = pack_spans(tokens, counts, speculating, width=width, lane_width=self.lane_width, tokens=shape.tokens,
                            lanes=shape.lanes, replicas=self.replicas)  # fmt: skip
 
