@@ -60,30 +60,51 @@ def penalize(logits: jax.Array, params: SamplingParams, output_counts: jax.Array
 
 def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """[S, V]: the temperature-scaled logits in vocabulary order, -inf outside top-k, top-p and min-p (each
-    measured on the whole scaled distribution; a token tied with the last one top-k or top-p keeps is kept too).
-    The vocabulary is sorted only when some slot asks for top-k or top-p: at decode that sort costs more than
-    any layer, and each row's result is the same either way."""
+    measured on the whole scaled distribution; a token tied with the last one top-k or top-p keeps is kept too)."""
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     scaled = logits / temperature
     probs = jax.nn.softmax(scaled, axis=-1)
     keep = probs >= params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    ranked_filters = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1)
-    floor = jax.lax.cond(ranked_filters, _ranked_floor, _no_floor, scaled, params)
-    return jnp.where(keep & (scaled >= floor), scaled, -jnp.inf)
+    return jnp.where(keep & (scaled >= ranked_floor(scaled, probs, params)), scaled, -jnp.inf)
 
 
-def _ranked_floor(scaled: jax.Array, params: SamplingParams) -> jax.Array:
-    """[S, 1]: each row's smallest scaled logit that top-k and top-p keep (its smallest of all without them)."""
-    ranked = -jnp.sort(-scaled, axis=-1)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    rank = jnp.arange(scaled.shape[-1])[None, :]
-    keep = (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < params.top_p[:, None]  # the mass before a token
-    return jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
+def ranked_floor(scaled: jax.Array, probs: jax.Array, params: SamplingParams) -> jax.Array:
+    """[S, 1]: each row's smallest scaled logit that top-k and top-p keep (-inf where neither cuts). In the order
+    sorted from the largest, top-k keeps the first k and top-p every token whose mass before it is below top_p, so
+    the floor is the larger of the k-th largest value and the largest value T whose mass at or above T reaches
+    top_p. Both are found without a sort (a sort of the vocabulary costs more than any layer of a decode step; a
+    `lax.cond` around it makes XLA:GPU wait on the host for its predicate, so the step's dispatch would return
+    only when the device reaches it): 32 steps of a binary search over the values' order-preserving 32-bit keys,
+    each step a count and a mass of the keys at or above a candidate."""
+    keys = _ordered_keys(scaled)
+    top_k, top_p = params.top_k[:, None], params.top_p[:, None]
+
+    def halve(bit: int, found: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        at_k, at_p = (threshold | (jnp.uint32(1) << (31 - bit)).astype(jnp.uint32) for threshold in found)
+        count = jnp.sum(keys >= at_k, axis=-1, keepdims=True, dtype=jnp.int32)
+        mass = jnp.sum(jnp.where(keys >= at_p, probs, 0.0), axis=-1, keepdims=True)
+        return jnp.where(count >= top_k, at_k, found[0]), jnp.where(mass >= top_p, at_p, found[1])
+
+    start = keys[:, :1] & jnp.uint32(0)  # zeros that vary over a mesh where the logits do
+    by_k, by_p = jax.lax.fori_loop(0, 32, halve, (start, start))
+    # a search that found no value (k past the vocabulary; a top_p the rounded mass never reaches) keeps all
+    cut_k = (top_k > 0) & (by_k > 0)
+    cut_p = (top_p < 1) & (by_p > 0)
+    return jnp.maximum(jnp.where(cut_k, _from_ordered_keys(by_k), -jnp.inf),
+                       jnp.where(cut_p, _from_ordered_keys(by_p), -jnp.inf))  # fmt: skip
 
 
-def _no_floor(scaled: jax.Array, params: SamplingParams) -> jax.Array:
-    return jnp.where(False, scaled[:, :1], -jnp.inf)  # varies over the mesh where scaled does
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (larger float, larger key; -0.0 just below 0.0; every value's key,
+    -inf's included, above 0)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_ordered_keys(keys: jax.Array) -> jax.Array:
+    """The inverse of `_ordered_keys`."""
+    bits = jnp.where(keys >> 31 == 1, keys & jnp.uint32(0x7FFFFFFF), ~keys)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 TOP_K_ROUND = 16  # the most values per row XLA:GPU's TopK kernel takes (more is a sort of the whole row)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inkling_jax.sampling import SamplingParams, most_likely, penalize, sample
+from inkling_jax.sampling import SamplingParams, filtered_logits, most_likely, penalize, sample
 
 VOCAB = 12
 
@@ -128,3 +128,33 @@ def test_most_likely_is_top_k(n):
     assert ids.dtype == jnp.int32 and values.shape == ids.shape == (3, 2, n)
     np.testing.assert_array_equal(values, expected_values)
     np.testing.assert_array_equal(ids, expected_ids)
+
+
+def test_top_k_and_top_p_keep_what_their_definitions_keep():
+    """Rows of a large vocabulary with ties, each with its own top-k and top-p: the kept tokens are those the sorted
+    definition keeps (the first k; every token whose mass before it is below top_p; ties of the last one kept),
+    but where a token's mass before it lies within float32 rounding of top_p."""
+    rng = np.random.default_rng(11)
+    slots, vocab = 12, 3000
+    logits = rng.standard_normal((slots, vocab)).astype(np.float32) * 3
+    logits[1, rng.choice(vocab, 40, replace=False)] = logits[1].max() + 1  # 40 tied tokens on top
+    logits[2] = np.round(logits[2])  # many ties everywhere
+    top_k = np.asarray([0, 25, 7, 1, vocab, vocab + 5, 0, 0, 40, 3, 0, 100], np.int32)
+    top_p = np.asarray([0.5, 1.0, 0.9, 1.0, 1.0, 0.3, 0.99, 1e-6, 0.7, 1.0, 1.0, 0.95], np.float32)
+    params = dataclasses.replace(params_for(slots, temperature=0.8), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p))
+    kept = np.isfinite(np.asarray(filtered_logits(jnp.asarray(logits), params)))
+    for row in range(slots):
+        scaled = logits[row].astype(np.float64) / 0.8
+        order = np.argsort(-scaled, kind="stable")
+        probs = np.exp(scaled[order] - scaled[order].max())
+        probs /= probs.sum()
+        before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
+        keep = before < top_p[row]
+        if top_k[row] > 0:
+            keep[top_k[row] :] = False
+        floor = scaled[order][keep].min()
+        want = scaled >= floor
+        borderline = np.zeros(vocab, bool)
+        borderline[order] = np.abs(before - top_p[row]) < 1e-5
+        assert np.array_equal(kept[row] | borderline, want | borderline), row
+        assert kept[row].sum() >= 1
