@@ -76,6 +76,17 @@ NEUTRAL_SAMPLING = {
 _SAMPLING_DTYPES = {"top_k": np.int32, "seed": np.uint32}
 
 
+def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
+    """Host SamplingParams [S] from each slot's object with the sampling fields (None, or a field it lacks: the
+    neutral value)."""
+
+    def column(name: str) -> np.ndarray:
+        values = [NEUTRAL_SAMPLING[name] if s is None else getattr(s, name, NEUTRAL_SAMPLING[name]) for s in sampling]
+        return np.asarray(values, _SAMPLING_DTYPES.get(name, np.float32))
+
+    return SamplingParams(**{name: column(name) for name in NEUTRAL_SAMPLING})
+
+
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
 FEW_TOKENS = 8  # a plain decode step of at most this many tokens (per replica) compiles as a shape of its own, when
 # there are more slots: its token-wise work shrinks, and the GPU expert kernels take their few-token path (no sort
@@ -288,14 +299,8 @@ class Engine:
         shape = self.shape(bool(np.any(counts > width)), bool(speculating.any()), busiest)
         spans = pack_spans(tokens, counts, speculating, width=width, lane_width=self.lane_width, tokens=shape.tokens,
                            lanes=shape.lanes, replicas=self.replicas)  # fmt: skip
-
-        def column(name: str) -> np.ndarray:
-            values = [NEUTRAL_SAMPLING[name] if s is None else getattr(s, name, NEUTRAL_SAMPLING[name])
-                      for s in sampling]  # fmt: skip
-            return np.asarray(values, _SAMPLING_DTYPES.get(name, np.float32))
-
-        params = SamplingParams(**{name: column(name) for name in NEUTRAL_SAMPLING})
-        return StepBatch(spans[0], np.asarray(counts, np.int32), *spans[1:], *flags, page_table.copy(), params)
+        return StepBatch(spans[0], np.asarray(counts, np.int32), *spans[1:], *flags, page_table.copy(),
+                         sampling_columns(sampling))  # fmt: skip
 
     def step(self, batch: StepBatch) -> Emitted:
         """Dispatch one step on a host batch (`host_batch`); returns at once with the device's outputs (`fetch`
@@ -380,11 +385,9 @@ class Engine:
         speculate = np.full(
             slots, shape.speculative
         )  # with counts 0 nothing runs, but the program is the speculative one
-        params = SamplingParams(**{name: np.full(slots, value, _SAMPLING_DTYPES.get(name, np.float32))
-                                   for name, value in NEUTRAL_SAMPLING.items()})  # fmt: skip
         zeros = np.zeros(slots, np.int32)
         return StepBatch(tokens, zeros, zeros, lanes, lanes, lanes, *flags, speculate,
-                         np.zeros((slots, self.max_pages), np.int32), params)  # fmt: skip
+                         np.zeros((slots, self.max_pages), np.int32), sampling_columns([None] * slots))  # fmt: skip
 
     def warm_up(self) -> None:
         """Compile or load (and run once) every step shape, so serving never compiles: the programs at once, one
