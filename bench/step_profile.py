@@ -10,7 +10,8 @@ lower the step (tracing and kernel lowering, in Python) and to compile it (XLA);
 to back and the step's kernels by CUPTI (on a GPU): their count, their sum, and the kernels grouped by name,
 longest first. Copies of parameters or state show up there as memcpy and dynamic-slice kernels.
 
-Each `--options` is a set of XLA options (a JSON object) the step is compiled with, all from one lowering
+Each `--active` count runs the program the engine picks for it (up to 8 active slots of more: the 8-token decode
+program), lowered once. Each `--options` is a set of XLA options (a JSON object) that lowering is compiled with
 (default: the options the engine gives the shape); each program's first step from a zeroed state is checked
 against the first program's: its top log-probabilities' largest difference.
 """
@@ -72,32 +73,37 @@ def main(argv: list[str] | None = None) -> None:
             batch = engine.host_batch(tokens, counts, [None] * args.slots, table, emit=real)
             return jax.tree.map(lambda h: jax.make_array_from_callback(h.shape, engine.by_slot, lambda i: h[i]), batch)
 
-        shape = f"step [{args.slots} slots x {args.width} tokens]"
-        start = time.perf_counter()
-        lowered = engine._step.lower(engine.params, engine.state, on_mesh(max(args.active)), engine.previous,
-                                     speculative=False, width=1)  # fmt: skip
-        print(f"{shape}: lowered in {_seconds(start)}", flush=True)
-        decode = StepShape(args.slots * args.width, args.width, 0, False)
+        by_shape: dict[int, list[int]] = collections.defaultdict(list)  # the engine's program for each count
+        for active in sorted(args.active):
+            by_shape[on_mesh(active).token_ids.shape[0]].append(active)
         zeroed = jax.jit(lambda state: jax.tree.map(jnp.zeros_like, state), donate_argnums=0)
-        first_logprobs = None
-        for options in args.options or [shape_compiler_options(jax.default_backend(), decode)]:
+        for flat, actives in by_shape.items():
+            shape = f"step [{args.slots} slots, {flat} tokens]"
             start = time.perf_counter()
-            compiled = lowered.compile(options or None)
-            print(f"{shape} with {json.dumps(options)}: compiled by XLA in {_seconds(start)}", flush=True)
-            engine.state = zeroed(engine.state)
-            emitted, engine.state = compiled(engine.params, engine.state, on_mesh(max(args.active)), engine.previous)
-            logprobs = np.asarray(emitted.top_logprobs)
-            if first_logprobs is None:
-                first_logprobs = logprobs
-            print(f"first step's top log-probabilities against the first program's: largest difference "
-                  f"{np.abs(logprobs - first_logprobs).max():.3g}", flush=True)  # fmt: skip
-            profile(compiled, engine, on_mesh, args)
-            del compiled
+            first = on_mesh(actives[-1])
+            lowered = engine._step.lower(engine.params, engine.state, first, engine.previous, speculative=False,
+                                         width=1)  # fmt: skip
+            print(f"{shape}: lowered in {_seconds(start)}", flush=True)
+            decode = StepShape(flat, 1, 0, False)
+            first_logprobs = None
+            for options in args.options or [shape_compiler_options(jax.default_backend(), decode)]:
+                start = time.perf_counter()
+                compiled = lowered.compile(options or None)
+                print(f"{shape} with {json.dumps(options)}: compiled by XLA in {_seconds(start)}", flush=True)
+                engine.state = zeroed(engine.state)
+                emitted, engine.state = compiled(engine.params, engine.state, first, engine.previous)
+                logprobs = np.asarray(emitted.top_logprobs)
+                if first_logprobs is None:
+                    first_logprobs = logprobs
+                print(f"first step's top log-probabilities against the first program's: largest difference "
+                      f"{np.abs(logprobs - first_logprobs).max():.3g}", flush=True)  # fmt: skip
+                profile(compiled, engine, on_mesh, actives, args.repeats)
+                del compiled
 
 
-def profile(compiled, engine: Engine, on_mesh, args: argparse.Namespace) -> None:
-    """Wall time per step issued back to back, and the step's kernels on a GPU, for each `--active` count."""
-    for active in args.active:
+def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int) -> None:
+    """Wall time per step issued back to back, and the step's kernels on a GPU, for each count of active slots."""
+    for active in actives:
         batch = on_mesh(active)
 
         def step(batch=batch):  # the state is donated: each step takes the one before's
@@ -113,7 +119,7 @@ def profile(compiled, engine: Engine, on_mesh, args: argparse.Namespace) -> None
         wall = (time.perf_counter() - start) / steps * 1e3
         print(f"{active} active: wall time per step, back to back: {wall:.2f} ms", flush=True)
         if jax.default_backend() == "gpu":
-            report(call_kernels_ms(step, repeats=args.repeats))
+            report(call_kernels_ms(step, repeats=repeats))
 
 
 def report(kernels: list[tuple[str, float]]) -> None:
