@@ -1,7 +1,7 @@
 """One engine step shape on a dummy model: how long it takes to come up and where a step's device time goes.
 
     python -m bench.step_profile [--config configs/proxy_h200.json] [--width 1] [--slots 64] [--active 1 64]
-        [--repeats 5] [--options JSON [JSON ...]]
+        [--repeats 5] [--options JSON [JSON ...]] [--dump DIR]
 
 Builds the config's model with random weights on one device (`--load-format dummy`'s builder), the engine over
 it with `--slots` slots, and the step of `--width` tokens per slot; prints the time to build the weights, to
@@ -13,7 +13,8 @@ longest first. Copies of parameters or state show up there as memcpy and dynamic
 Each `--active` count runs the program the engine picks for it (up to 8 active slots of more: the 8-token decode
 program), lowered once. Each `--options` is a set of XLA options (a JSON object) that lowering is compiled with
 (default: the options the engine gives the shape); each program's first step from a zeroed state is checked
-against the first program's: its top log-probabilities' largest difference.
+against the first program's: its top log-probabilities' largest difference. `--dump` writes each program's
+optimized HLO and, on a GPU, its kernels in launch order with their times (to map kernels to the HLO's fusions).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--active", type=int, nargs="+", default=[1, 64], help="slots with tokens in the step")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--options", type=json.loads, nargs="+", help="XLA option sets, each a JSON object")
+    parser.add_argument("--dump", type=Path, help="folder for each program's optimized HLO and kernels in order")
     args = parser.parse_args(argv)
     config = load_config(args.config)
     mesh = make_mesh("tp1", config.text)
@@ -97,12 +99,17 @@ def main(argv: list[str] | None = None) -> None:
                     first_logprobs = logprobs
                 print(f"first step's top log-probabilities against the first program's: largest difference "
                       f"{np.abs(logprobs - first_logprobs).max():.3g}", flush=True)  # fmt: skip
-                profile(compiled, engine, on_mesh, actives, args.repeats)
+                name = f"{flat}_tokens_options_{args.options.index(options) if args.options else 0}"
+                if args.dump:
+                    args.dump.mkdir(parents=True, exist_ok=True)
+                    (args.dump / f"{name}.hlo").write_text(compiled.as_text())
+                profile(compiled, engine, on_mesh, actives, args.repeats, args.dump and args.dump / name)
                 del compiled
 
 
-def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int) -> None:
-    """Wall time per step issued back to back, and the step's kernels on a GPU, for each count of active slots."""
+def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int, dump: Path | None) -> None:
+    """Wall time per step issued back to back, and the step's kernels on a GPU, for each count of active slots
+    (written in launch order to `dump`_`active`_active.json when given)."""
     for active in actives:
         batch = on_mesh(active)
 
@@ -119,7 +126,10 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int)
         wall = (time.perf_counter() - start) / steps * 1e3
         print(f"{active} active: wall time per step, back to back: {wall:.2f} ms", flush=True)
         if jax.default_backend() == "gpu":
-            report(call_kernels_ms(step, repeats=repeats))
+            kernels = call_kernels_ms(step, repeats=repeats)
+            report(kernels)
+            if dump:
+                Path(f"{dump}_{active}_active.json").write_text(json.dumps(kernels))
 
 
 def report(kernels: list[tuple[str, float]]) -> None:
