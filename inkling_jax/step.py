@@ -239,6 +239,16 @@ def _step(
         committed = jnp.where(spec, emitted.count, batch.counts)
         kv = commit_conv(kv, windows, committed, spec)
         lengths = state.lengths + committed
+    elif chunk.busy.shape[0] < chunk.slots:  # fewer tokens than slots: the busy slots' rows alone are sampled
+        rows, slots = jnp.minimum(chunk.busy, chunk.slots - 1), chunk.slots
+        logits, kv = model.step(token_ids, state.kv, chunk, at=chunk.last[rows][:, None])
+        sampling = jax.tree.map(lambda column: column[rows], batch.sampling)
+        sampled = sample(logits[:, 0], sampling, output_counts[rows], prompt_mask[rows], generated[rows], num_top)
+        busy = _one_token(sampled, emit[rows] & (chunk.busy < slots))
+        emitted = jax.tree.map(
+            lambda x: jnp.zeros((slots, *x.shape[1:]), x.dtype).at[chunk.busy].set(x, mode="drop"), busy
+        )
+        lengths = state.lengths + batch.counts
     else:
         logits, kv = model.step(token_ids, state.kv, chunk)
         emitted = _one_token(sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top), emit)

@@ -37,9 +37,9 @@ class Driver:
     with `lanes` every slot that brings more than one token is read through lanes of 3 (chunks straddle them), else
     all slots are one narrow group of `width`."""
 
-    def __init__(self, model, width=WIDTH, lanes=False):
+    def __init__(self, model, width=WIDTH, lanes=False, tokens=None):
         self.graphdef, self.params = nnx.split(model)
-        self.text, self.width = model.config, width
+        self.text, self.width, self.tokens = model.config, width, tokens or SLOTS * width
         self.layout = dict(width=1, lane_width=3, lanes=-(-SLOTS * width // 3) + SLOTS) if lanes else \
             dict(width=width, lane_width=1, lanes=0)  # fmt: skip
         self.state = init_state(self.text, CacheLayout(SLOTS, SLOTS * MAX_PAGES, MAX_PAGES, width), jnp.float32)
@@ -55,7 +55,7 @@ class Driver:
         groups = {"reset": reset, "emit": emit, "is_prompt": prompt, "feedback": (), "replay": (), "speculate": ()}
         flags = {name: jnp.asarray([s in group for s in range(SLOTS)]) for name, group in groups.items()}
         layout = self.layout
-        token_ids, starts, *lanes = pack_spans(tokens, counts, np.zeros(SLOTS, bool), tokens=SLOTS * self.width,
+        token_ids, starts, *lanes = pack_spans(tokens, counts, np.zeros(SLOTS, bool), tokens=self.tokens,
                                                **layout)  # fmt: skip
         batch = StepBatch(jnp.asarray(token_ids), jnp.asarray(counts), jnp.asarray(starts), *map(jnp.asarray, lanes),
                           page_table=self.page_table, sampling=sampling or SamplingParams.neutral(SLOTS),
@@ -135,6 +135,32 @@ def test_outputs_do_not_depend_on_slot_or_batch(model, reference):
     assert alone == _sampled_continuation(model, reference, 2, [0, 1], seed=5, lanes=True)
     assert alone == _sampled_continuation(model, reference, 1, [2], seed=5)
     assert alone != _sampled_continuation(model, reference, 0, [], seed=6)
+
+
+def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
+    """Two tokens a step among three slots (attention and sampling over the busy slots only) emit what the same
+    steps emit with a row for every slot, whichever two slots bring the tokens."""
+    rng = np.random.default_rng(11)
+    prompts = rng.integers(0, 500, (SLOTS, 6)).tolist()
+    params = dataclasses.replace(SamplingParams.neutral(SLOTS), temperature=jnp.full(SLOTS, 0.8),
+                                 top_k=jnp.full(SLOTS, 40), seed=jnp.arange(SLOTS, dtype=jnp.uint32) + 21)  # fmt: skip
+    emitted = []
+    for tokens in (SLOTS, 2):
+        driver, fed, outs = Driver(model, width=1, tokens=tokens), [0] * SLOTS, []
+        for busy in [(0, 2), (1, 2), (0, 1)] * 6:
+            chunks = {slot: prompts[slot][fed[slot] % 6 : fed[slot] % 6 + 1] for slot in busy}
+            reset = {slot for slot in busy if fed[slot] == 0}
+            out = driver.run(chunks, reset=reset, prompt=set(busy), emit=set(busy), sampling=params, num_top=5)
+            for slot in busy:
+                fed[slot] += 1
+            idle = [slot for slot in range(SLOTS) if slot not in busy]
+            assert np.asarray(out.count)[idle].tolist() == [0]
+            outs.append([np.asarray(getattr(out, name))[list(busy)] for name in ("tokens", "top_ids", "top_logprobs")])
+        emitted.append(outs)
+    for full, few in zip(*emitted, strict=True):
+        np.testing.assert_array_equal(full[0], few[0])
+        np.testing.assert_array_equal(full[1], few[1])
+        np.testing.assert_allclose(full[2], few[2], rtol=1e-5, atol=1e-6)
 
 
 def test_no_compilation_after_warm_up(model):

@@ -6,8 +6,10 @@ norms, experts, the convolutions' taps) runs over the T rows, so a slot costs th
 slot one, a verify pass γ + 1, a prompt its chunk.
 
 Attention reads the spans as the ragged kernels take them, query rows padded per sequence, in two groups:
-- the narrow group: every slot, sequence s = slot s with up to `width` queries (1 when decoding, γ + 1 when a
-  step verifies drafts); a slot in a lane has none here;
+- the narrow group: one sequence per busy slot (`busy`: a slot that brings tokens), with up to `width` queries
+  (1 when decoding, γ + 1 when a step verifies drafts); a slot in a lane has none here. A step of fewer tokens
+  than slots has at most T busy slots, so its group holds T sequences and idle slots cost nothing; otherwise
+  sequence s is slot s;
 - the lanes (`Lanes`), for prompt chunks: lane p holds up to `lanes.width` consecutive tokens of one slot's span,
   a longer chunk several lanes, so a chunk pads at most one lane's width.
 `source` maps each flat token to its row in the two groups' outputs, so a layer gathers its queries into the
@@ -47,6 +49,7 @@ class Chunk:
     token_slot: jax.Array  # [T] int32 the slot of each flat token (S for padding)
     offset: jax.Array  # [T] int32 each token's index in its slot's span
     narrow_counts: jax.Array  # [S] int32 each slot's queries in the narrow group
+    busy: jax.Array  # [N] int32 the narrow group's slots (see `busy_slots`), N = min(S, T)
     source: jax.Array  # [T] int32 each token's row in the groups' outputs (past them for padding)
     lag_index: jax.Array  # [K, T] int32 each token's convolution inputs at lags 0..K-1 (see `lags`)
     history_index: jax.Array  # [S, K - 1] int32 each slot's convolution history after the step (see `history`)
@@ -79,11 +82,14 @@ class Chunk:
             laned = laned.at[lanes.slot].max(lanes.count > 0)
         narrow_counts = jnp.where(laned, 0, counts)
 
-        # the groups' rows: narrow slot s's query c at s * width + c, lane p's query c after them at p * lane + c
-        rows = jnp.full(tokens, _past(slots, width, lanes), jnp.int32)
+        # the groups' rows: narrow sequence n's query c at n * width + c, lane p's query c after them at p * lane + c
+        busy = busy_slots(counts, tokens)
+        sequences = busy.shape[0]
+        rows = jnp.full(tokens, _past(sequences, width, lanes), jnp.int32)
         c = jnp.arange(width, dtype=jnp.int32)
-        at = jnp.where(c[None, :] < narrow_counts[:, None], starts[:, None] + c[None, :], tokens)
-        rows = rows.at[at].set(jnp.arange(slots * width, dtype=jnp.int32).reshape(slots, width), mode="drop")
+        queries = _sequence_counts(busy, narrow_counts)
+        at = jnp.where(c[None, :] < queries[:, None], starts[_clipped(busy, slots)][:, None] + c[None, :], tokens)
+        rows = rows.at[at].set(jnp.arange(sequences * width, dtype=jnp.int32).reshape(sequences, width), mode="drop")
         if lanes is not None:
             at = jnp.where(_lane_real(lanes), _lane_tokens(starts, lanes), tokens)
             lane_rows = slots * width + jnp.arange(lanes.count.shape[0] * lanes.width, dtype=jnp.int32)
@@ -98,7 +104,7 @@ class Chunk:
         held = jnp.arange(slots)[:, None] * taps + taps + position
         history_index = jnp.where(position >= 0, slots * taps + starts[:, None] + position, held)
         return cls(
-            lengths, counts, page_table, starts, lanes, token_slot, offset, narrow_counts, rows,
+            lengths, counts, page_table, starts, lanes, token_slot, offset, narrow_counts, busy, rows,
             jnp.clip(lag_index, 0, slots * taps + tokens - 1).astype(jnp.int32), history_index.astype(jnp.int32),
             width=width, tokens=tokens,
         )  # fmt: skip
@@ -135,8 +141,11 @@ class Chunk:
     def groups(self) -> list[tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]]:
         """Attention's sequences, per group: (flat index of each query row [N, W] (clipped into the step),
         kv_lens [N], query_lens [N], page table [N, max pages], slot [N])."""
-        slots = jnp.arange(self.slots, dtype=jnp.int32)
-        groups = [(self._narrow_index(), self.lengths + self.narrow_counts, self.narrow_counts, self.page_table, slots)]
+        slots = _clipped(self.busy, self.slots)
+        query_lens = _sequence_counts(self.busy, self.narrow_counts)
+        kv_lens = jnp.where(self.busy < self.slots, self.lengths[slots] + query_lens, 0)
+        index = self.starts[slots][:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
+        groups = [(index, kv_lens, query_lens, self.page_table[slots], slots)]
         if self.lanes is not None:
             lanes = self.lanes
             kv_lens = self.lengths[lanes.slot] + lanes.first + lanes.count
@@ -162,6 +171,28 @@ class Chunk:
     def _narrow_index(self) -> jax.Array:
         """[S, width] the flat index of each slot's narrow-group query rows (unclipped)."""
         return self.starts[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
+
+
+def busy_slots(counts: jax.Array, tokens: int) -> jax.Array:
+    """counts [S] -> [min(S, tokens)] int32: the slots that bring tokens, in slot order, then S (past every slot).
+    With at least as many tokens as slots, every slot in order (busy or not)."""
+    slots = counts.shape[0]
+    if tokens >= slots:
+        return jnp.arange(slots, dtype=jnp.int32)
+    busy = counts > 0
+    rank = jnp.where(busy, jnp.cumsum(busy) - 1, tokens)
+    return jnp.full(tokens, slots, jnp.int32).at[rank].set(jnp.arange(slots, dtype=jnp.int32), mode="drop")
+
+
+def _clipped(busy: jax.Array, slots: int) -> jax.Array:
+    """Busy slots as indices: the padding past them (S) clipped to the last slot (its sequences are empty)."""
+    return jnp.minimum(busy, slots - 1)
+
+
+def _sequence_counts(busy: jax.Array, narrow_counts: jax.Array) -> jax.Array:
+    """[N] each narrow sequence's queries (0 for padding)."""
+    slots = narrow_counts.shape[0]
+    return jnp.where(busy < slots, narrow_counts[_clipped(busy, slots)], 0)
 
 
 def _lane_tokens(starts: jax.Array, lanes: Lanes) -> jax.Array:

@@ -89,8 +89,8 @@ def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
 
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
 FEW_TOKENS = 8  # a plain decode step of at most this many tokens (per replica) compiles as a shape of its own, when
-# there are more slots: its token-wise work shrinks, and the GPU expert kernels take their few-token path (no sort
-# of the copies by expert); attention still reads every slot, idle ones as empty sequences
+# there are more slots: its token-wise work shrinks, the GPU expert kernels take their few-token path (no sort of
+# the copies by expert), and attention and sampling read only the slots that bring tokens (`Chunk.busy`)
 
 
 def pages_for(tokens: int) -> int:
