@@ -155,17 +155,18 @@ def test_a_backend_that_cannot_serialize_turns_the_cache_off_with_one_warning(tm
     assert not list(tmp_path.iterdir())
 
 
-def test_decode_programs_get_their_platforms_options(model, monkeypatch):
-    """A plain decode step adds its platform's options (TPU: gathers off SparseCore; GPU: cuBLAS, untuned, reading
-    stacked weights in place) to what XLA compiles; every GPU shape keeps dots unmerged; TPU prefill and
-    speculative shapes, and CPU, add none."""
+def test_step_programs_get_their_platforms_options(model, monkeypatch):
+    """A plain TPU decode step keeps its gathers off SparseCore; every GPU shape keeps dots unmerged and its
+    matmuls in cuBLAS, untuned, reading stacked weights in place; TPU prefill and speculative shapes, and CPU,
+    add nothing to what XLA compiles."""
     decode, prefill, verify = StepShape(8, 1, 0, False), StepShape(64, 1, 4, False), StepShape(16, 8, 0, True)
     assert shape_compiler_options("tpu", decode) == {"xla_tpu_offload_gather_to_sparsecore": False}
-    unmerged = {"xla_gpu_dot_merger_threshold_mb": 0}
-    assert shape_compiler_options("gpu", decode) == unmerged | {
-        "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True
+    gpu = {
+        "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
+        "xla_gpu_enable_dynamic_slice_fusion": True,
     }  # fmt: skip
-    assert shape_compiler_options("gpu", prefill) == shape_compiler_options("gpu", verify) == unmerged
+    assert shape_compiler_options("gpu", decode) == shape_compiler_options("gpu", prefill) == gpu
+    assert shape_compiler_options("gpu", verify) == gpu
     assert shape_compiler_options("tpu", prefill) == shape_compiler_options("tpu", verify) == {}
     assert shape_compiler_options("cpu", decode) == {}
     asked = []
@@ -209,3 +210,26 @@ def test_few_decoding_slots_run_a_program_of_few_tokens(model):
     np.testing.assert_array_equal(alone.tokens[:3], beside.tokens[3:6])
     np.testing.assert_array_equal(alone.top_ids[:3], beside.top_ids[3:6])
     np.testing.assert_allclose(alone.top_logprobs[:3], beside.top_logprobs[3:6], rtol=1e-5, atol=1e-6)
+
+
+def test_warm_up_lowers_one_shape_at_a_time_most_tokens_first(model, monkeypatch):
+    """Lowering holds the GIL, XLA's compile does not: the warm-up lowers the shapes one after the other, the one
+    of most tokens first, and compiles each while the next lowers; every shape ends compiled and runs."""
+    slots = engine_module.FEW_TOKENS + 4
+    engine = Engine(model, CacheLayout(slots, slots, 32, 8), make_mesh("tp1", model.config), num_top=MAX_LOGPROBS)
+    lowering, events = [0], []
+    lower = engine._lower
+
+    def recorded(args, shape):
+        lowering[0] += 1
+        events.append((shape.tokens, lowering[0]))
+        try:
+            return lower(args, shape)
+        finally:
+            lowering[0] -= 1
+
+    monkeypatch.setattr(engine, "_lower", recorded)
+    engine.warm_up()
+    assert [tokens for tokens, _ in events] == sorted((shape.tokens for shape in engine.shapes), reverse=True)
+    assert all(at_once == 1 for _, at_once in events) and len(events) == len(engine.shapes) == 3
+    assert set(engine._programs) == set(engine.shapes)

@@ -330,34 +330,45 @@ class Engine:
     def _program(self, shape: StepShape, args: tuple) -> jax.stages.Compiled:
         """The step program of `shape`: read from the executable cache, else lowered and compiled (and stored
         there); kept for the engine's life."""
-        name = f"step [{shape}]"
+        found = self._loaded_or_lowered(shape, args)
+        return found if isinstance(found, jax.stages.Compiled) else self._compiled(shape, *found)
+
+    def _loaded_or_lowered(self, shape: StepShape, args: tuple) -> jax.stages.Compiled | tuple:
+        """The step program of `shape` from the executable cache (kept), else its lowering: (lowered, cache key,
+        start time, lowering's seconds) for `_compiled`."""
         start = time.perf_counter()
-        key = compiled = None
-        shape_options = shape_compiler_options(jax.default_backend(), shape)
+        key = None
         if self._executables is not None:
-            options = self.program_options(shape)
-            key = self._executables.key(shape.label, self.mesh, options, self.graphdef, args)
+            key = self._executables.key(shape.label, self.mesh, self.program_options(shape), self.graphdef, args)
             import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
             compiled = self._executables.load(key, args, list(self.mesh.devices.flat))
-        if compiled is not None:
-            self.programs_loaded += 1
-            logger.info("%s: loaded from the executable cache in %.1f s", name, time.perf_counter() - start)
-            self.program_times[shape] = {"loaded_s": time.perf_counter() - start}
+            if compiled is not None:
+                self.programs_loaded += 1
+                logger.info("step [%s]: loaded from the executable cache in %.1f s", shape, time.perf_counter() - start)
+                self.program_times[shape] = {"loaded_s": time.perf_counter() - start}
+                self._programs[shape] = compiled
+                return compiled
+        lowering = time.perf_counter()
+        lowered = self._lower(args, shape)
+        return lowered, key, start, time.perf_counter() - lowering
+
+    def _compiled(self, shape: StepShape, lowered: jax.stages.Lowered, key: str | None, start: float,
+                  lower_s: float) -> jax.stages.Compiled:  # fmt: skip
+        """A lowered step program compiled by XLA with its shape's options (and stored in the executable cache)."""
+        shape_options = shape_compiler_options(jax.default_backend(), shape)
+        compiling = time.perf_counter()
+        if self._executables is None:
+            compiled = lowered.compile(shape_options or None)
         else:
-            lowering = time.perf_counter()
-            lowered = self._lower(args, shape)
-            compiling = time.perf_counter()
-            if self._executables is None:
-                compiled = lowered.compile(shape_options or None)
-            else:
-                compiled = self._executables.compile(lowered, shape_options)
-            done = time.perf_counter()
-            line = f"{name}: compiled in {done - start:.1f} s (lowered {compiling - lowering:.1f} s, "
-            line += f"XLA {done - compiling:.1f} s)"
-            if key is not None and self._executables.store(key, compiled):
-                line += f", stored in the executable cache in {time.perf_counter() - done:.1f} s"
-            logger.info(line)
-            self.program_times[shape] = {"lower_s": compiling - lowering, "compile_s": done - compiling}
+            compiled = self._executables.compile(lowered, shape_options)
+        done = time.perf_counter()
+        line = (
+            f"step [{shape}]: compiled in {done - start:.1f} s (lowered {lower_s:.1f} s, XLA {done - compiling:.1f} s)"
+        )
+        if key is not None and self._executables.store(key, compiled):
+            line += f", stored in the executable cache in {time.perf_counter() - done:.1f} s"
+        logger.info(line)
+        self.program_times[shape] = {"lower_s": lower_s, "compile_s": done - compiling}
         self._programs[shape] = compiled
         return compiled
 
@@ -390,16 +401,20 @@ class Engine:
                          np.zeros((slots, self.max_pages), np.int32), sampling_columns([None] * slots))  # fmt: skip
 
     def warm_up(self) -> None:
-        """Compile or load (and run once) every step shape, so serving never compiles: the programs at once, one
-        thread each (XLA compiles them in parallel), then a first run of each, one after the other. Logs each
-        shape's time to ready: its program (logged by itself) and a first run (on GPU that compiles the Mosaic GPU
-        kernels that the program's custom calls carry)."""
-        missing = [shape for shape in self.shapes if shape not in self._programs]
+        """Compile or load (and run once) every step shape, so serving never compiles. Lowering is Python (one at a
+        time under the GIL), XLA's compile is not: the shapes are lowered one after the other, most tokens first
+        (the longest XLA compile starts first), each handed to a thread of its own for XLA as soon as it is
+        lowered; then a first run of each, one after the other. Logs each shape's time to ready: its program
+        (logged by itself) and a first run."""
+        missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
         if missing:
             with ThreadPoolExecutor(len(missing), thread_name_prefix="step-compile") as pool:
-                programs = [pool.submit(self._program, shape, self._arguments(self.idle_batch(shape)))
-                            for shape in missing]  # fmt: skip
-                for program in programs:
+                compiling = []
+                for shape in missing:
+                    found = self._loaded_or_lowered(shape, self._arguments(self.idle_batch(shape)))
+                    if not isinstance(found, jax.stages.Compiled):
+                        compiling.append(pool.submit(self._compiled, shape, *found))
+                for program in compiling:
                     program.result()
         for shape in self.shapes:
             start = time.perf_counter()
@@ -435,9 +450,9 @@ def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-GPU_STACKED_WEIGHTS = {"xla_gpu_dot_merger_threshold_mb": 0}
-GPU_DECODE = {
-    "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True,
+GPU_STEP = {
+    "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_enable_dynamic_slice_fusion": True,
 }  # fmt: skip
 
 
@@ -445,15 +460,15 @@ def shape_compiler_options(platform: str, shape: StepShape) -> dict[str, object]
     """The XLA options a step program of this shape adds on `platform` to the engine's.
 
     GPU, every shape: no merging of dots that share an input (XLA would concatenate a scanned layer's q, k and v
-    weights, out of their stacks, on every step: 2.3 ms of the proxy's 64-slot decode step on the H200).
-    Plain decode steps (one token per slot): on TPU small gathers stay off SparseCore (jax 0.11 offloads them
-    there, and batch-1 decode runs at half speed); on GPU the matmuls go to cuBLAS, untuned, reading each layer's
-    weights in place in their stacks (dynamic-slice fusion): the H200 ran that step in 19.8 ms of kernels so,
-    against 61.9 ms with untuned Triton gemms (default tiles read the weights many times over), and compiled it
-    in about 25 s once lowered."""
+    weights, out of their stacks, on every step: 2.3 ms of the proxy's 64-slot decode step on the H200), and the
+    matmuls in cuBLAS, untuned, reading each layer's weights in place in their stacks (dynamic-slice fusion): the
+    H200 ran the proxy's decode step in 19.8 ms of kernels so, against 61.9 ms with untuned Triton gemms (default
+    tiles read the weights many times over), and no autotuning lengthens a cold start.
+    Plain decode steps (one token per slot) on TPU: small gathers stay off SparseCore (jax 0.11 offloads them
+    there, and batch-1 decode runs at half speed)."""
     decode = not (shape.lanes or shape.speculative)
     if platform == "gpu":
-        return GPU_STACKED_WEIGHTS | (GPU_DECODE if decode else {})
+        return dict(GPU_STEP)
     if platform == "tpu" and decode:
         return {"xla_tpu_offload_gather_to_sparsecore": False}
     return {}
