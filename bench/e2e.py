@@ -462,7 +462,7 @@ def compile_section(result: dict) -> str:
     shapes = result["compile"]
     rows = [[s["shape"]] + [_number(s.get(key), 1) for key in keys] for s in shapes]
     warm_up = _number(result["warm_up"]["seconds"], 1)
-    rows.append(["warm-up, wall (the programs compiled at once, then each run)", "", "", warm_up])
+    rows.append(["warm-up, wall (lowered in turn, compiled at once, then each run)", "", "", warm_up])
     head = f"## Cold compile of every step shape (empty cache; weights built in {result['load']['seconds']:.1f} s)"
     return head + "\n\n" + _table(["step shape (per replica)", "lower s", "XLA compile s", "first run s"], rows)
 
