@@ -3,10 +3,11 @@ batches (decode, verify, prefill chunks, an idle slot), the page pool in random 
 sliding rings, with and without a window, bias extents shorter and longer than the context, GQA with
 the production tiling (page 128, head dim 128, 6 query heads per KV head), with and without splitting
 the KV blocks over CTAs, the bias from the frame (decode, verify, rings) and built in the kernel (prefill over
-the pool). On an H200 the kernel is compiled and every case runs; on CPU it runs in Mosaic GPU's
-interpreter, slowly, so there a subset runs (one KV head; each layout, mode and split choice still covered),
-and `jax.export(..., platforms=["cuda"])` lowers the compiled kernel at the production shapes (Mosaic GPU's
-layouts and TMA boxes, which the interpreter does not check; ptxas runs only on a GPU).
+the pool, decode over the pool and over rings that have lapped). On an H200 the kernel is compiled and every case
+runs; on CPU it runs in Mosaic GPU's interpreter, slowly, so there a subset runs (one KV head; each layout, mode
+and split choice still covered), and `jax.export(..., platforms=["cuda"])` lowers the compiled kernel at the
+production shapes (Mosaic GPU's layouts and TMA boxes, which the interpreter does not check; ptxas runs only on a
+GPU).
 The interpreter runs under conftest's 8 host devices: outside pytest with the default single CPU device its
 warpgroup threads were seen to stall on a barrier (XLA_FLAGS=--xla_force_host_platform_device_count=8 avoids it).
 """
@@ -124,6 +125,19 @@ def test_ring_mixed_batch(splits):
     compare(case, window, splits, among_layers=True)
 
 
+@pytest.mark.parametrize("in_kernel", [True] if CPU else [True, False])
+def test_ring_decode(in_kernel):
+    """Decode over rings, one far past a lap of the ring (its slots hold positions from two laps), its bias built
+    in the kernel (a ring that holds the window and a step of keys) or read from the frame."""
+    case = inputs(13, *DECODE, extent=256, ring=384)
+    compare(case, 200, None, among_layers=True, in_kernel=in_kernel)
+
+
+def test_ring_bias_in_kernel_only_where_the_ring_holds_a_window_and_a_step():
+    with pytest.raises(ValueError, match="in the kernel"):  # 256 slots: a window of 200 and a step of 64 overflow
+        compare(inputs(2, *DECODE, extent=256, ring=256), 200, None, in_kernel=True)
+
+
 # decode with its bias built in the kernel (None) or read from the frame (False); verify always reads the frame
 DECODE_AND_VERIFY = [
     *itertools.product([DECODE], [None, 1], [None, False]),
@@ -158,13 +172,14 @@ def test_bias_in_kernel_only_for_decode_and_prefill():
 
 
 @pytest.mark.parametrize(
-    ("width", "ring", "d_rel"), [(1, False, 16), (1, False, 8), (8, False, 16), (1024, False, 16), (1, True, 16)]
+    ("width", "ring", "d_rel"),
+    [(1, False, 16), (1, False, 8), (8, False, 16), (1024, False, 16), (1, True, 16), (8, True, 16)],
 )
 def test_lowers_for_cuda_at_production_shapes(width, ring, d_rel):
     """The kernel as compiled for the H200 (not the interpreter) lowers through Mosaic GPU on any machine: 48 query /
-    8 KV heads of 128, 128-token pages, extent 1024, bf16; decode (its rows in place with d_rel 16, from padded
-    copies with 8) and prefill build their bias in the kernel, verify and the rings read the frame. (What the
-    interpreter does not check: layouts, TMA boxes.)"""
+    8 KV heads of 128, 128-token pages, extent 1024, bf16; decode over the pool and the rings (its rows in place
+    with d_rel 16, from padded copies with 8) and prefill build their bias in the kernel, verify reads the frame.
+    (What the interpreter does not check: layouts, TMA boxes.)"""
     slots, heads, kv_heads, dim, page = 8, 48, 8, 128, 128
     kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
     spec = jax.ShapeDtypeStruct

@@ -19,12 +19,15 @@ with the next step's K stage waited for under it (attention_mgpu's order). In-ke
 that need neither bias nor mask (behind the causal edge and past the profile) in a loop of their own, without
 the per-step conditionals.
 
-The bias: verify tiles (and the rings, and prefill chunks of other widths) copy tiles of `blocks.frame_bias`,
-built in XLA. Decode and prefill tiles over the pool build theirs in the kernel: for prefill (C a multiple of
-64) the frame would cost Hq * C * (extent + C) values written through several XLA passes, twice the kernel;
-for decode it is two small XLA kernels per call, ~6 us at batch 8. A decode tile's rows (the query heads at
-one position) see key t of a step at distance D0 - t: their bias is one small wgmma of the relative states
-with a window of `keys` rows of a reversed, zero-padded copy of rel_proj. A prefill warpgroup's 64 rows are one
+The bias: verify tiles (and prefill over the rings, and prefill chunks of other widths) copy tiles of
+`blocks.frame_bias`, built in XLA. Decode tiles (over the pool, or over a ring that holds a window and a step of
+keys) and prefill tiles over the pool build theirs in the kernel: for prefill (C a multiple of 64) the frame
+would cost Hq * C * (extent + C) values written through several XLA passes, twice the kernel; for decode it is
+two small XLA kernels per call (~6 us at batch 8, ~35 us at 64 slots on a sliding layer). A decode tile's rows
+(the query heads at one position) see key t of a step at distance D0 - t: their bias is one small wgmma of the
+relative states with a window of `keys` rows of a reversed, zero-padded copy of rel_proj. In a ring, a step's
+slots hold consecutive positions up to a wrap, past which they lie a lap back, beyond the window: hidden by the
+mask, whatever bias they get. A prefill warpgroup's 64 rows are one
 query head at consecutive positions, so against a step of B keys from position p0 its distances are D0 + r - t
 (D0 = its first query position - p0): the bias tile is a shear of Qw = rel rows [64, d_rel] @ the B + 64
 profile columns at distances D0 + 63 ... D0 - B, a small wgmma on a window of a zero-padded, reversed copy
@@ -117,6 +120,11 @@ def _profile_tables(rel_proj: jax.Array, dtype: jnp.dtype, keys: int, width: int
     proj = round_to(rel_proj, dtype)[:, ::-1].T  # [extent, d_rel], row i: distance extent - 1 - i
     table = jnp.pad(proj, ((z - extent + 1, rows + ALIGN - z - 1), (0, width - d_rel)))
     return jnp.stack([table[d : d + rows] for d in range(ALIGN)]), z
+
+
+def _lap_position(slot: jax.Array, last: jax.Array, ring: int) -> jax.Array:
+    """The position a ring's slot holds: the last one at or before `last` that is `slot` modulo the ring's size."""
+    return last - lax.rem(last - slot, ring)
 
 
 def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -242,15 +250,22 @@ def _attention(
     lead, span = (LANES - 1, keys + LANES) if sheared else (0, keys)
     pitch = span + 8
     extra = 2 * (span * (d_rel or 0) + (LANES * pitch if sheared else LANES * (d_rel or 0))) * itemsize
-    eligible = (  # decode or prefill tiles over the pool, with room for the windows and Qw buffers
-        not ring and (width % LANES == 0 if sheared else width == 1) and span <= 256 and d_rel is not None
+    # A ring's decode tiles too: slot key0 + t holds the position one lap back from the last where it would pass it,
+    # so a step's distances are D0 - t (D0 the distance of its first slot's position) except past the wrap, whose
+    # keys lie a lap back, at least ring - keys + 1 away: past the window (hidden by the mask) where the ring holds
+    # a window and a step.
+    lapped = ring and window is not None and ring_size >= window + keys - 1
+    tiled = width % LANES == 0 if sheared else width == 1  # prefill (C % 64 == 0) or decode tiles
+    eligible = (  # over the pool, or decode over a ring that laps; with room for the windows and Qw buffers
+        tiled and (not ring or (lapped and not sheared)) and span <= 256 and d_rel is not None
         and rel.dtype == dtype and _stages(0, keys, dim, itemsize, extra=extra) > 0
     )  # fmt: skip
     if in_kernel is None:
         in_kernel = eligible
     elif in_kernel and not eligible:
         raise ValueError(
-            "the bias can be built in the kernel only over the pool, for decode (C = 1) or prefill (C % 64 == 0)"
+            "the bias can be built in the kernel only for decode (C = 1) over the pool or a ring that holds a window"
+            " and a step of keys, or for prefill (C % 64 == 0) over the pool"
         )
     stages = _stages(0, keys, dim, itemsize, extra=extra) if in_kernel else _stages(tile, keys, dim, itemsize)
     # Decode rows (the G query heads at one position) are consecutive rows of q [S * Hq, D] and of the relative
@@ -372,12 +387,15 @@ def _attention(
                 # the query heads at the one decode position
                 position0 = first_q + lax.rem(row0, width)
 
+                def distance(key0):  # D0: from the rows' first position to the position slot key0 holds
+                    return position0 - (_lap_position(key0, last, ring_size) if ring else key0)
+
                 def profiled(key0):  # whether some distance of the step (D0 + r - t, or D0 - t) lies in [0, extent)
-                    d0 = position0 - key0
+                    d0 = distance(key0)
                     return (d0 >= -lead) & (d0 <= extent + keys - 2)
 
                 def fetch(key0):  # the step's profile window: table rows j0 ... j0 + span - 1
-                    j0 = z - (position0 - key0) - lead
+                    j0 = z - distance(key0) - lead
                     shift = lax.rem(j0, ALIGN)
                     src = table_win.at[shift, pl.ds(pl.multiple_of(j0 - shift, ALIGN), span)]
                     plgpu.copy_gmem_to_smem(src, w_smem.at[wg], w_bar.at[wg])
@@ -551,8 +569,7 @@ def _attention(
                 t = plgpu.broadcasted_iota(jnp.int32, (LANES, keys), 1, layout=plgpu.Layout.WGMMA)
                 query = first_q + lax.rem(row0 + r, width)
                 if ring:  # slot key0 + t holds position start + t, one lap back past the last key
-                    start = last - lax.rem(last - key0, ring_size)
-                    pos = start + t
+                    pos = _lap_position(key0, last, ring_size) + t
                     pos = jnp.where(pos > last, pos - ring_size, pos)
                 else:
                     pos = key0 + t
