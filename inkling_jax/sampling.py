@@ -108,12 +108,30 @@ def _from_ordered_keys(keys: jax.Array) -> jax.Array:
 
 
 TOP_K_ROUND = 16  # the most values per row XLA:GPU's TopK kernel takes (more is a sort of the whole row)
+TOP_K_SLICE = 4096  # values per row of the first stage of a long row's top-k
 
 
 def most_likely(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(logprobs, n)` over the last axis ([..., V] -> values, int32 ids [..., n]) in rounds of at most
-    TOP_K_ROUND, each after the rounds before are masked out: at n = 20 over the vocabulary a single top_k is a full
-    sort of every row on the GPU (1.4 ms of a decode step on the H200). Rows need n finite values."""
+    """`lax.top_k(logprobs, n)` over the last axis ([..., V] -> values, int32 ids [..., n]). Long rows go in two
+    stages: each slice of TOP_K_SLICE values' n best, then the n best of those (a row's n best are among its
+    slices' n best, ties by index as lax.top_k orders them), since XLA:GPU's TopK kernel gives a row one block and
+    a decode step has a few rows of the whole vocabulary. Rows need n finite values."""
+    vocab = logprobs.shape[-1]
+    if vocab <= 2 * TOP_K_SLICE or not 0 < n <= TOP_K_SLICE:
+        return _rounds(logprobs, n)
+    slices = -(-vocab // TOP_K_SLICE)
+    padding = [(0, 0)] * (logprobs.ndim - 1) + [(0, slices * TOP_K_SLICE - vocab)]
+    sliced = jnp.pad(logprobs, padding, constant_values=-jnp.inf).reshape(*logprobs.shape[:-1], slices, -1)
+    values, ids = _rounds(sliced, n)  # [..., slices, n]
+    ids = ids + jnp.arange(slices, dtype=jnp.int32)[:, None] * TOP_K_SLICE
+    values, at = _rounds(values.reshape(*values.shape[:-2], -1), n)
+    return values, jnp.take_along_axis(ids.reshape(*ids.shape[:-2], -1), at, axis=-1)
+
+
+def _rounds(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(logprobs, n)` in rounds of at most TOP_K_ROUND, each after the rounds before are masked out: at
+    n = 20 over the vocabulary a single top_k is a full sort of every row on the GPU (1.4 ms of a decode step on
+    the H200)."""
     values, ids = [], []
     for first in range(0, max(n, 1), TOP_K_ROUND):
         if first:

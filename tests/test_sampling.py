@@ -117,12 +117,14 @@ def test_greedy_and_logprobs():
     np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-logprobs, axis=-1)[:, :4], rtol=1e-5)
 
 
-@pytest.mark.parametrize("n", [0, 7, 16, 20, 40])
-def test_most_likely_is_top_k(n):
-    """The rounds of at most 16 give lax.top_k's values and ids, in its order, ties across a round's edge too."""
+@pytest.mark.parametrize(("n", "vocab"), [(0, 1000), (7, 1000), (16, 1000), (20, 1000), (40, 1000), (20, 12411)])
+def test_most_likely_is_top_k(n, vocab):
+    """The rounds of at most 16 (and a long row's two stages over slices) give lax.top_k's values and ids, in its
+    order, ties across a round's and a slice's edge too."""
     rng = np.random.default_rng(n)
-    logprobs = rng.standard_normal((3, 2, 1000)).astype(np.float32)
-    logprobs[1, 0, rng.choice(1000, 30, replace=False)] = 9.0  # 30 tied values at the top
+    logprobs = rng.standard_normal((3, 2, vocab)).astype(np.float32)
+    logprobs[1, 0, rng.choice(vocab, 30, replace=False)] = 9.0  # 30 tied values at the top
+    logprobs[2, 1, 4090:4100] = 8.0  # ties across the edge of the first slice
     values, ids = most_likely(jnp.asarray(logprobs), n)
     expected_values, expected_ids = jax.lax.top_k(jnp.asarray(logprobs), n)
     assert ids.dtype == jnp.int32 and values.shape == ids.shape == (3, 2, n)
