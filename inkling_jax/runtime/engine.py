@@ -190,7 +190,6 @@ class Engine:
                          "out_shardings": repr(out_shardings)}  # fmt: skip
         self._executables = ExecutableCache(executable_cache) if executable_cache is not None else None
         self._programs: dict[StepShape, jax.stages.Compiled] = {}
-        self.programs_loaded = 0  # of them, read from the executable cache
         self.program_times: dict[StepShape, dict[str, float]] = {}  # lower_s and compile_s, or loaded_s; first_run_s
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
@@ -226,6 +225,11 @@ class Engine:
             )  # fmt: skip
         return cls(model, replica, mesh, num_top, speculative, tokenizer=tokenizer, checkpoint=checkpoint,
                    executable_cache=executable_cache, max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+
+    @property
+    def programs_loaded(self) -> int:
+        """The step programs read from the executable cache."""
+        return sum("loaded_s" in times for times in self.program_times.values())
 
     @property
     def compilations(self) -> int:
@@ -330,27 +334,29 @@ class Engine:
     def _program(self, shape: StepShape, args: tuple) -> jax.stages.Compiled:
         """The step program of `shape`: read from the executable cache, else lowered and compiled (and stored
         there); kept for the engine's life."""
-        found = self._loaded_or_lowered(shape, args)
-        return found if isinstance(found, jax.stages.Compiled) else self._compiled(shape, *found)
+        key = self._loaded(shape, args)
+        return self._programs.get(shape) or self._compiled(shape, *self._lowered(shape, args, key))
 
-    def _loaded_or_lowered(self, shape: StepShape, args: tuple) -> jax.stages.Compiled | tuple:
-        """The step program of `shape` from the executable cache (kept), else its lowering: (lowered, cache key,
-        start time, lowering's seconds) for `_compiled`."""
+    def _loaded(self, shape: StepShape, args: tuple) -> str | None:
+        """Read the step program of `shape` from the executable cache into the engine's programs, where it is
+        there; returns its cache key (None without a cache)."""
+        if self._executables is None:
+            return None
         start = time.perf_counter()
-        key = None
-        if self._executables is not None:
-            key = self._executables.key(shape.label, self.mesh, self.program_options(shape), self.graphdef, args)
-            import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
-            compiled = self._executables.load(key, args, list(self.mesh.devices.flat))
-            if compiled is not None:
-                self.programs_loaded += 1
-                logger.info("step [%s]: loaded from the executable cache in %.1f s", shape, time.perf_counter() - start)
-                self.program_times[shape] = {"loaded_s": time.perf_counter() - start}
-                self._programs[shape] = compiled
-                return compiled
-        lowering = time.perf_counter()
+        key = self._executables.key(shape.label, self.mesh, self.program_options(shape), self.graphdef, args)
+        import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
+        compiled = self._executables.load(key, args, list(self.mesh.devices.flat))
+        if compiled is not None:
+            logger.info("step [%s]: loaded from the executable cache in %.1f s", shape, time.perf_counter() - start)
+            self.program_times[shape] = {"loaded_s": time.perf_counter() - start}
+            self._programs[shape] = compiled
+        return key
+
+    def _lowered(self, shape: StepShape, args: tuple, key: str | None) -> tuple:
+        """The step's lowering for `shape`: (lowered, cache key, start time, lowering's seconds) for `_compiled`."""
+        start = time.perf_counter()
         lowered = self._lower(args, shape)
-        return lowered, key, start, time.perf_counter() - lowering
+        return lowered, key, start, time.perf_counter() - start
 
     def _compiled(self, shape: StepShape, lowered: jax.stages.Lowered, key: str | None, start: float,
                   lower_s: float) -> jax.stages.Compiled:  # fmt: skip
@@ -401,19 +407,23 @@ class Engine:
                          np.zeros((slots, self.max_pages), np.int32), sampling_columns([None] * slots))  # fmt: skip
 
     def warm_up(self) -> None:
-        """Compile or load (and run once) every step shape, so serving never compiles. Lowering is Python (one at a
-        time under the GIL), XLA's compile is not: the shapes are lowered one after the other, most tokens first
-        (the longest XLA compile starts first), each handed to a thread of its own for XLA as soon as it is
-        lowered; then a first run of each, one after the other. Logs each shape's time to ready: its program
-        (logged by itself) and a first run."""
+        """Compile or load (and run once) every step shape, so serving never compiles. The executable cache is read
+        for every shape at once (a thread each); lowering is Python (one at a time under the GIL), XLA's compile is
+        not: the shapes not in the cache are lowered one after the other, most tokens first (the longest XLA
+        compile starts first), each handed to a thread of its own for XLA as soon as it is lowered; then a first
+        run of each, one after the other. Logs each shape's time to ready: its program (logged by itself) and a
+        first run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
         if missing:
+            arguments = {shape: self._arguments(self.idle_batch(shape)) for shape in missing}
             with ThreadPoolExecutor(len(missing), thread_name_prefix="step-compile") as pool:
-                compiling = []
-                for shape in missing:
-                    found = self._loaded_or_lowered(shape, self._arguments(self.idle_batch(shape)))
-                    if not isinstance(found, jax.stages.Compiled):
-                        compiling.append(pool.submit(self._compiled, shape, *found))
+                loads = pool.map(lambda shape: self._loaded(shape, arguments[shape]), missing)
+                keys = dict(zip(missing, loads, strict=True))
+                compiling = [
+                    pool.submit(self._compiled, shape, *self._lowered(shape, arguments[shape], keys[shape]))
+                    for shape in missing
+                    if shape not in self._programs
+                ]
                 for program in compiling:
                     program.result()
         for shape in self.shapes:
