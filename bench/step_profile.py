@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{shape}: lowered in {_seconds(start)}", flush=True)
             decode = StepShape(flat, 1, 0, False)
             first_logprobs = None
-            for options in args.options or [shape_compiler_options(jax.default_backend(), decode)]:
+            for number, options in enumerate(args.options or [shape_compiler_options(jax.default_backend(), decode)]):
                 start = time.perf_counter()
                 compiled = lowered.compile(options or None)
                 print(f"{shape} with {json.dumps(options)}: compiled by XLA in {_seconds(start)}", flush=True)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                     first_logprobs = logprobs
                 print(f"first step's top log-probabilities against the first program's: largest difference "
                       f"{np.abs(logprobs - first_logprobs).max():.3g}", flush=True)  # fmt: skip
-                name = f"{flat}_tokens_options_{args.options.index(options) if args.options else 0}"
+                name = f"{flat}_tokens_options_{number}"
                 if args.dump:
                     args.dump.mkdir(parents=True, exist_ok=True)
                     (args.dump / f"{name}.hlo").write_text(compiled.as_text())

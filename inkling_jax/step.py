@@ -247,7 +247,8 @@ def _step(
         busy = _one_token(sampled, emit[rows] & (chunk.busy < slots))
         emitted = jax.tree.map(
             lambda x: jnp.zeros((slots, *x.shape[1:]), x.dtype).at[chunk.busy].set(x, mode="drop"), busy
-        )
+        )  # an idle slot keeps the token its next step would start from
+        emitted = dataclasses.replace(emitted, last=previous.at[chunk.busy].set(busy.last, mode="drop"))
         lengths = state.lengths + batch.counts
     else:
         logits, kv = model.step(token_ids, state.kv, chunk)

@@ -212,24 +212,33 @@ def test_few_decoding_slots_run_a_program_of_few_tokens(model):
     np.testing.assert_allclose(alone.top_logprobs[:3], beside.top_logprobs[3:6], rtol=1e-5, atol=1e-6)
 
 
-def test_warm_up_lowers_one_shape_at_a_time_most_tokens_first(model, monkeypatch):
+def test_warm_up_lowers_one_shape_at_a_time_most_tokens_first(model, monkeypatch, tmp_path):
     """Lowering holds the GIL, XLA's compile does not: the warm-up lowers the shapes one after the other, the one
-    of most tokens first, and compiles each while the next lowers; every shape ends compiled and runs."""
+    of most tokens first, and compiles each while the next lowers; every shape ends compiled and runs. Over a
+    filled executable cache a warm-up lowers nothing and loads every shape."""
     slots = engine_module.FEW_TOKENS + 4
-    engine = Engine(model, CacheLayout(slots, slots, 32, 8), make_mesh("tp1", model.config), num_top=MAX_LOGPROBS)
-    lowering, events = [0], []
-    lower = engine._lower
 
-    def recorded(args, shape):
-        lowering[0] += 1
-        events.append((shape.tokens, lowering[0]))
-        try:
-            return lower(args, shape)
-        finally:
-            lowering[0] -= 1
+    def engine_with_recorded_lowering() -> tuple[Engine, list]:
+        engine = Engine(model, CacheLayout(slots, slots, 32, 8), make_mesh("tp1", model.config),
+                        num_top=MAX_LOGPROBS, executable_cache=tmp_path)  # fmt: skip
+        lowering, events = [0], []
+        lower = engine._lower
 
-    monkeypatch.setattr(engine, "_lower", recorded)
-    engine.warm_up()
+        def recorded(args, shape):
+            lowering[0] += 1
+            events.append((shape.tokens, lowering[0]))
+            try:
+                return lower(args, shape)
+            finally:
+                lowering[0] -= 1
+
+        monkeypatch.setattr(engine, "_lower", recorded)
+        engine.warm_up()
+        return engine, events
+
+    engine, events = engine_with_recorded_lowering()
     assert [tokens for tokens, _ in events] == sorted((shape.tokens for shape in engine.shapes), reverse=True)
     assert all(at_once == 1 for _, at_once in events) and len(events) == len(engine.shapes) == 3
-    assert set(engine._programs) == set(engine.shapes)
+    assert set(engine._programs) == set(engine.shapes) and engine.programs_loaded == 0
+    again, events = engine_with_recorded_lowering()
+    assert events == [] and again.programs_loaded == 3 and set(again._programs) == set(again.shapes)

@@ -189,7 +189,7 @@ def test_lowers_for_cuda_at_production_shapes(width, ring, d_rel):
         spec((d_rel, 1024), jnp.bfloat16), spec((slots, width, heads), jnp.bfloat16),
     )  # fmt: skip
     table = None if ring else spec((slots, 8), jnp.int32)
-    kernel = functools.partial(gpu._attention, interpret=False)
+    kernel = functools.partial(gpu._attention, interpret=False, in_kernel=True if width == 1 else None)
 
     def attention(*args, table):
         return attend(kernel, *args, page_table=table, scale=dim**-0.5, window=1024 if ring else None)

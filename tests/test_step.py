@@ -163,6 +163,24 @@ def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
         np.testing.assert_allclose(full[2], few[2], rtol=1e-5, atol=1e-6)
 
 
+def test_lanes_in_a_step_of_fewer_tokens_than_slots(model):
+    """A prompt read through lanes in steps of two tokens among three slots emits what the same chunks emit in
+    steps of a row per slot; an idle slot's feedback token stays the one before."""
+    prompt = np.random.default_rng(5).integers(0, 500, 8).tolist()
+    emitted = []
+    for tokens in (None, 2):
+        driver, outs = Driver(model, lanes=True, tokens=tokens), []
+        for first in range(0, 8, 2):
+            out = driver.run({1: prompt[first : first + 2]}, reset={1} if first == 0 else (), prompt={1}, emit={1},
+                             num_top=5)  # fmt: skip
+            outs.append((np.asarray(out.top_ids[1]), np.asarray(out.top_logprobs[1]), np.asarray(out.last)))
+        emitted.append(outs)
+    for (ids, logprobs, _), (few_ids, few_logprobs, last) in zip(*emitted, strict=True):
+        np.testing.assert_array_equal(ids, few_ids)
+        np.testing.assert_allclose(logprobs, few_logprobs, rtol=1e-5, atol=1e-6)
+        assert last[0] == last[2] == 0  # NO_PREVIOUS: idle slots keep it
+
+
 def test_no_compilation_after_warm_up(model):
     driver = Driver(model)
     driver.run({0: [1, 2, 3]}, reset={0}, prompt={0}, emit={0})  # warm-up: the one (slots, width) shape

@@ -92,7 +92,7 @@ class Chunk:
         rows = rows.at[at].set(jnp.arange(sequences * width, dtype=jnp.int32).reshape(sequences, width), mode="drop")
         if lanes is not None:
             at = jnp.where(_lane_real(lanes), _lane_tokens(starts, lanes), tokens)
-            lane_rows = slots * width + jnp.arange(lanes.count.shape[0] * lanes.width, dtype=jnp.int32)
+            lane_rows = sequences * width + jnp.arange(lanes.count.shape[0] * lanes.width, dtype=jnp.int32)
             rows = rows.at[at].set(lane_rows.reshape(at.shape), mode="drop")
 
         # convolutions: a token's input at lag j is the span's token offset - j before it, else the slot's history
