@@ -240,7 +240,7 @@ def _step(
         kv = commit_conv(kv, windows, committed, spec)
         lengths = state.lengths + committed
     elif chunk.busy.shape[0] < chunk.slots:  # fewer tokens than slots: the busy slots' rows alone are sampled
-        rows, slots = jnp.minimum(chunk.busy, chunk.slots - 1), chunk.slots
+        rows, slots = chunk.busy_index, chunk.slots
         logits, kv = model.step(token_ids, state.kv, chunk, at=chunk.last[rows][:, None])
         sampling = jax.tree.map(lambda column: column[rows], batch.sampling)
         sampled = sample(logits[:, 0], sampling, output_counts[rows], prompt_mask[rows], generated[rows], num_top)

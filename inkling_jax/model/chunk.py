@@ -134,6 +134,11 @@ class Chunk:
         return (self.lengths[jnp.minimum(self.token_slot, self.slots - 1)] + self.offset)[None]
 
     @property
+    def busy_index(self) -> jax.Array:
+        """[N] the narrow group's slots as indices (padding clipped to the last slot; its sequences are empty)."""
+        return _clipped(self.busy, self.slots)
+
+    @property
     def last(self) -> jax.Array:
         """[S] int32 the flat index of each slot's last token (its first for a slot that brings none)."""
         return self.starts + jnp.maximum(self.counts - 1, 0)
@@ -141,7 +146,7 @@ class Chunk:
     def groups(self) -> list[tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]]:
         """Attention's sequences, per group: (flat index of each query row [N, W] (clipped into the step),
         kv_lens [N], query_lens [N], page table [N, max pages], slot [N])."""
-        slots = _clipped(self.busy, self.slots)
+        slots = self.busy_index
         query_lens = _sequence_counts(self.busy, self.narrow_counts)
         kv_lens = jnp.where(self.busy < self.slots, self.lengths[slots] + query_lens, 0)
         index = self.starts[slots][:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]

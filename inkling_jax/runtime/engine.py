@@ -335,7 +335,7 @@ class Engine:
         """The step program of `shape`: read from the executable cache, else lowered and compiled (and stored
         there); kept for the engine's life."""
         key = self._loaded(shape, args)
-        return self._programs.get(shape) or self._compiled(shape, *self._lowered(shape, args, key))
+        return self._programs.get(shape) or self._compiled(shape, *self._lowered(shape, args), key)
 
     def _loaded(self, shape: StepShape, args: tuple) -> str | None:
         """Read the step program of `shape` from the executable cache into the engine's programs, where it is
@@ -352,14 +352,14 @@ class Engine:
             self._programs[shape] = compiled
         return key
 
-    def _lowered(self, shape: StepShape, args: tuple, key: str | None) -> tuple:
-        """The step's lowering for `shape`: (lowered, cache key, start time, lowering's seconds) for `_compiled`."""
+    def _lowered(self, shape: StepShape, args: tuple) -> tuple[jax.stages.Lowered, float]:
+        """The step's lowering for `shape` and the seconds it took."""
         start = time.perf_counter()
         lowered = self._lower(args, shape)
-        return lowered, key, start, time.perf_counter() - start
+        return lowered, time.perf_counter() - start
 
-    def _compiled(self, shape: StepShape, lowered: jax.stages.Lowered, key: str | None, start: float,
-                  lower_s: float) -> jax.stages.Compiled:  # fmt: skip
+    def _compiled(self, shape: StepShape, lowered: jax.stages.Lowered, lower_s: float,
+                  key: str | None) -> jax.stages.Compiled:  # fmt: skip
         """A lowered step program compiled by XLA with its shape's options (and stored in the executable cache)."""
         shape_options = shape_compiler_options(jax.default_backend(), shape)
         compiling = time.perf_counter()
@@ -368,9 +368,8 @@ class Engine:
         else:
             compiled = self._executables.compile(lowered, shape_options)
         done = time.perf_counter()
-        line = (
-            f"step [{shape}]: compiled in {done - start:.1f} s (lowered {lower_s:.1f} s, XLA {done - compiling:.1f} s)"
-        )
+        total = lower_s + done - compiling
+        line = f"step [{shape}]: compiled in {total:.1f} s (lowered {lower_s:.1f} s, XLA {done - compiling:.1f} s)"
         if key is not None and self._executables.store(key, compiled):
             line += f", stored in the executable cache in {time.perf_counter() - done:.1f} s"
         logger.info(line)
@@ -420,7 +419,7 @@ class Engine:
                 loads = pool.map(lambda shape: self._loaded(shape, arguments[shape]), missing)
                 keys = dict(zip(missing, loads, strict=True))
                 compiling = [
-                    pool.submit(self._compiled, shape, *self._lowered(shape, arguments[shape], keys[shape]))
+                    pool.submit(self._compiled, shape, *self._lowered(shape, arguments[shape]), keys[shape])
                     for shape in missing
                     if shape not in self._programs
                 ]
