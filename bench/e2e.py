@@ -458,13 +458,17 @@ def _kernels(result: dict, ms: float | None) -> str:
 
 
 def compile_section(result: dict) -> str:
-    keys = ("lower_s", "compile_s", "first_run_s")
+    keys = ("lower_s", "kernels_s", "compile_s", "first_run_s")
     shapes = result["compile"]
     rows = [[s["shape"]] + [_number(s.get(key), 1) for key in keys] for s in shapes]
     warm_up = _number(result["warm_up"]["seconds"], 1)
-    rows.append(["warm-up, wall (lowered in turn, compiled at once, then each run)", "", "", warm_up])
+    rows.append(["warm-up, wall (lowered in turn, compiled at once, then each run)", "", "", "", warm_up])
     head = f"## Cold compile of every step shape (empty cache; weights built in {result['load']['seconds']:.1f} s)"
-    return head + "\n\n" + _table(["step shape (per replica)", "lower s", "XLA compile s", "first run s"], rows)
+    return (
+        head
+        + "\n\n"
+        + _table(["step shape (per replica)", "lower s", "kernels built s", "XLA compile s", "first run s"], rows)
+    )
 
 
 def start_section(title: str, start: dict) -> str:
@@ -693,7 +697,9 @@ def main(argv: list[str] | None = None) -> None:
         save()
         if section == "compile":
             say(
-                f"compile {item['shape']}: lower {item.get('lower_s', 0):.1f} s, XLA {item.get('compile_s', 0):.1f} s, "
+                f"compile {item['shape']}: lower {item.get('lower_s', 0):.1f} s, "
+                f"kernels {item.get('kernels_s', 0):.1f} s, "
+                f"XLA {item.get('compile_s', 0):.1f} s, "
                 f"first run {item.get('first_run_s', 0):.1f} s"
             )
         elif section == "decode":

@@ -44,6 +44,7 @@ from inkling_jax.model.draft import require_draft
 from inkling_jax.model.moe import kernel_platform, lay_out_experts
 from inkling_jax.model.text import CausalLM
 from inkling_jax.runtime.executable_cache import ExecutableCache
+from inkling_jax.runtime.kernel_builds import KernelBuilder
 from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES
@@ -190,7 +191,10 @@ class Engine:
                          "out_shardings": repr(out_shardings)}  # fmt: skip
         self._executables = ExecutableCache(executable_cache) if executable_cache is not None else None
         self._programs: dict[StepShape, jax.stages.Compiled] = {}
-        self.program_times: dict[StepShape, dict[str, float]] = {}  # lower_s and compile_s, or loaded_s; first_run_s
+        # lower_s, kernels_s and compile_s, or loaded_s; first_run_s
+        self.program_times: dict[StepShape, dict[str, float]] = {}
+        local = next(device for device in mesh.devices.flat if device.process_index == jax.process_index())
+        self._kernels = KernelBuilder(local) if local.platform == "gpu" else None
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
 
@@ -362,18 +366,26 @@ class Engine:
                   key: str | None) -> jax.stages.Compiled:  # fmt: skip
         """A lowered step program compiled by XLA with its shape's options (and stored in the executable cache)."""
         shape_options = shape_compiler_options(jax.default_backend(), shape)
+        building = time.perf_counter()
+        built = self._kernels.build(lowered) if self._kernels is not None else 0
         compiling = time.perf_counter()
         if self._executables is None:
             compiled = lowered.compile(shape_options or None)
         else:
             compiled = self._executables.compile(lowered, shape_options)
         done = time.perf_counter()
-        total = lower_s + done - compiling
-        line = f"step [{shape}]: compiled in {total:.1f} s (lowered {lower_s:.1f} s, XLA {done - compiling:.1f} s)"
+        line = (
+            f"step [{shape}]: compiled in {lower_s + done - building:.1f} s (lowered {lower_s:.1f} s, {built} "
+            f"kernels built in {compiling - building:.1f} s, XLA {done - compiling:.1f} s)"
+        )
         if key is not None and self._executables.store(key, compiled):
             line += f", stored in the executable cache in {time.perf_counter() - done:.1f} s"
         logger.info(line)
-        self.program_times[shape] = {"lower_s": lower_s, "compile_s": done - compiling}
+        self.program_times[shape] = {
+            "lower_s": lower_s,
+            "kernels_s": compiling - building,
+            "compile_s": done - compiling,
+        }
         self._programs[shape] = compiled
         return compiled
 
