@@ -364,7 +364,8 @@ class Engine:
 
     def _compiled(self, shape: StepShape, lowered: jax.stages.Lowered, lower_s: float,
                   key: str | None) -> jax.stages.Compiled:  # fmt: skip
-        """A lowered step program compiled by XLA with its shape's options (and stored in the executable cache)."""
+        """A lowered step program compiled by XLA with its shape's options (and stored in the executable cache),
+        its Mosaic GPU kernels built first on many threads (`kernel_builds`; XLA builds them one by one)."""
         shape_options = shape_compiler_options(jax.default_backend(), shape)
         building = time.perf_counter()
         built = self._kernels.build(lowered) if self._kernels is not None else 0
