@@ -143,8 +143,9 @@ def test_own_windows_start_at_the_copies_expected_per_expert(tokens, routed, own
 @pytest.mark.parametrize(
     "tokens, top_k, experts",
     [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 240), (5, 3, 4), (30, 2, 4), (5, 3, 1), (300, 8, 8),
-     (150, 8, 16), (300, 8, 96)],
-)  # fmt: skip  # shared tiles of 8, 24, 32; own windows (groups of up to 300 copies, several windows each; ~75; ~25)
+     (150, 8, 16), (300, 8, 96), (68, 8, 16)],
+)  # fmt: skip  # shared tiles of 8, 24, 32; own windows (groups of up to 300 copies, several windows each; ~75; ~25;
+# at most 68: widths 64 and 80 alone)
 def test_visits_write_every_copy_once(tokens, top_k, experts):
     """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole window of
     its width within the rows and writes rows of it; the visits come in width order within their static bound; own
@@ -159,7 +160,7 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
         routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
         tiles = jax.tree.map(np.asarray, gpu.tile_copies(routing))
         own = tiles.source is not None
-        assert tiles.widths == (gpu.OWN_TMS if own else (tiles.tm,)) and tiles.rows % 8 == 0
+        assert tiles.widths == (gpu.own_widths(tokens) if own else (tiles.tm,)) and tiles.rows % 8 == 0
         kept = np.asarray(routing.kept)
         rows = np.arange(kept.size) if tiles.row_of is None else tiles.row_of
         row_expert = np.full(tiles.rows, -1)  # each kept copy's row holds its expert's product
@@ -181,6 +182,15 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
             np.testing.assert_array_equal(tiles.source[rows[kept]], np.flatnonzero(kept))
             assert tiles.rows <= kept.size + 7 * experts + tiles.tm + 7
         assert writes.sum() == kept.sum() and ends[-1] <= tiles.expert.shape[0]
+
+
+def test_own_windows_take_the_widths_their_groups_can_need():
+    """A group holds at most one copy of each token: the widths up to the narrowest that holds them all."""
+    assert gpu.OWN_TMS == (64, 80, 96, 112)
+    assert [gpu.own_widths(n) for n in (1, 64, 65, 68, 80, 97, 112, 113, 4096)] == [
+        (64,), (64,), (64, 80), (64, 80), (64, 80), (64, 80, 96, 112), (64, 80, 96, 112), (64, 80, 96, 112),
+        (64, 80, 96, 112),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1)])

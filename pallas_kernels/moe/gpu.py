@@ -20,8 +20,8 @@ tokens: the copies share tiles of TM rows (TM twice the mean group, 8 ... 32: ab
 wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per column tile; K is split into
 shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share written as fp32 partial sums that XLA
 adds. Prefill: each expert's copies are visited in windows of their own (no row multiplied twice), each in the narrowest
-of a few widths (64 ... 112 rows) that holds it: one pipeline per width in each CTA, the items of all widths dealt round
-the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows laid out in pairs,
+of a few widths (64 ... 112 rows, those a group of the call's tokens can need) that holds it: one pipeline per width
+in each CTA, the items of all widths dealt round the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows laid out in pairs,
 `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows), except where K is split: there XLA
 adds the shares, then applies the SwiGLU. After the matmuls XLA combines the copies (`routing.combine`,
 `routing.weighted_sum`).
@@ -138,7 +138,8 @@ def tile_copies(routing: Routing) -> Tiles:
         row = tile * tm
         writes_from, writes_to = jnp.maximum(offsets[expert], row), jnp.minimum(offsets[expert + 1], row + tm)
         return Tiles(expert, row, writes_from, writes_to, real, None, None, (tm,), tiles * tm)
-    widest = OWN_TMS[-1]
+    widths = own_widths(copies // routing.top_k)
+    widest = widths[-1]
     count = -(-copies // widest) + min(num_experts, copies)  # windows, at most
     padded = -(-group_sizes // 8) * 8
     starts = prefix_sum(padded) - padded
@@ -153,14 +154,21 @@ def tile_copies(routing: Routing) -> Tiles:
     expert = jnp.minimum(group_of(window_ends, visit), num_experts - 1)
     first_copy = (visit - window_ends[expert] + per_expert[expert]) * window_rows[expert]  # within the group
     width = jnp.minimum(window_rows[expert], group_sizes[expert] - first_copy)
-    widths = jnp.asarray(OWN_TMS, jnp.int32)
-    width_class = jnp.where(v < real, jnp.sum(width[:, None] > widths[None, :], axis=1), len(OWN_TMS))
+    classes = jnp.asarray(widths, jnp.int32)
+    width_class = jnp.where(v < real, jnp.sum(width[:, None] > classes[None, :], axis=1), len(widths))
     order = jnp.argsort(width_class, stable=True)  # by width, padding visits last
     expert, first_row = expert[order], (starts[expert] + first_copy)[order]
-    class_ends = jnp.sum(width_class[None, :] <= jnp.arange(len(OWN_TMS))[:, None], axis=1, dtype=jnp.int32)
+    class_ends = jnp.sum(width_class[None, :] <= jnp.arange(len(widths))[:, None], axis=1, dtype=jnp.int32)
     row_of, source = placed_copies(routing, starts, rows)
     writes_to = first_row + width[order]
-    return Tiles(expert, first_row, first_row, writes_to, class_ends, source, row_of, OWN_TMS, rows)
+    return Tiles(expert, first_row, first_row, writes_to, class_ends, source, row_of, widths, rows)
+
+
+def own_widths(largest_group: int) -> tuple[int, ...]:
+    """The widths of OWN_TMS a window of a group of at most `largest_group` copies can need (a group holds at most
+    one copy of each token): each width is one more pipeline in the kernel to lower and build."""
+    fits = [width for width in OWN_TMS if width >= largest_group]
+    return tuple(width for width in OWN_TMS if width < largest_group) + tuple(fits[:1])
 
 
 def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Array]:
