@@ -193,6 +193,18 @@ def test_own_windows_take_the_widths_their_groups_can_need():
     ]  # fmt: skip
 
 
+def test_windows_that_each_hold_a_group_bound_the_visits_by_the_experts(monkeypatch):
+    """68 tokens' copies among 16 experts (the proxy's batch-64 decode): every group fits one window, so the plan's
+    visits are bounded by the experts, and gate_up's K (4608) stays whole on 132 CTAs (a bound of 16 + 544 / 80
+    visits split it in shares summed by XLA)."""
+    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 132)
+    ids = np.argsort(np.random.default_rng(68).random((68, 16)), axis=1)[:, :8]
+    tiles = gpu.tile_copies(route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), 16))
+    assert tiles.widths == (64, 80) and tiles.expert.shape[0] == 16
+    pairs = tiles.expert.shape[0] * 4608 // gpu_work.item_rows(4608)
+    assert gpu_work.k_steps(NVFP4, 4608, tiles.tm, pairs) == (128, 1)
+
+
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1)])
 def test_few_tokens_visit_each_chosen_expert_once(tokens, top_k, experts):
     """At most 8 tokens: one visit per distinct kept expert (real visits first, within the static bound), each

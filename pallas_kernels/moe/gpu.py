@@ -21,10 +21,10 @@ wgmma's N side is no wider than the groups need), each chosen expert's bytes rea
 shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share written as fp32 partial sums that XLA
 adds. Prefill: each expert's copies are visited in windows of their own (no row multiplied twice), each in the narrowest
 of a few widths (64 ... 112 rows, those a group of the call's tokens can need) that holds it: one pipeline per width
-in each CTA, the items of all widths dealt round the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows laid out in pairs,
-`layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows), except where K is split: there XLA
-adds the shares, then applies the SwiGLU. After the matmuls XLA combines the copies (`routing.combine`,
-`routing.weighted_sum`).
+in each CTA, the items of all widths dealt round the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in
+its epilogue (its rows laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up
+rows), except where K is split: there XLA adds the shares, then applies the SwiGLU. After the matmuls XLA combines the
+copies (`routing.combine`, `routing.weighted_sum`).
 
 The weights are decoded to bf16 wgmma register operands by `gpu_decode`, the oracle's values bit for bit."""
 
@@ -138,9 +138,11 @@ def tile_copies(routing: Routing) -> Tiles:
         row = tile * tm
         writes_from, writes_to = jnp.maximum(offsets[expert], row), jnp.minimum(offsets[expert + 1], row + tm)
         return Tiles(expert, row, writes_from, writes_to, real, None, None, (tm,), tiles * tm)
-    widths = own_widths(copies // routing.top_k)
+    largest = copies // routing.top_k  # a group's copies, at most
+    widths = own_widths(largest)
     widest = widths[-1]
-    count = -(-copies // widest) + min(num_experts, copies)  # windows, at most
+    # windows, at most: one a group where every group fits the widest (the bound sizes the split of K)
+    count = min(num_experts, copies) + (-(-copies // widest) if largest > widest else 0)
     padded = -(-group_sizes // 8) * 8
     starts = prefix_sum(padded) - padded
     rows = -(-(copies + 7 * min(num_experts, copies)) // 8) * 8 + widest  # the groups padded to 8, the last window
