@@ -220,3 +220,20 @@ def test_the_state_is_updated_in_place(model):
         # bf16 model whose attention runs the Mosaic GPU kernel updated its state in place there (68 MB
         # state, 0.4 MB of temporaries: the closing note of issue 8)
         assert memory.temp_size_in_bytes < 0.1 * state.nbytes
+
+
+def test_fused_attention_projections_give_the_same_logits():
+    """The engine's fused projections (query side on every layer, K and V on sliding ones) on a bf16 model of both
+    layer kinds: the unfused model's logits bit for bit, on fresh random tokens."""
+    from inkling_jax.model.attention import Attention, fuse_attention_projections
+
+    model = load_causal_lm(FIXTURE / "hf", jnp.bfloat16)[1]
+    tokens = jax.random.randint(jax.random.key(31), (2, 19), 0, model.config.unpadded_vocab_size)
+    want = np.asarray(logits_fn(model)(tokens), np.float32)
+    fuse_attention_projections(model)
+    layers = [module for _, module in nnx.iter_graph(model) if isinstance(module, Attention)]
+    assert {layer.sliding for layer in layers} == {True, False}
+    for layer in layers:
+        assert hasattr(layer, "query_side") and not hasattr(layer, "q_proj")
+        assert hasattr(layer, "key_value") == layer.sliding == (not hasattr(layer, "k_proj"))
+    np.testing.assert_array_equal(np.asarray(logits_fn(model)(tokens), np.float32), want)

@@ -19,7 +19,7 @@ from inkling_jax.cache import KVCache, advance_conv
 from inkling_jax.config import TextConfig
 from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
-from inkling_jax.model.params import Linear, normal, param
+from inkling_jax.model.params import HeadProjections, Linear, normal, param
 from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
 from inkling_jax.sharding import MODEL
 from pallas_kernels.numerics import round_to
@@ -191,6 +191,35 @@ class Attention(nnx.Module):
         self.q_l2_clip = ScaledL2Clip(rngs, self.num_heads, self.head_dim, config.qk_l2_clip_threshold, dtype)
         self.rel_l2_clip = ScaledL2Clip(rngs, self.num_heads, config.d_rel, config.rel_l2_clip_threshold, dtype)
 
+    def fuse_projections(self) -> None:
+        """In place: one weight for the projections that read the same input (`HeadProjections`), the query
+        side's (q, gate, r, sink: [..., H, 2D + d_rel + 1, hidden]) and on sliding layers K and V's ([..., KV,
+        2D, hidden]), so one gemm reads each group (at a decode step's few tokens a gemm costs about its launch).
+        Same values. The fused module no longer names its weights as checkpoints do."""
+        d, d_rel = self.head_dim, self.config.d_rel
+        query_side = [(self.q_proj, d), (self.gate_proj, d), (self.r_proj, d_rel), (self.sink_proj, 1)]
+        self.query_side = HeadProjections(query_side, self.num_heads, "heads")
+        del self.q_proj, self.gate_proj, self.r_proj, self.sink_proj
+        if self.sliding:
+            self.key_value = HeadProjections([(self.k_proj, d), (self.v_proj, d)], self.num_kv_heads, "kv_heads")
+            del self.k_proj, self.v_proj
+
+    def _query_side(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """x [B, T, hidden] -> q [B, T, H, D], gate logits [B, T, H * D], rel [B, T, H, d_rel], sinks [B, T, H]."""
+        if hasattr(self, "query_side"):
+            q, gate, rel, sinks = self.query_side(x)
+            return q, gate.reshape(*x.shape[:-1], -1), rel, sinks[..., 0]
+        heads = (*x.shape[:-1], self.num_heads, -1)
+        return (self.q_proj(x).reshape(heads), self.gate_proj(x), self.r_proj(x).reshape(heads),
+                self.sink_proj(x))  # fmt: skip
+
+    def _keys_values(self, k_in: jax.Array, v_in: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """k_in, v_in [B, T, hidden] -> K and V before their convolutions, [B, T, KV * D] each."""
+        if hasattr(self, "key_value"):
+            k, v = self.key_value(k_in)
+            return k.reshape(*k.shape[:-2], -1), v.reshape(*v.shape[:-2], -1)
+        return self.k_proj(k_in), self.v_proj(v_in)
+
     def _convolve(self, conv: nnx.Module, x: jax.Array, source: jax.Array, lags: jax.Array | None) -> jax.Array:
         return conv(x, lags=lags) if self.sliding else conv(x, source, lags=lags)
 
@@ -212,12 +241,12 @@ class Attention(nnx.Module):
         config = self.config
         batch, length, _ = q_in.shape
         dtype = q_in.dtype
-        heads = (batch, length, self.num_heads, -1)
         kv_heads = (batch, length, self.num_kv_heads, self.head_dim)
         kv_size = self.num_kv_heads * self.head_dim
 
-        q = self.q_l2_clip(self.q_proj(q_in).reshape(heads))
-        k_pre, v_pre = self.k_proj(k_in), self.v_proj(v_in)
+        q, gate_logits, rel, sinks = self._query_side(q_in)
+        q = self.q_l2_clip(q)
+        k_pre, v_pre = self._keys_values(k_in, v_in)
         k_lags = v_lags = None
         if kv is not None:
             k_lags = chunk.lags(k_pre.astype(jnp.float32), kv.conv_k[0, ..., :kv_size])
@@ -226,14 +255,14 @@ class Attention(nnx.Module):
         v = self._convolve(self.v_sconv, v_pre, v_in, v_lags)
         k = round_to(l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold), dtype)
         v = round_to(rms_normalize(v.reshape(kv_heads), config.rms_norm_eps), dtype)
-        rel = self.rel_l2_clip(self.r_proj(q_in).reshape(heads))
+        rel = self.rel_l2_clip(rel)
         if not self.sliding:
             tau = log_length_scale(positions, config.log_scaling_alpha, config.log_scaling_n_floor)
             tau = tau[:, :, None, None]
             q = round_to(q.astype(jnp.float32) * tau, dtype)
             rel = round_to(rel.astype(jnp.float32) * tau, dtype)
 
-        proj, sinks = self.rel_logits_proj.proj[...], self.sink_proj(q_in)
+        proj = self.rel_logits_proj.proj[...]
         scale, window = self.head_dim**-0.5, config.sliding_window_size if self.sliding else None
         if kv is None:
             out = relative_attention(q, k, v, rel, proj, sinks, positions, positions, scale=scale, window=window)
@@ -265,6 +294,15 @@ class Attention(nnx.Module):
                 )  # fmt: skip
 
             out = grouped_attention(chunk, attend, q, rel, sinks)
-        gate = jax.nn.sigmoid(self.gate_proj(q_in).astype(jnp.float32))
+        gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))
         out = round_to(out.reshape(batch, length, -1).astype(jnp.float32) * gate, dtype)
         return self.o_proj(out), kv
+
+
+def fuse_attention_projections(model: nnx.Module) -> nnx.Module:
+    """`model` with every attention layer's projections fused (`Attention.fuse_projections`), in place."""
+    layers = [module for _, module in nnx.iter_graph(model) if isinstance(module, Attention)]
+    for layer in layers:
+        if not hasattr(layer, "query_side"):
+            layer.fuse_projections()
+    return model

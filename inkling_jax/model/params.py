@@ -57,3 +57,26 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return einsum("...i,oi->...o", x, round_to(self.weight[...], x.dtype))
+
+
+class HeadProjections(nnx.Module):
+    """Projections of one input fused into one weight [H, F, in] (sizes: each projection's F per head, in order;
+    a stacked module's weight carries its leading axes too): one gemm reads them all, sharded by head as each of
+    them was. Each output column is its own dot product, so the values are the separate projections'."""
+
+    def __init__(self, projections: list[tuple[Linear, int]], heads: int, axis: str):
+        """projections: (Linear with weight [..., heads * f, in], f) each; axis: the logical axis of their heads."""
+        weights = []
+        for linear, per_head in projections:
+            weight = linear.weight[...]
+            weights.append(weight.reshape(*weight.shape[:-2], heads, per_head, weight.shape[-1]))
+        leading = logical_axes(projections[0][0].weight)[:-2]
+        fused = jnp.concatenate(weights, axis=-2)
+        self.weight = nnx.Param(fused, out_sharding=(*leading, axis, None, "embed"), eager_sharding=False)
+        self.sizes = tuple(per_head for _, per_head in projections)
+
+    def __call__(self, x: jax.Array) -> list[jax.Array]:
+        """x [..., in] -> each projection's [..., H, f] in x's dtype."""
+        out = einsum("...i,hfi->...hf", x, round_to(self.weight[...], x.dtype))
+        ends = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes))]
+        return [out[..., end - size : end] for size, end in zip(self.sizes, ends, strict=True)]

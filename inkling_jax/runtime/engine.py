@@ -40,6 +40,7 @@ from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state, layout_for_bud
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import ModelConfig, load_config
+from inkling_jax.model.attention import fuse_attention_projections
 from inkling_jax.model.draft import require_draft
 from inkling_jax.model.moe import kernel_platform, lay_out_experts
 from inkling_jax.model.text import CausalLM
@@ -118,8 +119,9 @@ class StepShape:
 
 
 class Engine:
-    """The step over `mesh`; create with `Engine.create` or `load_engine`. On TPU and on Hopper GPUs it re-lays
-    the model's experts for the expert kernels, in place: save checkpoints from a model no engine has taken."""
+    """The step over `mesh`; create with `Engine.create` or `load_engine`. It fuses the model's attention
+    projections (and on TPU and on Hopper GPUs re-lays its experts for the expert kernels), in place: save
+    checkpoints from a model no engine has taken."""
 
     def __init__(
         self,
@@ -170,6 +172,7 @@ class Engine:
         with jax.set_mesh(mesh):
             if platform := kernel_platform():  # the expert kernels' layout, made once here (in place)
                 lay_out_experts(model, platform)
+            fuse_attention_projections(model)  # one gemm for the projections of each input (in place)
             self.graphdef, self.params = nnx.split(shard_model(model, mesh))
             draft = model.dspark.config if self.speculative else None  # its context pool only when speculating
             make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft)
