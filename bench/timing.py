@@ -13,7 +13,8 @@ def _kernel_runs(fn, *args, repeats: int) -> list[list[tuple[str, float]]]:
     """Each of `repeats` runs of fn(*args) on the GPU as its kernels' (name, ms), by CUPTI."""
     from jax.experimental.mosaic.gpu import profiler
 
-    return profiler.measure(fn, aggregate=False, iterations=repeats)(*args)[1]
+    runs = profiler.measure(fn, aggregate=False, iterations=repeats)(*args)[1]
+    return [runs] if repeats == 1 else runs  # measure gives one run's kernels unwrapped
 
 
 def kernels_ms(fn, *args, repeats: int) -> list[tuple[str, float]]:
