@@ -150,42 +150,56 @@ def test_visits_write_every_copy_once(tokens, top_k, experts):
     """Each kept copy's row is written by exactly one visit, of its own expert; each visit reads a whole window of
     its width within the rows and writes rows of it; the visits come in width order within their static bound; own
     windows are the narrowest width that holds them, their rows hold their copies and exceed them by at most 7 per
-    expert and a window."""
+    expert and a window. Tokens whose kept ids are distinct are planned as such (windows sized by the tokens)."""
     rng = np.random.default_rng(tokens * experts)
     for _ in range(10):
         ids = np.argsort(rng.random((tokens, experts + 2)), axis=1)[:, :top_k] - 1  # some dropped (-1, E)
         if rng.random() < 0.5:  # skewed: most copies on a few experts
             ids = np.where(rng.random(ids.shape) < 0.7, rng.integers(0, 3, ids.shape), ids)
             ids = np.where(np.arange(top_k) == 0, ids, (ids + np.arange(top_k)) % experts)
-        routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
-        tiles = jax.tree.map(np.asarray, gpu.tile_copies(routing))
-        own = tiles.source is not None
-        assert tiles.widths == (gpu.own_widths(tokens) if own else (tiles.tm,)) and tiles.rows % 8 == 0
-        kept = np.asarray(routing.kept)
-        rows = np.arange(kept.size) if tiles.row_of is None else tiles.row_of
-        row_expert = np.full(tiles.rows, -1)  # each kept copy's row holds its expert's product
-        row_expert[rows[kept]] = np.repeat(np.arange(experts), np.asarray(routing.group_sizes))
-        writes = np.zeros(tiles.rows, int)
-        ends = tiles.real[: len(tiles.widths)]
-        for c, width in enumerate(tiles.widths):
-            for v in range(ends[c - 1] if c else 0, ends[c]):
-                row, first, last = tiles.first_row[v], tiles.writes_from[v], tiles.writes_to[v]
-                assert row % (8 if own else width) == 0 and row + width <= tiles.rows
-                assert row <= first < last <= row + width
-                assert own or width == tiles.tm
-                if own:  # the narrowest width that holds the window
-                    assert first == row and (c == 0 or last - first > tiles.widths[c - 1])
-                np.testing.assert_array_equal(row_expert[first:last], tiles.expert[v])
-                writes[first:last] += 1
-        np.testing.assert_array_equal(writes[rows[kept]], 1)
-        if own:  # each kept copy gathered into its row, few rows besides
-            np.testing.assert_array_equal(tiles.source[rows[kept]], np.flatnonzero(kept))
-            assert tiles.rows <= kept.size + 7 * experts + tiles.tm + 7
-        assert writes.sum() == kept.sum() and ends[-1] <= tiles.expert.shape[0]
+        kept_ids = [row[(row >= 0) & (row < experts)] for row in ids]
+        distinct = all(len(set(row)) == len(row) for row in kept_ids)
+        assert_visits_write_every_copy_once(ids, experts, distinct)
+
+
+def test_repeated_ids_keep_every_copy():
+    """A token may name an expert more than once (the kernels' contract allows it): 68 tokens each naming experts
+    0-3 twice make groups of 136 copies, planned in windows of every width, each copy written once."""
+    ids = np.tile(np.arange(8) % 4, (68, 1))
+    assert_visits_write_every_copy_once(ids, 4, distinct=False)
+
+
+def assert_visits_write_every_copy_once(ids: np.ndarray, experts: int, distinct: bool) -> None:
+    routing = route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), experts)
+    tiles = jax.tree.map(np.asarray, gpu.tile_copies(routing, distinct))
+    own = tiles.source is not None
+    largest = ids.shape[0] if distinct else ids.size
+    assert tiles.widths == (gpu.own_widths(largest) if own else (tiles.tm,)) and tiles.rows % 8 == 0
+    kept = np.asarray(routing.kept)
+    rows = np.arange(kept.size) if tiles.row_of is None else tiles.row_of
+    row_expert = np.full(tiles.rows, -1)  # each kept copy's row holds its expert's product
+    row_expert[rows[kept]] = np.repeat(np.arange(experts), np.asarray(routing.group_sizes))
+    writes = np.zeros(tiles.rows, int)
+    ends = tiles.real[: len(tiles.widths)]
+    for c, width in enumerate(tiles.widths):
+        for v in range(ends[c - 1] if c else 0, ends[c]):
+            row, first, last = tiles.first_row[v], tiles.writes_from[v], tiles.writes_to[v]
+            assert row % (8 if own else width) == 0 and row + width <= tiles.rows
+            assert row <= first < last <= row + width
+            assert own or width == tiles.tm
+            if own:  # the narrowest width that holds the window
+                assert first == row and (c == 0 or last - first > tiles.widths[c - 1])
+            np.testing.assert_array_equal(row_expert[first:last], tiles.expert[v])
+            writes[first:last] += 1
+    np.testing.assert_array_equal(writes[rows[kept]], 1)
+    if own:  # each kept copy gathered into its row, few rows besides
+        np.testing.assert_array_equal(tiles.source[rows[kept]], np.flatnonzero(kept))
+        assert tiles.rows <= kept.size + 7 * experts + tiles.tm + 7
+    assert writes.sum() == kept.sum() and ends[-1] <= tiles.expert.shape[0]
 
 
 def test_own_windows_take_the_widths_their_groups_can_need():
-    """A group holds at most one copy of each token: the widths up to the narrowest that holds them all."""
+    """The widths up to the narrowest that holds a group of the largest size."""
     assert gpu.OWN_TMS == (64, 80, 96, 112)
     assert [gpu.own_widths(n) for n in (1, 64, 65, 68, 80, 97, 112, 113, 4096)] == [
         (64,), (64,), (64, 80), (64, 80), (64, 80), (64, 80, 96, 112), (64, 80, 96, 112), (64, 80, 96, 112),
@@ -199,7 +213,7 @@ def test_windows_that_each_hold_a_group_bound_the_visits_by_the_experts(monkeypa
     visits split it in shares summed by XLA)."""
     monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 132)
     ids = np.argsort(np.random.default_rng(68).random((68, 16)), axis=1)[:, :8]
-    tiles = gpu.tile_copies(route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), 16))
+    tiles = gpu.tile_copies(route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), 16), distinct_ids=True)
     assert tiles.widths == (64, 80) and tiles.expert.shape[0] == 16
     pairs = tiles.expert.shape[0] * 4608 // gpu_work.item_rows(4608)
     assert gpu_work.k_steps(NVFP4, 4608, tiles.tm, pairs) == (128, 1)

@@ -88,6 +88,23 @@ def test_meshes_up_to_tp8_give_the_same_logits_and_greedy_continuation(wide_mode
     assert_mesh_matches_one_device(wide_model, spec, ids, rng.integers(0, 500, 9).tolist())
 
 
+@pytest.mark.parametrize(("spec", "kv_axis"), [("tp4", None), ("tp2", "model")])
+def test_fused_projections_shard_by_head(reference, spec, kv_axis):
+    """The engine's fused attention projections under a mesh: the query side's by head, sliding layers' K and V by
+    KV head while tp divides them (2 KV heads: split at tp2, replicated at tp4); the one-device logits and greedy
+    continuation."""
+    from inkling_jax.model.attention import fuse_attention_projections
+
+    model = fuse_attention_projections(load_fixture("tiny_text"))
+    sharded = shard_model(model, make_mesh(spec, model.config))
+    attentions = [position.self_attn for position in sharded.model.segments[0].positions]
+    sliding = next(attention for attention in attentions if attention.sliding)
+    assert sliding.query_side.weight[...].sharding.spec == P(None, "model", None, None)
+    assert sliding.key_value.weight[...].sharding.spec == P(None, kv_axis, None, None)
+    ids = jnp.asarray(reference["input_ids"][None], jnp.int32)
+    assert_mesh_matches_one_device(model, spec, ids, reference["greedy_prompt"].tolist())
+
+
 def test_experts_run_on_their_own_devices(wide_model):
     """Under tp8 each device multiplies only its 2 experts: the expert weights are never gathered,
     and the combine is a reduce-scatter."""

@@ -195,7 +195,7 @@ class Attention(nnx.Module):
         """In place: one weight for the projections that read the same input (`HeadProjections`), the query
         side's (q, gate, r, sink: [..., H, 2D + d_rel + 1, hidden]) and on sliding layers K and V's ([..., KV,
         2D, hidden]), so one gemm reads each group (at a decode step's few tokens a gemm costs about its launch).
-        Same values. The fused module no longer names its weights as checkpoints do."""
+        Same values (`HeadProjections`). The fused module no longer names its weights as checkpoints do."""
         d, d_rel = self.head_dim, self.config.d_rel
         query_side = [(self.q_proj, d), (self.gate_proj, d), (self.r_proj, d_rel), (self.sink_proj, 1)]
         self.query_side = HeadProjections(query_side, self.num_heads, "heads")

@@ -170,7 +170,8 @@ class SparseMoeBlock(nnx.Module):
         experts, weights = self.gate(flat)
         if valid is not None:  # an id past every expert is dropped by every backend
             experts = jnp.where(valid.reshape(-1, 1), experts, self.config.n_routed_experts)
-        run = functools.partial(moe_experts, gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap)
+        run = functools.partial(moe_experts, gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap,
+                                distinct_ids=True)  # the router's top-k: each token's ids are distinct  # fmt: skip
         mesh = jax.sharding.get_abstract_mesh()
         if MODEL in mesh.axis_names and mesh.shape[MODEL] > 1:
             out = expert_parallel(run, mesh, flat, *self.experts.weights(), experts, weights, layer)

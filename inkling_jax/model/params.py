@@ -62,7 +62,8 @@ class Linear(nnx.Module):
 class HeadProjections(nnx.Module):
     """Projections of one input fused into one weight [H, F, in] (sizes: each projection's F per head, in order;
     a stacked module's weight carries its leading axes too): one gemm reads them all, sharded by head as each of
-    them was. Each output column is its own dot product, so the values are the separate projections'."""
+    them was. Each output column is its own dot product: the separate projections' values (bit for bit on CPU; a
+    GPU's gemm may sum a wider matrix in another order)."""
 
     def __init__(self, projections: list[tuple[Linear, int]], heads: int, axis: str):
         """projections: (Linear with weight [..., heads * f, in], f) each; axis: the logical axis of their heads."""

@@ -23,14 +23,16 @@ Weight = jax.Array | QuantizedArray | TpuWeight | GpuWeight
 def moe_experts(
     x: jax.Array, gate_up: Weight, down: Weight, experts: jax.Array, weights: jax.Array, *, gate_cap: float,
     up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
-    layer: jax.Array | int | None = None, backend: str = "auto",
+    layer: jax.Array | int | None = None, distinct_ids: bool = False, backend: str = "auto",
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract ([N, H]: each token's weighted sum over its experts), by `backend`.
     `routed_experts`: under expert parallelism, the experts the ids were chosen among (these weights hold only
     some; the others' ids are dropped here): the TPU kernels size their row tiles for the copies expected to stay,
     the GPU's choose between shared tiles and own windows by them. `layer`: gate_up and down hold several layers'
     experts stacked [L, E, ...] and the call is layer `layer`'s (an int32 scalar, traced inside a scan over
-    layers): the kernels read its weights in place, where indexing them out of the stack would copy them."""
+    layers): the kernels read its weights in place, where indexing them out of the stack would copy them.
+    `distinct_ids`: no token names an expert twice (a top-k router's ids), so no expert gets more copies than
+    there are tokens: the GPU kernels' plan sizes its windows by that."""
     if backend not in BACKENDS:
         raise ValueError(f"MoE backend {backend!r} is not one of {', '.join(BACKENDS)}")
     one_gate_up, one_down = (_one_layer(w) for w in (gate_up, down)) if layer is not None else (gate_up, down)
@@ -53,15 +55,19 @@ def moe_experts(
             f"the {backend.upper()} expert kernels take weights laid out by pallas_kernels.moe.layouts.{layout}"
             f" (once, at load); got {type(gate_up).__name__} and {type(down).__name__}"
         )
-    options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype, "routed_experts": routed_experts}
+    options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype, "routed_experts": routed_experts,
+               "distinct_ids": distinct_ids}  # fmt: skip
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
     return _computed(x, gate_up, down, experts, weights, layer, backend=backend, **options)
 
 
-@functools.partial(jax.jit, static_argnames=("gate_cap", "up_cap", "out_dtype", "routed_experts", "backend"))
+@functools.partial(
+    jax.jit, static_argnames=("gate_cap", "up_cap", "out_dtype", "routed_experts", "distinct_ids", "backend")
+)
 def _computed(
     x: jax.Array, gate_up: Weight, down: Weight, experts: jax.Array, weights: jax.Array, layer: jax.Array | None, *,
-    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None, routed_experts: int | None, backend: str,
+    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None, routed_experts: int | None, distinct_ids: bool,
+    backend: str,
 ) -> jax.Array:  # fmt: skip
     """One backend's experts as their own jaxpr: every layer's call of one shape traces to the same jaxpr, which
     a program lowers once (lowering a Mosaic kernel takes about a second)."""
@@ -73,7 +79,8 @@ def _computed(
     options |= {"routed_experts": routed_experts, "layer": layer}
     if backend == "tpu":
         return tpu.moe_experts(x, gate_up, down, experts, weights, **options)
-    return gpu.moe_experts(x, gate_up, down, experts, weights, **options, interpret=jax.default_backend() == "cpu")
+    return gpu.moe_experts(x, gate_up, down, experts, weights, **options, distinct_ids=distinct_ids,
+                           interpret=jax.default_backend() == "cpu")  # fmt: skip
 
 
 def _one_layer(weight: Weight) -> Weight:

@@ -123,11 +123,11 @@ def shared_rows(copies: int, num_experts: int) -> int:
     return min(high, max(low, -(-2 * copies // (8 * num_experts)) * 8))
 
 
-def tile_copies(routing: Routing) -> Tiles:
+def tile_copies(routing: Routing, distinct_ids: bool = False) -> Tiles:
     """The kernels' rows for the copies `routing` sorted (shared tiles below OWN_TILES_FROM copies expected per
     expert, own windows from there; shared tiles sized by all the copies, foreign ones included: sized for the
     expected ones under expert parallelism they made more visits, 137 against 96 at 1024 tokens on one shard of
-    four)."""
+    four). `distinct_ids`: no token names an expert twice, so a group holds at most one copy of each token."""
     group_sizes, copies = routing.group_sizes, routing.order.shape[0]
     num_experts = group_sizes.shape[0]
     offsets = group_offsets(routing)
@@ -138,7 +138,7 @@ def tile_copies(routing: Routing) -> Tiles:
         row = tile * tm
         writes_from, writes_to = jnp.maximum(offsets[expert], row), jnp.minimum(offsets[expert + 1], row + tm)
         return Tiles(expert, row, writes_from, writes_to, real, None, None, (tm,), tiles * tm)
-    largest = copies // routing.top_k  # a group's copies, at most
+    largest = copies // routing.top_k if distinct_ids else copies  # a group's copies, at most
     widths = own_widths(largest)
     widest = widths[-1]
     # windows, at most: one a group where every group fits the widest (the bound sizes the split of K)
@@ -167,8 +167,8 @@ def tile_copies(routing: Routing) -> Tiles:
 
 
 def own_widths(largest_group: int) -> tuple[int, ...]:
-    """The widths of OWN_TMS a window of a group of at most `largest_group` copies can need (a group holds at most
-    one copy of each token): each width is one more pipeline in the kernel to lower and build."""
+    """The widths of OWN_TMS a window of a group of at most `largest_group` copies can need: each width is one more
+    pipeline in the kernel to lower and build."""
     fits = [width for width in OWN_TMS if width >= largest_group]
     return tuple(width for width in OWN_TMS if width < largest_group) + tuple(fits[:1])
 
@@ -398,13 +398,13 @@ def _few_tokens(
 def moe_experts(
     x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
     gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
-    layer: jax.Array | int | None = None, interpret: bool = False,
+    layer: jax.Array | int | None = None, distinct_ids: bool = False, interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_gpu` (`interpret`: run the
     kernels in Mosaic GPU's interpreter): at most SHARED_TM[0] tokens by `chosen_experts`, more by the copies
     sorted by expert (`tile_copies`, choosing shared tiles or own windows by the copies `routing.route` expects
-    to keep for `routed_experts`). With `layer`, the weights are stacked layers' [L, E, ...] and layer `layer`'s
-    are read in place (`layouts.layers_as_one`)."""
+    to keep for `routed_experts`; `distinct_ids`: no token names an expert twice). With `layer`, the weights are
+    stacked layers' [L, E, ...] and layer `layer`'s are read in place (`layouts.layers_as_one`)."""
     gate_up, down, num_experts, first = layers_as_one(gate_up, down, layer)
     check(x, gate_up, down)
     hidden = gate_up.shape[2]
@@ -417,7 +417,7 @@ def moe_experts(
         return _few_tokens(in_gpu_k_order(x, gate_up.format), gate_up, down, experts, weights, caps=caps,
                            out_dtype=out_dtype, num_experts=num_experts, first=first, interpret=interpret)  # fmt: skip
     routing = route(experts, weights, num_experts, routed_experts)
-    tiles = tile_copies(routing)
+    tiles = tile_copies(routing, distinct_ids)
     tiles = dataclasses.replace(tiles, expert=tiles.expert + first)
     token_rows = routing.token_of if tiles.source is None else composed_indices(routing.token_of, tiles.source)
     rows = rows_in_gpu_k_order(x, token_rows, gate_up.format)
