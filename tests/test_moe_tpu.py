@@ -326,7 +326,7 @@ def test_the_moe_layer_on_tpu_laid_out_experts(monkeypatch):
     np.testing.assert_array_equal(np.asarray(layer(x), np.float32), want)
 
     params = pltpu.InterpretParams()
-    monkeypatch.setattr(moe, "moe_experts", lambda *a, **k: tpu.moe_experts(*a, **k, interpret=params))
+    monkeypatch.setattr(moe, "moe_experts", lambda *a, distinct_ids, **k: tpu.moe_experts(*a, **k, interpret=params))
     try:
         got = np.asarray(layer(x), np.float32)
     finally:
