@@ -4,6 +4,7 @@ Weights keep the checkpoints' layout ([out, in] for projections) so loading is a
 transpose. Logical axis names are mapped onto mesh axes by `inkling_jax.sharding`.
 """
 
+import itertools
 from collections.abc import Callable
 
 import jax
@@ -79,5 +80,5 @@ class HeadProjections(nnx.Module):
     def __call__(self, x: jax.Array) -> list[jax.Array]:
         """x [..., in] -> each projection's [..., H, f] in x's dtype."""
         out = einsum("...i,hfi->...hf", x, round_to(self.weight[...], x.dtype))
-        ends = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes))]
-        return [out[..., end - size : end] for size, end in zip(self.sizes, ends, strict=True)]
+        bounds = [0, *itertools.accumulate(self.sizes)]
+        return [out[..., start:end] for start, end in itertools.pairwise(bounds)]
