@@ -5,7 +5,8 @@
 
 Builds the config's model with random weights on one device (`--load-format dummy`'s builder), the engine over
 it with `--slots` slots, and the step of `--width` tokens per slot; prints the time to build the weights, to
-lower the step (tracing and kernel lowering, in Python) and to compile it (XLA); then for each `--active` count
+lower the step (tracing and kernel lowering, in Python), to build its Mosaic GPU kernels (`kernel_builds`, as the
+engine does) and to compile it (XLA); then for each `--active` count
 (slots with tokens, the others idle, as in a server with that many requests) the wall time per step issued back
 to back and the step's kernels by CUPTI (on a GPU): their count, their sum, and the kernels grouped by name,
 longest first. Copies of parameters or state show up there as memcpy and dynamic-slice kernels.
@@ -86,6 +87,10 @@ def main(argv: list[str] | None = None) -> None:
             lowered = engine._step.lower(engine.params, engine.state, first, engine.previous, speculative=False,
                                          width=1)  # fmt: skip
             print(f"{shape}: lowered in {_seconds(start)}", flush=True)
+            if engine._kernels is not None:
+                start = time.perf_counter()
+                built = engine._kernels.build(lowered)
+                print(f"{shape}: {built} Mosaic GPU kernels built in {_seconds(start)}", flush=True)
             decode = StepShape(flat, 1, 0, False)
             first_logprobs = None
             for number, options in enumerate(args.options or [shape_compiler_options(jax.default_backend(), decode)]):

@@ -75,7 +75,9 @@ def ranked_floor(scaled: jax.Array, probs: jax.Array, params: SamplingParams) ->
     top_p. Both are found without a sort (a sort of the vocabulary costs more than any layer of a decode step; a
     `lax.cond` around it makes XLA:GPU wait on the host for its predicate, so the step's dispatch would return
     only when the device reaches it): 32 steps of a binary search over the values' order-preserving 32-bit keys,
-    each step a count and a mass of the keys at or above a candidate."""
+    each step a count and a mass of the keys at or above a candidate (XLA:GPU makes a step over several bits'
+    candidates at once a reduction that reads the rows once per candidate: 1.6 ms for 8 steps of 4 bits at 64
+    rows of the vocabulary on the H200, against 1.2 ms for these 32)."""
     keys = _ordered_keys(scaled)
     top_k, top_p = params.top_k[:, None], params.top_p[:, None]
 
@@ -108,24 +110,29 @@ def _from_ordered_keys(keys: jax.Array) -> jax.Array:
 
 
 TOP_K_ROUND = 16  # the most values per row XLA:GPU's TopK kernel takes (more is a sort of the whole row)
-TOP_K_SLICE = 4096  # values per row of the first stage of a long row's top-k
+TOP_K_CHUNK = 64  # values per chunk of a long row's top-k
 
 
 def most_likely(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(logprobs, n)` over the last axis ([..., V] -> values, int32 ids [..., n]). Long rows go in two
-    stages: each slice of TOP_K_SLICE values' n best, then the n best of those (a row's n best are among its
-    slices' n best, ties by index as lax.top_k orders them), since XLA:GPU's TopK kernel gives a row one block and
-    a decode step has a few rows of the whole vocabulary. Rows need n finite values."""
+    """`lax.top_k(logprobs, n)` over the last axis ([..., V] -> values, int32 ids [..., n]). A row longer than n
+    chunks of TOP_K_CHUNK values is cut into chunks: its n best lie in the n chunks of the largest maxima, ties by
+    index (every value of another chunk has those n maxima ahead of it), found the same way among the chunks'
+    maxima; those chunks, in index order so that ties keep lax.top_k's order, hold the candidates. The chunks'
+    maxima are one read of the row, where XLA:GPU's TopK kernel gives each row one block (at n = 20 over 64 rows
+    of the vocabulary on the H200: 0.15 ms, against 1.4 ms for slices of 4096 values in two stages). Rows need n
+    finite values."""
     vocab = logprobs.shape[-1]
-    if vocab <= 2 * TOP_K_SLICE or not 0 < n <= TOP_K_SLICE:
+    if n == 0 or vocab <= TOP_K_CHUNK * n:
         return _rounds(logprobs, n)
-    slices = -(-vocab // TOP_K_SLICE)
-    padding = [(0, 0)] * (logprobs.ndim - 1) + [(0, slices * TOP_K_SLICE - vocab)]
-    sliced = jnp.pad(logprobs, padding, constant_values=-jnp.inf).reshape(*logprobs.shape[:-1], slices, -1)
-    values, ids = _rounds(sliced, n)  # [..., slices, n]
-    ids = ids + jnp.arange(slices, dtype=jnp.int32)[:, None] * TOP_K_SLICE
-    values, at = _rounds(values.reshape(*values.shape[:-2], -1), n)
-    return values, jnp.take_along_axis(ids.reshape(*ids.shape[:-2], -1), at, axis=-1)
+    chunks = -(-vocab // TOP_K_CHUNK)
+    padding = [(0, 0)] * (logprobs.ndim - 1) + [(0, chunks * TOP_K_CHUNK - vocab)]
+    chunked = jnp.pad(logprobs, padding, constant_values=-jnp.inf).reshape(*logprobs.shape[:-1], chunks, -1)
+    _, best = most_likely(jnp.max(chunked, axis=-1), n)
+    best = jnp.sort(best, axis=-1)  # [..., n] chunk ids, ascending
+    candidates = jnp.take_along_axis(chunked, best[..., None], axis=-2).reshape(*best.shape[:-1], -1)
+    values, at = _rounds(candidates, n)  # at: [..., n] places among the n * TOP_K_CHUNK candidates
+    chunk = jnp.take_along_axis(best, at // TOP_K_CHUNK, axis=-1)
+    return values, chunk * TOP_K_CHUNK + at % TOP_K_CHUNK
 
 
 def _rounds(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:

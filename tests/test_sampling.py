@@ -117,17 +117,21 @@ def test_greedy_and_logprobs():
     np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-logprobs, axis=-1)[:, :4], rtol=1e-5)
 
 
-@pytest.mark.parametrize(("n", "vocab"), [(0, 1000), (7, 1000), (16, 1000), (20, 1000), (40, 1000), (20, 12411)])
+@pytest.mark.parametrize(
+    ("n", "vocab"), [(0, 1000), (7, 1000), (16, 1000), (20, 1000), (40, 1000), (1, 5000), (20, 12411), (20, 90001)]
+)
 def test_most_likely_is_top_k(n, vocab):
-    """The rounds of at most 16 (and a long row's two stages over slices) give lax.top_k's values and ids, in its
-    order, ties across a round's and a slice's edge too."""
-    rng = np.random.default_rng(n)
-    logprobs = rng.standard_normal((3, 2, vocab)).astype(np.float32)
+    """The rounds of at most 16 (and a long row's chunks, twice over at 90001) give lax.top_k's values and ids, in
+    its order: ties at the top, across a round's and a chunk's edge, of many chunks' maxima, and -inf."""
+    rng = np.random.default_rng(n + vocab)
+    logprobs = rng.standard_normal((4, 2, vocab)).astype(np.float32)
     logprobs[1, 0, rng.choice(vocab, 30, replace=False)] = 9.0  # 30 tied values at the top
-    logprobs[2, 1, 4090:4100] = 8.0  # ties across the edge of the first slice
+    logprobs[2, 1, 60:70] = 8.0  # ties across the edge of the first chunk
+    logprobs[3, 0] = np.round(logprobs[3, 0])  # ties everywhere: many chunks share their maximum
+    logprobs[3, 1, rng.choice(vocab, vocab // 2, replace=False)] = -np.inf
     values, ids = most_likely(jnp.asarray(logprobs), n)
     expected_values, expected_ids = jax.lax.top_k(jnp.asarray(logprobs), n)
-    assert ids.dtype == jnp.int32 and values.shape == ids.shape == (3, 2, n)
+    assert ids.dtype == jnp.int32 and values.shape == ids.shape == (4, 2, n)
     np.testing.assert_array_equal(values, expected_values)
     np.testing.assert_array_equal(ids, expected_ids)
 
