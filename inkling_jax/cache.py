@@ -224,7 +224,7 @@ def advance_conv(kv: KVCache, stream: str, x: jax.Array, chunk: Chunk) -> KVCach
     kv = dataclasses.replace(kv, **{name: state.at[0, ..., :channels].set(chunk.history(x, history))})
     if kv.windows is None:
         return kv
-    window = conv_window(history, chunk.narrow(x))  # [S, K - 1 + width, ch]
+    window = conv_window(chunk.known(history), chunk.narrow(x))  # [S, K - 1 + width, ch]
     recorded = getattr(kv.windows, stream).at[0, ..., :channels].set(window)
     return dataclasses.replace(kv, windows=dataclasses.replace(kv.windows, **{stream: recorded}))
 

@@ -120,30 +120,20 @@ def _one_token(sampled: Sampled, emit: jax.Array) -> Emitted:
 
 
 def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
-    """Clear the per-sequence state of the slots where a new sequence starts."""
-
+    """Clear the per-sequence state of the slots where a new sequence starts (the convolution states need no
+    clearing: a sequence of length 0 reads its history as zeros, `Chunk.known`)."""
     slots = reset.shape[0]
     rows = jnp.where(reset, jnp.arange(slots), slots)  # only the reset slots are touched
 
-    def clear(x: jax.Array, axis: int) -> jax.Array:
-        index = (slice(None),) * axis + (rows,)
-        return x.at[index].set(jnp.zeros((), x.dtype), mode="drop")
+    def clear(x: jax.Array) -> jax.Array:
+        return x.at[rows].set(jnp.zeros((), x.dtype), mode="drop")
 
-    kv = state.kv
-    kv = dataclasses.replace(
-        kv,
-        conv_k=clear(kv.conv_k, 1),
-        conv_v=clear(kv.conv_v, 1),
-        conv_attention=clear(kv.conv_attention, 1),
-        conv_mlp=clear(kv.conv_mlp, 1),
-    )
     return dataclasses.replace(
         state,
-        kv=kv,
-        lengths=clear(state.lengths, 0),
-        output_counts=clear(state.output_counts, 0),
-        prompt_mask=clear(state.prompt_mask, 0),
-        generated=clear(state.generated, 0),
+        lengths=clear(state.lengths),
+        output_counts=clear(state.output_counts),
+        prompt_mask=clear(state.prompt_mask),
+        generated=clear(state.generated),
     )
 
 

@@ -95,6 +95,26 @@ def test_chunked_prefill_and_decode_match_the_whole_sequence(model, reference, s
         assert error < 1e-4, (position, error)
 
 
+@pytest.mark.parametrize("lanes", [False, True])
+def test_a_slot_a_new_sequence_takes_over_computes_as_a_fresh_one(model, lanes):
+    """A new sequence in a slot another one used (its convolution states left as they were) gives the
+    log-probabilities it gives in a fresh state, bit for bit: a 2-token prompt, shorter than the convolution's
+    history, then decode steps while the rows before its first token still hold the last sequence's."""
+    rng = np.random.default_rng(17)
+    before, prompt = rng.integers(0, 500, 13).tolist(), rng.integers(0, 500, 2).tolist()
+    follow = rng.integers(0, 500, 3).tolist()
+    used, fresh = Driver(model, lanes=lanes), Driver(model, lanes=lanes)
+    used.run({1: before[:8]}, reset={1}, prompt={1})
+    used.run({1: before[8:]}, prompt={1}, emit={1})
+    for driver in (used, fresh):
+        outs = [driver.run({1: prompt}, reset={1}, prompt={1}, emit={1}, num_top=8)]
+        outs += [driver.run({1: [token]}, emit={1}, num_top=8) for token in follow]
+        driver.logprobs = np.stack([np.asarray(out.top_logprobs[1, 0]) for out in outs])
+        driver.ids = np.stack([np.asarray(out.top_ids[1, 0]) for out in outs])
+    np.testing.assert_array_equal(used.ids, fresh.ids)
+    np.testing.assert_array_equal(used.logprobs, fresh.logprobs)
+
+
 def test_greedy_decode_matches_the_reference_generation(model, reference):
     driver = Driver(model)
     prompt, want = reference["greedy_prompt"].tolist(), reference["greedy_ids"].tolist()
