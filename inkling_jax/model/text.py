@@ -127,14 +127,16 @@ class DecoderLayer(nnx.Module):
             sources = jax.lax.dynamic_update_index_in_dim(sources, x, block, 0)
         else:
             h = x.astype(jnp.float32) + h
-        residual = h
+        residual = jax.lax.optimization_barrier(h)  # read by the mix below and the sum at the end: computed once
         mlp_in = mixed_norms(self.mlp_input, [self.post_attention_layernorm], sources, block + 1, h, dtype)[0]
         mlp_out = self.mlp(mlp_in, row, None if chunk is None else chunk.valid)
         h = self.post_mlp_convolution(mlp_out, None if kv is None else chunk.lags(mlp_out, kv.conv_mlp[0]))
         if kv is not None:
             kv = advance_conv(kv, "attention", attention_out, chunk)
             kv = advance_conv(kv, "mlp", mlp_out, chunk)
-        return round_to(residual + h, dtype), sources, kv
+        # materialized once: XLA would otherwise fuse this layer's convolutions into each reader of its output,
+        # the next layers' residual sums too, and recompute them there
+        return jax.lax.optimization_barrier(round_to(residual + h, dtype)), sources, kv
 
 
 def decoder_layer(
