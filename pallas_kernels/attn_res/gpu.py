@@ -3,16 +3,14 @@
 A CTA takes one token, with two warpgroups that split its H columns in halves. Each copies its half of the
 token's row of every source and of the partial into SMEM (one TMA bulk copy per row, one barrier), and from
 then on reads SMEM only. The arithmetic is fp32 in registers, CHUNK columns at a time (each thread V contiguous
-values of every row: `ROWS`), in three sweeps over the rows in SMEM (unrolled):
-(1) each row's sum of squares and its dot with each query (the queries, [Q, H] fp32, read from GMEM with every
-chunk's loads issued before the sweep: a decode step's queries are cold in L2, and a load a chunk ahead left each
-chunk waiting on its own, 7.5 against 5.8 us at one token, 8 blocks and one query on the H200), accumulated per
-column, then summed over the columns (one batched cross-warp reduction) and over the two warpgroups (through
-SMEM); the softmax over the N + 1 sources per query on those scalars, folded with each source's 1 / rms into one
-coefficient per (query, source);
+values of every row: `ROWS`), in three sweeps over the rows in SMEM:
+(1) each row's sum of squares and its dot with each query (the queries, [Q, H] fp32, read from GMEM through L2,
+one chunk ahead), accumulated per column, then summed over the columns (one batched cross-warp reduction) and
+over the two warpgroups (through SMEM); the softmax over the N + 1 sources per query on those scalars, folded
+with each source's 1 / rms into one coefficient per (query, source);
 (2) each query's mix, sum_s coef * row_s, for its sum of squares only (the final RMSNorm's, summed likewise);
-(3) the mix again, times that RMSNorm's 1 / rms and its gain (loaded under the reductions and sweep 2), rounded
-once to the output dtype and stored straight from registers into the output row.
+(3) the mix again, times that RMSNorm's 1 / rms and its gain, rounded once to the output dtype and stored
+straight from registers into the output row.
 HBM traffic is the sources read once and the Q outputs written once (the XLA formulation reads them several
 times: bench/results/README.md).
 
@@ -103,29 +101,29 @@ def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: 
     plgpu.barrier_wait(landed.at[wg])
     steps = share // CHUNK
 
-    def columns(i: int) -> pl.Slice:
+    def columns(i: jax.Array) -> pl.Slice:
         return pl.ds(pl.multiple_of(wg * share + i * CHUNK, CHUNK), CHUNK)
 
-    def chunk(i: int) -> jax.Array:  # [count, CHUNK] fp32
+    def chunk(i: jax.Array) -> jax.Array:  # [count, CHUNK] fp32
         rows = [plgpu.load(row.at[:, columns(i)], layout=ROWS).astype(jnp.float32) for row in smem]
         return jnp.concatenate(mask_sources(rows, valid, 0.0), axis=0)
 
-    def fetch(ref) -> list[list[jax.Array]]:  # steps x Q x [CHUNK] fp32 of a [Q, H] GMEM ref, every load issued
-        return [[_load_gmem(ref.at[q, columns(i)]).astype(jnp.float32) for q in range(num_queries)]
-                for i in range(steps)]  # fmt: skip
+    def fetch(ref, i: jax.Array) -> list[jax.Array]:  # Q x [CHUNK] fp32 of a [Q, H] GMEM ref (the last again)
+        i = jnp.minimum(i, steps - 1)
+        return [_load_gmem(ref.at[q, columns(i)]).astype(jnp.float32) for q in range(num_queries)]
 
-    def mixes(i: int, coefs: list[jax.Array]) -> list[jax.Array]:  # Q x [CHUNK]: sum_s coef[s] row_s
+    def mixes(i: jax.Array, coefs: list[jax.Array]) -> list[jax.Array]:  # Q x [CHUNK]: sum_s coef[s] row_s
         x = chunk(i)
         return [jnp.sum(x * _columns(c), axis=0) for c in coefs]
 
-    queries = fetch(query_ref)
-    squares, *dots = (plgpu.layout_cast(jnp.zeros((count, CHUNK), jnp.float32), ROWS),) * (1 + num_queries)
-    for i in range(steps):
-        x = chunk(i)
-        squares = squares + x * x
-        dots = [d + x * _rows(q, count) for d, q in zip(dots, queries[i], strict=True)]
-    gains = fetch(gain_ref)  # landing under the reductions and the second sweep
-    totals = _summed(jnp.concatenate([squares, *dots], axis=0), scores_smem, score_turns, wg)  # squares, then dots
+    def score(i: jax.Array, carry: tuple) -> tuple:
+        (squares, *dots), queries = carry
+        ahead, x = fetch(query_ref, i + 1), chunk(i)
+        return (squares + x * x, *(d + x * _rows(q, count) for d, q in zip(dots, queries, strict=True))), ahead
+
+    zeros = plgpu.layout_cast(jnp.zeros((count, CHUNK), jnp.float32), ROWS)
+    sums, _ = lax.fori_loop(0, steps, score, ((zeros,) * (1 + num_queries), fetch(query_ref, 0)))
+    totals = _summed(jnp.concatenate(sums, axis=0), scores_smem, score_turns, wg)  # squares, then each q's dots
     inverse_rms = lax.rsqrt(totals[:count] / hidden + SOURCE_EPS)  # [count]
     coefs = []  # Q x count x [1]: softmax weight / rms of each source
     for q in range(num_queries):
@@ -136,16 +134,23 @@ def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: 
         total = functools.reduce(jnp.add, weights)
         coefs.append([w / total * inverse_rms[s : s + 1] for s, w in enumerate(weights)])
 
-    sums = [plgpu.layout_cast(jnp.zeros((1, CHUNK), jnp.float32), ROWS)] * num_queries
-    for i in range(steps):
+    def square(i: jax.Array, sums: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         mixed = mixes(i, [jnp.concatenate(c, axis=0) for c in coefs])
-        sums = [acc + _rows(m * m, 1) for acc, m in zip(sums, mixed, strict=True)]
-    squares = _summed(jnp.concatenate(sums, axis=0), squares_smem, square_turns, wg)  # [Q]
+        return tuple(acc + _rows(m * m, 1) for acc, m in zip(sums, mixed, strict=True))
+
+    zeros = plgpu.layout_cast(jnp.zeros((1, CHUNK), jnp.float32), ROWS)
+    squares = lax.fori_loop(0, steps, square, (zeros,) * num_queries)
+    squares = _summed(jnp.concatenate(squares, axis=0), squares_smem, square_turns, wg)  # [Q]
     scales = lax.rsqrt(squares / hidden + eps)  # the final RMSNorm's 1 / rms
     final = [jnp.concatenate([w * scales[q : q + 1] for w in c], axis=0) for q, c in enumerate(coefs)]
-    for i in range(steps):
-        for q, (gain, mixed) in enumerate(zip(gains[i], mixes(i, final), strict=True)):
+
+    def store(i: jax.Array, gains: list[jax.Array]) -> list[jax.Array]:
+        ahead = fetch(gain_ref, i + 1)
+        for q, (gain, mixed) in enumerate(zip(gains, mixes(i, final), strict=True)):
             out_ref.at[q, token, columns(i)][...] = (gain * mixed).astype(out_ref.dtype)
+        return ahead
+
+    lax.fori_loop(0, steps, store, fetch(gain_ref, 0))
 
 
 def _summed(partials: jax.Array, exchange, turns, wg: jax.Array) -> jax.Array:
