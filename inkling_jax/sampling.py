@@ -127,10 +127,13 @@ def most_likely(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     chunks = -(-vocab // TOP_K_CHUNK)
     padding = [(0, 0)] * (logprobs.ndim - 1) + [(0, chunks * TOP_K_CHUNK - vocab)]
     chunked = jnp.pad(logprobs, padding, constant_values=-jnp.inf).reshape(*logprobs.shape[:-1], chunks, -1)
-    _, best = most_likely(jnp.max(chunked, axis=-1), n)
+    maxima = _from_ordered_keys(jnp.max(_ordered_keys(chunked), axis=-1))  # lax.top_k's order: -0.0 < 0.0, NaN
+    _, best = most_likely(maxima.astype(logprobs.dtype), n)
     best = jnp.sort(best, axis=-1)  # [..., n] chunk ids, ascending
-    candidates = jnp.take_along_axis(chunked, best[..., None], axis=-2).reshape(*best.shape[:-1], -1)
-    values, at = _rounds(candidates, n)  # at: [..., n] places among the n * TOP_K_CHUNK candidates
+    # a chunk named twice (fewer than n chunks with a finite maximum: the rounds pick masked ones again) is read once
+    again = jnp.concatenate([jnp.zeros_like(best[..., :1], bool), best[..., 1:] == best[..., :-1]], axis=-1)
+    candidates = jnp.where(again[..., None], -jnp.inf, jnp.take_along_axis(chunked, best[..., None], axis=-2))
+    values, at = _rounds(candidates.reshape(*best.shape[:-1], -1), n)  # at: [..., n] among the n * CHUNK
     chunk = jnp.take_along_axis(best, at // TOP_K_CHUNK, axis=-1)
     return values, chunk * TOP_K_CHUNK + at % TOP_K_CHUNK
 

@@ -122,13 +122,18 @@ def test_greedy_and_logprobs():
 )
 def test_most_likely_is_top_k(n, vocab):
     """The rounds of at most 16 (and a long row's chunks, twice over at 90001) give lax.top_k's values and ids, in
-    its order: ties at the top, across a round's and a chunk's edge, of many chunks' maxima, and -inf."""
+    its order: ties at the top, across a round's and a chunk's edge, of many chunks' maxima, signed zeros, -inf,
+    and fewer chunks with a finite maximum than n."""
     rng = np.random.default_rng(n + vocab)
     logprobs = rng.standard_normal((4, 2, vocab)).astype(np.float32)
     logprobs[1, 0, rng.choice(vocab, 30, replace=False)] = 9.0  # 30 tied values at the top
     logprobs[2, 1, 60:70] = 8.0  # ties across the edge of the first chunk
     logprobs[3, 0] = np.round(logprobs[3, 0])  # ties everywhere: many chunks share their maximum
     logprobs[3, 1, rng.choice(vocab, vocab // 2, replace=False)] = -np.inf
+    logprobs[0, 1, 64:] = -np.inf  # all finite values in one chunk: the other chunks' maxima are -inf
+    logprobs[1, 1] = -1 - np.abs(logprobs[1, 1])  # signed zeros on top: -0.0 first in every chunk, 0.0 next in
+    logprobs[1, 1, 11::64] = -0.0  # every other one (lax.top_k ranks 0.0 above -0.0; XLA's max may not)
+    logprobs[1, 1, 14::128] = 0.0
     values, ids = most_likely(jnp.asarray(logprobs), n)
     expected_values, expected_ids = jax.lax.top_k(jnp.asarray(logprobs), n)
     assert ids.dtype == jnp.int32 and values.shape == ids.shape == (4, 2, n)

@@ -127,7 +127,7 @@ class DecoderLayer(nnx.Module):
             sources = jax.lax.dynamic_update_index_in_dim(sources, x, block, 0)
         else:
             h = x.astype(jnp.float32) + h
-        residual = jax.lax.optimization_barrier(h)  # read by the mix below and the sum at the end: computed once
+        residual = h = jax.lax.optimization_barrier(h)  # read by the mix below and the sum at the end: computed once
         mlp_in = mixed_norms(self.mlp_input, [self.post_attention_layernorm], sources, block + 1, h, dtype)[0]
         mlp_out = self.mlp(mlp_in, row, None if chunk is None else chunk.valid)
         h = self.post_mlp_convolution(mlp_out, None if kv is None else chunk.lags(mlp_out, kv.conv_mlp[0]))
