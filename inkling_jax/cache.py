@@ -229,17 +229,23 @@ def advance_conv(kv: KVCache, stream: str, x: jax.Array, chunk: Chunk) -> KVCach
     return dataclasses.replace(kv, windows=dataclasses.replace(kv.windows, **{stream: recorded}))
 
 
-def conv_rows(kv: KVCache, first: int, rows: int, width: int) -> tuple[jax.Array, ...]:
-    """The four convolution states of layers first .. first + rows * width - 1, each [rows, width, S, K - 1, ch]:
-    the per-layer inputs of a scan over `rows` blocks of `width` layers."""
-    return tuple(
-        getattr(kv, f"conv_{s}")[first : first + rows * width].reshape(rows, width, *getattr(kv, f"conv_{s}").shape[1:])
-        for s in CONV_STREAMS
-    )
+def conv_rows(kv: KVCache, first: int, rows: int, width: int, slots: jax.Array | None) -> tuple[jax.Array, ...]:
+    """The four convolution states of layers first .. first + rows * width - 1, each [rows, width, N, K - 1, ch]:
+    the per-layer inputs of a scan over `rows` blocks of `width` layers, for the step's `Chunk.conv_slots`
+    (`slots`: [N] int32, S for padding; None: every slot)."""
+
+    def rows_of(stack: jax.Array) -> jax.Array:
+        layers = stack[first : first + rows * width]
+        if slots is not None:
+            layers = layers[:, jnp.minimum(slots, stack.shape[1] - 1)]
+        return layers.reshape(rows, width, *layers.shape[1:])
+
+    return tuple(rows_of(getattr(kv, f"conv_{s}")) for s in CONV_STREAMS)
 
 
 def layer_view(kv: KVCache, states: tuple[jax.Array, ...]) -> KVCache:
-    """kv as one layer sees it: its four convolution states `states` ([S, K - 1, ch] each) as stacks of one layer,
+    """kv as one layer sees it: its four convolution states `states` ([N, K - 1, ch] each, the step's
+    `Chunk.conv_slots`) as stacks of one layer,
     and, when kv records windows, empty windows of one layer. A scan over layers carries the rest of the cache and
     hands each layer its states as scan inputs, so that no layer updates a stack of every layer's (XLA copies a
     stack that one layer reads and another updates inside a loop)."""
@@ -252,7 +258,7 @@ def layer_view(kv: KVCache, states: tuple[jax.Array, ...]) -> KVCache:
 
 def leave_view(view: KVCache, kv: KVCache) -> tuple[KVCache, tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
     """A layer's `layer_view` after the layer -> (kv with the view's attention state, the layer's four convolution
-    states [S, K - 1, ch], its four windows [S, K - 1 + C, ch] or None when not recording)."""
+    states [N, K - 1, ch], its four windows [N, K - 1 + C, ch] or None when not recording)."""
     states = tuple(getattr(view, f"conv_{s}")[0] for s in CONV_STREAMS)
     windows = None if view.windows is None else tuple(getattr(view.windows, s)[0] for s in CONV_STREAMS)
     convs = {f"conv_{s}": getattr(kv, f"conv_{s}") for s in CONV_STREAMS}
@@ -260,13 +266,20 @@ def leave_view(view: KVCache, kv: KVCache) -> tuple[KVCache, tuple[jax.Array, ..
 
 
 def put_conv_rows(
-    kv: KVCache, first: int, states: tuple[jax.Array, ...], windows: tuple[jax.Array, ...] | None
+    kv: KVCache,
+    first: int,
+    states: tuple[jax.Array, ...],
+    windows: tuple[jax.Array, ...] | None,
+    slots: jax.Array | None,
 ) -> KVCache:
     """kv with layers first .. first + n - 1's convolution states (and windows) set from a scan's outputs
-    [rows, width, ...] (n = rows * width)."""
+    [rows, width, ...] (n = rows * width), for `conv_rows`' `slots`."""
 
     def put(stack: jax.Array, rows: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(stack, rows.reshape(-1, *stack.shape[1:]), first, 0)
+        rows = rows.reshape(-1, *rows.shape[2:])
+        if slots is None:
+            return jax.lax.dynamic_update_slice_in_dim(stack, rows, first, 0)
+        return stack.at[first : first + rows.shape[0], slots].set(rows, mode="drop")
 
     kv = dataclasses.replace(
         kv, **{f"conv_{s}": put(getattr(kv, f"conv_{s}"), rows) for s, rows in zip(CONV_STREAMS, states, strict=True)}

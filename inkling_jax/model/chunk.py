@@ -52,8 +52,8 @@ class Chunk:
     busy: jax.Array  # [N] int32 the narrow group's slots (see `busy_slots`), N = min(S, T)
     source: jax.Array  # [T] int32 each token's row in the groups' outputs (past them for padding)
     lag_index: jax.Array  # [K, T] int32 each token's convolution inputs at lags 0..K-1 (see `lags`)
-    history_index: jax.Array  # [S, K - 1] int32 each slot's convolution history after the step (see `history`)
-    held: jax.Array  # [S, K - 1] bool each history row that holds a token of the slot's sequence (see `known`)
+    history_index: jax.Array  # [N, K - 1] int32 each busy slot's convolution history after the step (`history`)
+    held: jax.Array  # [N, K - 1] bool each history row that holds a token of the slot's sequence (see `known`)
     width: int = dataclasses.field(metadata={"static": True})  # the narrow group's queries per slot
     tokens: int = dataclasses.field(metadata={"static": True})  # T
 
@@ -96,18 +96,20 @@ class Chunk:
             lane_rows = sequences * width + jnp.arange(lanes.count.shape[0] * lanes.width, dtype=jnp.int32)
             rows = rows.at[at].set(lane_rows.reshape(at.shape), mode="drop")
 
-        # convolutions: a token's input at lag j is the span's token offset - j before it, else the slot's history
-        taps = kernel_size - 1
+        # convolutions, over the busy slots' histories (`conv_slots`): a token's input at lag j is the span's token
+        # offset - j before it, else its slot's history
+        taps, own = kernel_size - 1, _clipped(busy, slots)
         lag = jnp.arange(kernel_size, dtype=jnp.int32)[:, None]  # [K, 1]
-        held = jnp.minimum(token_slot, slots - 1)[None, :] * taps + taps + offset[None, :] - lag
-        lag_index = jnp.where(offset[None, :] >= lag, slots * taps + flat[None, :] - lag, held)
-        position = counts[:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :]  # [S, K - 1] in the span
-        held = jnp.arange(slots)[:, None] * taps + taps + position
-        history_index = jnp.where(position >= 0, slots * taps + starts[:, None] + position, held)
-        known = lengths[:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :] >= 0  # [S, K - 1]
+        history_row = jnp.full(slots + 1, sequences, jnp.int32).at[busy].set(jnp.arange(sequences, dtype=jnp.int32))
+        held = history_row[token_slot][None, :] * taps + taps + offset[None, :] - lag
+        lag_index = jnp.where(offset[None, :] >= lag, sequences * taps + flat[None, :] - lag, held)
+        position = counts[own][:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :]  # [N, K - 1] in the span
+        held = jnp.arange(sequences)[:, None] * taps + taps + position
+        history_index = jnp.where(position >= 0, sequences * taps + starts[own][:, None] + position, held)
+        known = lengths[own][:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :] >= 0  # [N, K - 1]
         return cls(
             lengths, counts, page_table, starts, lanes, token_slot, offset, narrow_counts, busy, rows,
-            jnp.clip(lag_index, 0, slots * taps + tokens - 1).astype(jnp.int32), history_index.astype(jnp.int32),
+            jnp.clip(lag_index, 0, sequences * taps + tokens - 1).astype(jnp.int32), history_index.astype(jnp.int32),
             known, width=width, tokens=tokens,
         )  # fmt: skip
 
@@ -160,21 +162,29 @@ class Chunk:
             groups.append((index, kv_lens, lanes.count, self.page_table[lanes.slot], lanes.slot))
         return [(jnp.clip(index, 0, self.tokens - 1), *rest) for index, *rest in groups]
 
+    @property
+    def conv_slots(self) -> jax.Array | None:
+        """The slots whose convolution histories the step reads and writes, in the order of its history rows: the
+        busy slots (`busy`, S past the last) when the step has fewer tokens than slots, else None: every slot, in
+        order. A decode step of a few tokens reads, carries through its layers and writes back their rows alone,
+        not every slot's."""
+        return self.busy if self.busy.shape[0] < self.slots else None
+
     def known(self, history: jax.Array) -> jax.Array:
-        """The slots' convolution histories [S, K - 1, C] as their sequences have them: zeros before a sequence's
+        """The slots' convolution histories [N, K - 1, C] as their sequences have them: zeros before a sequence's
         first token. A slot's state is never cleared when a new sequence takes it (a scatter over every layer's
         state, 0.2 ms of a step at the proxy's shapes on the H200); whatever it holds before the new sequence's
         first token is read as zeros here."""
         return jnp.where(self.held[..., None], history, jnp.zeros((), history.dtype))
 
     def lags(self, x: jax.Array, history: jax.Array) -> jax.Array:
-        """x [1, T, C] after each slot's history [S, K - 1, C] -> [K, 1, T, C]: each token's inputs at lags 0..K-1
-        (lag-major, as `short_conv.lagged`)."""
+        """x [1, T, C] after the busy slots' histories [N, K - 1, C] -> [K, 1, T, C]: each token's inputs at lags
+        0..K-1 (lag-major, as `short_conv.lagged`)."""
         buffer = jnp.concatenate([self.known(history).reshape(-1, history.shape[-1]).astype(x.dtype), x[0]])
         return buffer[self.lag_index][:, None]
 
     def history(self, x: jax.Array, history: jax.Array) -> jax.Array:
-        """x [1, T, C] after each slot's history [S, K - 1, C] -> the history [S, K - 1, C] once the spans are in."""
+        """x [1, T, C] after the busy slots' histories [N, K - 1, C] -> theirs [N, K - 1, C] once the spans are in."""
         buffer = jnp.concatenate([self.known(history).reshape(-1, history.shape[-1]), x[0].astype(history.dtype)])
         return buffer[self.history_index]
 

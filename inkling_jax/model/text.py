@@ -195,7 +195,7 @@ class LayerStack(nnx.Module):
         graphdef, experts, params = nnx.split(self.positions, expert_weights, ...)
 
         first = segment.layers[0]
-        convs = None if kv is None else conv_rows(kv, first, segment.blocks, segment.width)
+        convs = None if kv is None else conv_rows(kv, first, segment.blocks, segment.width, chunk.conv_slots)
 
         def block(carry: tuple, inputs: tuple) -> tuple[tuple, tuple]:
             x, sources, kv = carry
@@ -220,7 +220,7 @@ class LayerStack(nnx.Module):
         rows = jnp.arange(segment.blocks, dtype=jnp.int32)
         (x, sources, kv), (outputs, states, windows) = jax.lax.scan(block, (x, sources, kv), (rows, params, convs))
         if kv is not None:
-            kv = put_conv_rows(kv, first, states, windows)
+            kv = put_conv_rows(kv, first, states, windows, chunk.conv_slots)
         captured = {
             segment.layers[row * segment.width + j]: out[row]
             for j, out in zip(taps, outputs, strict=True)
