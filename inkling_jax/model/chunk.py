@@ -53,7 +53,7 @@ class Chunk:
     source: jax.Array  # [T] int32 each token's row in the groups' outputs (past them for padding)
     lag_index: jax.Array  # [K, T] int32 each token's convolution inputs at lags 0..K-1 (see `lags`)
     history_index: jax.Array  # [N, K - 1] int32 each busy slot's convolution history after the step (`history`)
-    held: jax.Array  # [N, K - 1] bool each history row that holds a token of the slot's sequence (see `known`)
+    in_sequence: jax.Array  # [N, K - 1] bool each history row that holds a token of the slot's sequence (`known`)
     width: int = dataclasses.field(metadata={"static": True})  # the narrow group's queries per slot
     tokens: int = dataclasses.field(metadata={"static": True})  # T
 
@@ -106,11 +106,11 @@ class Chunk:
         position = counts[own][:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :]  # [N, K - 1] in the span
         held = jnp.arange(sequences)[:, None] * taps + taps + position
         history_index = jnp.where(position >= 0, sequences * taps + starts[own][:, None] + position, held)
-        known = lengths[own][:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :] >= 0  # [N, K - 1]
+        in_sequence = lengths[own][:, None] - taps + jnp.arange(taps, dtype=jnp.int32)[None, :] >= 0  # [N, K - 1]
         return cls(
             lengths, counts, page_table, starts, lanes, token_slot, offset, narrow_counts, busy, rows,
             jnp.clip(lag_index, 0, sequences * taps + tokens - 1).astype(jnp.int32), history_index.astype(jnp.int32),
-            known, width=width, tokens=tokens,
+            in_sequence, width=width, tokens=tokens,
         )  # fmt: skip
 
     @classmethod
@@ -175,7 +175,7 @@ class Chunk:
         first token. A slot's state is never cleared when a new sequence takes it (a scatter over every layer's
         state, 0.2 ms of a step at the proxy's shapes on the H200); whatever it holds before the new sequence's
         first token is read as zeros here."""
-        return jnp.where(self.held[..., None], history, jnp.zeros((), history.dtype))
+        return jnp.where(self.in_sequence[..., None], history, jnp.zeros((), history.dtype))
 
     def lags(self, x: jax.Array, history: jax.Array) -> jax.Array:
         """x [1, T, C] after the busy slots' histories [N, K - 1, C] -> [K, 1, T, C]: each token's inputs at lags
