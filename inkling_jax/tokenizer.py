@@ -124,13 +124,22 @@ class Tokenizer:
     def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
         """The ids of `text`. Special-token strings in it become their ids only with `special_tokens=True`
         (for rendering chat framing); otherwise they are encoded as plain text, so user input cannot forge
-        framing tokens."""
+        framing tokens. The batch call releases the GIL while it works (a single `encode` holds it: seconds on a
+        long prompt, during which no other thread of the server runs)."""
         tokenizer = self._tokenizer if special_tokens else self._plain
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) from its UTF-8 length alone (no token is longer than the longest
+        vocabulary entry), so that text which cannot fit a context is refused before it is encoded; 0 when the
+        tokenizer normalizes text (which may shorten it)."""
+        if self._tokenizer.normalizer is not None:
+            return 0
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self._longest_piece)
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """The text of `ids`; invalid UTF-8 (such as a character cut short) becomes U+FFFD."""
-        return self._tokenizer.decode(self._checked(ids), skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode_batch([self._checked(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def token_bytes(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> bytes:
         """The bytes that `decode` turns into text, so that streaming can decode them incrementally."""
@@ -158,6 +167,11 @@ class Tokenizer:
             raise TokenizerError(
                 f"{self.source}: the EOS token is id {self.eos_token_id}, but the model config's eos_token_id is {eos}"
             )
+
+    @cached_property
+    def _longest_piece(self) -> int:
+        """The most bytes one token stands for (special tokens' text included)."""
+        return max(1, *map(len, self._pieces))
 
     def _checked(self, ids: Iterable[int]) -> list[int]:
         """`ids` as a list of ints, every one in the vocabulary, else TokenizerError."""

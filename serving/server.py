@@ -11,6 +11,10 @@ are streamed back as they come, detokenized incrementally and cut at the first s
 (`inkling_jax.runtime.text_stream`). A call that
 is cancelled or runs past its deadline cancels its request, which frees its slot. Every refusal is a
 gRPC status with a message; an unexpected error fails only its own call (INTERNAL).
+
+No request can hold up the others: messages are limited in size, text that cannot fit the context is refused
+from its length before it is tokenized, and tokenizing, detokenizing and checking ids run on a small pool of
+threads (the tokenizer releases the GIL), never on the event loop that carries every stream and health check.
 """
 
 from __future__ import annotations
@@ -23,16 +27,28 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inkling_jax.config import load_config
 from inkling_jax.runtime.engine import Engine
-from inkling_jax.runtime.requests import MAX_LOGPROBS, NO_TOKENIZER, Code, Delta, Rejected, Request, validate
+from inkling_jax.runtime.requests import (
+    MAX_LOGPROBS,
+    NO_TOKENIZER,
+    Code,
+    Delta,
+    Rejected,
+    Request,
+    validate,
+    validate_sizes,
+)
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
@@ -48,10 +64,18 @@ MAX_REQUEST_ID_LENGTH = 256
 HEALTH_POLL_SECONDS = 0.05
 THROUGHPUT_SAMPLE_SECONDS = 1.0
 
+# A message holds a prompt of the 1M-token context as ids (at most 5 bytes each) or as text at up to 32 bytes a
+# token (text averages about 4); larger ones are refused by gRPC before they are read.
+MAX_MESSAGE_BYTES = 32 << 20
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a port already in use is an error, not a second server sharing it
-    ("grpc.max_receive_message_length", 256 << 20),  # prompts up to the 1M-token context, as ids or text
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # gRPC's own backlog of calls not yet handed to a handler cancels calls at random past 1000 (CANCELLED, which
+    # clients rarely retry): calls reach the handler, which refuses those past capacity as RESOURCE_EXHAUSTED
+    ("grpc.server.max_pending_requests", 1 << 20),
+    ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
 )
+PREPARE_THREADS = 4  # tokenizing and checking requests, off the event loop
 STATUS_OF_CODE = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     Code.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
@@ -63,6 +87,38 @@ FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
+
+
+class Unparsable:
+    """A request whose bytes are not a valid message of its type (a handler refuses it as INVALID_ARGUMENT)."""
+
+    def __init__(self, message_type: str, error: DecodeError):
+        self.message = f"the request is not a valid {message_type}: {error}"
+
+
+def _parser(message_type: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as error:  # malformed bytes, or a string field that is not UTF-8
+            return Unparsable(message_type.DESCRIPTOR.full_name, error)
+
+    return parse
+
+
+def add_inkling_service(servicer: InklingServicer, server: grpc.aio.Server) -> None:
+    """Register the Inkling service as the generated `add_InklingServicer_to_server` does, with request parsers
+    that hand an unparsable message to the handler (gRPC would answer UNKNOWN with a Python traceback's text)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Inkling"].methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class CallError(Exception):
@@ -103,6 +159,8 @@ def request_from_message(request: pb.GenerateRequest, request_id: str, prompt: t
 
 
 def model_info(engine: Engine) -> pb.ModelInfo:
+    """The model's facts; the checkpoint by its directory's name alone (clients learn nothing of the server's
+    filesystem)."""
     text, tokenizer = engine.text, engine.tokenizer
     eos = text.eos_token_id
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -118,10 +176,19 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         num_pages=engine.num_pages,
         has_tokenizer=tokenizer is not None,
         dtype=str(engine.dtype),
-        checkpoint=str(engine.checkpoint),
+        checkpoint=Path(engine.checkpoint).name,
         max_logprobs=MAX_LOGPROBS,
         special_tokens=dict(tokenizer.special_tokens) if tokenizer is not None else {},
     )
+
+
+def _copied(ids: Any, piece: int = 1 << 16) -> list[int]:
+    """A message's repeated ids as a list, copied a piece at a time: one copy of a million ids would hold the GIL
+    for ~0.1 s, stalling every stream."""
+    copy: list[int] = []
+    for start in range(0, len(ids), piece):
+        copy.extend(ids[start : start + piece])
+    return copy
 
 
 def logprobs_of(delta: Delta, count: int) -> list[pb.TokenLogprob]:
@@ -134,12 +201,15 @@ def logprobs_of(delta: Delta, count: int) -> list[pb.TokenLogprob]:
 
 
 def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A unary handler whose CallError, or any unexpected error, becomes the call's status."""
+    """A unary handler, run on the servicer's pool of threads, whose CallError, or any unexpected error, becomes
+    the call's status."""
 
     @functools.wraps(method)
     async def handle(self: InklingServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
+            if isinstance(request, Unparsable):
+                raise CallError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return await asyncio.get_running_loop().run_in_executor(self.prepare, method, self, request, context)
         except CallError as error:
             await context.abort(error.status, str(error))
         except Exception as error:
@@ -158,7 +228,9 @@ class InklingServicer(pb_grpc.InklingServicer):
         self.scheduler: Scheduler | None = None
         self._model_info: pb.ModelInfo | None = None
         self._in_flight: set[str] = set()  # request ids the scheduler may still hold; touched on the loop only
+        self._calls = 0  # Generate calls admitted and not ended; touched on the loop only
         self.draining = False  # set on the loop, before health turns NOT_SERVING: no new request after that
+        self.prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="request-prepare")
 
     def attach(self, engine: Engine, scheduler: Scheduler) -> None:
         self._model_info = model_info(engine)
@@ -182,14 +254,25 @@ class InklingServicer(pb_grpc.InklingServicer):
             )
         return engine.tokenizer
 
+    def _encode(self, engine: Engine, text: str, special_tokens: bool, what: str) -> list[int]:
+        """The ids of `text`, refused as OUT_OF_RANGE without encoding it when its length alone shows that it
+        cannot fit the model's context."""
+        tokenizer, context = self._tokenizer(engine, what), engine.text.max_position_embeddings
+        fewest = tokenizer.fewest_tokens(text)
+        if fewest > context:
+            raise CallError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"the text ({len(text)} characters) makes at least {fewest} tokens, more than the model's {context} "
+                "positions",
+            )
+        return tokenizer.encode(text, special_tokens=special_tokens)
+
     def _prompt(self, request: pb.GenerateRequest, engine: Engine) -> tuple[int, ...]:
         match request.WhichOneof("input"):
             case "text":
-                ids = self._tokenizer(engine, "text input").encode(
-                    request.text, special_tokens=request.parse_special_tokens
-                )
+                ids = self._encode(engine, request.text, request.parse_special_tokens, "text input")
             case "token_ids":
-                ids = list(request.token_ids.ids)
+                ids = _copied(request.token_ids.ids)
             case _:
                 raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "give the prompt as text or token_ids")
         return tuple(ids)
@@ -201,11 +284,16 @@ class InklingServicer(pb_grpc.InklingServicer):
             raise CallError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters"
             )
-        if requested in self._in_flight:
-            raise CallError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {requested!r} is already in flight")
         return requested
 
     def _engine_request(self, request: pb.GenerateRequest, engine: Engine) -> Request:
+        """The call's validated Request (run on the pool: it may tokenize a long prompt). Sizes are checked
+        before anything is copied out of the message."""
+        try:
+            stop, ids = request.stop, request.token_ids.ids if request.WhichOneof("input") == "token_ids" else ()
+            validate_sizes(len(ids), len(stop.stop_token_ids), len(stop.stop), engine.text)
+        except Rejected as rejected:
+            raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
         prompt = self._prompt(request, engine)
         engine_request = request_from_message(
             request, self._request_id(request.request_id), prompt, seed=secrets.randbelow(2**32)
@@ -221,10 +309,24 @@ class InklingServicer(pb_grpc.InklingServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        self._calls += 1  # until the call ends, however it ends
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        finally:
+            self._calls -= 1
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         received = time.monotonic()
         try:
+            if isinstance(request, Unparsable):
+                raise CallError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             engine, scheduler = self._loaded()
-            engine_request = self._engine_request(request, engine)
+            self._admit(scheduler)
+            loop = asyncio.get_running_loop()
+            engine_request = await loop.run_in_executor(self.prepare, self._engine_request, request, engine)
             deltas = self._submit(scheduler, engine_request)
         except CallError as error:
             self.metrics.requests_refused.labels(code=error.status.name.lower()).inc()
@@ -251,6 +353,15 @@ class InklingServicer(pb_grpc.InklingServicer):
                 scheduler.cancel(engine_request.id)
             self.metrics.requests_finished.labels(finish_reason=outcome).inc()
 
+    def _admit(self, scheduler: Scheduler) -> None:
+        """Refuse the call at once when the scheduler could not hold it with the calls before it (before its
+        prompt is tokenized: a burst past capacity costs the server little)."""
+        if self._calls > scheduler.capacity:
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is at capacity ({scheduler.capacity} requests running or waiting); retry later",
+            )
+
     def _submit(self, scheduler: Scheduler, request: Request) -> asyncio.Queue[Delta]:
         """Hand the request to the scheduler; its deltas arrive on the returned queue, on this loop.
 
@@ -258,6 +369,8 @@ class InklingServicer(pb_grpc.InklingServicer):
         so that a reused id never meets the old request's cancellation."""
         if self.draining:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the server is draining")
+        if request.id in self._in_flight:
+            raise CallError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.id!r} is already in flight")
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
 
@@ -339,14 +452,18 @@ class InklingServicer(pb_grpc.InklingServicer):
     @_unary
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         engine, _ = self._loaded()
-        tokenizer = self._tokenizer(engine, "Tokenize")
-        ids = tokenizer.encode(request.text, special_tokens=request.parse_special_tokens)
-        return pb.TokenizeResponse(token_ids=ids)
+        return pb.TokenizeResponse(
+            token_ids=self._encode(engine, request.text, request.parse_special_tokens, "Tokenize")
+        )
 
     @_unary
     def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         engine, _ = self._loaded()
-        tokenizer = self._tokenizer(engine, "Detokenize")
+        tokenizer, context = self._tokenizer(engine, "Detokenize"), engine.text.max_position_embeddings
+        if len(request.token_ids) > context:
+            raise CallError(
+                grpc.StatusCode.OUT_OF_RANGE, f"{len(request.token_ids)} ids, more than the model's {context} positions"
+            )
         ids = list(request.token_ids)
         try:
             if ids:
@@ -394,7 +511,7 @@ class Server:
 
     async def _start(self, host: str, port: int) -> int:
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_InklingServicer_to_server(self.servicer, self._grpc)
+        add_inkling_service(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -457,6 +574,7 @@ class Server:
         if self._loop.is_closed():
             return
         self._call(self._shutdown(grace))
+        self.servicer.prepare.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()

@@ -7,6 +7,7 @@ stop tokens, cancellation, draining and its slot limit, and counts what it is as
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import dataclasses
@@ -16,6 +17,7 @@ import math
 import random
 import shutil
 import signal
+import string
 import subprocess
 import threading
 import time
@@ -31,7 +33,16 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer
 from inkling_jax.config import TextConfig, load_config
-from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob
+from inkling_jax.runtime.requests import (
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    Code,
+    Delta,
+    Rejected,
+    Request,
+    TopLogprob,
+)
 from inkling_jax.runtime.scheduler import Stats
 from inkling_jax.runtime.text_stream import StopStringMatcher, TextStream
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer
@@ -39,7 +50,7 @@ from serving import client as cli
 from serving import main as server_main
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
-from serving.server import SERVICE_NAME, Server, serve
+from serving.server import MAX_MESSAGE_BYTES, SERVICE_NAME, Server, serve
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.json"  # vocabulary 500 (EOS 499), context 4096
@@ -78,8 +89,9 @@ class FakeScheduler:
     their first delta.
     """
 
-    def __init__(self, engine: FakeEngine, *, ready: bool = True, step_seconds: float = 0.001):
+    def __init__(self, engine: FakeEngine, *, ready: bool = True, step_seconds: float = 0.001, capacity: int = 4096):
         self.engine, self.ready, self.draining, self.step_seconds = engine, ready, False, step_seconds
+        self.capacity = capacity
         self.fail_submit: Exception | None = None
         self.fail_midway: set[tuple[int, ...]] = set()
         self.cancelled: list[str] = []
@@ -425,8 +437,36 @@ BAD_REQUESTS = {
     ),
     "long request id": (lambda: request([1], request_id="x" * 300), StatusCode.INVALID_ARGUMENT, "request_id"),
     "past the context": (lambda: request([1] * 100, max_tokens=4000), StatusCode.OUT_OF_RANGE, "4096"),
+    "prompt past the context": (
+        lambda: request(random.choices(range(500), k=4097)), StatusCode.OUT_OF_RANGE, "prompt (4097 tokens)",
+    ),
+    "5 MiB of text": (lambda: request(text=_random_text_of(5 << 20)), StatusCode.OUT_OF_RANGE, "at least"),
+    "over the message limit": (
+        lambda: request(text=_random_text_of(MAX_MESSAGE_BYTES + 1)), StatusCode.RESOURCE_EXHAUSTED, "larger than",
+    ),
+    "too many stop strings": (
+        lambda: request([1], stop=pb.StopConditions(max_tokens=4, stop=[str(i) for i in range(MAX_STOP_STRINGS + 1)])),
+        StatusCode.INVALID_ARGUMENT, f"more than the {MAX_STOP_STRINGS} allowed",
+    ),
+    "long stop string": (
+        lambda: request([1], stop=pb.StopConditions(max_tokens=4, stop=["x" * (MAX_STOP_STRING_LENGTH + 1)])),
+        StatusCode.INVALID_ARGUMENT, f"longer than {MAX_STOP_STRING_LENGTH}",
+    ),
+    "too many stop ids": (
+        lambda: request([1], stop=pb.StopConditions(max_tokens=4, stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1))),
+        StatusCode.INVALID_ARGUMENT, f"more than the {MAX_STOP_TOKEN_IDS} allowed",
+    ),
     "past the cache": (lambda: request([1] * 100, max_tokens=1000), StatusCode.RESOURCE_EXHAUSTED, "pages"),
 }  # fmt: skip
+
+
+def _random_text_of(size: int) -> str:
+    """`size` bytes of random ASCII words."""
+    words = ["".join(random.choices(string.ascii_letters, k=random.randrange(1, 12))) for _ in range(1000)]
+    text = " ".join(random.choices(words, k=size // 6 + 1))
+    while len(text) < size:
+        text += text
+    return text[:size]
 
 
 @pytest.mark.parametrize("name", BAD_REQUESTS)
@@ -437,6 +477,65 @@ def test_bad_requests_get_their_status_and_harm_nothing(start, name):
     assert status == code and fragment in details
     responses = list(running.stub.Generate(request([7, 8], max_tokens=3)))
     assert token_ids_of(responses) == [7, 8, 7]
+
+
+def test_tokenize_and_detokenize_refuse_what_cannot_fit_the_context(start):
+    running = start()
+    status, details = status_of(lambda: running.stub.Tokenize(pb.TokenizeRequest(text=_random_text_of(5 << 20))))
+    assert status == StatusCode.OUT_OF_RANGE and "at least" in details and "4096 positions" in details
+    ids = random.choices(range(500), k=4097)
+    status, details = status_of(lambda: running.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)))
+    assert status == StatusCode.OUT_OF_RANGE and "4097 ids" in details
+    assert running.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids[:4096])).text
+
+
+def test_bytes_that_are_not_a_request_are_invalid_argument(start):
+    """Malformed bytes, and a text field that is not UTF-8 (field 2 of GenerateRequest, field 1 of
+    TokenizeRequest), are refused as the client's error, naming the message type."""
+    running = start()
+    garbage = bytes(random.randrange(128, 256) for _ in range(16))  # varint continuation bytes that never end
+    not_utf8 = bytes([0xFF, 0xFE, *random.choices(range(0x80, 0xC0), k=6)])
+    for method, message, streaming, payload in (
+        ("Generate", "GenerateRequest", True, garbage),
+        ("Generate", "GenerateRequest", True, bytes([0x12, len(not_utf8)]) + not_utf8),
+        ("Tokenize", "TokenizeRequest", False, bytes([0x0A, len(not_utf8)]) + not_utf8),
+    ):
+        path = f"/inkling.v1.Inkling/{method}"
+        if streaming:
+            call = running.channel.unary_stream(path)
+            status, details = status_of(lambda call=call, payload=payload: list(call(payload)))
+        else:
+            call = running.channel.unary_unary(path)
+            status, details = status_of(lambda call=call, payload=payload: call(payload))
+        assert status == StatusCode.INVALID_ARGUMENT and f"not a valid inkling.v1.{message}" in details
+    assert token_ids_of(list(running.stub.Generate(request([5, 6], max_tokens=2)))) == [5, 6]
+
+
+def test_a_burst_past_capacity_is_resource_exhausted_and_the_rest_are_served(start):
+    """1500 calls at once (past gRPC's default backlog of 1000 calls, beyond which it cancels calls at random):
+    every call past the scheduler's capacity is RESOURCE_EXHAUSTED, none CANCELLED, and the others finish."""
+    capacity = random.randrange(50, 150)
+    running = start(capacity=capacity, step_seconds=0.02)
+    prompts = [random.choices(range(499), k=random.randrange(1, 6)) for _ in range(1500)]  # 499: EOS
+
+    async def burst() -> list[tuple[str, list[int]]]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.server.port}") as channel:
+            stub = pb_grpc.InklingStub(channel)
+
+            async def one(prompt: list[int]) -> tuple[str, list[int]]:
+                try:
+                    return "OK", token_ids_of([r async for r in stub.Generate(request(prompt, max_tokens=3))])
+                except grpc.aio.AioRpcError as error:
+                    return error.code().name, [error.details()]
+
+            return await asyncio.gather(*(one(prompt) for prompt in prompts))
+
+    outcomes = asyncio.run(burst())
+    codes = collections.Counter(code for code, _ in outcomes)
+    assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"} and codes["OK"] >= capacity
+    for prompt, (code, result) in zip(prompts, outcomes, strict=True):
+        assert result == echo(prompt, 3) if code == "OK" else "at capacity" in result[0], result
+    assert token_ids_of(list(running.stub.Generate(request([9, 8], max_tokens=2)))) == [9, 8]
 
 
 def test_no_tokenizer_refuses_text_with_failed_precondition(start):
@@ -534,7 +633,7 @@ def test_model_info(start, checkpoint):
     )  # fmt: skip
     assert list(info.eos_token_ids) == [499] and info.has_tokenizer and info.max_logprobs == 20
     assert (info.mesh, info.max_num_seqs, info.page_size, info.num_pages) == ("tp1", 4, PAGE_SIZE, NUM_PAGES)
-    assert (info.dtype, info.checkpoint) == ("float32", checkpoint)
+    assert (info.dtype, info.checkpoint) == ("float32", Path(checkpoint).name)  # no path of the server's
     assert info.special_tokens["<|content_model_end_sampling|>"] == 499
 
 
@@ -719,6 +818,26 @@ def test_stop_matcher_never_leaks_any_part_of_a_stop_string():
         emitted += matcher.flush() if matcher.matched is None else ""
         assert emitted == expected
         assert matcher.matched == (ends[0][2] if ends else None)
+
+
+def test_stop_matcher_with_many_overlapping_stop_strings_finds_the_first_completed():
+    """Up to the request limit of stop strings over a two-letter alphabet, so that they overlap and nest: the
+    matcher agrees with checking every stop string against every prefix of the text."""
+    rng = random.Random()
+    for _ in range(300):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(1, 40)))
+        stop = list({"".join(rng.choice("ab") for _ in range(rng.randrange(2, 9))) for _ in range(MAX_STOP_STRINGS)})
+        rng.shuffle(stop)
+        first = next((end for end in range(1, len(text) + 1) if any(text[:end].endswith(s) for s in stop)), None)
+        matched = None if first is None else max((s for s in stop if text[:first].endswith(s)), key=len)
+        matcher, emitted, position = StopStringMatcher(stop), "", 0
+        while position < len(text) and matcher.matched is None:
+            step = rng.randrange(1, 4)
+            emitted += matcher.push(text[position : position + step])
+            position += step
+        emitted += matcher.flush() if matcher.matched is None else ""
+        assert matcher.matched == matched
+        assert emitted == (text if first is None else text[: first - len(matched)])
 
 
 def test_text_stream_cuts_at_the_token_that_completes_a_stop_string(tokenizer):

@@ -18,6 +18,10 @@ from inkling_jax.tokenizer import Tokenizer
 
 # How many top log-probabilities a request may ask for per token (the step computes this many always).
 MAX_LOGPROBS = 20
+# Stop conditions a request may carry: each generated token is checked against them.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LENGTH = 1024  # characters
 
 
 class Code(enum.Enum):
@@ -80,24 +84,22 @@ NO_TOKENIZER = "the checkpoint has no tokenizer.json, or the model was loaded wi
 
 
 def validate(request: Request, text: TextConfig) -> None:
-    """Raise Rejected naming the first field of the wrong type or out of range, or a token id outside the
-    vocabulary; OUT_OF_RANGE when prompt + max_tokens runs past the model's context."""
+    """Raise Rejected naming the first field of the wrong type or out of range, a token id outside the
+    vocabulary, or stop conditions past their limits; OUT_OF_RANGE when prompt + max_tokens runs past the model's
+    context. Sizes are checked before contents, so an oversized request costs no step per entry."""
 
     def refuse(message: str) -> Rejected:
         return Rejected(Code.INVALID_ARGUMENT, message)
 
     if isinstance(request.id, bool) or not isinstance(request.id, str | int):
         raise refuse(f"id must be a string or an integer, got {request.id!r}")
-    vocab = text.unpadded_vocab_size
+    for name, entries in (("prompt_token_ids", "integers"), ("stop_token_ids", "integers"), ("stop", "strings")):
+        if not isinstance(getattr(request, name), list | tuple):
+            raise refuse(f"{name} must be a list of {entries}")
+    prompt, context = len(request.prompt_token_ids), text.max_position_embeddings
+    validate_sizes(prompt, len(request.stop_token_ids), len(request.stop), text)
     for name in ("prompt_token_ids", "stop_token_ids"):
-        ids = getattr(request, name)
-        if not isinstance(ids, list | tuple):
-            raise refuse(f"{name} must be a list of integers")
-        for i, token in enumerate(ids):
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise refuse(f"{name}[{i}] is {token!r}, not an integer")
-            if not 0 <= token < vocab:
-                raise refuse(f"{name}[{i}] is {token}, outside the vocabulary [0, {vocab})")
+        _check_token_ids(name, getattr(request, name), text.unpadded_vocab_size)
     if not request.prompt_token_ids:
         raise refuse("the prompt is empty")
     for name, (integral, low, high, low_open) in RANGES.items():
@@ -110,17 +112,41 @@ def validate(request: Request, text: TextConfig) -> None:
             raise refuse(f"{name} must be a finite number, got {value!r}")
         if not (low < value if low_open else low <= value) or value > high:
             raise refuse(f"{name} must be {_bounds(low, high, low_open)}, got {value!r}")
-    if not isinstance(request.stop, list | tuple) or not all(isinstance(s, str) and s for s in request.stop):
+    if not all(isinstance(s, str) and s for s in request.stop):
         raise refuse("stop must be a list of non-empty strings")
+    if any(len(s) > MAX_STOP_STRING_LENGTH for s in request.stop):
+        raise refuse(f"a stop string is longer than {MAX_STOP_STRING_LENGTH} characters")
     for name in ("ignore_eos", "speculative"):
         if not isinstance(getattr(request, name), bool):
             raise refuse(f"{name} must be true or false, got {getattr(request, name)!r}")
-    prompt, context = len(request.prompt_token_ids), text.max_position_embeddings
     if prompt + request.max_tokens > context:
         raise Rejected(
             Code.OUT_OF_RANGE,
             f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) exceeds the model's {context} positions",
         )
+
+
+def validate_sizes(prompt: int, stop_token_ids: int, stop: int, text: TextConfig) -> None:
+    """Rejected when a request's prompt (in tokens) cannot fit the context or its stop conditions are past their
+    limits: what a front door checks from the lengths alone, before it copies the entries."""
+    context = text.max_position_embeddings
+    if prompt > context:
+        raise Rejected(Code.OUT_OF_RANGE, f"the prompt ({prompt} tokens) exceeds the model's {context} positions")
+    limits = (("stop_token_ids", stop_token_ids, MAX_STOP_TOKEN_IDS), ("stop", stop, MAX_STOP_STRINGS))
+    for name, count, limit in limits:
+        if count > limit:
+            raise Rejected(Code.INVALID_ARGUMENT, f"{name} has {count} entries, more than the {limit} allowed")
+
+
+def _check_token_ids(name: str, ids: Sequence[object], vocab: int) -> None:
+    """Rejected naming the first entry of `ids` that is not an integer in [0, vocab)."""
+    if all(type(token) is int for token in ids) and (not ids or (min(ids) >= 0 and max(ids) < vocab)):
+        return  # the common case, without a Python step per id
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise Rejected(Code.INVALID_ARGUMENT, f"{name}[{i}] is {token!r}, not an integer")
+        if not 0 <= token < vocab:
+            raise Rejected(Code.INVALID_ARGUMENT, f"{name}[{i}] is {token}, outside the vocabulary [0, {vocab})")
 
 
 def _bounds(low: float, high: float, low_open: bool) -> str:

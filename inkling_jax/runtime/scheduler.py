@@ -70,6 +70,7 @@ class _Sequence:
     finished: bool = False
     rounds: int = 0  # speculative rounds read, and the tokens they emitted
     round_tokens: int = 0
+    stop_ids: frozenset[int] = frozenset()  # the tokens that end it: its stop ids, and EOS unless ignored
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -120,6 +121,11 @@ class Scheduler:
         self.ready = False
         self.draining = False
 
+    @property
+    def capacity(self) -> int:
+        """The most requests it holds at once: one in each slot and a full waiting queue."""
+        return self.engine.slots + self.max_waiting
+
     # --- the consumer side (any thread) ---
 
     def submit(self, request: Request, on_delta: Callable[[Delta], None]) -> None:
@@ -140,7 +146,8 @@ class Scheduler:
                 raise Rejected(Code.INVALID_ARGUMENT, f"request id {request.id!r} is already in flight")
             if len(self._waiting) + len(self._inbox) >= self.max_waiting:
                 raise Rejected(Code.RESOURCE_EXHAUSTED, f"the queue is full ({self.max_waiting} waiting requests)")
-            sequence = _Sequence(request, on_delta, next(self._arrivals))
+            stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self.eos)
+            sequence = _Sequence(request, on_delta, next(self._arrivals), stop_ids=stop_ids)
             self._ids[request.id] = sequence
             self._inbox.append(("submit", sequence))
             self._lock.notify()
@@ -377,7 +384,7 @@ class Scheduler:
             for token in emitted.tokens[slot, :count].tolist():
                 sequence.outputs.append(token)
                 taken += 1
-                if token in request.stop_token_ids or (token in self.eos and not request.ignore_eos):
+                if token in sequence.stop_ids:
                     reason = "stop"
                 elif len(sequence.outputs) >= request.max_tokens:
                     reason = "length"

@@ -10,13 +10,18 @@ generation there. The gRPC server and the batch runner share both.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 
 class StopStringMatcher:
-    """Text pieces in, text safe to show out; finds the first occurrence of any stop string."""
+    """Text pieces in, text safe to show out; finds the first occurrence of any stop string.
+
+    One Aho-Corasick automaton over all the stop strings reads each character once, so the cost of a piece
+    does not grow with the number of stop strings; its state is the longest end of the text that is still the
+    start of one, which is exactly what must be held back."""
 
     def __init__(self, stop: Sequence[str]):
         if not all(stop):
@@ -24,45 +29,61 @@ class StopStringMatcher:
         self.stop = tuple(stop)
         self.matched: str | None = None  # the stop string found, once found
         self._held = ""  # end of the text that may be the start of a stop string
+        self._state = 0
+        self._next, self._fallback, self._depth, self._ends = _automaton(self.stop)
 
     def push(self, text: str) -> str:
         """The text now known to precede any stop string; nothing more once one has matched."""
         if self.matched is not None:
             return ""
-        text = self._held + text
-        start, matched = self._first_match(text)
-        if matched is not None:
-            self.matched, self._held = matched, ""
-            return text[:start]
-        held = self._partial_match_length(text)
-        self._held = text[len(text) - held :]
+        text, state = self._held + text, self._state
+        nexts, fallback, ends = self._next, self._fallback, self._ends
+        for position in range(len(self._held), len(text)):
+            char = text[position]
+            while state and char not in nexts[state]:
+                state = fallback[state]
+            state = nexts[state].get(char, 0)
+            if ends[state]:  # the first stop string completed here; the longest of those ending here starts first
+                start = position + 1 - ends[state]
+                self.matched, self._held, self._state = text[start : position + 1], "", 0
+                return text[:start]
+        held = self._depth[state]
+        self._held, self._state = text[len(text) - held :], state
         return text[: len(text) - held]
 
     def flush(self) -> str:
         """At the end of generation: the held-back text, which no stop string can complete any more."""
-        held, self._held = self._held, ""
+        held, self._held, self._state = self._held, "", 0
         return held
 
-    def _first_match(self, text: str) -> tuple[int, str | None]:
-        """Where the first stop string to be completed in `text` starts, and which it is.
 
-        "First completed" (earliest end; of those ending together, the earliest start) is what a token by
-        token check sees, so the result does not depend on how the text was split into pieces."""
-        found = [(start + len(s), start, s) for s in self.stop if (start := text.find(s)) != -1]
-        if not found:
-            return len(text), None
-        _, start, matched = min(found)
-        return start, matched
-
-    def _partial_match_length(self, text: str) -> int:
-        """Length of the longest end of `text` that is the start (not the whole) of a stop string."""
-        longest = 0
-        for candidate in self.stop:
-            for length in range(min(len(candidate) - 1, len(text)), longest, -1):
-                if text.endswith(candidate[:length]):
-                    longest = length
-                    break
-        return longest
+def _automaton(stop: Sequence[str]) -> tuple[list[dict[str, int]], list[int], list[int], list[int]]:
+    """The stop strings' trie with its failure links: per state, the next state of each character, the state of
+    its longest proper suffix in the trie, its depth (characters), and the length of the longest stop string that
+    ends there (0: none)."""
+    nexts, depth, ends = [{}], [0], [0]
+    for string in stop:
+        state = 0
+        for char in string:
+            if char not in nexts[state]:
+                nexts.append({})
+                depth.append(depth[state] + 1)
+                ends.append(0)
+                nexts[state][char] = len(nexts) - 1
+            state = nexts[state][char]
+        ends[state] = len(string)
+    fallback = [0] * len(nexts)
+    queue = collections.deque(nexts[0].values())
+    while queue:  # breadth first: a state's fallback is settled before its children's
+        state = queue.popleft()
+        ends[state] = max(ends[state], ends[fallback[state]])
+        for char, child in nexts[state].items():
+            link = fallback[state]
+            while link and char not in nexts[link]:
+                link = fallback[link]
+            fallback[child] = nexts[link].get(char, 0)
+            queue.append(child)
+    return nexts, fallback, depth, ends
 
 
 class Decoder(Protocol):
