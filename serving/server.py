@@ -37,6 +37,7 @@ from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from serving.connection import KEEPALIVE_OPTIONS
 from serving.metrics import Metrics
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
@@ -369,7 +370,8 @@ class ServeError(RuntimeError):
 class Server:
     """A running server: gRPC (and optionally metrics over HTTP) on a thread with its own event loop.
 
-    Create with `serve`. `port` and `metrics_port` are the ports actually bound.
+    Create with `serve`. `port` and `metrics_port` are the ports actually bound. Connections take clients'
+    keepalive pings as `serving.connection.KEEPALIVE_OPTIONS` sets out.
     """
 
     def __init__(self, host: str, port: int, metrics_port: int | None):
@@ -393,7 +395,7 @@ class Server:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     async def _start(self, host: str, port: int) -> int:
-        self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
+        self._grpc = grpc.aio.server(options=SERVER_OPTIONS + KEEPALIVE_OPTIONS)
         pb_grpc.add_InklingServicer_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
