@@ -9,7 +9,9 @@
 The port is bound first and answers health checks (NOT_SERVING) while the model loads and every step
 shape compiles; health turns SERVING when warm-up is done. SIGTERM or SIGINT drains: health goes
 NOT_SERVING, new requests get UNAVAILABLE, in-flight ones finish (up to --drain-timeout seconds, then
-they are aborted), and the process exits 0. Bad flags, config or checkpoint: one line on stderr, exit 2.
+they are aborted), and the process exits 0. A second SIGTERM or SIGINT during the drain aborts the
+in-flight requests at once (their streams end with finish reason ABORT) and exits with 128 + the signal's
+number. Bad flags, config or checkpoint: one line on stderr, exit 2.
 Without --checkpoint the embedded synthetic checkpoint (configs/tiny.json, random weights) is served,
 written to out/tiny-checkpoint first if it is not there. With --load-format dummy, --checkpoint may be a
 config JSON file: random weights are built on the devices from it (no tokenizer: token-id prompts only).
@@ -89,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none", help=speculative_help)
     add_load_format_argument(parser)
     compilation_cache.add_argument(parser)
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on exit")
+    drain_help = "seconds to let requests finish on SIGTERM / SIGINT (a second signal aborts them)"
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help=drain_help)
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     for name in ("port", "metrics_port"):
@@ -132,14 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log_to_stderr()
     _log_serving_to_stderr()
-    stopping, ready = threading.Event(), threading.Event()
+    stopping, ready, forced = threading.Event(), threading.Event(), threading.Event()
+    signals: list[int] = []  # the shutdown signals received, in order
 
     def on_signal(signum: int, frame: object) -> None:
-        log.info("%s: shutting down", signal.Signals(signum).name)
-        if not stopping.is_set():
+        signals.append(signum)
+        if len(signals) == 1:
+            log.info("%s: shutting down", signal.Signals(signum).name)
             stopping.set()
             if not ready.is_set():
                 raise ShutdownRequested
+        elif ready.is_set():
+            forced.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -184,8 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     log.info("SERVING %s on %s:%d", checkpoint, args.host, server.port)
     while not stopping.wait(SIGNAL_POLL_SECONDS):
         pass
-    log.info("draining: up to %g s for in-flight requests", args.drain_timeout)
-    server.drain(args.drain_timeout)
+    log.info("draining: up to %g s for in-flight requests (a second signal aborts them)", args.drain_timeout)
+    drain = threading.Thread(target=server.drain, args=(args.drain_timeout,), name="drain", daemon=True)
+    drain.start()
+    while drain.is_alive() and not forced.wait(SIGNAL_POLL_SECONDS):
+        pass
+    if forced.is_set():
+        second = signals[1]
+        log.warning(
+            "%s during the drain: exiting now, aborting the requests in flight (%d)",
+            signal.Signals(second).name, server.servicer.in_flight,
+        )  # fmt: skip
+        scheduler.stop()  # every request still in flight ends with finish reason ABORT
+        drain.join()  # returns as the scheduler is empty now; the server's loop stays open until it has
+        server.stop()
+        return 128 + second
     scheduler.stop()
     server.stop()
     log.info("stopped")
