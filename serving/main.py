@@ -11,7 +11,7 @@ shape compiles; health turns SERVING when warm-up is done. SIGTERM or SIGINT dra
 NOT_SERVING, new requests get UNAVAILABLE, in-flight ones finish (up to --drain-timeout seconds, then
 they are aborted), and the process exits 0. A second SIGTERM or SIGINT during the drain aborts the
 in-flight requests at once (their streams end with finish reason ABORT) and exits with 128 + the signal's
-number. Bad flags, config or checkpoint: one line on stderr, exit 2.
+number. Bad flags, config or checkpoint, or a port in use: one line on stderr, exit 2.
 Without --checkpoint the embedded synthetic checkpoint (configs/tiny.json, random weights) is served,
 written to out/tiny-checkpoint first if it is not there. With --load-format dummy, --checkpoint may be a
 config JSON file: random weights are built on the devices from it (no tokenizer: token-id prompts only).

@@ -99,7 +99,8 @@ class Metrics:
         return self._throughput.rate()
 
     def serve_http(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0: a free port); returns the port bound."""
+        """Serve /metrics on host:port (0: a free port); returns the port bound. OSError when the address cannot
+        be bound."""
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         return self._http.server_port
 

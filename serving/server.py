@@ -386,13 +386,20 @@ class Server:
         self._thread.start()
         try:
             self.port = self._call(self._start(host, port))
-            self.metrics_port = self.metrics.serve_http(host, metrics_port) if metrics_port is not None else None
+            self.metrics_port = self._serve_metrics(host, metrics_port) if metrics_port is not None else None
         except BaseException:
             self.stop()
             raise
 
     def _call(self, coroutine: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def _serve_metrics(self, host: str, port: int) -> int:
+        try:
+            return self.metrics.serve_http(host, port)
+        except OSError as error:
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise ServeError(f"cannot serve metrics on {address}: {error.strerror or error}") from None
 
     async def _start(self, host: str, port: int) -> int:
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS + KEEPALIVE_OPTIONS)

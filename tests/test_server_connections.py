@@ -1,5 +1,6 @@
-"""The server's connections: clients' keepalive pings, a second signal during the drain. Over real loopback
-channels and processes, with test_server's fake engine and scheduler (no model, nothing compiled)."""
+"""The server's connections: clients' keepalive pings, a second signal during the drain, a metrics port in use.
+Over real loopback channels and processes, with test_server's fake engine and scheduler (no model, nothing
+compiled)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -202,3 +204,17 @@ def test_a_second_signal_during_the_drain_aborts_the_requests_and_exits(model, s
     assert len(forced) == 1, logged
     assert f"{second.name} during the drain: exiting now, aborting the requests in flight (1)" in forced[0]
     assert not any("Traceback" in line for line in logged), logged
+
+
+# --- start errors
+
+
+def test_a_metrics_port_in_use_is_one_line_and_exit_2():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "serving.main", "--port", "0", "--metrics-port", str(port)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use"]
