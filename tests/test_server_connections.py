@@ -1,37 +1,61 @@
-"""The server's connections: clients' keepalive pings, a second signal during the drain, a metrics port in use.
-Over real loopback channels and processes, with test_server's fake engine and scheduler (no model, nothing
-compiled)."""
+"""The server's connections: clients' keepalive pings, a second signal during the drain, TLS, the shared token,
+serving beyond loopback, and start errors (bad TLS or token files, a metrics port in use). Over real loopback
+channels and processes, with test_server's fake engine and scheduler (no model, nothing compiled)."""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import ipaddress
 import queue
 import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_server import CONFIG, FakeEngine, FakeScheduler, echo, request, token_ids_of, wait_until
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from test_server import (
+    CONFIG,
+    FakeEngine,
+    FakeScheduler,
+    echo,
+    request,
+    restore_process_state,  # noqa: F401  (autouse: main() installs signal and log handlers, this undoes them)
+    status_of,
+    token_ids_of,
+    wait_until,
+)
 
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer
 from inkling_jax.config import TextConfig, load_config
 from inkling_jax.tokenizer import Tokenizer
 from serving import main as server_main
 from serving import server as server_module
+from serving.connection import Tls, exposure_warning, load_tls, token_metadata
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
-from serving.server import Server, serve
+from serving.server import SERVICE_NAME, Server, serve
 
 REPO = Path(__file__).resolve().parents[1]
+StatusCode = grpc.StatusCode
+TOKEN = "s3cret-token_0123456789"
 # a client that pings every second, on idle connections too, and never stops for lack of data
 PINGING = (("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
            ("grpc.http2.max_pings_without_data", 0))  # fmt: skip
@@ -57,15 +81,65 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return Model(str(directory), text, Tokenizer(build_tokenizer(text)))
 
 
+@dataclasses.dataclass
+class Files:
+    cert: str  # self-signed, for 127.0.0.1 and localhost
+    key: str
+    other_cert: str  # another self-signed pair
+    other_key: str
+    encrypted_key: str  # `key`, encrypted
+    token: str  # holds TOKEN and a newline
+
+
+def _self_signed(directory: Path, name: str) -> tuple[Path, Path, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    certificate = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path, key
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key, private = _self_signed(directory, "server")
+    other_cert, other_key, _ = _self_signed(directory, "other")
+    encrypted = directory / "encrypted.key"
+    encryption = serialization.BestAvailableEncryption(b"passphrase")
+    pkcs8 = serialization.PrivateFormat.PKCS8
+    encrypted.write_bytes(private.private_bytes(serialization.Encoding.PEM, pkcs8, encryption))
+    (directory / "token").write_text(TOKEN + "\n")
+    return Files(*(str(path) for path in (cert, key, other_cert, other_key, encrypted, directory / "token")))
+
+
 @pytest.fixture
 def launch(model: Model) -> Iterator[Callable[..., tuple[Server, FakeScheduler]]]:
-    """launch(scheduler_class=FakeScheduler) -> (server, scheduler)."""
+    """launch(scheduler_class=FakeScheduler, tls=None, auth_token=None, metrics_port=None) -> (server, scheduler)."""
     started: list[tuple[Server, FakeScheduler]] = []
 
-    def launch_server(scheduler_class: type[FakeScheduler] = FakeScheduler) -> tuple[Server, FakeScheduler]:
+    def launch_server(
+        scheduler_class: type[FakeScheduler] = FakeScheduler,
+        *,
+        tls: Tls | None = None,
+        auth_token: str | None = None,
+        metrics_port: int | None = None,
+    ) -> tuple[Server, FakeScheduler]:
         engine = FakeEngine(model.text, model.tokenizer, model.checkpoint)
         scheduler = scheduler_class(engine)
-        started.append((serve(scheduler, engine, "127.0.0.1", 0), scheduler))
+        started.append((serve(scheduler, engine, "127.0.0.1", 0, metrics_port, tls, auth_token), scheduler))
         return started[-1]
 
     yield launch_server
@@ -206,7 +280,93 @@ def test_a_second_signal_during_the_drain_aborts_the_requests_and_exits(model, s
     assert not any("Traceback" in line for line in logged), logged
 
 
-# --- start errors
+# --- TLS
+
+
+def test_tls_serves_grpc_and_metrics_with_the_certificate(launch, files):
+    server, _ = launch(tls=load_tls(files.cert, files.key), metrics_port=0)
+    credentials = grpc.ssl_channel_credentials(Path(files.cert).read_bytes())
+    with grpc.secure_channel(f"127.0.0.1:{server.port}", credentials) as channel:
+        responses = list(pb_grpc.InklingStub(channel).Generate(request([7, 8, 9], max_tokens=5)))
+        assert token_ids_of(responses) == echo([7, 8, 9], 5)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as plain:
+        assert status_of(lambda: health_check(plain))[0] == StatusCode.UNAVAILABLE
+    untrusted = grpc.ssl_channel_credentials(Path(files.other_cert).read_bytes())
+    with grpc.secure_channel(f"127.0.0.1:{server.port}", untrusted) as channel:
+        assert status_of(lambda: health_check(channel))[0] == StatusCode.UNAVAILABLE
+    context = ssl.create_default_context(cafile=files.cert)
+    page = urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/metrics", context=context, timeout=10)
+    assert "inkling_generation_tokens_total 5.0" in page.read().decode()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+
+
+# --- the token
+
+
+def test_the_token_is_asked_of_every_call_but_health_and_reflection(launch):
+    server, scheduler = launch(auth_token=TOKEN, metrics_port=0)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.InklingStub(channel)
+        good = token_metadata(TOKEN)
+        responses = list(stub.Generate(request([5, 6], max_tokens=4), metadata=good))
+        assert token_ids_of(responses) == echo([5, 6], 4)
+        lower_case = (("authorization", f"bearer {TOKEN}"),)  # the scheme in any case
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=lower_case).has_tokenizer
+        prompts_seen = scheduler.stats().prompt_tokens
+        for metadata, fragment in [
+            ((), "needs a token"),
+            (token_metadata(TOKEN + "x"), "not valid"),
+            (token_metadata(TOKEN[:-1]), "not valid"),
+            ((("authorization", f"Basic {TOKEN}"),), "not valid"),
+            ((("x-token", TOKEN),), "needs a token"),
+        ]:
+            for call in (
+                lambda sent: list(stub.Generate(request([5, 6], max_tokens=4), metadata=sent)),
+                lambda sent: stub.Tokenize(pb.TokenizeRequest(text="hello"), metadata=sent),
+                lambda sent: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=sent),
+            ):
+                status, details = status_of(lambda: call(metadata))  # noqa: B023 (called at once)
+                assert status == StatusCode.UNAUTHENTICATED and fragment in details, (metadata, details)
+        assert scheduler.stats().prompt_tokens == prompts_seen  # refused before reaching the scheduler
+        wait_until(lambda: health_check(channel) == health_pb2.HealthCheckResponse.SERVING)  # no token needed
+        assert SERVICE_NAME in ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert DescriptorPool(ProtoReflectionDescriptorDatabase(channel)).FindServiceByName(SERVICE_NAME).methods
+    metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(metrics, timeout=10)
+    assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"] == "Bearer"
+    with pytest.raises(urllib.error.HTTPError) as wrong:
+        urllib.request.urlopen(urllib.request.Request(metrics, headers={"Authorization": "Bearer nope"}), timeout=10)
+    assert wrong.value.code == 401
+    page = urllib.request.urlopen(urllib.request.Request(metrics, headers={"Authorization": f"Bearer {TOKEN}"}))
+    assert "inkling_generation_tokens_total 4.0" in page.read().decode()
+
+
+# --- start errors and the warning
+
+
+def test_bad_tls_and_token_files_are_one_line_and_exit_2(files, tmp_path, capsys):
+    missing, empty, spaced = tmp_path / "missing", tmp_path / "empty", tmp_path / "spaced"
+    empty.write_text("\n")
+    spaced.write_text("two words\n")
+    tls = ["--tls-cert", files.cert, "--tls-key"]
+    for argv, fragment in [
+        (["--tls-cert", str(missing), "--tls-key", files.key], f"--tls-cert {missing}: cannot read it"),
+        (["--tls-cert", files.key, "--tls-key", files.key], f"--tls-cert {files.key}: holds no PEM certificate"),
+        ([*tls, files.other_key], f"--tls-key {files.other_key}: the key does not match the certificate"),
+        ([*tls, files.cert], f"--tls-key {files.cert}: holds no PEM private key"),
+        ([*tls, files.encrypted_key], f"--tls-key {files.encrypted_key}: the key is encrypted"),
+        (["--auth-token-file", str(missing)], f"--auth-token-file {missing}: cannot read it"),
+        (["--auth-token-file", str(empty)], "the file is empty"),
+        (["--auth-token-file", str(spaced)], "one line of printable ASCII without spaces"),
+    ]:
+        assert server_main.main(["--port", "0", *argv]) == 2, argv
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], (argv, lines)
+    with pytest.raises(SystemExit) as exited:
+        server_main.main(["--port", "0", "--tls-cert", files.cert])
+    assert exited.value.code == 2 and "give both or neither" in capsys.readouterr().err
 
 
 def test_a_metrics_port_in_use_is_one_line_and_exit_2():
@@ -218,3 +378,23 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2():
                               cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_serving_beyond_loopback_warns_unless_tls_and_a_token(files, tmp_path, capsys):
+    no_model = ["--checkpoint", str(tmp_path), "--port", "0"]  # starts, listens, then fails to load: exit 2
+    assert server_main.main([*no_model, "--host", "0.0.0.0"]) == 2
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "0.0.0.0 is beyond loopback" in warnings[0]
+    assert "unauthenticated" in warnings[0] and "unencrypted" in warnings[0]
+    secured = ["--tls-cert", files.cert, "--tls-key", files.key, "--auth-token-file", files.token]
+    for argv in ([*no_model, "--host", "0.0.0.0", *secured], [*no_model, "--host", "127.0.0.1"]):
+        assert server_main.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "no config.json" in err and "warning:" not in err
+    assert exposure_warning("localhost", 1, None, False, False) is None
+    assert exposure_warning("::1", 1, 2, False, False) is None
+    token_only = exposure_warning("0.0.0.0", 50051, 9090, False, True)
+    assert "the gRPC API (port 50051) and the metrics endpoint (port 9090) are unencrypted" in token_only
+    assert "unauthenticated" not in token_only
+    tls_only = exposure_warning("::", 50051, None, True, False)
+    assert "the gRPC API (port 50051) is unauthenticated" in tls_only and "unencrypted" not in tls_only
