@@ -46,6 +46,7 @@ from test_server import (
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer
 from inkling_jax.config import TextConfig, load_config
 from inkling_jax.tokenizer import Tokenizer
+from serving import client as cli
 from serving import main as server_main
 from serving import server as server_module
 from serving.connection import Tls, exposure_warning, load_tls, token_metadata
@@ -341,6 +342,28 @@ def test_the_token_is_asked_of_every_call_but_health_and_reflection(launch):
     assert wrong.value.code == 401
     page = urllib.request.urlopen(urllib.request.Request(metrics, headers={"Authorization": f"Bearer {TOKEN}"}))
     assert "inkling_generation_tokens_total 4.0" in page.read().decode()
+
+
+def test_client_cli_with_tls_and_a_token(launch, files, tmp_path, capsys):
+    server, _ = launch(tls=load_tls(files.cert, files.key), auth_token=TOKEN)
+    address = ["--address", f"127.0.0.1:{server.port}"]
+    secured = ["--tls-ca", files.cert, "--auth-token-file", files.token]
+    assert cli.main([*address, *secured, "Hi", "--max-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Hi") and "[length; prompt" in err
+    assert cli.main([*address, *secured, "--info"]) == 0
+    assert '"max_context": 4096' in capsys.readouterr().out
+    assert cli.main([*address, "--tls-ca", files.cert, "Hi"]) == 1
+    assert "UNAUTHENTICATED: this server needs a token" in capsys.readouterr().err
+    assert cli.main([*address, "--tls-ca", files.other_cert, "--auth-token-file", files.token, "Hi"]) == 1
+    assert "no TLS connection" in capsys.readouterr().err
+    for flags, fragment in [
+        (["--tls-ca", files.key], f"--tls-ca {files.key}: holds no PEM certificate"),
+        (["--auth-token-file", str(tmp_path / "missing")], "cannot read it"),
+    ]:
+        assert cli.main([*address, *flags, "Hi"]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
 
 
 # --- start errors and the warning
