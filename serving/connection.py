@@ -62,7 +62,7 @@ class Tls:
     """A server certificate chain and its private key (PEM), known to load and to match."""
 
     certificate_chain: bytes
-    private_key: bytes
+    private_key: bytes = dataclasses.field(repr=False)  # never in a log line or a traceback
     context: ssl.SSLContext  # the same pair for HTTPS (the metrics endpoint)
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
@@ -70,6 +70,7 @@ class Tls:
 
 
 def read_file(path: str, flag: str) -> bytes:
+    """The bytes of the file a flag names, or ConnectionSetupError naming the flag, the file and why not."""
     try:
         return Path(path).read_bytes()
     except OSError as error:
