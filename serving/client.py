@@ -3,10 +3,12 @@
     python -m serving.client [--address 127.0.0.1:50051] "prompt text" [--max-tokens 64] [--temperature 0] ...
     python -m serving.client --token-ids 1,2,3 [...]     # token ids in (a checkpoint without a tokenizer)
     python -m serving.client --info                      # what the server runs (GetModelInfo)
+    python -m serving.client --tls-ca CA.pem --auth-token-file TOKEN ...   # a server with TLS and a token
 
 Text is printed as it arrives; when the stream carries no text (a server without a tokenizer) the
 generated token ids are printed instead. A summary line (finish reason, token counts) goes to stderr.
-A refused request prints the server's status and message and exits 1; bad flags exit 2.
+A refused request prints the server's status and message and exits 1; bad flags, or a CA or token file
+that cannot be used, exit 2.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import grpc
 from google.protobuf import json_format
 
+from serving.connection import ConnectionSetupError, read_certificates, read_token, token_metadata
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 
@@ -53,6 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep-special-tokens", action="store_true", help="show special tokens in the text")
     parser.add_argument("--no-speculative", action="store_true", help="decode plainly on a speculating server")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
+    parser.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's root certificates")
+    parser.add_argument("--tls-ca", metavar="FILE",
+                        help="connect over TLS, trusting the PEM certificates in FILE (a self-signed server "
+                        "certificate is its own CA)")  # fmt: skip
+    parser.add_argument("--auth-token-file", metavar="FILE",
+                        help="send the token FILE holds, as the server's --auth-token-file does")  # fmt: skip
     args = parser.parse_args(argv)
     if not args.info and (args.prompt is None) == (args.token_ids is None):
         parser.error("give a prompt or --token-ids (one of them)")
@@ -86,10 +95,24 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     return request
 
 
-def generate(stub: pb_grpc.InklingStub, request: pb.GenerateRequest, timeout: float | None) -> None:
+def open_channel(args: argparse.Namespace) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
+    """The channel to the server (TLS with --tls / --tls-ca) and the metadata every call sends (the token)."""
+    metadata = token_metadata(read_token(args.auth_token_file)) if args.auth_token_file is not None else ()
+    if args.tls or args.tls_ca is not None:
+        roots = read_certificates(args.tls_ca, "--tls-ca") if args.tls_ca is not None else None
+        return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(root_certificates=roots)), metadata
+    return grpc.insecure_channel(args.address), metadata
+
+
+def generate(
+    stub: pb_grpc.InklingStub,
+    request: pb.GenerateRequest,
+    timeout: float | None,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> None:
     """Stream the continuation: text to stdout as it arrives, the summary (and log-probabilities) to stderr."""
     token_ids, printed_text = [], False
-    for response in stub.Generate(request, timeout=timeout):
+    for response in stub.Generate(request, timeout=timeout, metadata=metadata):
         token_ids.extend(response.token_ids)
         if response.text:
             sys.stdout.write(response.text)
@@ -115,11 +138,16 @@ def generate(stub: pb_grpc.InklingStub, request: pb.GenerateRequest, timeout: fl
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with grpc.insecure_channel(args.address) as channel:
+    try:
+        channel, metadata = open_channel(args)
+    except ConnectionSetupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    with channel:
         stub = pb_grpc.InklingStub(channel)
         try:
             if args.info:
-                info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 10.0)
+                info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 10.0, metadata=metadata)
                 print(
                     json.dumps(
                         json_format.MessageToDict(
@@ -129,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
             else:
-                generate(stub, build_request(args), args.timeout)
+                generate(stub, build_request(args), args.timeout, metadata)
         except grpc.RpcError as error:
             sys.stdout.flush()
             print(f"\nerror: {describe(error, args.address)}", file=sys.stderr)
@@ -142,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
 def describe(error: grpc.RpcError, address: str) -> str:
     """One line for a failed call: the status and the server's message, or why the server was not reached."""
     code, details = error.code(), error.details()
+    if code == grpc.StatusCode.UNAVAILABLE and "handshake" in details.lower():
+        return f"no TLS connection to {address} (a server without TLS, or a certificate not trusted): {details}"
     if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "connection" in details.lower()):
         return f"cannot reach a server at {address} (is it running?): {details}"
     return f"{code.name}: {details}"

@@ -5,11 +5,19 @@
         [--metrics-port P]
         [--speculative none|dspark|dspark-greedy] [--load-format auto|dummy] [--compilation-cache DIR|none]
         [--drain-timeout 30] [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
+        [--tls-cert FILE --tls-key FILE] [--auth-token-file FILE]
 
 The port is bound first and answers health checks (NOT_SERVING) while the model loads and every step
 shape compiles; health turns SERVING when warm-up is done. SIGTERM or SIGINT drains: health goes
 NOT_SERVING, new requests get UNAVAILABLE, in-flight ones finish (up to --drain-timeout seconds, then
-they are aborted), and the process exits 0. Bad flags, config or checkpoint: one line on stderr, exit 2.
+they are aborted), and the process exits 0. A second SIGTERM or SIGINT during the drain aborts the
+in-flight requests at once (their streams end with finish reason ABORT) and exits with 128 + the signal's
+number. Bad flags, config, checkpoint, TLS or token files, or a port in use: one line on stderr, exit 2.
+
+--tls-cert and --tls-key (PEM, the key unencrypted) make the gRPC port and the metrics endpoint serve
+TLS; --auth-token-file makes both ask for the token the file holds (clients send `authorization: Bearer
+<token>`; grpc.health.v1 and server reflection stay open for load balancers and probes). Serving beyond
+loopback (e.g. --host 0.0.0.0) without both logs a warning. Keepalive: `serving.connection`.
 Without --checkpoint the embedded synthetic checkpoint (configs/tiny.json, random weights) is served,
 written to out/tiny-checkpoint first if it is not there. With --load-format dummy, --checkpoint may be a
 config JSON file: random weights are built on the devices from it (no tokenizer: token-id prompts only).
@@ -49,6 +57,7 @@ from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.tokenizer import TokenizerError
+from serving.connection import ConnectionSetupError, exposure_warning, load_tls, read_token
 from serving.server import ServeError, serve
 
 log = logging.getLogger("serving")
@@ -74,14 +83,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", help=f"checkpoint directory, or with --load-format dummy a config JSON file "
                         f"(default: the synthetic {DEFAULT_CHECKPOINT})")  # fmt: skip
     parser.add_argument("--mesh", default="tp1", help="device mesh: tpN or dpMtpN (default tp1)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    host_help = "address to bind, gRPC and metrics (default 127.0.0.1; 0.0.0.0 for all: see security below)"
+    parser.add_argument("--host", default="127.0.0.1", help=host_help)
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     add_batched_tokens_argument(parser)
     parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP(S) on this port")
     speculative_help = (
         "DSpark speculative decoding with the checkpoint's draft (dspark-greedy: the draft proposes its argmax); "
         "requests may opt out; outputs follow the model's distribution either way"
@@ -89,9 +99,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none", help=speculative_help)
     add_load_format_argument(parser)
     compilation_cache.add_argument(parser)
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on exit")
+    drain_help = "seconds to let requests finish on SIGTERM / SIGINT (a second signal aborts them)"
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help=drain_help)
+    security = parser.add_argument_group(
+        "security", "the gRPC API and the metrics endpoint take the same certificate and token; grpc.health.v1 and "
+        "server reflection stay open, so that load balancers and probes need no token",
+    )  # fmt: skip
+    security.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this PEM certificate chain")
+    security.add_argument("--tls-key", metavar="FILE", help="the certificate's PEM private key, unencrypted")
+    security.add_argument("--auth-token-file", metavar="FILE",
+                          help="refuse calls (UNAUTHENTICATED; metrics: 401) that do not send the token this file "
+                          "holds as 'authorization: Bearer <token>'")  # fmt: skip
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together: give both or neither")
     for name in ("port", "metrics_port"):
         value = getattr(args, name)
         if value is not None and not 0 <= value < 65536:
@@ -132,25 +154,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log_to_stderr()
     _log_serving_to_stderr()
-    stopping, ready = threading.Event(), threading.Event()
+    try:
+        tls = load_tls(args.tls_cert, args.tls_key) if args.tls_cert is not None else None
+        token = read_token(args.auth_token_file) if args.auth_token_file is not None else None
+    except ConnectionSetupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    stopping, ready, forced = threading.Event(), threading.Event(), threading.Event()
+    signals: list[int] = []  # the shutdown signals received, in order
 
     def on_signal(signum: int, frame: object) -> None:
-        log.info("%s: shutting down", signal.Signals(signum).name)
-        if not stopping.is_set():
+        signals.append(signum)
+        if len(signals) == 1:
+            log.info("%s: shutting down", signal.Signals(signum).name)
             stopping.set()
             if not ready.is_set():
                 raise ShutdownRequested
+        elif ready.is_set():
+            forced.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        server = serve(None, None, args.host, args.port, args.metrics_port)
+        server = serve(None, None, args.host, args.port, args.metrics_port, tls, token)
     except ServeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     log.info("listening on %s:%d (NOT_SERVING until the model is loaded and warmed up)", args.host, server.port)
     if server.metrics_port is not None:
-        log.info("metrics on http://%s:%d/metrics", args.host, server.metrics_port)
+        log.info("metrics on %s://%s:%d/metrics", "https" if tls else "http", args.host, server.metrics_port)
+    warning = exposure_warning(args.host, server.port, server.metrics_port, tls is not None, token is not None)
+    if warning is not None:
+        log.warning(warning)
     scheduler = None
     try:
         distributed.initialize(args)
@@ -184,8 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     log.info("SERVING %s on %s:%d", checkpoint, args.host, server.port)
     while not stopping.wait(SIGNAL_POLL_SECONDS):
         pass
-    log.info("draining: up to %g s for in-flight requests", args.drain_timeout)
-    server.drain(args.drain_timeout)
+    log.info("draining: up to %g s for in-flight requests (a second signal aborts them)", args.drain_timeout)
+    drain = threading.Thread(target=server.drain, args=(args.drain_timeout,), name="drain", daemon=True)
+    drain.start()
+    while drain.is_alive() and not forced.wait(SIGNAL_POLL_SECONDS):
+        pass
+    if forced.is_set():
+        second = signals[1]
+        log.warning(
+            "%s during the drain: exiting now, aborting the requests in flight (%d)",
+            signal.Signals(second).name, server.servicer.in_flight,
+        )  # fmt: skip
+        scheduler.stop()  # every request still in flight ends with finish reason ABORT
+        drain.join()  # returns as the scheduler is empty now; the server's loop stays open until it has
+        server.stop()
+        return 128 + second
     scheduler.stop()
     server.stop()
     log.info("stopped")

@@ -1,5 +1,9 @@
 """Prometheus metrics of the server, on an HTTP port of their own (`--metrics-port`).
 
+The endpoint serves HTTPS with the gRPC port's certificate when the server has TLS, and asks for the gRPC port's
+token (`Authorization: Bearer <token>`, 401 otherwise) when it has one: a scraper configured for one port is
+configured for both.
+
 Per-request latencies (time to first token, time per output token) and finished / refused request
 counts are observed by the servicer as requests run. The scheduler's state (queue length, running
 sequences, KV pages, preemptions, token counters) is read from `Scheduler.stats()` on every scrape, so
@@ -10,19 +14,26 @@ the samples the server takes once a second.
 from __future__ import annotations
 
 import collections
+import socket
+import socketserver
+import ssl
 import threading
 import time
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from serving.connection import token_matches
 
 THROUGHPUT_WINDOW = 10.0  # seconds
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 ACCEPTANCE_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0)
+CONNECTION_TIMEOUT = 10.0  # seconds a metrics client may take over a TLS handshake, or over one read
 
 
 class Stats(Protocol):
@@ -98,9 +109,16 @@ class Metrics:
     def tokens_per_second(self) -> float:
         return self._throughput.rate()
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0: a free port); returns the port bound."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve_http(self, host: str, port: int, tls: ssl.SSLContext | None = None, token: str | None = None) -> int:
+        """Serve /metrics on host:port (0: a free port), over HTTPS with `tls`, only to requests bearing `token`
+        when one is given; returns the port bound. OSError when the address cannot be bound."""
+        app = make_wsgi_app(self.registry)
+        if token is not None:
+            app = _bearer_only(app, token.encode())
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family, "tls": tls})
+        self._http = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
         return self._http.server_port
 
     def close(self) -> None:
@@ -108,6 +126,43 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A thread per connection; with `tls`, each connection's handshake runs in its thread, within
+    CONNECTION_TIMEOUT, so that no client holds up the others."""
+
+    daemon_threads = True
+    tls: ssl.SSLContext | None = None
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(CONNECTION_TIMEOUT)
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        try:
+            secure = self.tls.wrap_socket(request, server_side=True)
+        except OSError:  # a client that does not speak TLS, or not in time: nothing to answer
+            return
+        with secure:
+            super().finish_request(secure, client_address)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged."""
+
+
+def _bearer_only(app: Callable[..., Iterable[bytes]], token: bytes) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app, for requests whose Authorization header carries `token`; 401 for the others."""
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if token_matches(environ.get("HTTP_AUTHORIZATION"), token):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"), ("Content-Type", "text/plain")])
+        return [b"this endpoint needs a token: send the header 'Authorization: Bearer <token>'\n"]
+
+    return guarded
 
 
 class _Throughput:

@@ -53,6 +53,7 @@ from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from serving.connection import KEEPALIVE_OPTIONS, Tls, TokenInterceptor
 from serving.metrics import Metrics
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
@@ -486,10 +487,14 @@ class ServeError(RuntimeError):
 class Server:
     """A running server: gRPC (and optionally metrics over HTTP) on a thread with its own event loop.
 
-    Create with `serve`. `port` and `metrics_port` are the ports actually bound.
+    Create with `serve`. `port` and `metrics_port` are the ports actually bound. With `tls` both ports serve
+    TLS; with `auth_token` both ask for the token (`serving.connection`: health and reflection stay open).
+    Connections take clients' keepalive pings as `serving.connection.KEEPALIVE_OPTIONS` sets out.
     """
 
-    def __init__(self, host: str, port: int, metrics_port: int | None):
+    def __init__(
+        self, host: str, port: int, metrics_port: int | None, tls: Tls | None = None, auth_token: str | None = None
+    ):
         self.metrics = Metrics()
         self.servicer = InklingServicer(self.metrics)
         self._health = health_async.HealthServicer()
@@ -500,8 +505,10 @@ class Server:
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-server", daemon=True)
         self._thread.start()
         try:
-            self.port = self._call(self._start(host, port))
-            self.metrics_port = self.metrics.serve_http(host, metrics_port) if metrics_port is not None else None
+            self.port = self._call(self._start(host, port, tls, auth_token))
+            self.metrics_port = None
+            if metrics_port is not None:
+                self.metrics_port = self._serve_metrics(host, metrics_port, tls, auth_token)
         except BaseException:
             self.stop()
             raise
@@ -509,8 +516,16 @@ class Server:
     def _call(self, coroutine: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
-    async def _start(self, host: str, port: int) -> int:
-        self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
+    def _serve_metrics(self, host: str, port: int, tls: Tls | None, auth_token: str | None) -> int:
+        try:
+            return self.metrics.serve_http(host, port, tls.context if tls else None, auth_token)
+        except OSError as error:
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise ServeError(f"cannot serve metrics on {address}: {error.strerror or error}") from None
+
+    async def _start(self, host: str, port: int, tls: Tls | None, auth_token: str | None) -> int:
+        interceptors = [TokenInterceptor(auth_token)] if auth_token is not None else None
+        self._grpc = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS + KEEPALIVE_OPTIONS)
         add_inkling_service(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
@@ -519,7 +534,10 @@ class Server:
         )
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = self._grpc.add_insecure_port(address)
+            if tls is not None:
+                bound = self._grpc.add_secure_port(address, tls.grpc_credentials())
+            else:
+                bound = self._grpc.add_insecure_port(address)
         except RuntimeError as error:
             raise ServeError(f"cannot listen on {address}: {error}") from None
         if not bound:
@@ -594,12 +612,15 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 0,
     metrics_port: int | None = None,
+    tls: Tls | None = None,
+    auth_token: str | None = None,
 ) -> Server:
-    """Start serving on host:port (port 0: a free one, see `Server.port`); metrics on `metrics_port`.
+    """Start serving on host:port (port 0: a free one, see `Server.port`); metrics on `metrics_port`; over TLS
+    with `tls`, to callers bearing `auth_token` when one is given (see `Server`).
 
     With no scheduler and engine yet (the model still loading) calls get UNAVAILABLE until `attach`.
     """
-    server = Server(host, port, metrics_port)
+    server = Server(host, port, metrics_port, tls, auth_token)
     if scheduler is not None and engine is not None:
         server.attach(engine, scheduler)
     return server
