@@ -13,6 +13,7 @@ import pytest
 from checkpoint_edits import edited_copy
 
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
+from inkling_jax.checkpoint.finite import E4M3_CODES, E8M0_CODES, FLOAT, FiniteCheck
 from inkling_jax.checkpoint.safetensors_io import CheckpointFiles
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import load_config
@@ -136,3 +137,30 @@ def test_sharded_loads_are_checked_across_their_shards(spec, rng, tmp_path):
 @pytest.mark.parametrize("which", ["plain", "mixed", "mxfp8", "bf16 mixed"])
 def test_clean_checkpoints_load(which, bf16_mixed):
     load_causal_lm(_checkpoint(which, bf16_mixed), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "nans"),
+    [(E4M3_CODES, E4M3, {0x7F, 0xFF}), (E4M3_CODES, np.uint8, {0x7F, 0xFF}), (E8M0_CODES, np.uint8, {0xFF})],
+)
+def test_every_code_of_a_format_is_judged_right(kind, dtype, nans):
+    """Each of the 256 codes in a row of its own: exactly the format's NaN codes are named."""
+    codes = np.arange(256, dtype=np.uint8).reshape(256, 1, 1).repeat(3, axis=1).view(dtype)
+    check = FiniteCheck()
+    check.add(jnp.asarray(codes), kind, [f"code {code}" for code in range(256)])
+    with pytest.raises(CheckpointError) as error:
+        check.raise_if_any("codes")
+    assert _findings(error.value) == {f"code {code}": 3 for code in sorted(nans)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_float_specials_are_judged_right(dtype, rng):
+    seed, generator = rng
+    info = np.finfo(dtype)
+    values = [np.nan, np.inf, -np.inf, float(info.max), float(-info.max), float(info.smallest_subnormal), 0.0, -0.0]
+    rows = np.array(generator.permutation(values), dtype).reshape(-1, 1)
+    check = FiniteCheck()
+    check.add(jnp.asarray(rows), FLOAT, [str(float(value)) for value in rows[:, 0]])
+    with pytest.raises(CheckpointError) as error:
+        check.raise_if_any("specials")
+    assert _findings(error.value) == {"nan": 1, "inf": 1, "-inf": 1}, f"seed {seed}"
