@@ -6,7 +6,8 @@ tensor data is read; global scales are checked as they are read, and every other
 placed (`finite`: NaN or Inf in any weight or scale is refused, naming each tensor that holds one), before
 the model is returned. Given a mesh, each parameter is built straight into its shards from the slices this
 process's devices own. A checkpoint whose config has a `dspark_config` loads its DSpark draft (`dspark.*`
-tensors) the same way, into `CausalLM.dspark`; `dspark.*` tensors without the config are an error.
+tensors) the same way, into `CausalLM.dspark`; `dspark.*` tensors without the config are an error. A load
+reports its progress (`progress`): tensors and bytes placed, the rate and the time left.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from inkling_jax.checkpoint.names import (
     is_vision,
     text_parameter,
 )
+from inkling_jax.checkpoint.progress import Progress
 from inkling_jax.checkpoint.quantized import (
     FLOAT_DTYPES,
     check_global_scale,
@@ -279,21 +281,25 @@ def load_causal_lm(
     plan = _plan(checkpoint, files, layout, groups, formats, named)
     experts = config.text.n_routed_experts
     check = FiniteCheck()
-    for path, variable in variables.items():
+    stored = sum(files.entry(tensor.name).nbytes for tensor in plan.values())
+    with Progress(logger, f"loading {checkpoint}", len(plan), stored) as progress:
+        for path, variable in variables.items():
 
-        def tensor_slice(name: str, index: Index, dtype: jnp.dtype = variable.dtype) -> np.ndarray:
-            return _parameter_slice(checkpoint, files, plan[name], index, dtype=dtype, experts=experts)
+            def tensor_slice(name: str, index: Index, dtype: jnp.dtype = variable.dtype) -> np.ndarray:
+                return _parameter_slice(checkpoint, files, plan[name], index, dtype=dtype, experts=experts)
 
-        if path in rows:
-            read = functools.partial(_stacked_slice, tensor_slice, rows[path], tuple(variable.shape), variable.dtype)
-            names = [None if name is None else plan[name].name for name in rows[path].values()]
-            tensors = [plan[name] for name in rows[path].values() if name is not None]
-        else:
-            read = functools.partial(tensor_slice, path)
-            names, tensors = plan[path].name, [plan[path]]
-        variable.set_value(_placed(tuple(variable.shape), shardings.get(path), read))
-        check.add(variable[...], _checked_kind(path, variable.dtype, tensors), names)
-    check.raise_if_any(str(checkpoint))
+            if path in rows:
+                shape = tuple(variable.shape)
+                read = functools.partial(_stacked_slice, tensor_slice, rows[path], shape, variable.dtype)
+                names = [None if name is None else plan[name].name for name in rows[path].values()]
+                tensors = [plan[name] for name in rows[path].values() if name is not None]
+            else:
+                read = functools.partial(tensor_slice, path)
+                names, tensors = plan[path].name, [plan[path]]
+            variable.set_value(_placed(tuple(variable.shape), shardings.get(path), read))
+            check.add(variable[...], _checked_kind(path, variable.dtype, tensors), names)
+            progress.advance(len(tensors), sum(files.entry(tensor.name).nbytes for tensor in tensors))
+        check.raise_if_any(str(checkpoint))
     model = nnx.merge(graphdef, state)
     read_bytes = sum(files.entry(name).nbytes for name in files.names())
     logger.info(
