@@ -3,7 +3,12 @@
 Each poisoned checkpoint is an edited copy of a fixture (or of a synthetic checkpoint) with one value made
 non-finite, in a tensor and at a position drawn from a fresh seed (printed on failure)."""
 
+import json
+import os
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -19,7 +24,8 @@ from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import load_config
 from inkling_jax.sharding import make_mesh
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "parity"
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "parity"
 PLAIN = FIXTURES / "tiny_text" / "original"  # fp32, plain experts: one segment of two blocks (rows i and i + 6)
 MIXED = FIXTURES / "tiny_text_mixed" / "original"  # fp32, NVFP4 layers 0-7 (two sidecar namings), MXFP8 8-11
 MXFP8 = FIXTURES / "tiny_text_mxfp8" / "original"  # fp32, MXFP8 experts: E4M3 or U8 values, U8 or E8M0 scales
@@ -164,3 +170,36 @@ def test_float_specials_are_judged_right(dtype, rng):
     with pytest.raises(CheckpointError) as error:
         check.raise_if_any("specials")
     assert _findings(error.value) == {"nan": 1, "inf": 1, "-inf": 1}, f"seed {seed}"
+
+
+def test_two_processes_both_refuse_a_value_only_one_of_them_holds(rng, tmp_path):
+    """tp4 over two processes of two devices: the second holds experts 4-7 of the MXFP8 fixture's 8. A NaN in one
+    of them is found there and named by both processes (their flags and counts are gathered), which exit 2."""
+    seed, generator = rng
+    name = str(generator.choice(_of_kind(MXFP8, "e8m0 scale")))
+
+    def edit(tensors: dict) -> dict:
+        scales = tensors[name].copy()
+        expert, row, block = int(generator.integers(4, 8)), *(int(generator.integers(n)) for n in scales.shape[1:])
+        scales.view(np.uint8)[expert, row, block] = 0xFF
+        return {**tensors, name: scales}
+
+    poisoned = edited_copy(MXFP8, tmp_path, edit)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 2}) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)}
+    commands = [
+        [sys.executable, "-m", "inkling_jax.offline", "--checkpoint", str(poisoned), "--input",
+         str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--mesh", "tp4",
+         "--coordinator-address", address, "--num-processes", "2", "--process-id", str(rank)]
+        for rank in range(2)
+    ]  # fmt: skip
+    processes = [subprocess.Popen(c, env=env, stderr=subprocess.PIPE, text=True) for c in commands]
+    errors = [p.communicate(timeout=300)[1] for p in processes]
+    assert [p.returncode for p in processes] == [2, 2], errors
+    for stderr in errors:
+        lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert lines == [f"error: {poisoned}: tensor {name!r} holds 1 non-finite value"], f"seed {seed}: {stderr}"
