@@ -120,7 +120,8 @@ def test_every_offending_tensor_is_named_with_its_count(rng, tmp_path):
     seed, generator = rng
     position, count = int(generator.integers(6)), generator.integers(1, 6, size=3)
     files = CheckpointFiles(PLAIN)
-    suffixes = sorted({name.split(".", 4)[4] for name in files.names() if name.startswith("model.llm.layers.0.")})
+    layer = f"model.llm.layers.{position}."
+    suffixes = sorted(name.removeprefix(layer) for name in files.names() if name.startswith(layer))
     suffix = str(generator.choice(suffixes))
     rows = [f"model.llm.layers.{layer}.{suffix}" for layer in (position, position + 6)]
     expected = dict(zip([*rows, "model.llm.embed.weight"], map(int, count), strict=True))
