@@ -6,7 +6,6 @@ from pathlib import Path
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from inkling_jax.checkpoint import orbax_io
 from inkling_jax.checkpoint.errors import CheckpointError
 from inkling_jax.checkpoint.loader import load_causal_lm
 from inkling_jax.config import ModelConfig
@@ -18,6 +17,10 @@ def load_model(
 ) -> tuple[ModelConfig, CausalLM]:
     """A safetensors checkpoint (converted on load) or an Orbax one written by `orbax_io.save`; with a
     `mesh`, every parameter is read straight into its shards (`inkling_jax.sharding.parameter_shardings`)."""
+    # imported here, not with the package: `python -m inkling_jax.checkpoint.orbax_io` runs that module as
+    # __main__, and importing it with the package first would make a second copy of it (runpy warns)
+    from inkling_jax.checkpoint import orbax_io
+
     if orbax_io.is_orbax(checkpoint):
         config, model = orbax_io.restore(checkpoint, mesh)
         saved = model.model.embed_tokens.weight.dtype

@@ -2,10 +2,12 @@
 
 Every tensor is checked against the parameter it fills: unknown, duplicated or missing tensors, wrong
 shapes, dtypes or sidecars raise `CheckpointError` naming the tensor (and both shapes), before any
-tensor data is read; scale values are checked as they are read, before any compute. Given a mesh, each
-parameter is built straight into its shards from the slices this process's devices own. A checkpoint
-whose config has a `dspark_config` loads its DSpark draft (`dspark.*` tensors) the same way, into
-`CausalLM.dspark`; `dspark.*` tensors without the config are an error.
+tensor data is read; global scales are checked as they are read, and every other value on device once
+placed (`finite`: NaN or Inf in any weight or scale is refused, naming each tensor that holds one), before
+the model is returned. Given a mesh, each parameter is built straight into its shards from the slices this
+process's devices own. A checkpoint whose config has a `dspark_config` loads its DSpark draft (`dspark.*`
+tensors) the same way, into `CausalLM.dspark`; `dspark.*` tensors without the config are an error. A load
+reports its progress (`progress`): tensors and bytes placed, the rate and the time left.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from inkling_jax.checkpoint.errors import CheckpointError
+from inkling_jax.checkpoint.finite import FiniteCheck, value_kind
 from inkling_jax.checkpoint.names import (
     DATA,
     GLOBAL_SCALE,
@@ -36,8 +39,10 @@ from inkling_jax.checkpoint.names import (
     is_vision,
     text_parameter,
 )
+from inkling_jax.checkpoint.progress import Progress
 from inkling_jax.checkpoint.quantized import (
     FLOAT_DTYPES,
+    check_global_scale,
     check_quantization_config,
     expert_format,
     per_expert,
@@ -194,12 +199,13 @@ def _parameter_slice(
     try:
         if tensor.role == GLOBAL_SCALE:  # one value per expert, stored in several shapes: mapped whole, then cut
             source = files.read(tensor.name)
+            check_global_scale(checkpoint, tensor.name, source)
             part = per_expert(source, experts)[index]
         else:
             source = files.read(tensor.name, tensor.transform.source(index))
             part = tensor.transform(source, index)
         if tensor.format is not None:
-            part = stored_array(checkpoint, tensor.name, tensor.role, tensor.format, part)
+            part = stored_array(tensor.role, tensor.format, part)
         return part.astype(dtype, copy=np.may_share_memory(part, source))
     except OSError as error:
         raise CheckpointError(f"{checkpoint}: cannot read tensor {tensor.name!r}: {error}") from error
@@ -237,6 +243,12 @@ def _placed(shape: tuple[int, ...], sharding: NamedSharding | None, read: Callab
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
+def _checked_kind(path: str, dtype: jnp.dtype, tensors: Sequence[Tensor]) -> str | None:
+    """What the finite check looks for in a placed parameter (`finite.value_kind`): nothing in a global scale,
+    checked whole as it was read (`check_global_scale`), nor in a stacked parameter no tensor fills."""
+    return None if not tensors or tensors[0].role == GLOBAL_SCALE else value_kind(path, dtype)
+
+
 def load_causal_lm(
     checkpoint: str | Path, dtype: jnp.dtype = jnp.bfloat16, mesh: Mesh | None = None
 ) -> tuple[ModelConfig, CausalLM]:
@@ -244,7 +256,8 @@ def load_causal_lm(
     its DSpark draft as `model.dspark` when the config has a `dspark_config`, else `model.dspark` is None).
 
     Experts stay in the format the checkpoint stores them in (plain, MXFP8 or NVFP4). Every name, shape
-    and dtype is checked before any data is read; tensors are then read, checked and placed one at a time.
+    and dtype is checked before any data is read; tensors are then read, checked and placed one at a time,
+    and their values checked for NaN / Inf on device once all are placed.
     With a `mesh`, each parameter is created with the sharding `parameter_shardings` gives it, from just
     the slices this process's devices own, so host memory beyond the placed parameters stays within one
     slice; without one, parameters go whole to the default device, one tensor at a time.
@@ -267,16 +280,26 @@ def load_causal_lm(
     shardings = parameter_paths(parameter_shardings(abstract, mesh)) if mesh is not None else {}
     plan = _plan(checkpoint, files, layout, groups, formats, named)
     experts = config.text.n_routed_experts
-    for path, variable in variables.items():
+    check = FiniteCheck()
+    stored = sum(files.entry(tensor.name).nbytes for tensor in plan.values())
+    with Progress(logger, f"loading {checkpoint}", len(plan), stored) as progress:
+        for path, variable in variables.items():
 
-        def tensor_slice(name: str, index: Index, dtype: jnp.dtype = variable.dtype) -> np.ndarray:
-            return _parameter_slice(checkpoint, files, plan[name], index, dtype=dtype, experts=experts)
+            def tensor_slice(name: str, index: Index, dtype: jnp.dtype = variable.dtype) -> np.ndarray:
+                return _parameter_slice(checkpoint, files, plan[name], index, dtype=dtype, experts=experts)
 
-        if path in rows:
-            read = functools.partial(_stacked_slice, tensor_slice, rows[path], tuple(variable.shape), variable.dtype)
-        else:
-            read = functools.partial(tensor_slice, path)
-        variable.set_value(_placed(tuple(variable.shape), shardings.get(path), read))
+            if path in rows:
+                shape = tuple(variable.shape)
+                read = functools.partial(_stacked_slice, tensor_slice, rows[path], shape, variable.dtype)
+                names = [None if name is None else plan[name].name for name in rows[path].values()]
+                tensors = [plan[name] for name in rows[path].values() if name is not None]
+            else:
+                read = functools.partial(tensor_slice, path)
+                names, tensors = plan[path].name, [plan[path]]
+            variable.set_value(_placed(tuple(variable.shape), shardings.get(path), read))
+            check.add(variable[...], _checked_kind(path, variable.dtype, tensors), names)
+            progress.advance(len(tensors), sum(files.entry(tensor.name).nbytes for tensor in tensors))
+        check.raise_if_any(str(checkpoint))
     model = nnx.merge(graphdef, state)
     read_bytes = sum(files.entry(name).nbytes for name in files.names())
     logger.info(

@@ -18,9 +18,10 @@ import ml_dtypes
 import numpy as np
 
 from inkling_jax.checkpoint.errors import CheckpointError
+from inkling_jax.checkpoint.finite import non_finite_message
 from inkling_jax.checkpoint.names import DATA, GLOBAL_SCALE, SCALES
 from inkling_jax.checkpoint.safetensors_io import CheckpointFiles
-from pallas_kernels.block_formats import E8M0_NAN, MX_BLOCK, NV_BLOCK
+from pallas_kernels.block_formats import MX_BLOCK, NV_BLOCK
 from pallas_kernels.quantized import MXFP8, NVFP4
 
 FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16))
@@ -85,24 +86,28 @@ def per_expert(global_scale: np.ndarray, experts: int) -> np.ndarray:
     return np.broadcast_to(global_scale.reshape(-1, 1, 1), (experts, 1, 1))
 
 
-def stored_array(checkpoint: Path, name: str, role: str, format: str, array: np.ndarray) -> np.ndarray:
-    """A quantized weight's tensor (or a slice of it) as its parameter holds it, after checking its values;
-    a global scale comes in as `per_expert` gives it."""
+def check_global_scale(checkpoint: Path, name: str, global_scale: np.ndarray) -> None:
+    """A stored global scale, read whole (one value per expert, or one for all), must be finite and positive:
+    checked here rather than on device (`finite`), where a value stored once for all experts would count once
+    per expert."""
+    values = np.asarray(global_scale, np.float32)
+    non_finite = int(np.count_nonzero(~np.isfinite(values)))
+    if non_finite:
+        raise CheckpointError(non_finite_message(str(checkpoint), [(name, non_finite)]))
+    if not (values > 0).all():
+        raise CheckpointError(f"{checkpoint}: global scale {name!r} must be finite and positive")
+
+
+def stored_array(role: str, format: str, array: np.ndarray) -> np.ndarray:
+    """A quantized weight's tensor (or a slice of it) as its parameter holds it: MXFP8 values as E4M3 and their
+    scales as E8M0 bytes (uint8), whichever of the two the checkpoint stores them as; a global scale (as
+    `per_expert` gives it, checked by `check_global_scale`) as float32. Block scales and values are checked for
+    NaN on device once placed (`finite`)."""
     if role == DATA:
         return array.view(E4M3) if format == MXFP8 else array
     if role == SCALES:
-        if format == MXFP8:
-            array = array.view(U8)
-            if (array == E8M0_NAN).any():
-                raise CheckpointError(f"{checkpoint}: scale {name!r} holds NaN (E8M0 0xFF) block scales")
-            return array
-        if not np.isfinite(array.astype(np.float32)).all():
-            raise CheckpointError(f"{checkpoint}: scale {name!r} holds NaN block scales")
-        return array
-    values = np.asarray(array, np.float32)
-    if not (np.isfinite(values).all() and (values > 0).all()):
-        raise CheckpointError(f"{checkpoint}: global scale {name!r} must be finite and positive")
-    return values
+        return array.view(U8) if format == MXFP8 else array
+    return np.asarray(array, np.float32)
 
 
 _QUANT_ALGOS = {"NVFP4": NVFP4, "MXFP8": MXFP8}

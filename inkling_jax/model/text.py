@@ -293,7 +293,8 @@ class TextModel(nnx.Module):
         for stack in self.segments:
             for i, layer in enumerate(stack.segment.layers):
                 experts = stack.positions[i % stack.segment.width].mlp.experts
-                formats[layer] = getattr(experts.gate_up_proj, "format", None)
+                weight = experts.gate_up_proj  # plain: a Param, whose array's `format` is its layout
+                formats[layer] = None if isinstance(weight, nnx.Variable) else weight.format
         return [formats[layer] for layer in range(self.config.num_hidden_layers)]
 
     @property
