@@ -19,7 +19,8 @@ server requires of its pool). The phases, each printed as it finishes:
    XLA compile seconds, from JAX's compile events. Then the decode step at each `--concurrency` level B: B slots
    prefilled with `--context` tokens (default: a gRPC request's mean, prompt + max_tokens / 2), the other slots
    empty; the engine's loop as the scheduler runs it (`Engine.step`, then `Engine.fetch` of the step before,
-   `--steps` steps), wall time per step; the step's kernels by CUPTI (GPU only); the bytes a step must read per
+   `--steps` steps), wall time per step and, of it, the host's own work (building and dispatching the batch) and
+   its time blocked on the device's results; the step's kernels by CUPTI (GPU only); the bytes a step must read per
    device (every parameter but the draft's, read once: the embedding's rows of the B tokens, of the routed experts
    the expected distinct ones E * (1 - (1 - k / E)^B) of each layer as stored, quantized data and scales; per
    sequence its visible K/V and its convolution state) and the time that takes at `--bandwidth` bytes/s.
@@ -174,11 +175,12 @@ def prefill_random(
         first = False
 
 
-def decode_step_ms(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float | None]:
-    """(wall ms, kernels ms or None off GPU) of one decode step of `batch` slots holding `context` tokens, the
-    other slots empty. Wall: `steps` steps of the engine's loop as the scheduler runs it (a host batch built per
-    step, step N + 1 dispatched before step N's tokens are fetched). Kernels: CUPTI's sum over one step, median of
-    `repeats`, of the engine's own (state-donating) step."""
+def decode_step_ms(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> dict[str, float | None]:
+    """One decode step of `batch` slots holding `context` tokens, the other slots empty, in ms: `wall`, `steps`
+    steps of the engine's loop as the scheduler runs it (a host batch built per step, step N + 1 dispatched
+    before step N's tokens are fetched); of that, `host` the host's own work a step (building the batch and
+    dispatching it) and `wait` its time blocked on the device's results; `kernels`, CUPTI's sum over one step,
+    median of `repeats`, of the engine's own (state-donating) step (None off GPU)."""
     slots = engine.slots
     active = np.arange(slots) < batch
     pages = pages_for(context + WARM_STEPS + steps + repeats + 4)
@@ -196,17 +198,22 @@ def decode_step_ms(engine: Engine, batch: int, context: int, steps: int, repeats
 
     for _ in range(WARM_STEPS):
         engine.fetch(decode())
+    host = wait = 0.0
     start, pending = time.perf_counter(), None
     for _ in range(steps):
+        begun = time.perf_counter()
         emitted = decode()
+        dispatched = time.perf_counter()
         if pending is not None:
             engine.fetch(pending)
+        host, wait = host + dispatched - begun, wait + time.perf_counter() - dispatched
         pending = emitted
     engine.fetch(pending)
-    wall = (time.perf_counter() - start) / steps * 1e3
-    if jax.default_backend() != "gpu":
-        return wall, None
-    return wall, sum(ms for _, ms in call_kernels_ms(decode, repeats=repeats))
+    times = {"wall": (time.perf_counter() - start) / steps * 1e3, "host": host / steps * 1e3,
+             "wait": wait / steps * 1e3, "kernels": None}  # fmt: skip
+    if jax.default_backend() == "gpu":
+        times["kernels"] = sum(ms for _, ms in call_kernels_ms(decode, repeats=repeats))
+    return times
 
 
 def devices() -> str:
@@ -232,10 +239,12 @@ def engine_phase(args: argparse.Namespace, record: Callable[[dict], None]) -> No
     for shape in engine.shapes:
         record({"section": "compile", "shape": str(shape), **engine.program_times[shape]})
     for batch in sorted(args.concurrency):
-        wall, kernels = decode_step_ms(engine, batch, args.context, args.steps, args.repeats)
+        times = decode_step_ms(engine, batch, args.context, args.steps, args.repeats)
+        wall, kernels = times["wall"], times["kernels"]
         size = decode_bytes(engine, batch, args.context)
         roofline = size["total"] / args.bandwidth * 1e3
         record({"section": "decode", "batch": batch, "context": args.context, "wall_ms": wall, "kernels_ms": kernels,
+                "host_ms": times["host"], "wait_ms": times["wait"],
                 "wall_over_kernels": wall / kernels if kernels else None, "bytes": size, "roofline_ms": roofline,
                 "roofline_pct_of_kernels": 100 * roofline / kernels if kernels else None,
                 "roofline_pct_of_wall": 100 * roofline / wall})  # fmt: skip
@@ -492,12 +501,14 @@ def decode_section(result: dict) -> str:
         size = d["bytes"]
         rows.append([
             str(d["batch"]), _kernels(result, d["kernels_ms"]), _number(d["wall_ms"], 3),
+            _number(d.get("host_ms"), 3), _number(d.get("wait_ms"), 3),
             _number(d["wall_over_kernels"]), _number(size["total"] / 1e9, 3),
             _number(size["total"] / d["batch"] / 1e9, 4), _number(size["distinct_experts"], 1),
             _number(d["roofline_ms"], 3), _number(d["roofline_pct_of_kernels"], 1),
             _number(d["roofline_pct_of_wall"], 1),
         ])  # fmt: skip
-    headers = ["batch", "kernels ms", "engine loop wall ms", "wall / kernels", "GB a step reads", "GB a token reads",
+    headers = ["batch", "kernels ms", "engine loop wall ms", "of which host ms", "of which waiting ms",
+               "wall / kernels", "GB a step reads", "GB a token reads",
                "experts a layer", "roofline ms", "% of roofline (kernels)", "% of roofline (wall)"]  # fmt: skip
     last = result["decode"][-1]
     parts = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in last["bytes"].items() if k not in ("total", "distinct_experts"))
@@ -705,7 +716,8 @@ def main(argv: list[str] | None = None) -> None:
         elif section == "decode":
             kernels = _kernels(result, item["kernels_ms"]) + " ms" * (item["kernels_ms"] is not None)
             say(
-                f"decode batch {item['batch']}: wall {item['wall_ms']:.3f} ms, kernels {kernels}, "
+                f"decode batch {item['batch']}: wall {item['wall_ms']:.3f} ms (host {item['host_ms']:.3f}, waiting "
+                f"{item['wait_ms']:.3f}), kernels {kernels}, "
                 f"roofline {item['roofline_ms']:.3f} ms"
             )
         elif section == "load":

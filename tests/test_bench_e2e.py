@@ -55,6 +55,7 @@ def test_decode_steps_have_times_and_the_bytes_they_must_read(run):
     assert [step["batch"] for step in result["decode"]] == list(CONCURRENCY)
     for step in result["decode"]:
         assert step["wall_ms"] > 0 and step["kernels_ms"] is None  # no GPU here
+        assert 0 < step["host_ms"] and 0 <= step["wait_ms"] and step["host_ms"] + step["wait_ms"] <= step["wall_ms"]
         size = step["bytes"]
         assert all(size[part] > 0 for part in ("other_parameters", "embedding_rows", "routed_experts", "kv"))
         assert size["distinct_experts"] == pytest.approx(experts * (1 - (1 - top_k / experts) ** step["batch"]))
