@@ -8,7 +8,8 @@ it with `--slots` slots, and the step of `--width` tokens per slot; prints the t
 lower the step (tracing and kernel lowering, in Python), to build its Mosaic GPU kernels (`kernel_builds`, as the
 engine does) and to compile it (XLA); then for each `--active` count
 (slots with tokens, the others idle, as in a server with that many requests) the wall time per step issued back
-to back and the step's kernels by CUPTI (on a GPU): their count, their sum, and the kernels grouped by name,
+to back, the host's time to dispatch one step on an idle device (what it costs the host, launches included) and
+the step's kernels by CUPTI (on a GPU): their count, their sum, and the kernels grouped by name,
 longest first. Copies of parameters or state show up there as memcpy and dynamic-slice kernels.
 
 Each `--active` count runs the program the engine picks for it (up to 8 active slots of more: the 8-token decode
@@ -122,14 +123,19 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
             emitted, engine.state = compiled(engine.params, engine.state, batch, engine.previous)
             return emitted
 
-        for _ in range(3):
-            jax.block_until_ready(step())
+        dispatch = []
+        for _ in range(5):  # the host's own cost of a step: its dispatch on an idle device
+            called = time.perf_counter()
+            emitted = step()
+            dispatch.append(time.perf_counter() - called)
+            jax.block_until_ready(emitted)
         start, steps = time.perf_counter(), 20
         for _ in range(steps):
             emitted = step()
         jax.block_until_ready(emitted)
         wall = (time.perf_counter() - start) / steps * 1e3
-        print(f"{active} active: wall time per step, back to back: {wall:.2f} ms", flush=True)
+        print(f"{active} active: wall time per step, back to back: {wall:.2f} ms; a dispatch on an idle device: "
+              f"{np.median(dispatch[2:]) * 1e3:.2f} ms", flush=True)  # fmt: skip
         if jax.default_backend() == "gpu":
             kernels = call_kernels_ms(step, repeats=repeats)
             report(kernels)
