@@ -137,7 +137,11 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
         print(f"{active} active: wall time per step, back to back: {wall:.2f} ms; a dispatch on an idle device: "
               f"{np.median(dispatch[2:]) * 1e3:.2f} ms", flush=True)  # fmt: skip
         if jax.default_backend() == "gpu":
-            kernels = call_kernels_ms(step, repeats=repeats)
+            try:
+                kernels = call_kernels_ms(step, repeats=repeats)
+            except RuntimeError as error:  # e.g. a program whose runs launch different kernels (graphs instantiated)
+                print(f"{active} active: CUPTI could not measure the step's kernels: {error}", flush=True)
+                continue
             report(kernels)
             if dump:
                 Path(f"{dump}_{active}_active.json").write_text(json.dumps(kernels))
