@@ -24,7 +24,8 @@ Checks (the report lists each; the exit status is 1 when any fails):
 - nothing lost, duplicated or misordered: after the load, streams are run again alone, one at a time, through the
   same server (those that were preempted first, then a random sample, within `--reference-minutes`): an OK stream's
   token ids, text, finish reason, stop and usage must equal the reference's; a cancelled or timed-out stream's tokens
-  must equal the same request's cut at that many tokens;
+  must equal the same request's cut at that many tokens; each mismatch is reported with its request, where the
+  tokens first differ and the 5 most likely tokens alone there (a near tie: arithmetic that depends on the batch);
 - the server's counters agree with the client's calls (finished stop / length and refused by code equal; cancelled
   between the cancelled streams that had tokens and all cancelled or timed-out ones; no abort, no error);
 - idle after every round: the metrics' running and waiting requests and used pages return to 0;
@@ -155,20 +156,27 @@ class Mismatch:
     call: Call
     reference: Call
     preempted: bool
+    top_alone: list[tuple[int, float]]  # the 5 most likely tokens alone where the tokens first differ
 
     def describe(self) -> dict:
         got, alone = self.call.token_ids, self.reference.token_ids
-        first = next((i for i, (a, b) in enumerate(zip(got, alone, strict=False)) if a != b), min(len(got), len(alone)))
+        first = first_difference(got, alone)
         entry = {
             "id": self.call.request.request_id, "kind": self.call.kind, "preempted": self.preempted,
             "first_difference": first, "got": got[max(0, first - 2) : first + 6],
             "alone": alone[max(0, first - 2) : first + 6], "lengths": [len(got), len(alone)],
             "finish": [pb.FinishReason.Name(c.finish) for c in (self.call, self.reference)],
-            "reference_outcome": self.reference.outcome, "request": json_format.MessageToDict(self.reference.request),
+            "top_alone_at_difference": self.top_alone, "reference_outcome": self.reference.outcome,
+            "request": json_format.MessageToDict(self.reference.request),
         }  # fmt: skip
         if first < min(len(self.call.logprobs), len(self.reference.logprobs)):
             entry["logprob_at_difference"] = [self.call.logprobs[first].logprob, self.reference.logprobs[first].logprob]
         return entry
+
+
+def first_difference(got: list[int], alone: list[int]) -> int:
+    """The first position where two token lists differ (the shorter one's length when one is a prefix)."""
+    return next((i for i, (a, b) in enumerate(zip(got, alone, strict=False)) if a != b), min(len(got), len(alone)))
 
 
 def metric(samples: Samples, name: str, **labels: str) -> float:
@@ -700,8 +708,21 @@ class Load:
                 reference = await stream(stub, Call(call.kind, OK, request=request))
                 checked.append(call)
                 if reference.outcome != OK or reference.problems or not same_output(call, reference):
-                    mismatches.append(Mismatch(call, reference, call.request.request_id in preempted))
+                    top = await top_at(stub, request, first_difference(call.token_ids, reference.token_ids))
+                    mismatches.append(Mismatch(call, reference, call.request.request_id in preempted, top))
         return checked, mismatches
+
+
+async def top_at(stub: pb_grpc.InklingStub, request: pb.GenerateRequest, position: int) -> list[tuple[int, float]]:
+    """The 5 most likely tokens (id, log-probability) at `position` of the request's output alone: at a mismatch, a
+    near tie there points to arithmetic that depends on the batch, not to a lost or misordered token."""
+    probe = pb.GenerateRequest()
+    probe.CopyFrom(request)
+    probe.request_id, probe.logprobs = f"{request.request_id}-top", 5
+    result = await stream(stub, Call("top", OK, request=probe))
+    if position >= len(result.logprobs):
+        return []
+    return [(top.token_id, round(top.logprob, 4)) for top in result.logprobs[position].top]
 
 
 async def stream(
