@@ -71,35 +71,34 @@ def main(argv: list[str] | None = None) -> None:
         vocab = config.text.unpadded_vocab_size
         tokens = np.random.default_rng(0).integers(0, vocab, (args.slots, args.width), dtype=np.int32)
 
-        def on_mesh(active: int):
+        def on_mesh(active: int) -> tuple[StepShape, tuple]:
+            """The engine's program shape for `active` slots with tokens, and its arguments."""
             real = np.arange(args.slots) < active
             counts = np.where(real, args.width, 0).astype(np.int32)
-            batch = engine.host_batch(tokens, counts, [None] * args.slots, table, emit=real)
-            return jax.tree.map(lambda h: jax.make_array_from_callback(h.shape, engine.by_slot, lambda i: h[i]), batch)
+            return engine.arguments(engine.host_batch(tokens, counts, [None] * args.slots, table, emit=real))
 
-        by_shape: dict[int, list[int]] = collections.defaultdict(list)  # the engine's program for each count
+        by_shape: dict[StepShape, list[int]] = collections.defaultdict(list)  # the engine's program for each count
         for active in sorted(args.active):
-            by_shape[on_mesh(active).token_ids.shape[0]].append(active)
+            by_shape[on_mesh(active)[0]].append(active)
         zeroed = jax.jit(lambda state: jax.tree.map(jnp.zeros_like, state), donate_argnums=0)
-        for flat, actives in by_shape.items():
-            shape = f"step [{args.slots} slots, {flat} tokens]"
+        for decode, actives in by_shape.items():
+            flat, shape = decode.tokens, f"step [{args.slots} slots, {decode.tokens} tokens]"
             start = time.perf_counter()
-            first = on_mesh(actives[-1])
-            lowered = engine._step.lower(engine.params, engine.state, first, engine.previous, speculative=False,
-                                         width=1)  # fmt: skip
+            arguments = on_mesh(actives[-1])[1]
+            leaves, _, first, _ = arguments
+            lowered = engine._lower(arguments, decode)
             print(f"{shape}: lowered in {_seconds(start)}", flush=True)
             if engine._kernels is not None:
                 start = time.perf_counter()
                 built = engine._kernels.build(lowered)
                 print(f"{shape}: {built} Mosaic GPU kernels built in {_seconds(start)}", flush=True)
-            decode = StepShape(flat, 1, 0, False)
             first_logprobs = None
             for number, options in enumerate(args.options or [shape_compiler_options(jax.default_backend(), decode)]):
                 start = time.perf_counter()
                 compiled = lowered.compile(options or None)
                 print(f"{shape} with {json.dumps(options)}: compiled by XLA in {_seconds(start)}", flush=True)
                 engine.state = zeroed(engine.state)
-                emitted, engine.state = compiled(engine.params, engine.state, first, engine.previous)
+                emitted, engine.state = compiled(leaves, engine.state, first, engine.previous)
                 logprobs = np.asarray(emitted.top_logprobs)
                 if first_logprobs is None:
                     first_logprobs = logprobs
@@ -117,10 +116,10 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
     """Wall time per step issued back to back, and the step's kernels on a GPU, for each count of active slots
     (written in launch order to `dump`_`active`_active.json when given)."""
     for active in actives:
-        batch = on_mesh(active)
+        leaves, _, batch, _ = on_mesh(active)[1]
 
-        def step(batch=batch):  # the state is donated: each step takes the one before's
-            emitted, engine.state = compiled(engine.params, engine.state, batch, engine.previous)
+        def step(leaves=leaves, batch=batch):  # the state is donated: each step takes the one before's
+            emitted, engine.state = compiled(leaves, engine.state, batch, engine.previous)
             return emitted
 
         dispatch = []

@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_state, layout_for_budget
+from inkling_jax.cache import PAGE_SIZE, CacheLayout, DecodeState, init_state, layout_for_budget
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import ModelConfig, load_config
@@ -46,6 +46,7 @@ from inkling_jax.model.moe import kernel_platform, lay_out_experts
 from inkling_jax.model.text import CausalLM
 from inkling_jax.runtime.executable_cache import ExecutableCache
 from inkling_jax.runtime.kernel_builds import KernelBuilder
+from inkling_jax.runtime.packed_batch import BatchLayout
 from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES
@@ -174,6 +175,8 @@ class Engine:
                 lay_out_experts(model, platform)
             fuse_attention_projections(model)  # one gemm for the projections of each input (in place)
             self.graphdef, self.params = nnx.split(shard_model(model, mesh))
+            # the step takes the parameters' arrays as a flat list: no pytree of Variables to flatten per step
+            self._param_leaves, param_tree = jax.tree.flatten(self.params)
             draft = model.dspark.config if self.speculative else None  # its context pool only when speculating
             make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft)
             shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
@@ -182,11 +185,12 @@ class Engine:
         num_top, greedy_draft = min(num_top, self.text.unpadded_vocab_size), speculative == "dspark-greedy"
         out_shardings = (NamedSharding(mesh, P()), shardings)
         self._step = jax.jit(
-            functools.partial(step_fn, self.graphdef, num_top=num_top, greedy_draft=greedy_draft,
+            functools.partial(_flat_step, self.graphdef, param_tree, num_top=num_top, greedy_draft=greedy_draft,
                               lane_width=self.lane_width),
-            static_argnames=("speculative", "width"), donate_argnames="state", out_shardings=out_shardings,
-            compiler_options=compiler_options,
+            static_argnames=("speculative", "width", "layout"), donate_argnames="state",
+            out_shardings=out_shardings, compiler_options=compiler_options,
         )  # fmt: skip
+        self._layouts: dict[StepShape, BatchLayout] = {}
         # what the executable cache's key needs beyond the arguments, the mesh and the graph definition
         self._options = {"num_top": num_top, "greedy_draft": greedy_draft, "donate": "state",
                          "lane_width": self.lane_width,
@@ -320,10 +324,7 @@ class Engine:
         speculative = bool(np.any(batch.speculate))
         if speculative and not self.speculative:
             raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
-        args = self._arguments(batch)
-        width = self.gamma + 1 if speculative else 1
-        shape = StepShape(batch.token_ids.shape[0] // self.replicas, width, batch.lane_slot.shape[0] // self.replicas,
-                          speculative)  # fmt: skip
+        shape, args = self.arguments(batch)
         program = self._programs.get(shape)
         if program is None:
             program = self._program(shape, args)
@@ -331,12 +332,22 @@ class Engine:
         self.previous = emitted.last
         return emitted
 
-    def _arguments(self, batch: StepBatch) -> tuple:
-        """The step program's arguments for a host batch (placed on the mesh, split by slot)."""
-        on_mesh = jax.tree.map(
-            lambda host: jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index]), batch
-        )
-        return self.params, self.state, on_mesh, self.previous
+    def arguments(self, batch: StepBatch) -> tuple[StepShape, tuple]:
+        """The shape of the step program that runs a host batch, and the program's arguments: the parameters'
+        arrays, the state, the batch packed into one int32 buffer on the mesh (split by replica: one transfer)
+        and the previous step's tokens."""
+        speculative = bool(np.any(batch.speculate))
+        shape = StepShape(batch.token_ids.shape[0] // self.replicas, self.gamma + 1 if speculative else 1,
+                          batch.lane_slot.shape[0] // self.replicas, speculative)  # fmt: skip
+        packed = self._layout(shape).pack(batch)
+        on_mesh = jax.make_array_from_callback(packed.shape, self.by_slot, lambda index: packed[index])
+        return shape, (self._param_leaves, self.state, on_mesh, self.previous)
+
+    def _layout(self, shape: StepShape) -> BatchLayout:
+        """Where a host batch of `shape`'s arrays lie in its packed buffer (the same for every batch of it)."""
+        if shape not in self._layouts:
+            self._layouts[shape] = BatchLayout.of(self.idle_batch(shape), self.replicas)
+        return self._layouts[shape]
 
     def _program(self, shape: StepShape, args: tuple) -> jax.stages.Compiled:
         """The step program of `shape`: read from the executable cache, else lowered and compiled (and stored
@@ -402,7 +413,8 @@ class Engine:
     def _lower(self, args: tuple, shape: StepShape) -> jax.stages.Lowered:
         """Trace and lower the step for `args` (what a restart over the executable cache skips)."""
         with jax.set_mesh(self.mesh):
-            return self._step.lower(*args, speculative=shape.speculative, width=shape.width)
+            return self._step.lower(*args, speculative=shape.speculative, width=shape.width,
+                                    layout=self._layout(shape))  # fmt: skip
 
     @staticmethod
     def fetch(emitted: Emitted) -> Emitted:
@@ -430,7 +442,7 @@ class Engine:
         first run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
         if missing:
-            arguments = {shape: self._arguments(self.idle_batch(shape)) for shape in missing}
+            arguments = {shape: self.arguments(self.idle_batch(shape))[1] for shape in missing}
             with ThreadPoolExecutor(len(missing), thread_name_prefix="step-compile") as pool:
                 loads = pool.map(lambda shape: self._loaded(shape, arguments[shape]), missing)
                 keys = dict(zip(missing, loads, strict=True))
@@ -577,3 +589,11 @@ def load_engine(
         speculative=speculative, tokenizer=source.tokenizer, checkpoint=source.path, executable_cache=executable_cache,
         max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip
+
+
+def _flat_step(graphdef: nnx.GraphDef, param_tree: jax.tree_util.PyTreeDef, param_leaves: list[jax.Array],
+               state: DecodeState, packed: jax.Array, previous: jax.Array, *, layout: BatchLayout,
+               **static: object) -> tuple[Emitted, DecodeState]:  # fmt: skip
+    """`step_fn` over the parameters' arrays (in `param_tree`'s order) and a packed host batch (`layout`)."""
+    params = jax.tree.unflatten(param_tree, param_leaves)
+    return step_fn(graphdef, params, state, layout.unpack(packed), previous, **static)
