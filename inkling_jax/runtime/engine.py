@@ -489,7 +489,7 @@ def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
 
 GPU_STEP = {
     "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
-    "xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_require_exclusive_lock": True,
+    "xla_gpu_enable_dynamic_slice_fusion": True,
 }  # fmt: skip
 
 
@@ -500,9 +500,7 @@ def shape_compiler_options(platform: str, shape: StepShape) -> dict[str, object]
     weights, out of their stacks, on every step: 2.3 ms of the proxy's 64-slot decode step on the H200), and the
     matmuls in cuBLAS, untuned, reading each layer's weights in place in their stacks (dynamic-slice fusion): the
     H200 ran the proxy's decode step in 19.8 ms of kernels so, against 61.9 ms with untuned Triton gemms (default
-    tiles read the weights many times over), and no autotuning lengthens a cold start. A step program runs alone
-    on the GPU (the engine issues one step at a time), so it takes the GPU's lock and XLA skips the bookkeeping of
-    concurrent runs: the host's dispatch of the proxy's 8-token decode step 7.1 -> 6.4 ms on the H200.
+    tiles read the weights many times over), and no autotuning lengthens a cold start.
     Plain decode steps (one token per slot) on TPU: small gathers stay off SparseCore (jax 0.11 offloads them
     there, and batch-1 decode runs at half speed)."""
     decode = not (shape.lanes or shape.speculative)
