@@ -6,11 +6,12 @@
 Builds the config's model with random weights on one device (`--load-format dummy`'s builder), the engine over
 it with `--slots` slots, and the step of `--width` tokens per slot; prints the time to build the weights, to
 lower the step (tracing and kernel lowering, in Python), to build its Mosaic GPU kernels (`kernel_builds`, as the
-engine does) and to compile it (XLA); then for each `--active` count
-(slots with tokens, the others idle, as in a server with that many requests) the wall time per step issued back
-to back, the host's time to dispatch one step on an idle device (what it costs the host, launches included) and
-the step's kernels by CUPTI (on a GPU): their count, their sum, and the kernels grouped by name,
-longest first. Copies of parameters or state show up there as memcpy and dynamic-slice kernels.
+engine does) and to compile it (XLA); then for each `--active` count (slots with tokens, the others idle, as in a
+server with that many requests) the wall time per step issued back to back, the host's time to dispatch one step
+whose arguments are already on the device, on an idle device (XLA's launch of its kernels and the call's own
+work; not building or sending the batch), and the step's kernels by CUPTI (on a GPU): their count, their sum,
+and the kernels grouped by name, longest first. Copies of parameters or state show up there as memcpy and
+dynamic-slice kernels.
 
 Each `--active` count runs the program the engine picks for it (up to 8 active slots of more: the 8-token decode
 program), lowered once. Each `--options` is a set of XLA options (a JSON object) that lowering is compiled with

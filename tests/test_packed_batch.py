@@ -18,7 +18,7 @@ def random_batch(rng: np.random.Generator) -> StepBatch:
     """A host batch of fresh random values of every kind a StepBatch holds, float specials included."""
 
     def ints(size, shape=None):
-        return rng.integers(-(2**31), 2**31 - 1, size if shape is None else shape, dtype=np.int32)
+        return rng.integers(-(2**31), 2**31 - 1, size if shape is None else shape, dtype=np.int32, endpoint=True)
 
     def flags():
         return rng.random(SLOTS) < 0.5

@@ -122,7 +122,8 @@ class StepShape:
 class Engine:
     """The step over `mesh`; create with `Engine.create` or `load_engine`. It fuses the model's attention
     projections (and on TPU and on Hopper GPUs re-lays its experts for the expert kernels), in place: save
-    checkpoints from a model no engine has taken."""
+    checkpoints from a model no engine has taken. Its steps read the parameters' arrays as they were when it was
+    made (later changes to the model do not reach them), one step at a time (not thread-safe)."""
 
     def __init__(
         self,
@@ -335,7 +336,8 @@ class Engine:
     def arguments(self, batch: StepBatch) -> tuple[StepShape, tuple]:
         """The shape of the step program that runs a host batch, and the program's arguments: the parameters'
         arrays, the state, the batch packed into one int32 buffer on the mesh (split by replica: one transfer)
-        and the previous step's tokens."""
+        and the previous step's tokens. They hold the engine's state, which the next step donates: good for one
+        call."""
         speculative = bool(np.any(batch.speculate))
         shape = StepShape(batch.token_ids.shape[0] // self.replicas, self.gamma + 1 if speculative else 1,
                           batch.lane_slot.shape[0] // self.replicas, speculative)  # fmt: skip
@@ -406,9 +408,14 @@ class Engine:
 
     def program_options(self, shape: StepShape) -> dict[str, object]:
         """What keys the step program of this shape in the executable cache beyond its arguments, the mesh and the
-        graph definition: the step's options and the XLA options it compiles with."""
+        graph definition: the step's options, the XLA options it compiles with and its packed batch's layout."""
         shape_options = shape_compiler_options(jax.default_backend(), shape)
-        return {**self._options, "shape": dataclasses.asdict(shape), "shape_options": shape_options}
+        return {
+            **self._options,
+            "shape": dataclasses.asdict(shape),
+            "shape_options": shape_options,
+            "layout": repr(self._layout(shape)),
+        }
 
     def _lower(self, args: tuple, shape: StepShape) -> jax.stages.Lowered:
         """Trace and lower the step for `args` (what a restart over the executable cache skips)."""

@@ -49,7 +49,9 @@ class BatchLayout:
 
     def pack(self, batch: StepBatch) -> np.ndarray:
         """The host batch as [replicas, words] int32 (numpy); ValueError for a batch of another layout."""
-        leaves = jax.tree.leaves(batch)
+        leaves, tree = jax.tree.flatten(batch)
+        if tree != self.tree:
+            raise ValueError(f"a batch of structure {tree} where the layout has {self.tree}")
         rows = []
         for leaf, (shape, kind) in zip(leaves, self.leaves, strict=True):
             if np.shape(leaf) != (self.replicas * shape[0], *shape[1:]):
