@@ -1011,7 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="minutes of load (default 30)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the server's dtype (default float32: bfloat16 is not batch-invariant yet)")  # fmt: skip
+                        help="the server's dtype (default float32, the recorded run's)")  # fmt: skip
     parser.add_argument("--out", help="write the report (markdown) here")
     parser.add_argument("--checkpoint", help="checkpoint directory (default: the server's embedded synthetic one)")
     parser.add_argument("--seed", type=int, help="the load's random seed (default: a random one, reported)")

@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.numerics import log_softmax, softmax, total
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     measured on the whole scaled distribution; a token tied with the last one top-k or top-p keeps is kept too)."""
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     scaled = logits / temperature
-    probs = jax.nn.softmax(scaled, axis=-1)
+    probs = softmax(scaled)
     keep = probs >= params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(keep & (scaled >= ranked_floor(scaled, probs, params)), scaled, -jnp.inf)
 
@@ -84,7 +86,7 @@ def ranked_floor(scaled: jax.Array, probs: jax.Array, params: SamplingParams) ->
     def halve(bit: int, found: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         at_k, at_p = (threshold | (jnp.uint32(1) << (31 - bit)).astype(jnp.uint32) for threshold in found)
         count = jnp.sum(keys >= at_k, axis=-1, keepdims=True, dtype=jnp.int32)
-        mass = jnp.sum(jnp.where(keys >= at_p, probs, 0.0), axis=-1, keepdims=True)
+        mass = total(jnp.where(keys >= at_p, probs, 0.0), keepdims=True)
         return jnp.where(count >= top_k, at_k, found[0]), jnp.where(mass >= top_p, at_p, found[1])
 
     start = keys[:, :1] & jnp.uint32(0)  # zeros that vary over a mesh where the logits do
@@ -170,7 +172,7 @@ def sample(
     logits [S, V] float32; output_counts [S, V]; prompt_mask [S, V]; generated [S] int32 (tokens each
     request has produced so far); num_top: how many top log-probabilities to return (static).
     """
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = log_softmax(logits)
     penalized = penalize(logits, params, output_counts, prompt_mask)
     sampled = jax.vmap(jax.random.categorical)(request_keys(params.seed, generated), filtered_logits(penalized, params))
     tokens = jnp.where(params.temperature > 0, sampled, jnp.argmax(penalized, axis=-1)).astype(jnp.int32)

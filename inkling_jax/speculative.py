@@ -36,6 +36,7 @@ from inkling_jax.model.attention import read_draft_context
 from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import SamplingParams, filtered_logits, most_likely, penalize, request_keys
+from pallas_kernels.numerics import log_softmax, softmax, total
 
 # --speculative: no speculation, DSpark drafts sampled from the draft's distribution, or its argmax
 SPECULATIVE_MODES = ("none", "dspark", "dspark-greedy")
@@ -67,7 +68,7 @@ class Verified:
 def vocab_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """probs [S, V] in vocabulary order: the distribution `sample` draws from at temperature > 0
     (softmax of the temperature-scaled logits restricted by top-k, top-p and min-p)."""
-    return jax.nn.softmax(filtered_logits(logits, params), axis=-1)
+    return softmax(filtered_logits(logits, params))
 
 
 def token_keys(seed: jax.Array, first: jax.Array, count: int, purpose: int) -> jax.Array:
@@ -172,7 +173,7 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
     """normalize(max(0, p − q)) [..., V]: what a rejection emits. Where it has no mass (p == q, up to
     rounding), a rejection has probability ≈ 0 and p itself is returned."""
     excess = jnp.maximum(p - q, 0.0)
-    mass = jnp.sum(excess, axis=-1, keepdims=True)
+    mass = total(excess, keepdims=True)
     return jnp.where(mass > 0, excess / jnp.where(mass > 0, mass, 1.0), p)
 
 
@@ -219,7 +220,7 @@ def verify(
     accepted = num_accepted[:, None]
     tokens = jnp.where(position < accepted, x, jnp.where(position == accepted, final, vocab))
 
-    logprobs = jax.nn.log_softmax(target_logits, axis=-1)
+    logprobs = log_softmax(target_logits)
     chosen = jnp.take_along_axis(logprobs, jnp.minimum(tokens, vocab - 1)[..., None], axis=-1)[..., 0]
     top_logprobs, top_ids = most_likely(logprobs, num_top)
     return Verified(

@@ -79,8 +79,8 @@ def test_layouts_load_identical_parameters(models):
 
 
 def _score(checkpoint: Path, ids: object, tmp_path: Path, dtype: str = "float32", optimized: bool = False):
-    """Runs the scoring CLI; `optimized` compiles with XLA's default optimization, as a user's run does (the
-    tests' own processes compile unoptimized, which sums some reductions in another order)."""
+    """Runs the scoring CLI; `optimized`: compiled with XLA's default optimization, as a user's run is (the tests'
+    own processes compile unoptimized)."""
     (tmp_path / "ids.json").write_text(json.dumps(ids))
     output = tmp_path / "logits.npy"
     command = [sys.executable, "-m", "inkling_jax.score", "--checkpoint", str(checkpoint),
@@ -101,30 +101,38 @@ def test_score_cli_writes_reference_logits(layout, reference, tmp_path):
     assert relative_error(logits, reference[case]["logits_f32"]) < 1e-4
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bfloat16_logits_follow_reference_rounding(case, reference):
-    """bf16 arithmetic is chaotic on these tiny models (the reference's own bf16 and fp32 logits differ by
-    up to 5): all logits stay an order of magnitude closer to the reference's bf16 logits than fp32 is."""
-    ids = jnp.asarray(reference[case]["input_ids"][None], jnp.int32)
-    got = np.asarray(logits_fn(load_causal_lm(FIXTURES / case / "hf", jnp.bfloat16)[1])(ids)[0])
+EXACT = 7  # positions before the first rounding flip on both fixtures (then bf16 chaos takes over)
+
+
+def _assert_rounds_where_reference_rounds(got: np.ndarray, case: str, reference: dict) -> None:
+    """bf16 arithmetic is chaotic on these tiny models (the reference's own bf16 and fp32 logits differ by up to
+    5): once one rounding goes the other way (a sum in another order), the two trajectories part. So the first
+    EXACT positions are checked to the bit on the CPU, where the reference ran (a bf16 ulp would move a logit by
+    >1e-3; another backend's matmuls sum in another order), and all of them stay an order of magnitude closer to
+    the reference's bf16 logits than its fp32 logits are, with the same argmax almost everywhere."""
     want, f32 = reference[case]["logits_bf16"], reference[case]["logits_f32"]
-    assert np.abs(got - want).mean() < 0.2 * np.abs(f32 - want).mean()
+    assert got.shape == want.shape
+    if jax.default_backend() == "cpu":
+        np.testing.assert_allclose(got[:EXACT], want[:EXACT], rtol=0, atol=1e-5)
+    assert np.abs(got - want).mean() < 0.1 * np.abs(f32 - want).mean()
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_bfloat16_logits_follow_reference_rounding(case, reference):
+    ids = jnp.asarray(reference[case]["input_ids"][None], jnp.int32)
+    got = np.asarray(logits_fn(load_causal_lm(FIXTURES / case / "hf", jnp.bfloat16)[1])(ids)[0])
+    _assert_rounds_where_reference_rounds(got, case, reference)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_score_cli_bfloat16_rounds_where_reference_rounds(case, reference, tmp_path):
-    """On the CPU, where the reference ran, the optimized scoring CLI's first tokens agree with its bf16 logits to
-    the bit (a bf16 ulp would move a logit by >1e-3; another backend's matmuls sum in another order)."""
-    ids = reference[case]["input_ids"].tolist()
-    result = _score(FIXTURES / case / "hf", ids, tmp_path, "bfloat16", optimized=True)
+    """The scoring CLI as a user runs it (XLA's default optimization) rounds as the model does in tests."""
+    result = _score(FIXTURES / case / "hf", reference[case]["input_ids"].tolist(), tmp_path, "bfloat16", optimized=True)
     assert result.returncode == 0, result.stderr
     logits = np.load(tmp_path / "logits.npy")
-    want = reference[case]["logits_bf16"]
-    assert logits.dtype == np.float32 and logits.shape == want.shape
-    exact = 12 if jax.default_backend() == "cpu" else 0
-    np.testing.assert_allclose(logits[:exact], want[:exact], rtol=0, atol=1e-5)
-    assert np.abs(logits - want).mean() < 0.05
+    assert logits.dtype == np.float32
+    _assert_rounds_where_reference_rounds(logits, case, reference)
 
 
 @pytest.mark.parametrize(

@@ -5,17 +5,20 @@ import dataclasses
 import threading
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
+from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Code, Rejected, Request
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.sharding import make_mesh
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text" / "hf"
+TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
 CHUNK = 8
 
 
@@ -156,3 +159,39 @@ def test_cancelled_and_refused_requests(two_slots):
             scheduler.submit(request, lambda delta: None)
     finally:
         scheduler.stop()
+
+
+def test_bfloat16_tokens_and_logprobs_do_not_depend_on_the_batch(tmp_path_factory):
+    """The serving default: bfloat16 activations over the embedded tiny checkpoint's NVFP4 and MXFP8 experts,
+    compiled as a user's run is (XLA's default optimization, whose dots and reductions sum in orders that change
+    with the step's shape: without the model's fixed trees a request or two of three differ on most checkpoints).
+    Greedy and seeded requests give the same tokens and log-probabilities, to the bit, alone (decode steps of one
+    token), beside others (prompt chunks, other slots' decodes in the same step) and after a preemption (their
+    tokens fed again as chunks)."""
+    checkpoint = tmp_path_factory.mktemp("tiny-mixed")
+    write_checkpoint(TINY_CONFIG, checkpoint, experts="mixed", seed=int(np.random.default_rng().integers(1 << 16)))
+    model = load_causal_lm(checkpoint, jnp.bfloat16)[1]
+    vocab = model.config.unpadded_vocab_size
+    layout = CacheLayout(2, 3, 32, CHUNK)  # two slots share 3 pages: sequences past 128 tokens preempt
+    engine = Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, checkpoint=str(checkpoint),
+                    compiler_options={"xla_backend_optimization_level": 3})  # fmt: skip
+    rng = np.random.default_rng()
+    requests = [
+        Request(f"r{i}", rng.integers(0, vocab, int(rng.integers(100, 120))).tolist(),
+                max_tokens=int(rng.integers(30, 45)), temperature=float(temperature), seed=int(rng.integers(0, 2**31)),
+                ignore_eos=True, logprobs=MAX_LOGPROBS)
+        for i, temperature in enumerate([0.0, 1.0, 0.0])
+    ]  # fmt: skip
+    scheduler = make_scheduler(engine)
+    try:
+        alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
+        together = run(scheduler, requests)
+        assert scheduler.stats().preemptions >= 1
+    finally:
+        scheduler.stop()
+
+    def bits(deltas: list) -> list:  # every token with its log-probability and its top ones, as computed
+        return [(t, p, top) for d in deltas for t, p, top in zip(d.token_ids, d.logprobs, d.top_logprobs, strict=True)]
+
+    for request in requests:
+        assert bits(together.deltas[request.id]) == bits(alone[request.id])

@@ -34,7 +34,7 @@ from flax import nnx
 from inkling_jax.config import DraftConfig, ModelConfig, TextConfig
 from inkling_jax.model.norms import RMSNorm
 from inkling_jax.model.params import Linear, normal, param, zeros
-from pallas_kernels.numerics import einsum, round_to
+from pallas_kernels.numerics import einsum, round_to, softmax
 
 
 class NoDraftError(ValueError):
@@ -75,7 +75,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.
     q = q.reshape(slots, width, kv_heads, heads // kv_heads, dim)
     scores = einsum("sgkhd,slkd->skhgl", q, k, jnp.float32) * dim**-0.5
     scores = jnp.where(visible[:, None, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = softmax(scores)
     out = einsum("skhgl,slkd->sgkhd", probs, v.astype(jnp.float32), q.dtype)
     return out.reshape(slots, width, heads, dim)
 

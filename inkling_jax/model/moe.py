@@ -19,7 +19,7 @@ from pallas_kernels.moe import GpuWeight, TpuWeight, moe_experts
 from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe import tpu as moe_tpu
 from pallas_kernels.moe.layouts import PLAIN, for_gpu_experts, for_tpu_experts
-from pallas_kernels.numerics import round_to
+from pallas_kernels.numerics import round_to, total
 from pallas_kernels.platform import on_hopper
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
@@ -38,11 +38,11 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [N, H] -> (expert ids [N, k] int32, weights [N, k] fp32)."""
         # a reduction, not a dot: the product is tiny, and as an fp32 gemm of 16 columns cuBLAS gives it two CTAs
-        logits = jnp.sum(x.astype(jnp.float32)[:, None, :] * self.weight[...].astype(jnp.float32)[None], axis=-1)
+        logits = total(x.astype(jnp.float32)[:, None, :] * self.weight[...].astype(jnp.float32)[None])
         scores = jax.nn.sigmoid(logits)
         _, experts = jax.lax.top_k(scores + self.e_score_correction_bias[...], self.top_k)
         weights = jnp.take_along_axis(scores, experts, axis=-1)
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = weights / (total(weights, keepdims=True) + 1e-20)
         return experts.astype(jnp.int32), weights * self.route_scale
 
 

@@ -5,13 +5,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.model.params import ones, param
-from pallas_kernels.numerics import rms_normalize, round_to
+from pallas_kernels.numerics import rms_normalize, round_to, total
 
 
 def l2_clip(x: jax.Array, threshold: float) -> jax.Array:
     """Scales each vector (last axis) down to L2 norm `threshold` when longer; fp32."""
     x = x.astype(jnp.float32)
-    norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
+    norm = jnp.sqrt(total(jnp.square(x), -1, keepdims=True))
     return x * jnp.minimum(threshold / (norm + 1e-6), 1.0)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.numerics import einsum, rms_normalize, round_to
+from pallas_kernels.numerics import einsum, rms_normalize, round_to, softmax
 
 SOURCE_EPS = 1e-6  # the sources' own RMSNorm (no gain)
 
@@ -58,7 +58,7 @@ def mix(sources: Sources, partial: jax.Array, queries: jax.Array, valid: jax.Arr
     logits = einsum("qh,...sh->...qs", queries.astype(jnp.float32), stacked) * hidden**-0.5
     if valid is not None:
         logits = jnp.where(real, logits, -jnp.inf)
-    mixed = einsum("...qs,...sh->...qh", jax.nn.softmax(logits, axis=-1), stacked)  # [..., Q, H]
+    mixed = einsum("...qs,...sh->...qh", softmax(logits), stacked)  # [..., Q, H]
     return jnp.moveaxis(mixed, -2, 0)
 
 

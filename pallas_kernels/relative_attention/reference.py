@@ -9,7 +9,7 @@ eager path: scores, bias and probabilities are rounded to the activation dtype w
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.numerics import einsum, round_to
+from pallas_kernels.numerics import einsum, round_to, softmax
 
 
 def relative_bias(rel: jax.Array, rel_proj: jax.Array, q_positions: jax.Array, kv_positions: jax.Array) -> jax.Array:
@@ -58,7 +58,7 @@ def relative_attention(
         visible &= distance < window
     logits = jnp.where(visible[:, None], scores.astype(jnp.float32), -jnp.inf)
     sink = jnp.transpose(sinks, (0, 2, 1))[..., None].astype(jnp.float32)  # [B, Hq, T, 1]
-    probs = round_to(jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1], dtype)
+    probs = round_to(softmax(jnp.concatenate([logits, sink], axis=-1))[..., :-1], dtype)
 
     probs = probs.reshape(batch, kv_heads, groups, q_len, -1)
     out = einsum("bkgts,bskd->btkgd", probs, v)
