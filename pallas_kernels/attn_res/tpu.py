@@ -23,7 +23,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attn_res.reference import SOURCE_EPS, Sources, mask_sources, source_specs
-from pallas_kernels.numerics import rms_normalize
 
 VMEM_BUDGET = 24 << 20  # bytes of VMEM a step may use (v7x: 64 MiB per core)
 
@@ -59,6 +58,13 @@ def _source_blocks(sources: Sources, tile: int, hidden: int) -> tuple[list[jax.A
     ]
 
 
+def _normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis in fp32, summed in the kernel's own order (`numerics.rms_normalize` is the
+    model's, whose CPU form is not a kernel's)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
 def _mix_and_norm(*refs, count: int, eps: float, masked: bool):
     """One tile: refs = the count of real sources [1] (SMEM) if masked, count row refs [T, H] (the sources, then
     the partial), queries [Q, H], gains [Q, H], out [Q, T, H]."""
@@ -66,7 +72,7 @@ def _mix_and_norm(*refs, count: int, eps: float, masked: bool):
     row_refs, (query_ref, gain_ref, out_ref) = refs[masked : masked + count], refs[masked + count :]
     queries = query_ref[...].astype(jnp.float32)  # [Q, H]
     scale = queries.shape[-1] ** -0.5
-    normed = mask_sources([rms_normalize(ref[...], SOURCE_EPS) for ref in row_refs], valid, 0.0)  # count x [T, H]
+    normed = mask_sources([_normalized(ref[...], SOURCE_EPS) for ref in row_refs], valid, 0.0)  # count x [T, H]
     for q in range(queries.shape[0]):
         query = queries[q : q + 1]  # [1, H]
         logits = [jnp.sum(x * query, axis=-1, keepdims=True) * scale for x in normed]  # count x [T, 1]
@@ -75,7 +81,7 @@ def _mix_and_norm(*refs, count: int, eps: float, masked: bool):
         weights = [jnp.exp(x - top) for x in logits]
         total = functools.reduce(jnp.add, weights)
         mixed = functools.reduce(jnp.add, (w / total * x for w, x in zip(weights, normed, strict=True)))
-        out_ref[q] = (gain_ref[q : q + 1].astype(jnp.float32) * rms_normalize(mixed, eps)).astype(out_ref.dtype)
+        out_ref[q] = (gain_ref[q : q + 1].astype(jnp.float32) * _normalized(mixed, eps)).astype(out_ref.dtype)
 
 
 def attn_res_norm(
