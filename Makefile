@@ -26,7 +26,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two workers (CI has two cores), each test file on one worker (its module fixtures compile once): 10 min, not 16.
+# Two workers (CI has two cores), each test file on one worker (its module fixtures compile once).
 # A worker a hung test ended (tests/conftest.py) is not restarted (xdist would run the hung test again): the run
 # fails there, its stacks printed, and the tests that worker had yet to run are not reported.
 test: lint

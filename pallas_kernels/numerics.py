@@ -148,7 +148,10 @@ def _ragged_sum_of_products(
     experts' form, no batch dims): each row against its own group's rhs, rows past the groups zero."""
     (lhs_contract, rhs_contract), batch = numbers.dot_dimension_numbers
     if any(batch) or list(numbers.lhs_ragged_dimensions) != [0] or list(numbers.rhs_group_dimensions) != [0]:
-        raise NotImplementedError(f"ragged dot numbers {numbers} on the CPU")
+        raise ValueError(
+            f"ragged dot numbers {numbers}: the CPU's sums take the experts' form only (lhs rows and "
+            "rhs groups along dim 0, no batch dimensions)"
+        )
     groups = rhs.shape[0]
     group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(lhs.shape[0]), side="right")
     rows_rhs = rhs[jnp.minimum(group, groups - 1)]  # [M, rhs dims 1..]

@@ -175,9 +175,9 @@ class Engine:
             if platform := kernel_platform():  # the expert kernels' layout, made once here (in place)
                 lay_out_experts(model, platform)
             fuse_attention_projections(model)  # one gemm for the projections of each input (in place)
-            self.graphdef, self.params = nnx.split(shard_model(model, mesh))
+            self.graphdef, params = nnx.split(shard_model(model, mesh))
             # the step takes the parameters' arrays as a flat list: no pytree of Variables to flatten per step
-            self._param_leaves, param_tree = jax.tree.flatten(self.params)
+            self._param_leaves, self._param_tree = jax.tree.flatten(params)
             draft = model.dspark.config if self.speculative else None  # its context pool only when speculating
             make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft)
             shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
@@ -186,7 +186,7 @@ class Engine:
         num_top, greedy_draft = min(num_top, self.text.unpadded_vocab_size), speculative == "dspark-greedy"
         out_shardings = (NamedSharding(mesh, P()), shardings)
         self._step = jax.jit(
-            functools.partial(_flat_step, self.graphdef, param_tree, num_top=num_top, greedy_draft=greedy_draft,
+            functools.partial(_flat_step, self.graphdef, self._param_tree, num_top=num_top, greedy_draft=greedy_draft,
                               lane_width=self.lane_width),
             static_argnames=("speculative", "width", "layout"), donate_argnames="state",
             out_shardings=out_shardings, compiler_options=compiler_options,
@@ -237,6 +237,11 @@ class Engine:
             )  # fmt: skip
         return cls(model, replica, mesh, num_top, speculative, tokenizer=tokenizer, checkpoint=checkpoint,
                    executable_cache=executable_cache, max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+
+    @property
+    def params(self) -> nnx.State:
+        """The parameters the steps read, as the model's state."""
+        return jax.tree.unflatten(self._param_tree, self._param_leaves)
 
     @property
     def programs_loaded(self) -> int:
@@ -322,8 +327,7 @@ class Engine:
         """Dispatch one step on a host batch (`host_batch`); returns at once with the device's outputs (`fetch`
         waits for them). Slots with `feedback` set start from the last token emitted for them by the previous
         step, which the host need not have read yet. The step is speculative when any slot has `speculate` set."""
-        speculative = bool(np.any(batch.speculate))
-        if speculative and not self.speculative:
+        if not self.speculative and np.any(batch.speculate):
             raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
         shape, args = self.arguments(batch)
         program = self._programs.get(shape)
