@@ -515,7 +515,8 @@ def decode_section(result: dict) -> str:
     return (
         f"## Decode step, {last['context']} tokens a sequence; roofline: the bytes at "
         f"{result['setup']['bandwidth'] / 1e12:.2f} TB/s per device\n\n{_table(headers, rows)}\n\n"
-        f"GB at batch {last['batch']}: {parts}."
+        f"GB at batch {last['batch']}: {parts}. Kernels ms: the sum of the step's kernel durations (CUPTI); kernels "
+        "that run side by side overlap in it, so a step's wall can be below it."
     )
 
 
