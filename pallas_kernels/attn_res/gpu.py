@@ -140,7 +140,8 @@ def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: 
     mixed = [mixes(i) for i in range(steps)]
     squares = functools.reduce(added, ([m * m for m in step] for step in mixed))
     squares = _summed(jnp.concatenate(squares, axis=0), squares_smem, square_turns, wg)  # [Q]
-    scales = [_columns(lax.rsqrt(squares / hidden + eps)[q : q + 1]) for q in range(num_queries)]  # 1 / rms
+    final_inverse_rms = lax.rsqrt(squares / hidden + eps)  # [Q]: the final RMSNorm's 1 / rms
+    scales = [_columns(final_inverse_rms[q : q + 1]) for q in range(num_queries)]
     for i, step in enumerate(mixed):
         for q, (gain, mix) in enumerate(zip(fetch(gain_ref, i), step, strict=True)):
             normed = _rows(gain, 1) * (mix * scales[q])
