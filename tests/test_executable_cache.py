@@ -155,13 +155,16 @@ def test_a_backend_that_cannot_serialize_turns_the_cache_off_with_one_warning(tm
 
 def test_step_programs_get_their_platforms_options(model, monkeypatch):
     """A plain TPU decode step keeps its gathers off SparseCore; every GPU shape keeps dots unmerged and its
-    matmuls in cuBLAS, untuned, reading stacked weights in place, and runs its independent kernels side by side;
-    TPU prefill and speculative shapes, and CPU, add nothing to what XLA compiles."""
+    matmuls in cuBLAS, untuned, reading stacked weights in place, and runs its independent kernels side by side and
+    its conditionals and loops in command buffers; TPU prefill and speculative shapes, and CPU, add nothing to what
+    XLA compiles."""
     decode, prefill, verify = StepShape(8, 1, 0, False), StepShape(64, 1, 4, False), StepShape(16, 8, 0, True)
     assert shape_compiler_options("tpu", decode) == {"xla_tpu_offload_gather_to_sparsecore": False}
     gpu = {
         "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
         "xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
+        "CONDITIONAL,WHILE",
     }  # fmt: skip
     assert shape_compiler_options("gpu", decode) == shape_compiler_options("gpu", prefill) == gpu
     assert shape_compiler_options("gpu", verify) == gpu

@@ -169,3 +169,37 @@ def test_top_k_and_top_p_keep_what_their_definitions_keep():
         borderline[order] = np.abs(before - top_p[row]) < 1e-5
         assert np.array_equal(kept[row] | borderline, want | borderline), row
         assert kept[row].sum() >= 1
+
+
+def test_a_slot_gets_alone_what_it_gets_in_any_mixed_batch():
+    """The batch decides whether the penalties, the top-k / top-p search and the draw run at all; a slot's token
+    and log-probabilities do not depend on which of them its neighbours switch on."""
+    rng = np.random.default_rng(5)
+    slots = [
+        {},  # greedy, nothing on
+        {"repetition_penalty": 1.3, "frequency_penalty": 0.4},  # greedy with penalties
+        {"temperature": 0.8, "seed": 11},  # plain sampling
+        {"temperature": 1.1, "top_k": 4, "seed": 12},
+        {"temperature": 0.9, "top_p": 0.7, "min_p": 0.05, "presence_penalty": 0.5, "seed": 13},
+    ]
+    logits = rng.normal(0, 2.0, (len(slots), VOCAB)).astype(np.float32)
+    counts = rng.integers(0, 3, (len(slots), VOCAB)).astype(np.int32)
+    prompt = rng.random((len(slots), VOCAB)) < 0.3
+    generated = rng.integers(0, 40, len(slots)).astype(np.int32)
+    step = jax.jit(sample, static_argnames="num_top")
+
+    def run(rows):
+        params = SamplingParams.neutral(len(rows))
+        for field in dataclasses.fields(SamplingParams):
+            column = np.asarray(getattr(params, field.name)).copy()
+            for i, row in enumerate(rows):
+                column[i] = slots[row].get(field.name, column[i])
+            params = dataclasses.replace(params, **{field.name: jnp.asarray(column)})
+        out = step(jnp.asarray(logits[rows]), params, jnp.asarray(counts[rows]), jnp.asarray(prompt[rows]),
+                   jnp.asarray(generated[rows]), num_top=3)  # fmt: skip
+        return {row: (int(out.tokens[i]), float(out.logprobs[i]), tuple(np.asarray(out.top_ids[i])))
+                for i, row in enumerate(rows)}  # fmt: skip
+
+    alone = {row: run([row])[row] for row in range(len(slots))}
+    for rows in ([0, 1], [0, 2], [1, 3], [4, 0, 2], list(range(len(slots)))):
+        assert run(rows) == {row: alone[row] for row in rows}

@@ -501,6 +501,7 @@ def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
 GPU_STEP = {
     "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE",
 }  # fmt: skip
 
 
@@ -514,7 +515,10 @@ def shape_compiler_options(platform: str, shape: StepShape) -> dict[str, object]
     tiles read the weights many times over), and no autotuning lengthens a cold start. The command buffers run
     kernels that do not depend on each other side by side (a layer's small norms, clips and cache writes): the
     proxy's decode step took 10.5 / 18.9 ms back to back at 1 / 64 active slots, against 11.5 / 20.9 with them in
-    launch order (bench/results/README.md).
+    launch order (bench/results/README.md). They also hold the step's conditionals and loops, so that a branch
+    the step skips (sampling in a greedy batch, clearing the rows of new sequences) is decided on the device: a
+    conditional outside them makes the host wait for its predicate (the proxy's decode step ran 13.9 / 21.6 ms
+    so, 10.0 / 17.4 within them; 12.2 / 19.6 with the gemms on stacked weights, dynamic-slice fusions, left out).
     Plain decode steps (one token per slot) on TPU: small gathers stay off SparseCore (jax 0.11 offloads them
     there, and batch-1 decode runs at half speed)."""
     decode = not (shape.lanes or shape.speculative)
