@@ -1,5 +1,6 @@
 """Device time of a jitted call, shared by the benches."""
 
+import collections
 import statistics
 import time
 from collections.abc import Callable
@@ -10,18 +11,22 @@ CHAINED = 5  # calls per timed run on several devices
 
 
 def _kernel_runs(fn, *args, repeats: int) -> list[list[tuple[str, float]]]:
-    """Each of `repeats` runs of fn(*args) on the GPU as its kernels' (name, ms), by CUPTI."""
+    """Each of `repeats` runs of fn(*args) on the GPU as its kernels' (name, ms), by CUPTI, measured one by one: a
+    program with conditionals launches the kernels of the branches each run takes."""
     from jax.experimental.mosaic.gpu import profiler
 
-    runs = profiler.measure(fn, aggregate=False, iterations=repeats)(*args)[1]
-    return [runs] if repeats == 1 else runs  # measure gives one run's kernels unwrapped
+    return [profiler.measure(fn, aggregate=False, iterations=1)(*args)[1] for _ in range(repeats)]
 
 
 def kernels_ms(fn, *args, repeats: int) -> list[tuple[str, float]]:
-    """fn(*args)'s kernels on the GPU in launch order, each with its median device time in ms."""
+    """fn(*args)'s kernels on the GPU in launch order, each with its median device time in ms, over the runs that
+    launched the most common sequence of kernels."""
     jax.block_until_ready(fn(*args))
     runs = _kernel_runs(fn, *args, repeats=repeats)
-    return [(name, statistics.median(run[i][1] for run in runs)) for i, (name, _) in enumerate(runs[0])]
+    sequences = collections.Counter(tuple(name for name, _ in run) for run in runs)
+    common = sequences.most_common(1)[0][0]
+    runs = [run for run in runs if tuple(name for name, _ in run) == common]
+    return [(name, statistics.median(run[i][1] for run in runs)) for i, name in enumerate(common)]
 
 
 class _AsItIs:
