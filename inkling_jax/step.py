@@ -85,17 +85,22 @@ def pack_spans(
 ) -> tuple[np.ndarray, ...]:  # fmt: skip
     """The host's layout of a step (numpy): each slot's tokens_of[s, :counts[s]] ([S, any width]) at the next free
     flat index of its replica's `tokens`, a speculating slot's span `width` long; a slot that brings more than
-    `width` tokens read through lanes of `lane_width`. -> (token_ids [replicas * tokens], starts [S] (replica-local),
+    `width` tokens read through lanes of `lane_width`. A step without lanes that has `width` tokens for every slot
+    lays slot s at s * width instead. Either way a lane-free step's narrow group of sequences (the busy slots in
+    order, or every slot: `chunk.busy_slots`) reads sequence n's queries at flat tokens n * width ... when every busy
+    slot's span is `width` long (`Chunk.ordered`). -> (token_ids [replicas * tokens], starts [S] (replica-local),
     lane_slot, lane_first, lane_count [replicas * lanes]). ValueError when a replica's spans or lanes do not fit."""
     slots = counts.shape[0]
     per_replica = slots // replicas
     flat, starts = np.zeros((replicas, tokens), np.int32), np.zeros(slots, np.int32)
     lane_table = np.zeros((3, replicas, lanes), np.int32)  # slot, first, count
+    uniform = lanes == 0 and tokens >= per_replica * width
     for replica in range(replicas):
         cursor = lane = 0
         for local in range(per_replica):
             slot = replica * per_replica + local
             count = int(counts[slot])
+            cursor = local * width if uniform else cursor
             if count > width:
                 for first in range(0, count, lane_width):
                     if lane < lanes:
@@ -202,7 +207,7 @@ def _step(
         lanes = Lanes(batch.lane_slot, batch.lane_first, batch.lane_count, lane_width)
     counts = jnp.where(spec, gamma + 1, batch.counts)  # a verify pass: the anchor and its drafts
     chunk = Chunk.make(state.lengths, counts, state.page_table, starts, lanes, width=width, tokens=tokens,
-                       kernel_size=model.config.conv_kernel_size)  # fmt: skip
+                       kernel_size=model.config.conv_kernel_size, ordered=lanes is None and width == 1)  # fmt: skip
 
     vocab = state.prompt_mask.shape[1]
     slot, real = chunk.token_slot, chunk.valid[0]  # the host's tokens: a speculating slot's one is not a prompt's

@@ -12,6 +12,8 @@ from flax import nnx
 from inkling_jax.cache import CacheLayout, init_state
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.forward import logits_fn
+from inkling_jax.model.attention import grouped_attention
+from inkling_jax.model.chunk import Chunk
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.step import StepBatch, pack_spans, step
 
@@ -181,6 +183,37 @@ def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
         np.testing.assert_array_equal(full[0], few[0])
         np.testing.assert_array_equal(full[1], few[1])
         np.testing.assert_allclose(full[2], few[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("slots", "tokens", "width"), [(6, 4, 1), (6, 6, 1), (5, 9, 1), (4, 12, 3)])
+def test_lane_free_steps_read_their_rows_in_place(slots, tokens, width):
+    """pack_spans lays a lane-free step so that the narrow group's sequences read the flat rows as they lie (a slot
+    at slot * width where every slot has room, else the busy slots in turn); attention over those rows as they lie
+    equals attention over the gathered rows, padding tokens zero."""
+    rng = np.random.default_rng(tokens)
+    if tokens >= slots * width:
+        counts = rng.integers(0, width + 1, slots).astype(np.int32)
+    else:  # busy slots packed in turn: each brings `width` tokens, so that sequence n sits at n * width
+        counts = np.zeros(slots, np.int32)
+        counts[rng.choice(slots, tokens // width, replace=False)] = width
+    _, starts, *_ = pack_spans(np.zeros((slots, width), np.int32), counts, np.zeros(slots, bool), width=width,
+                               lane_width=1, tokens=tokens, lanes=0)  # fmt: skip
+    if tokens >= slots * width:
+        assert starts.tolist() == (np.arange(slots) * width).tolist()
+    lengths = jnp.asarray(rng.integers(0, 50, slots), jnp.int32)
+    table = jnp.arange(slots, dtype=jnp.int32)[:, None]
+    chunks = [Chunk.make(lengths, jnp.asarray(counts), table, jnp.asarray(starts), None, width=width, tokens=tokens,
+                         kernel_size=4, ordered=ordered) for ordered in (False, True)]  # fmt: skip
+    q, rel = (jnp.asarray(rng.normal(size=(1, tokens, 2, d)), jnp.float32) for d in (8, 3))
+    sinks = jnp.asarray(rng.normal(size=(1, tokens, 2)), jnp.float32)
+
+    def attend(q, rel, sinks, kv_lens, query_lens, table, slots):  # [N, W, ...]; zeros at padding queries
+        value = q + rel.sum(-1, keepdims=True) + sinks[..., None] + (kv_lens + 100 * slots)[:, None, None, None]
+        return jnp.where((jnp.arange(q.shape[1])[None, :] < query_lens[:, None])[..., None, None], value, 0.0)
+
+    gathered, in_place = (grouped_attention(chunk, attend, q, rel, sinks) for chunk in chunks)
+    np.testing.assert_array_equal(np.asarray(in_place), np.asarray(gathered))
+    assert np.count_nonzero(np.asarray(gathered)[0, :, 0, 0]) == counts.sum()
 
 
 def test_lanes_in_a_step_of_fewer_tokens_than_slots(model):

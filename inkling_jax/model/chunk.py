@@ -56,6 +56,9 @@ class Chunk:
     in_sequence: jax.Array  # [N, K - 1] bool each history row that holds a token of the slot's sequence (`known`)
     width: int = dataclasses.field(metadata={"static": True})  # the narrow group's queries per slot
     tokens: int = dataclasses.field(metadata={"static": True})  # T
+    # the narrow group's sequence n reads flat tokens n * width ... (no lanes): its queries and outputs are the
+    # step's rows as they lie, with no gather (`step.pack_spans` lays decode steps out so)
+    ordered: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @classmethod
     def make(
@@ -69,10 +72,14 @@ class Chunk:
         width: int,
         tokens: int,
         kernel_size: int,
+        ordered: bool = False,
     ) -> Chunk:
         """The layout of spans (starts, counts) over `tokens` flat tokens, with its index maps for convolutions of
         `kernel_size` taps. A slot covered by a used lane is in the lanes only; every other slot brings at most
-        `width` tokens."""
+        `width` tokens. `ordered`: the caller lays the narrow group's sequence n at flat tokens n * width ... (see
+        the field; no lanes)."""
+        if ordered and (lanes is not None or tokens < min(lengths.shape[0], tokens) * width):
+            raise ValueError("an ordered layout has no lanes and room for every narrow sequence's queries")
         slots = lengths.shape[0]
         flat = jnp.arange(tokens, dtype=jnp.int32)
         inside = (flat[None, :] >= starts[:, None]) & (flat[None, :] < (starts + counts)[:, None])  # [S, T]
@@ -110,7 +117,7 @@ class Chunk:
         return cls(
             lengths, counts, page_table, starts, lanes, token_slot, offset, narrow_counts, busy, rows,
             jnp.clip(lag_index, 0, sequences * taps + tokens - 1).astype(jnp.int32), history_index.astype(jnp.int32),
-            in_sequence, width=width, tokens=tokens,
+            in_sequence, width=width, tokens=tokens, ordered=ordered,
         )  # fmt: skip
 
     @classmethod
@@ -121,7 +128,7 @@ class Chunk:
         [S, width] and flattened."""
         starts = jnp.arange(lengths.shape[0], dtype=jnp.int32) * width
         return cls.make(lengths, counts, page_table, starts, None, width=width, tokens=lengths.shape[0] * width,
-                        kernel_size=kernel_size)  # fmt: skip
+                        kernel_size=kernel_size, ordered=True)  # fmt: skip
 
     @property
     def slots(self) -> int:
