@@ -79,8 +79,9 @@ def penalize(logits: jax.Array, params: SamplingParams, output_counts: jax.Array
 def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """[S, V]: the temperature-scaled logits in vocabulary order, -inf outside top-k, top-p and min-p (each
     measured on the whole scaled distribution; a token tied with the last one top-k or top-p keeps is kept too).
-    The top-k and top-p search runs only in a batch where a sampling slot asks for one (about 1 ms of the proxy's
-    64-slot decode step on the H200)."""
+    A greedy row (temperature 0, whose token is the argmax) is scaled by 1 and cut by min-p alone. The top-k and
+    top-p search runs only in a batch where a sampling slot asks for one (about 1 ms of the proxy's 64-slot decode
+    step on the H200)."""
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     scaled = logits / temperature
     probs = softmax(scaled)
@@ -91,6 +92,7 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
         return jnp.full_like(scaled[:, :1], -jnp.inf)
 
     floor = jax.lax.cond(any_slot(cutting), ranked_floor, uncut, scaled, probs, params)
+    floor = jnp.where(cutting[:, None], floor, -jnp.inf)  # a greedy row's filters, whatever its neighbours ask
     return jnp.where(keep & (scaled >= floor), scaled, -jnp.inf)
 
 

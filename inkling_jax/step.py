@@ -51,7 +51,7 @@ class StepBatch:
 
     token_ids: jax.Array  # [T] int32, slot s's at starts[s] ... starts[s] + counts[s] - 1
     counts: jax.Array  # [S] int32
-    starts: jax.Array  # [S] int32
+    starts: jax.Array  # [S] int32, as `pack_spans` lays them (a lane-free width-1 step reads its rows in place)
     lane_slot: jax.Array  # [P] int32: the prompt lanes (`inkling_jax.model.chunk.Lanes`)
     lane_first: jax.Array  # [P] int32
     lane_count: jax.Array  # [P] int32
@@ -139,7 +139,7 @@ def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
     # a scatter of whole vocabulary rows walks all S rows of updates, dropped ones too (64 us of the proxy's decode
     # step on the H200); most steps start no sequence
     output_counts, prompt_mask = jax.lax.cond(
-        any_slot(reset), clear_vocabulary_rows, lambda *rows: rows, state.output_counts, state.prompt_mask
+        any_slot(reset), clear_vocabulary_rows, lambda *kept: kept, state.output_counts, state.prompt_mask
     )
     return dataclasses.replace(state, lengths=clear(state.lengths), output_counts=output_counts,
                                prompt_mask=prompt_mask, generated=clear(state.generated))  # fmt: skip

@@ -185,21 +185,25 @@ def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
         np.testing.assert_allclose(full[2], few[2], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("slots", "tokens", "width"), [(6, 4, 1), (6, 6, 1), (5, 9, 1), (4, 12, 3)])
-def test_lane_free_steps_read_their_rows_in_place(slots, tokens, width):
+@pytest.mark.parametrize(("slots", "tokens", "width", "busy"), [(6, 4, 1, 4), (6, 4, 1, 2), (6, 6, 1, 0),
+                                                               (5, 9, 1, 0), (4, 12, 3, 0)])  # fmt: skip
+def test_lane_free_steps_read_their_rows_in_place(slots, tokens, width, busy):
     """pack_spans lays a lane-free step so that the narrow group's sequences read the flat rows as they lie (a slot
     at slot * width where every slot has room, else the busy slots in turn); attention over those rows as they lie
     equals attention over the gathered rows, padding tokens zero."""
     rng = np.random.default_rng(tokens)
     if tokens >= slots * width:
         counts = rng.integers(0, width + 1, slots).astype(np.int32)
-    else:  # busy slots packed in turn: each brings `width` tokens, so that sequence n sits at n * width
+    else:  # `busy` slots packed in turn, each bringing `width` tokens (sequence n at n * width), the rest padding
         counts = np.zeros(slots, np.int32)
-        counts[rng.choice(slots, tokens // width, replace=False)] = width
+        counts[rng.choice(slots, busy, replace=False)] = width
     _, starts, *_ = pack_spans(np.zeros((slots, width), np.int32), counts, np.zeros(slots, bool), width=width,
                                lane_width=1, tokens=tokens, lanes=0)  # fmt: skip
     if tokens >= slots * width:
         assert starts.tolist() == (np.arange(slots) * width).tolist()
+        replicas = pack_spans(np.zeros((2 * slots, width), np.int32), np.tile(counts, 2), np.zeros(2 * slots, bool),
+                              width=width, lane_width=1, tokens=tokens, lanes=0, replicas=2)[1]  # fmt: skip
+        assert replicas.tolist() == 2 * starts.tolist()  # replica-local
     lengths = jnp.asarray(rng.integers(0, 50, slots), jnp.int32)
     table = jnp.arange(slots, dtype=jnp.int32)[:, None]
     chunks = [Chunk.make(lengths, jnp.asarray(counts), table, jnp.asarray(starts), None, width=width, tokens=tokens,

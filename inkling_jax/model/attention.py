@@ -102,7 +102,7 @@ def grouped_attention(chunk: Chunk, attend: Callable[..., jax.Array], q: jax.Arr
     """The step's attention [1, T, Hq, D] from q [1, T, Hq, D], rel [1, T, Hq, d_rel], sinks [1, T, Hq]: each
     group of sequences (`Chunk.groups`) through attend(q, rel, sinks, kv_lens, query_lens, page_table, slots) with
     its query rows gathered [N, W, ...], and the rows back to their tokens (zeros at padding). An ordered chunk's
-    one group reads and writes the step's rows as they lie (three gathers a layer fewer in a decode step)."""
+    one group reads and writes the step's rows as they lie: no gather of q, rel and sinks, none of the output."""
     if chunk.ordered:
         index, kv_lens, query_lens, table, slots = chunk.groups()[0]
         rows = index.size

@@ -13,7 +13,8 @@ Attention reads the spans as the ragged kernels take them, query rows padded per
 - the lanes (`Lanes`), for prompt chunks: lane p holds up to `lanes.width` consecutive tokens of one slot's span,
   a longer chunk several lanes, so a chunk pads at most one lane's width.
 `source` maps each flat token to its row in the two groups' outputs, so a layer gathers its queries into the
-groups and its outputs back with one gather each; the maps are computed once per step (`Chunk.make`).
+groups and its outputs back with one gather each; the maps are computed once per step (`Chunk.make`). An ordered
+layout (`Chunk.ordered`: no lanes, sequence n at flat tokens n * width ...) needs neither gather.
 """
 
 from __future__ import annotations
