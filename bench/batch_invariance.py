@@ -1,0 +1,180 @@
+"""Which of the model's operations give a row the same bits whatever else is computed with it, on this platform.
+
+    python -m bench.batch_invariance [--sizes 8 16 64 68 196] [--markdown FILE.md]
+
+Batch invariance (the proto's promise: the same request and seed give the same tokens whatever runs beside them)
+holds end to end only if every operation a token's row goes through does. Each case here computes one operation
+on the rows of a step of each size (the engine's step shapes; the first rows the same in all) with the options
+the engine compiles its steps with, and counts the elements of the shared rows that differ from the smallest
+size's, bit for bit, at Inkling 2 Small's widths (hidden 4608, 48 query and 8 KV heads of 128, 16 experts of
+2304, top 8):
+- dense projections (`numerics.einsum`, bf16 in, fp32 sums rounded once): the query side, K / V, the output
+  projection and the LM head, at each size's token count;
+- `rms_normalize` and `log_softmax` over the vocabulary;
+- the routed experts (the platform's kernels, NVFP4 and MXFP8) at each token count, the first tokens' routing the
+  same;
+- attention decode (`ragged_paged_attention` over the page pool, full and sliding-window): one sequence's row
+  beside as many other decoding sequences as the size;
+- attention, one position decoded against the same position as the last row of a 64-token prefill chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.moe_experts import CAPS, routing_case, stored_experts
+from inkling_jax.runtime.engine import GPU_STEP
+from pallas_kernels import numerics
+from pallas_kernels.moe import moe_experts
+from pallas_kernels.moe.layouts import for_gpu_experts
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+HIDDEN, HEADS, KV_HEADS, DIM, D_REL, EXTENT = 4608, 48, 8, 128, 16, 1024
+EXPERTS, INTER, VOCAB, PAGE, CONTEXT = 16, 2304, 200058, 128, 1000
+SHARED = 8  # rows compared (the first of every size)
+
+
+def compiled(fn: Callable, *args) -> Callable:
+    """fn jitted with the engine's step options on this platform."""
+    options = dict(GPU_STEP) if jax.default_backend() == "gpu" else {}
+    return jax.jit(fn).lower(*args).compile(options or None)
+
+
+def differing(outputs: dict[int, np.ndarray]) -> dict[str, int]:
+    """Per size: how many elements of the shared rows differ from the smallest size's."""
+    first = outputs[min(outputs)]
+    return {str(size): int((out != first).sum()) for size, out in outputs.items()}
+
+
+def rows_of(fn: Callable, make: Callable[[int], tuple], sizes: list[int], rows: int = SHARED) -> dict[int, np.ndarray]:
+    """fn's first `rows` output rows for inputs of each size."""
+    outputs = {}
+    for size in sizes:
+        args = make(size)
+        outputs[size] = np.asarray(compiled(fn, *args)(*args)).astype(np.float32)[:rows]
+    return outputs
+
+
+def normal(key: int, shape: tuple[int, ...], std: float = 1.0) -> jax.Array:
+    return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * std).astype(jnp.bfloat16)
+
+
+def projections(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
+    tokens = normal(1, (max(sizes), 6144))
+    cases = {"query side": (13104, HIDDEN), "K and V": (2 * KV_HEADS * DIM, HIDDEN), "output": (HIDDEN, 6144),
+             "LM head": (201024, HIDDEN)}  # fmt: skip
+    found = {}
+    for name, (out, inner) in cases.items():
+        weight = normal(out, (out, inner), 0.02)
+        x = tokens[:, :inner]
+        found[f"projection: {name} [{out}, {inner}]"] = rows_of(
+            lambda a, w: numerics.einsum("ti,oi->to", a, w), lambda m, x=x, w=weight: (x[:m], w), sizes
+        )
+    return found
+
+
+def reductions(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
+    x = normal(2, (max(sizes), HIDDEN)).astype(jnp.float32)
+    logits = jax.random.normal(jax.random.key(3), (max(sizes), VOCAB), jnp.float32) * 3
+    return {
+        "rms_normalize [4608]": rows_of(lambda a: numerics.rms_normalize(a, 1e-6), lambda m: (x[:m],), sizes),
+        "log_softmax [200058]": rows_of(numerics.log_softmax, lambda m: (logits[:m],), sizes),
+    }
+
+
+def experts(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
+    found = {}
+    x, ids, weights = routing_case(max(sizes), 3, EXPERTS, HIDDEN)
+    for fmt in ("nvfp4", "mxfp8"):
+        gate_up, down, _ = stored_experts(EXPERTS, HIDDEN, INTER, fmt)
+        laid = for_gpu_experts(gate_up, down) if jax.default_backend() == "gpu" else (gate_up, down)
+
+        def run(x, ids, weights, gate_up, down):
+            return moe_experts(x, gate_up, down, ids, weights, distinct_ids=True, **CAPS)
+
+        found[f"experts {fmt}"] = rows_of(run, lambda m, laid=laid: (x[:m], ids[:m], weights[:m], *laid), sizes)
+    return found
+
+
+def attention_inputs(slots: int, width: int) -> dict:
+    """Random bf16 step inputs for up to `slots` sequences of `width` query rows over a page pool (each sequence's
+    pages its own, in order): the inputs of fewer sequences are the leading ones of these."""
+    pages = slots * (-(-2 * CONTEXT // PAGE) + 1)
+    return {
+        "q": normal(10, (slots, width, HEADS, DIM)), "rel": normal(11, (slots, width, HEADS, D_REL)),
+        "sinks": normal(12, (slots, width, HEADS)), "rel_proj": normal(13, (D_REL, EXTENT)),
+        "k": normal(14, (pages, KV_HEADS, PAGE, DIM)), "v": normal(15, (pages, KV_HEADS, PAGE, DIM)),
+        "table": jnp.arange(pages, dtype=jnp.int32).reshape(slots, -1),
+    }  # fmt: skip
+
+
+def attend(inputs: dict, slots: int, kv_lens: list[int], query_lens: list[int], window: int | None) -> np.ndarray:
+    """The first `slots` sequences' attention [S, C, Hq, D] (all the pool's pages in reach)."""
+
+    def run(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table):
+        return ragged_paged_attention(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table,
+                                      scale=DIM**-0.5, window=window)  # fmt: skip
+
+    lead = {name: inputs[name][:slots] for name in ("q", "rel", "sinks", "table")}
+    lens = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(query_lens, jnp.int32)
+    args = (lead["q"], inputs["k"], inputs["v"], *lens, lead["rel"], inputs["rel_proj"], lead["sinks"], lead["table"])
+    return np.asarray(compiled(run, *args)(*args)).astype(np.float32)
+
+
+def attention(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
+    found = {}
+    decoding = attention_inputs(max(sizes), 1)
+    others = np.random.default_rng(0).integers(1, 2 * CONTEXT, max(sizes)).tolist()
+    prefill = attention_inputs(1, 64)
+    last = {name: prefill[name][:, -1:] for name in ("q", "rel", "sinks")}  # the chunk's last row, decoded
+    for window in (None, 1024):
+        name = "full" if window is None else f"window {window}"
+        found[f"attention decode, {name}: one sequence among as many as the size"] = {
+            n: attend(decoding, n, [CONTEXT, *others[1:n]], [1] * n, window)[:1] for n in sizes
+        }
+        found[f"attention, {name}: a position decoded (size 1) and as a 64-row prefill chunk's last (64)"] = {
+            1: attend(prefill | last, 1, [CONTEXT], [1], window)[:, -1:],
+            64: attend(prefill, 1, [CONTEXT], [64], window)[:, -1:],
+        }
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 64, 68, 196])
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--commit", default="")
+    args = parser.parse_args(argv)
+    sizes = sorted(args.sizes)
+    table = {}
+    for group in (projections, reductions, experts, attention):
+        for name, outputs in group(sizes).items():
+            table[name] = differing(outputs)
+            print(json.dumps({name: table[name]}), flush=True)
+    if args.markdown:
+        columns = sorted({int(size) for row in table.values() for size in row})
+        lines = [
+            "# bench.batch_invariance: elements of the shared rows that differ from the smallest size's",
+            "",
+            f"Command: `python -m bench.batch_invariance {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
+            f"Machine: {jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}  ",
+            f"Commit: {args.commit}",
+            "",
+            "| operation | " + " | ".join(f"size {c}" for c in columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
+        ]
+        for name, row in table.items():
+            lines.append(f"| {name} | " + " | ".join(str(row.get(str(c), "")) for c in columns) + " |")
+        args.markdown.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
