@@ -1,7 +1,6 @@
 """Per-kernel device time of one routed-experts call through the Mosaic GPU kernels: where the call's time goes
 (routing, the row gather, the two grouped matmuls, the combine), at Inkling 2 Small's expert shapes. The kernels
-are named `experts_{format}_swiglu` (gate_up with the SwiGLU in its epilogue), `experts_{format}_matmul` (down),
-with `_{S}_shares` where K is split S ways (the fp32 shares summed, and gate_up's SwiGLU applied, in XLA).
+are named `experts_{format}_swiglu` (gate_up with the SwiGLU in its epilogue) and `experts_{format}_matmul` (down).
 
     python -m bench.moe_profile [--formats mxfp8 nvfp4] [--tokens 1 8 64 4096] [--repeats 7] [--brief] [--once]
 

@@ -1,9 +1,10 @@
-"""The Mosaic GPU expert kernels against the oracle: the GPU layout's round trip, every stored value decoded
-exactly (identity activations read the dequantized weight back through the whole kernel: TMA, decode, wgmma,
-transposed ladder stores), the routed experts of random tokens (decode tiles, several tiles, split K, expert
-parallelism's dropped ids and fp32 partials), bad input, and lowering for CUDA at the production shapes. On
-an H200 everything is compiled; on CPU the kernels run in Mosaic GPU's interpreter (conftest's 8 host devices),
-at smaller sizes, with values kept out of fp32's subnormal range (XLA:CPU flushes it; the H200 run covers it).
+"""The Mosaic GPU expert kernels against the oracle: the GPU layout's round trip, every stored value decoded exactly
+(identity activations read the dequantized weight back through the whole kernel: TMA, decode, wgmma, transposed
+ladder stores), the routed experts of random tokens (decode tiles, several tiles, expert parallelism's dropped ids
+and fp32 partials), a token's products the same bits at every token count, bad input, and lowering for CUDA at the
+production shapes. On an H200 everything is compiled; on CPU the kernels run in Mosaic GPU's interpreter (conftest's
+8 host devices), at smaller sizes, with values kept out of fp32's subnormal range (XLA:CPU flushes it; the H200 run
+covers it).
 """
 
 import dataclasses
@@ -29,7 +30,7 @@ from pallas_kernels.moe.routing import route
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 CPU = jax.default_backend() == "cpu"
-EXPERTS, HIDDEN, INTER = (4, 256, 256) if CPU else (16, 1536, 512)  # GPU: gate_up's K in 6 steps, split at decode
+EXPERTS, HIDDEN, INTER = (4, 256, 256) if CPU else (16, 1536, 512)  # GPU: gate_up's K in 6 steps
 DECODE_SHAPE = (192, 512) if CPU else (768, 1024)  # N, K of the decode checks: N a multiple of 192, K 2+ steps
 CAPS = {"gate_cap": 4.0, "up_cap": 25.0}
 FORMATS = (PLAIN, MXFP8, NVFP4)
@@ -209,14 +210,12 @@ def test_own_windows_take_the_widths_their_groups_can_need():
 
 def test_windows_that_each_hold_a_group_bound_the_visits_by_the_experts(monkeypatch):
     """68 tokens' copies among 16 experts (the proxy's batch-64 decode): every group fits one window, so the plan's
-    visits are bounded by the experts, and gate_up's K (4608) stays whole on 132 CTAs (a bound of 16 + 544 / 80
-    visits split it in shares summed by XLA)."""
+    visits are bounded by the experts, and gate_up's K (4608) streams in steps of 128."""
     monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 132)
     ids = np.argsort(np.random.default_rng(68).random((68, 16)), axis=1)[:, :8]
     tiles = gpu.tile_copies(route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), 16), distinct_ids=True)
     assert tiles.widths == (64, 80) and tiles.expert.shape[0] == 16
-    pairs = tiles.expert.shape[0] * 4608 // gpu_work.item_rows(4608)
-    assert gpu_work.k_steps(NVFP4, 4608, tiles.tm, pairs) == (128, 1)
+    assert gpu_work.step_k(NVFP4, 4608, tiles.tm) == 128
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1)])
@@ -241,7 +240,7 @@ def test_few_tokens_visit_each_chosen_expert_once(tokens, top_k, experts):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
-    """gate_up with the SwiGLU in its epilogue (K in one pipeline step: never split) on shared tiles of 8 rows whose
+    """gate_up with the SwiGLU in its epilogue (K in one pipeline step) on shared tiles of 8 rows whose
     groups start at odd rows: each copy's capped SwiGLU of its expert's gate and up rows, in down's K order."""
     experts, tokens, hidden, inter = 6, 21, 256, 192  # 2I = 384: three compute warpgroups
     keys = jax.random.split(jax.random.key(7), 3)
@@ -263,37 +262,18 @@ def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
     assert_close_to_oracle(got, want if units is None else want[:, units])
 
 
-@pytest.mark.parametrize(
-    "k, pairs, splits",
-    [(4608, 192, 2), (2304, 192, 3), (4608, 1704, 1), (4608, 10728, 1), (1536, 104, 2), (1024, 10, 1), (256, 8, 1)],
-)  # gate_up and down at 1 token, gate_up at 8 and 64 tokens (384 experts), the GPU tests' split, unsplittable Ks
-def test_k_is_split_where_it_balances_the_ctas(k, pairs, splits, monkeypatch):
-    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 132)
-    assert gpu_work.splits(k, 256, pairs) == splits
-
-
-@pytest.mark.parametrize(
-    "fmt, k, tm, pairs, steps",
-    [(MXFP8, 4608, 8, 192, (256, 2)), (MXFP8, 2304, 8, 192, (128, 2)), (NVFP4, 2304, 8, 1536, (256, 1)),
-     (PLAIN, 2304, 8, 192, (128, 2)), (MXFP8, 4608, 96, 12000, (128, 1)), (MXFP8, 1280, 8, 8, (256, 1))],
-)  # fmt: skip  # gate_up and down at 1 token, down at 8 tokens, bf16 down at 1 token, prefill, 128s in no ring
-def test_k_steps_narrow_where_they_balance_the_ctas(fmt, k, tm, pairs, steps, monkeypatch):
-    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 132)
-    assert gpu_work.k_steps(fmt, k, tm, pairs) == steps
-
-
 def test_the_ring_fits_shared_memory():
-    """The ring's stages fit SMEM beside the rest and divide a share's steps: where two stages of 256 K values do
+    """The ring's stages fit SMEM beside the rest and divide K's steps: where two stages of 256 K values do
     not fit (96 activation rows: 2 x 99.8 KB beside 55.7 KB), steps of 128 (3 stages of 49.9 KB); where two of 128
     do not fit either (bf16 weights of 192 rows beside the interpreter's 86 KB), one stage; a stage that fits nowhere
     is named."""
     weight = abstract_weight(MXFP8, 384, 4608, 4608, paired=True)
-    assert gpu_work.ring(weight, 96, 256, 1, staging=55_680) == (128, 36, 3)
-    assert gpu_work.ring(weight, 8, 256, 2, staging=6_144) == (256, 9, 3)  # one token's gate_up
+    assert gpu_work.ring(weight, 96, 256, staging=55_680) == (128, 36, 3)
+    assert gpu_work.ring(weight, 8, 256, staging=6_144) == (256, 18, 3)  # a few tokens' gate_up
     plain = abstract_weight(PLAIN, 2, 4608, 2304)
-    assert gpu_work.ring(plain, 96, 128, 2, staging=86_016) == (128, 9, 1)
+    assert gpu_work.ring(plain, 96, 128, staging=86_016) == (128, 18, 1)
     with pytest.raises(ValueError, match="does not fit"):
-        gpu_work.ring(weight, 96, 128, 1, staging=200_000)
+        gpu_work.ring(weight, 96, 128, staging=200_000)
 
 
 def routed_case(
@@ -315,14 +295,14 @@ def assert_close_to_oracle(got: jax.Array, want: jax.Array) -> None:
     scale = np.abs(want).max()
     assert scale > 0
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * scale)
-    if CPU:  # the same fp32 accumulation order but for the split K partial sums
+    if CPU:  # the same fp32 accumulation order
         assert (got == want).mean() > 0.99
 
 
 CASES = [  # (format, tokens, top_k, foreign ids + fp32 out, experts); each format's decode is checked exactly above
     (NVFP4, 32, 2, False, 2),  # prefill: each expert's copies in tiles of their own (>= 16 copies per expert)
     (NVFP4, 3, 4, True, EXPERTS),  # decode of few tokens: each chosen expert's visit; expert parallelism's drops
-    (MXFP8, 12, 2, True, EXPERTS),  # decode: shared tiles, K split over CTAs; dropped ids
+    (MXFP8, 12, 2, True, EXPERTS),  # decode: shared tiles; dropped ids
 ] + ([] if CPU else [(MXFP8, 5, 2, False, EXPERTS), (PLAIN, 1, 2, False, EXPERTS), (MXFP8, 64, 8, False, EXPERTS),
                      (NVFP4, 30, 8, False, EXPERTS), (PLAIN, 9, 8, True, EXPERTS)])  # fmt: skip
 
@@ -336,6 +316,22 @@ def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, out_dtype=out_dtype, backend="gpu"))(x, *laid, experts, weights)
     assert got.dtype == want.dtype
     assert_close_to_oracle(got, want)
+
+
+@pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
+def test_a_token_gets_the_same_bits_at_every_token_count(fmt):
+    """The first tokens' outputs alone (chosen experts' visits), among more in shared tiles and among many in windows
+    of their own: bit for bit the same (each work item sums its whole K in one order, whatever the plan; K of 6 steps,
+    which a few tokens' visits once split over the CTAs)."""
+    counts, top_k = ((3, 12, 40), 2) if CPU else ((8, 16, 64, 196), 8)
+    x, gate_up, down, experts, weights = routed_case(13, max(counts), top_k, fmt, hidden=1536)
+    laid = (for_gpu(gate_up, paired=True), for_gpu(down))
+    run = jax.jit(lambda *a: moe_experts(*a, **CAPS, distinct_ids=True, backend="gpu"))
+    first = min(counts)
+    outs = [np.asarray(run(x[:n], *laid, experts[:n], weights[:n]), np.float32)[:first] for n in counts]
+    assert np.abs(outs[0]).max() > 0
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
 
 
 @pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
@@ -353,32 +349,6 @@ def test_own_windows_of_every_width_match_oracle(fmt, monkeypatch):
     assert tiles.widths == gpu.OWN_TMS and np.all(np.diff(ends, prepend=0) > 0)  # every width visited
     want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
-    got = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))(x, *laid, experts, weights)
-    assert_close_to_oracle(got, want)
-
-
-def test_few_tokens_sum_split_k_over_their_rows():
-    """Two tokens whose gate_up K (6 steps of 256) is split over the CTAs: the shares are summed over each visit's
-    token rows alone, its other rows zeros, and the call is the oracle's."""
-    hidden = 1536
-    x, gate_up, down, experts, weights = routed_case(7, 2, 2, MXFP8, hidden=hidden)
-    laid = (for_gpu(gate_up, paired=True), for_gpu(down))
-    tiles, _ = gpu.chosen_experts(experts, EXPERTS)
-    pairs = tiles.expert.shape[0] * (2 * INTER // gpu_work.item_rows(2 * INTER))
-    splits = gpu_work.k_steps(MXFP8, hidden, tiles.tm, pairs)[1]
-    assert splits > 1  # the case splits K
-    swiglu = tuple(CAPS.values())
-
-    def gate_up_rows(rows):
-        return gpu.grouped_matmul(rows, laid[0], tiles, swiglu=swiglu, interpret=CPU)
-
-    summed = [e.invars[0].aval.shape for e in jax.make_jaxpr(gate_up_rows)(x).eqns if e.primitive.name == "reduce_sum"]
-    assert summed == [(splits, tiles.expert.shape[0] * 2, 2 * INTER)]  # the shares of the 2 token rows alone
-    hidden_rows = gate_up_rows(in_gpu_k_order(x, MXFP8))
-    visits = np.asarray(hidden_rows, np.float32).reshape(-1, tiles.tm, INTER)
-    assert np.abs(visits[:, :2]).max() > 0
-    np.testing.assert_array_equal(visits[:, 2:], 0.0)
-    want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))(x, *laid, experts, weights)
     assert_close_to_oracle(got, want)
 

@@ -198,6 +198,17 @@ def test_lowers_for_cuda_at_production_shapes(width, ring, d_rel):
     assert "mosaic_gpu" in lowered.mlir_module()
 
 
+def test_decode_splits_do_not_depend_on_the_number_of_sequences():
+    """Decode and verify cut a sequence's KV blocks at the same places in a call of any size (batch invariance): the
+    split count follows the KV heads and the blocks in reach, never the sequences; prefill's still fill the SMs."""
+    for kv_heads, steps in [(8, 16), (2, 64), (8, 2), (1, 8192)]:
+        for rows in (6, 48):  # decode of 6 query heads a KV head; a verify pass of 8 positions
+            found = {gpu._config(slots, kv_heads, rows, steps, None) for slots in (1, 8, 16, 64, 68, 196)}
+            assert len(found) == 1 and next(iter(found))[0]  # one choice, the warpgroups sharing the KV blocks
+    assert gpu._config(8, 8, 6, 16, None) == (True, 2)
+    assert gpu._config(1, 8, 128, 16, None) != gpu._config(64, 8, 128, 16, None)  # prefill fills the SMs
+
+
 def test_supports():
     assert gpu.supports(jnp.bfloat16, 128, 128) and gpu.supports(jnp.float16, 64, 64)
     assert not gpu.supports(jnp.float32, 128, 128)  # tiny f32 test models take the reference

@@ -3,7 +3,7 @@ up to 8 tokens each chosen expert's), each weight decoded in registers right bef
 HBM or SMEM).
 
 The copies are walked in visits of a few rows each (`Tiles`: 8 ... 112), every visit one expert's. A work item is one
-visit's product for one tile of 128 or 192 weight rows (N) and one share of K ("swap AB": the weight rows are wgmma's M
+visit's product for one tile of 128 or 192 weight rows (N) over the whole K ("swap AB": the weight rows are wgmma's M
 side, in registers; the visit's copies its N side, from SMEM). One CTA per multiprocessor walks its items (cta, cta +
 CTAs, ...) through one software pipeline per visit width: the next item's first stages stream in under the last steps
 and the epilogue of the one before (a CTA per item drained its pipeline at every item's end: 8-15% of the decode's
@@ -17,14 +17,16 @@ jax's ragged_dot_mgpu), so visits that share rows never write each other's.
 Up to 8 tokens (`chosen_experts`): one visit per distinct chosen expert, multiplying every token (8 rows, wgmma's
 narrowest N side) into rows of its own: no sort, no row gather, three small reductions for the plan. Decode of more
 tokens: the copies share tiles of TM rows (TM twice the mean group, 8 ... 32: about one tile per chosen expert, so each
-wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per column tile; K is split into
-shares when the (visit, column tile) pairs fall unevenly on the CTAs, each share written as fp32 partial sums that XLA
-adds. Prefill: each expert's copies are visited in windows of their own (no row multiplied twice), each in the narrowest
-of a few widths (64 ... 112 rows, those a group of the call's tokens can need) that holds it: one pipeline per width
-in each CTA, the items of all widths dealt round the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in
-its epilogue (its rows laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up
-rows), except where K is split: there XLA adds the shares, then applies the SwiGLU. After the matmuls XLA combines the
-copies (`routing.combine`, `routing.weighted_sum`).
+wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per column tile. Prefill: each
+expert's copies are visited in windows of their own (no row multiplied twice), each in the narrowest of a few widths (64
+... 112 rows, those a group of the call's tokens can need) that holds it: one pipeline per width in each CTA, the items
+of all widths dealt round the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows
+laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows). After the
+matmuls XLA combines the copies (`routing.combine`, `routing.weighted_sum`).
+
+Every work item sums its whole K, in the same order in every plan: a token's products are the same bits whatever
+else the call holds (batch invariance; K split over CTAs when the items fell unevenly on them was up to 25% faster
+for one token, an engine never runs so few, and gave a token's row other bits at some token counts).
 
 The weights are decoded to bf16 wgmma register operands by `gpu_decode`, the oracle's values bit for bit."""
 
@@ -49,7 +51,6 @@ from pallas_kernels.moe.layouts import (
     layers_as_one,
     rows_in_gpu_k_order,
 )
-from pallas_kernels.moe.reference import capped_swiglu
 from pallas_kernels.moe.routing import (
     Routing,
     combine,
@@ -63,7 +64,6 @@ from pallas_kernels.moe.routing import (
     visits,
     weighted_sum,
 )
-from pallas_kernels.numerics import round_to
 from pallas_kernels.platform import ask_ptxas_once
 from pallas_kernels.quantized import MXFP8, NVFP4
 
@@ -107,8 +107,6 @@ class Tiles:
     rows: int = dataclasses.field(metadata={"static": True})  # R: every visit's window within them
     reads_tokens: bool = dataclasses.field(default=False, metadata={"static": True})  # every visit reads rows 0 ...
     # width - 1 (the tokens), not the rows it writes
-    tokens: int | None = dataclasses.field(default=None, metadata={"static": True})  # `chosen_experts`: of each
-    # visit's rows, the first `tokens` hold products read afterwards (the rest multiply zeros)
 
     @property
     def tm(self) -> int:
@@ -141,7 +139,7 @@ def tile_copies(routing: Routing, distinct_ids: bool = False) -> Tiles:
     largest = copies // routing.top_k if distinct_ids else copies  # a group's copies, at most
     widths = own_widths(largest)
     widest = widths[-1]
-    # windows, at most: one a group where every group fits the widest (the bound sizes the split of K)
+    # windows, at most: one a group where every group fits the widest
     count = min(num_experts, copies) + (-(-copies // widest) if largest > widest else 0)
     padded = -(-group_sizes // 8) * 8
     starts = prefix_sum(padded) - padded
@@ -192,19 +190,18 @@ def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Arr
     visit = below[1:]
     chosen = first[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
     expert = jnp.sum(jnp.where(chosen, flat[None, :], 0), axis=1, dtype=jnp.int32)  # padding visits: expert 0
-    tiles = Tiles(expert, None, None, None, below, None, None, (tm,), count * tm, reads_tokens=True, tokens=tokens)
+    tiles = Tiles(expert, None, None, None, below, None, None, (tm,), count * tm, reads_tokens=True)
     return tiles, visit.reshape(tokens, top_k)
 
 
 def _grouped(
-    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, step_k: int, splits: int, out_dtype: jnp.dtype,
-    swiglu: tuple[float, float] | None, interpret: bool,
-) -> jax.Array:  # fmt: skip
-    """rows [R', K] (those the visits read) x the visits' experts' w [E, N, K] -> [S, R, N] (`out_dtype`, R the
-    tiles' rows): each row's product with its own expert, summed over one share of K per leading index, in
-    pipeline steps of `step_k` (of 128 where no ring of stages fits SMEM and divides those: `gpu_work.ring`); with
-    `swiglu` (caps; a paired w, one share) the capped SwiGLU of each warpgroup's 32 gate and 32 up columns instead,
-    [1, R, N / 2]."""
+    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, step_k: int, swiglu: tuple[float, float] | None, interpret: bool
+) -> jax.Array:
+    """rows [R', K] (those the visits read) x the visits' experts' w [E, N, K] -> [R, N] (the rows' dtype, R the
+    tiles' rows): each row's product with its own expert, summed over K in pipeline steps of `step_k` (of 128 where
+    no ring of stages fits SMEM and divides those: `gpu_work.ring`); with `swiglu` (caps; a paired w) the capped
+    SwiGLU of each warpgroup's 32 gate and 32 up columns instead, [R, N / 2]."""
+    out_dtype = rows.dtype
     tm = tiles.tm  # the widest visit: the epilogue's staging holds its rows
     fmt = w.format
     n = w.shape[1]
@@ -214,10 +211,10 @@ def _grouped(
     tabled = fmt == NVFP4 and not interpret  # a table per warpgroup of each block scale byte's magnitudes
     staging = wgs * (epilogue_values * jnp.dtype(out_dtype).itemsize + (LANES * work.WGMMA_K * 2 if interpret else 0))
     staging += wgs * TABLE_ENTRIES * 16 if tabled else 0
-    rings = [work.ring(w, width, step_k, splits, staging) for width in tiles.widths]  # (kc, steps, stages) each
+    rings = [work.ring(w, width, step_k, staging) for width in tiles.widths]  # (kc, steps, stages) each
     n_tiles = n // cta_rows
     weight_operands = {PLAIN: 0, MXFP8: 1, NVFP4: 2}[fmt]  # the weight's scales, global scales
-    per_visit = n_tiles * splits  # work items per visit: (column tile, share of K) pairs
+    per_visit = n_tiles  # work items per visit: its column tiles
     visit_bound = tiles.expert.shape[0]
     ctas = min(work.multiprocessors(), per_visit * visit_bound)
 
@@ -244,25 +241,22 @@ def _grouped(
             mine = first_item + (cta - first_item % ctas + ctas) % ctas  # this CTA's first item of the width
 
             def item(j: jax.Array) -> tuple[jax.Array, ...]:
-                """This CTA's work item j of the width: its expert, first row read, rows written [first, last), column
-                tile and share."""
-                v, rest = jnp.divmod(mine + ctas * j, per_visit)
+                """This CTA's work item j of the width: its expert, first row read, rows written [first, last) and
+                column tile."""
+                v, nt = jnp.divmod(mine + ctas * j, per_visit)
                 v = jnp.minimum(v, visit_bound - 1)  # past the visits only where the CTA has no item of the width
-                nt, s = jnp.divmod(rest, splits)
                 row = v * width if strided else first_row_ref[v]
                 first, last = (row, row + width) if whole else (from_ref[v], to_ref[v])
-                return expert_ref[v], 0 if tiles.reads_tokens else row, row, first, last, nt, s
+                return expert_ref[v], 0 if tiles.reads_tokens else row, row, first, last, nt
 
-            def operands(e, read, row, first, last, nt, s) -> list:
-                x_share = pl.ds(pl.multiple_of(s * steps * kc, kc), steps * kc)
-                x_rows = x_gmem.at[pl.ds(pl.multiple_of(read, 8), width), x_share]
-                blocks = (data_gmem, scales_gmem, global_gmem)
-                return work.weight_blocks(w, blocks, e, nt, s * steps, steps, kc, x_rows)
+            def operands(e, read, row, first, last, nt) -> list:
+                x_rows = x_gmem.at[pl.ds(pl.multiple_of(read, 8), width), :]
+                return work.weight_blocks(w, (data_gmem, scales_gmem, global_gmem), e, nt, x_rows)
 
             def mma(indices, data_smem, x_smem, *refs):
                 return step_mma(indices[0], data_smem, x_smem, refs[:-1], refs[-1])
 
-            def compute(_expert, _read, row, first, last, nt, s, run):
+            def compute(_expert, _read, row, first, last, nt, run):
                 acc = work.accumulate(run, width)
                 # pairs of rows in each thread's registers: adjacent in the transposed view
                 acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
@@ -277,7 +271,7 @@ def _grouped(
                     columns = pl.ds((nt * wgs + wg) * PAIR_UNITS, PAIR_UNITS)
                 else:
                     staged, columns = products, pl.ds(nt * cta_rows + wg * LANES, LANES)
-                work.store_rows(staged, out_gmem.at[s, pl.ds(row, width), columns], first - row, last - first)
+                work.store_rows(staged, out_gmem.at[pl.ds(row, width), columns], first - row, last - first)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             def pipeline(state, context=None):
@@ -313,12 +307,12 @@ def _grouped(
     plan += [] if whole else [tiles.writes_from, tiles.writes_to]
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((splits, tiles.rows, n // 2 if swiglu else n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((tiles.rows, n // 2 if swiglu else n), out_dtype),
         grid=(ctas,),
         grid_names=("sm",),
         num_threads=wgs + 1,
         thread_name="wg",
-        kernel_name=f"experts_{fmt}_{'swiglu' if swiglu else 'matmul'}" + (f"_{splits}_shares" if splits > 1 else ""),
+        kernel_name=f"experts_{fmt}_{'swiglu' if swiglu else 'matmul'}",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -330,29 +324,14 @@ def grouped_matmul(
     interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """rows [R, K] laid out by `tiles` (with `reads_tokens`: the tokens [<= tm, K]), K in `layouts.gpu_k_order` ->
-    [R, N] (R = tiles.rows): each row times its expert's w^T, accumulated in fp32 and rounded to the rows' dtype;
-    rows of no expert are left unwritten (with `tiles.tokens` and K split, each visit's rows past its tokens are
-    zeros: only the token rows' shares are summed). With `swiglu` (gate_cap, up_cap) and a paired gate_up w: the capped
-    SwiGLU of the products, [R, N / 2] in the hidden units' `paired_rows` order (down's K order)."""
-    _, n, k = w.shape
+    [R, N] (R = tiles.rows): each row times its expert's w^T, accumulated in fp32 over the whole K in one order
+    (whatever the call's size: a token's row is the same bits beside any other tokens) and rounded to the rows'
+    dtype; rows of no expert are left unwritten. With `swiglu` (gate_cap, up_cap) and a paired gate_up w: the
+    capped SwiGLU of the products, [R, N / 2] in the hidden units' `paired_rows` order (down's K order)."""
     if swiglu and not w.paired:
         raise ValueError("the GPU expert kernel applies the SwiGLU to a gate_up laid out by for_gpu(w, paired=True)")
-    step_k, splits = work.k_steps(w.format, k, tiles.tm, tiles.expert.shape[0] * (n // work.item_rows(n)))
-    whole = splits == 1  # K unsplit: the kernel rounds its products, and applies the SwiGLU, itself
-    out = _grouped(rows, w, tiles, step_k=step_k, splits=splits, out_dtype=rows.dtype if whole else jnp.float32,
-                   swiglu=swiglu if whole else None, interpret=interpret)  # fmt: skip
-    if whole:
-        return out[0]
-    if tiles.tokens is not None:  # few tokens: the shares summed over the token rows alone, the rest zeros
-        out = out.reshape(splits, -1, tiles.tm, n)[:, :, : tiles.tokens].reshape(splits, -1, n)
-    out = round_to(out.sum(axis=0), rows.dtype)
-    if swiglu:
-        pairs = out.reshape(out.shape[0], -1, 2, PAIR_UNITS)  # [R, I / 32, gate | up, 32]
-        out = capped_swiglu(pairs[:, :, 0], pairs[:, :, 1], *swiglu).reshape(out.shape[0], n // 2)
-    if tiles.tokens is None:
-        return out
-    visits = out.reshape(-1, tiles.tokens, out.shape[1])
-    return jnp.pad(visits, ((0, 0), (0, tiles.tm - tiles.tokens), (0, 0))).reshape(tiles.rows, -1)
+    step_k = work.step_k(w.format, w.shape[2], tiles.tm)
+    return _grouped(rows, w, tiles, step_k=step_k, swiglu=swiglu, interpret=interpret)
 
 
 def check(x: jax.Array, gate_up: GpuWeight, down: GpuWeight) -> None:

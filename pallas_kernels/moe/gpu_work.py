@@ -1,10 +1,8 @@
-"""The work of the Mosaic GPU expert kernel (`gpu`): how a grouped matmul's weight rows (N) and K are cut into
-work items over the CTAs, the ring of SMEM stages an item streams through, the pipeline step that decodes a compute
-warpgroup's 64 weight rows and multiplies them with the activations (wgmma, "swap AB": the weights are its M side,
-in registers; the activation rows its N side, from SMEM), and the chain of items one CTA walks through one
-pipeline (one per visit width)."""
-
-from fractions import Fraction
+"""The work of the Mosaic GPU expert kernel (`gpu`): how a grouped matmul's weight rows (N) are cut into work items over
+the CTAs (each item sums the whole K, in one order whatever the call's size), the ring of SMEM stages an item streams
+through, the pipeline step that decodes a compute warpgroup's 64 weight rows and multiplies them with the activations
+(wgmma, "swap AB": the weights are its M side, in registers; the activation rows its N side, from SMEM), and the
+chain of items one CTA walks through one pipeline (one per visit width)."""
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +30,6 @@ SHARED_TM = (8, 32)  # decode: the fewest and most rows of a shared tile (a mult
 # below gpu.OWN_TILES_FROM copies per expert)
 SMS = 132  # H200 multiprocessors (the interpreter's CTAs)
 SMEM_BYTES = 232448  # per-block shared memory on sm90
-MIN_SHARE_STEPS = 3  # pipeline steps in a share of K, at least (a ring of three stages inside each item)
-SPLIT_GAIN = Fraction(1, 8)  # how much sooner more shares of K must end the work (64 tokens split in two for a 0.6%
-# better balance ran 6% slower on the H200)
 BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (quantized: 32 bytes a row)
 VALUES_PER_ITEM = {PLAIN: 1, MXFP8: 4, NVFP4: 8}  # K values per item of GpuWeight.data (bf16, or uint32 words)
 
@@ -60,50 +55,17 @@ def step_k(fmt: str, k: int, tm: int) -> int:
     return kc
 
 
-def splits(k: int, kc: int, pairs: int) -> int:
-    """S: the shares of K (whole pipeline steps, MIN_SHARE_STEPS at least) that give every CTA work (pairs * S >=
-    CTAs, else the most shares), split further only where that ends the work at least SPLIT_GAIN sooner: the
-    busiest CTA runs ceil(pairs * S / CTAs) items of 1 / S of K each, and each share costs fp32 partial sums (one
-    token: 192 (visit, column tile) pairs of gate_up on 132 CTAs take 3 halves of K, against 2 wholes; 64
-    tokens' 10.7K pairs stay whole). The shares, so the grouping of a split K's partial sums and their last
-    bits, follow the GPU's multiprocessor count."""
-    steps = k // kc
-    shares = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_SHARE_STEPS)]
-    busy = [s for s in shares if pairs * s >= multiprocessors()] or shares[-1:]
-    best = min(busy, key=lambda s: (makespan(pairs, s), s))
-    return best if makespan(pairs, best) <= (1 - SPLIT_GAIN) * makespan(pairs, busy[0]) else busy[0]
-
-
-def makespan(pairs: int, shares: int) -> Fraction:
-    """The busiest CTA's work, in whole Ks: ceil(pairs * shares / CTAs) items of 1 / shares of K."""
-    return Fraction(-(-pairs * shares // multiprocessors()), shares)
-
-
-def k_steps(fmt: str, k: int, tm: int, pairs: int) -> tuple[int, int]:
-    """(K per pipeline step, shares of K) for `pairs` (visit, column tile) pairs: `step_k`'s steps, or steps of
-    128 where their shares keep more CTAs busy and a ring of 2-4 stages divides a share's steps (down's K of 2304
-    at one token: 18 steps in 2 shares, 97% of the CTAs' time busy, against 9 in 3 shares, 87%: 29 us against 32
-    on the H200)."""
-    kc = step_k(fmt, k, tm)
-    shares = splits(k, kc, pairs)
-    narrow = splits(k, 128, pairs)
-    ringed = any((k // 128 // narrow) % stages == 0 for stages in (2, 3, 4))
-    if kc > 128 and ringed and makespan(pairs, narrow) < makespan(pairs, shares):
-        return 128, narrow
-    return kc, shares
-
-
-def ring(w: GpuWeight, tm: int, kc: int, shares: int, staging: int) -> tuple[int, int, int]:
-    """(K per step, steps per share, stages) of the SMEM ring an item of w streams through: steps of `kc`, halved
-    to 128 where no ring of 2-4 stages that fits beside `staging` bytes of SMEM (the epilogue's, NVFP4's tables)
-    divides a share's steps (the items' pipelines chain on whole rings; at 128, fewer stages, down to one, if no
-    more fit or divide them). A stage holds the CTA's weight rows' bytes and scales of one step and the
+def ring(w: GpuWeight, tm: int, kc: int, staging: int) -> tuple[int, int, int]:
+    """(K per step, steps, stages) of the SMEM ring an item of w streams through: steps of `kc`, halved to 128
+    where no ring of 2-4 stages that fits beside `staging` bytes of SMEM (the epilogue's, NVFP4's tables) divides
+    K's steps (the items' pipelines chain on whole rings; at 128, fewer stages, down to one, if no more fit or
+    divide them). A stage holds the CTA's weight rows' bytes and scales of one step and the
     activations' [tm, step]. Raises ValueError where not even one stage of 128 fits."""
     fmt = w.format
     _, n, k = w.shape
     cta_rows = item_rows(n)
     for step in dict.fromkeys((kc, 128)):
-        steps = k // step // shares
+        steps = k // step
         scale_bytes = 0 if fmt == PLAIN else step // BLOCK[fmt] * cta_rows * w.scales.dtype.itemsize
         scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
         weight_bytes = cta_rows * step // VALUES_PER_ITEM[fmt] * w.data.dtype.itemsize
@@ -158,22 +120,18 @@ def stage_specs(w: GpuWeight, kc: int, tm: int) -> list:
     return specs
 
 
-def weight_blocks(w: GpuWeight, refs: tuple, e: jax.Array, nt: jax.Array, first_step: jax.Array, steps: int, kc: int,
-                  activations) -> list:  # fmt: skip
+def weight_blocks(w: GpuWeight, refs: tuple, e: jax.Array, nt: jax.Array, activations) -> list:
     """An item's GMEM operands, in `stage_specs`' order: expert e's column tile nt of w (`refs`: its data,
-    scales and global scales in GMEM) over pipeline steps first_step ... first_step + steps - 1 of kc K values,
-    the `activations` (the item's rows over the same K), the tile's block scales and global scales."""
+    scales and global scales in GMEM) over the whole K, the `activations` (the item's rows), the tile's block
+    scales and global scales."""
     fmt = w.format
     data_gmem, scales_gmem, global_gmem = refs
     cta_rows = item_rows(w.shape[1])
     n_rows = pl.ds(pl.multiple_of(nt * cta_rows, cta_rows), cta_rows)
 
-    def share(per_step: int) -> pl.Slice:
-        return pl.ds(pl.multiple_of(first_step * per_step, per_step), steps * per_step)
-
-    blocks = [data_gmem.at[e, n_rows, share(kc // VALUES_PER_ITEM[fmt])], activations]
+    blocks = [data_gmem.at[e, n_rows, :], activations]
     if fmt != PLAIN:
-        blocks.append(scales_gmem.at[e, share(kc // BLOCK[fmt]), n_rows])
+        blocks.append(scales_gmem.at[e, :, n_rows])
     if fmt == NVFP4:
         blocks.append(global_gmem.at[e, :, n_rows])
     return blocks

@@ -65,6 +65,7 @@ from pallas_kernels.ragged_paged_attention.blocks import (
 
 LANES = 64  # rows per compute warpgroup: the wgmma M tile
 SMS = 132  # H200 multiprocessors
+DECODE_SEQUENCES = 8  # sequences of the calls decode splits are sized for (an engine's smallest decode step)
 SMEM_BYTES = 232448  # per-block shared memory limit on sm90
 LOG2E = math.log2(math.e)
 TRANSFORMS_16BIT = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -159,10 +160,15 @@ def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None
     """(whether the two compute warpgroups share the KV blocks rather than the rows, KV splits).
 
     With at most 64 rows (decode, verify) both warpgroups take the same rows and alternate KV blocks, each
-    keeping its own partial softmax; with more they take 64 rows each. Splits make enough CTAs for the SMs, and
-    with more CTAs than SMs fill the last wave (one CTA per SM: 192 CTAs would leave a quarter of two waves idle).
+    keeping its own partial softmax; with more they take 64 rows each. Decode and verify split the KV blocks as
+    a call of DECODE_SEQUENCES sequences needs to fill the SMs, whatever the call's count: a sequence's blocks
+    are cut at the same places, and its row gets the same bits, beside any other sequences (batch invariance).
+    Prefill's splits make enough CTAs for the SMs, and with more CTAs than SMs fill the last wave (one CTA per SM:
+    192 CTAs would leave a quarter of two waves idle).
     """
     kv_parallel = rows <= LANES
+    if splits is None and kv_parallel:
+        splits = max(1, min(SMS // (DECODE_SEQUENCES * kv_heads), steps // 4))
     if splits is None:
         ctas = slots * kv_heads * -(-rows // (2 * LANES))
         if ctas < SMS:
