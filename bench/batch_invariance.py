@@ -15,7 +15,8 @@ size's, bit for bit, at Inkling 2 Small's widths (hidden 4608, 48 query and 8 KV
   same;
 - attention decode (`ragged_paged_attention` over the page pool, full and sliding-window): one sequence's row
   beside as many other decoding sequences as the size;
-- attention, one position decoded against the same position as the last row of a 64-token prefill chunk.
+- attention, one position decoded against the same position as the last row of an 8-row speculative verify pass
+  and of a 64-token prefill chunk.
 """
 
 from __future__ import annotations
@@ -135,15 +136,18 @@ def attention(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
     others = np.random.default_rng(0).integers(1, 2 * CONTEXT, max(sizes)).tolist()
     prefill = attention_inputs(1, 64)
     last = {name: prefill[name][:, -1:] for name in ("q", "rel", "sinks")}  # the chunk's last row, decoded
+    verify = {name: prefill[name][:, -8:] for name in ("q", "rel", "sinks")}  # its last 8 rows, a verify pass
     for window in (None, 1024):
         name = "full" if window is None else f"window {window}"
         found[f"attention decode, {name}: one sequence among as many as the size"] = {
             n: attend(decoding, n, [CONTEXT, *others[1:n]], [1] * n, window)[:1] for n in sizes
         }
-        found[f"attention, {name}: a position decoded (size 1) and as a 64-row prefill chunk's last (64)"] = {
+        found[f"attention, {name}: a position decoded (size 1), as an 8-row verify pass's last (8) and as a 64-row"
+              " prefill chunk's last (64)"] = {
             1: attend(prefill | last, 1, [CONTEXT], [1], window)[:, -1:],
+            8: attend(prefill | verify, 1, [CONTEXT], [8], window)[:, -1:],
             64: attend(prefill, 1, [CONTEXT], [64], window)[:, -1:],
-        }
+        }  # fmt: skip
     return found
 
 
