@@ -25,8 +25,8 @@ laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden un
 matmuls XLA combines the copies (`routing.combine`, `routing.weighted_sum`).
 
 Every work item sums its whole K, in the same order in every plan: a token's products are the same bits whatever
-else the call holds (batch invariance; K split over CTAs when the items fell unevenly on them was up to 25% faster
-for one token, an engine never runs so few, and gave a token's row other bits at some token counts).
+else the call holds (batch invariance; K split over CTAs where the items fell unevenly on them gave a token's row
+other bits at some token counts, and the decode calls measured no slower without it: bench/results/README.md).
 
 The weights are decoded to bf16 wgmma register operands by `gpu_decode`, the oracle's values bit for bit."""
 
