@@ -55,12 +55,12 @@ def differing(outputs: dict[int, np.ndarray]) -> dict[str, int]:
     return {str(size): int((out != first).sum()) for size, out in outputs.items()}
 
 
-def rows_of(fn: Callable, make: Callable[[int], tuple], sizes: list[int], rows: int = SHARED) -> dict[int, np.ndarray]:
-    """fn's first `rows` output rows for inputs of each size."""
+def rows_of(fn: Callable, make: Callable[[int], tuple], sizes: list[int]) -> dict[int, np.ndarray]:
+    """fn's first SHARED output rows for inputs of each size."""
     outputs = {}
     for size in sizes:
         args = make(size)
-        outputs[size] = np.asarray(compiled(fn, *args)(*args)).astype(np.float32)[:rows]
+        outputs[size] = np.asarray(compiled(fn, *args)(*args)).astype(np.float32)[:SHARED]
     return outputs
 
 

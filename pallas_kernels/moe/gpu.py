@@ -212,11 +212,10 @@ def _grouped(
     staging = wgs * (epilogue_values * jnp.dtype(out_dtype).itemsize + (LANES * work.WGMMA_K * 2 if interpret else 0))
     staging += wgs * TABLE_ENTRIES * 16 if tabled else 0
     rings = [work.ring(w, width, step_k, staging) for width in tiles.widths]  # (kc, steps, stages) each
-    n_tiles = n // cta_rows
+    n_tiles = n // cta_rows  # work items per visit: its column tiles
     weight_operands = {PLAIN: 0, MXFP8: 1, NVFP4: 2}[fmt]  # the weight's scales, global scales
-    per_visit = n_tiles  # work items per visit: its column tiles
     visit_bound = tiles.expert.shape[0]
-    ctas = min(work.multiprocessors(), per_visit * visit_bound)
+    ctas = min(work.multiprocessors(), n_tiles * visit_bound)
 
     whole = tiles.writes_from is None  # every visit writes all its rows
     strided = tiles.first_row is None  # visit v's rows start at v * width
@@ -237,13 +236,13 @@ def _grouped(
             specs = work.stage_specs(w, kc, width)
             step_mma = work.multiply_step(fmt, kc, w.data.dtype.itemsize, wg, table_smem, (a_smem or [None])[0],
                                           interpret)  # fmt: skip
-            first_item = 0 if c == 0 else real_ref[c - 1] * per_visit
+            first_item = 0 if c == 0 else real_ref[c - 1] * n_tiles
             mine = first_item + (cta - first_item % ctas + ctas) % ctas  # this CTA's first item of the width
 
             def item(j: jax.Array) -> tuple[jax.Array, ...]:
                 """This CTA's work item j of the width: its expert, first row read, rows written [first, last) and
                 column tile."""
-                v, nt = jnp.divmod(mine + ctas * j, per_visit)
+                v, nt = jnp.divmod(mine + ctas * j, n_tiles)
                 v = jnp.minimum(v, visit_bound - 1)  # past the visits only where the CTA has no item of the width
                 row = v * width if strided else first_row_ref[v]
                 first, last = (row, row + width) if whole else (from_ref[v], to_ref[v])
@@ -284,7 +283,7 @@ def _grouped(
                 where = item(j)
                 pipeline(state, functools.partial(compute, *where))(*operands(*where), allocations=allocations)
 
-            count = (real_ref[c] * per_visit - mine + ctas - 1) // ctas
+            count = (real_ref[c] * n_tiles - mine + ctas - 1) // ctas
             pl.run_scoped(
                 lambda allocations: work.chain(functools.partial(run_item, allocations=allocations), 0, count),
                 allocations=pipeline(plgpu.PipelinePipeline.START).get_allocations(*operands(*item(jnp.int32(0)))),

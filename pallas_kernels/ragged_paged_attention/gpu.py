@@ -167,10 +167,9 @@ def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None
     192 CTAs would leave a quarter of two waves idle).
     """
     kv_parallel = rows <= LANES
-    if splits is None and kv_parallel:
-        splits = max(1, min(SMS // (DECODE_SEQUENCES * kv_heads), steps // 4))
     if splits is None:
-        ctas = slots * kv_heads * -(-rows // (2 * LANES))
+        sequences = DECODE_SEQUENCES if kv_parallel else slots
+        ctas = sequences * kv_heads * -(-rows // (2 * LANES))
         if ctas < SMS:
             splits = max(1, min(SMS // ctas, steps // 4))
         else:
