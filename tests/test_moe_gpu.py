@@ -221,18 +221,22 @@ def test_windows_that_each_hold_a_group_bound_the_visits_by_the_experts(monkeypa
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1)])
 def test_few_tokens_visit_each_chosen_expert_once(tokens, top_k, experts):
     """At most 8 tokens: one visit per distinct kept expert (real visits first, within the static bound), each
-    reading the token rows and writing 8 rows of its own; each kept copy's visit is its expert's."""
+    reading the token rows and writing 8 rows of its own; each kept copy's visit is its expert's; the visits name
+    the experts of a layer's stacked weights from its first one."""
     rng = np.random.default_rng(tokens * experts + top_k)
     for _ in range(10):
         ids = rng.integers(-1, experts + 1, (tokens, top_k))  # repeats, and dropped ids (-1, E)
         if rng.random() < 0.5:
             ids = np.argsort(rng.random((tokens, experts + 2)), axis=1)[:, :top_k] - 1
-        tiles, visit = jax.tree.map(np.asarray, gpu.chosen_experts(jnp.asarray(ids, jnp.int32), experts))
+        first = int(rng.integers(0, 4)) * experts  # the layer's first expert in a stack of layers
+        plan = gpu.chosen_experts(jnp.asarray(ids, jnp.int32), experts, jnp.int32(first))
+        tiles, visit = jax.tree.map(np.asarray, plan)
         kept = (ids >= 0) & (ids < experts)
         real = int(tiles.real[0])
         assert real == len(np.unique(ids[kept])) <= tiles.expert.shape[0] == min(experts, ids.size)
-        np.testing.assert_array_equal(tiles.expert[:real], np.unique(ids[kept]))
-        np.testing.assert_array_equal(tiles.expert[visit[kept]], ids[kept])
+        np.testing.assert_array_equal(tiles.expert[:real], first + np.unique(ids[kept]))
+        np.testing.assert_array_equal(tiles.expert[visit[kept]], first + ids[kept])
+        assert np.all((tiles.expert >= 0) & (tiles.expert < first + experts))  # padding visits name a valid one
         assert tiles.first_row is None  # visit v writes rows v * tm ...: the kernel computes where
         assert tiles.tm == 8 and tiles.rows == tiles.expert.shape[0] * 8
         assert tiles.reads_tokens and tiles.writes_from is None and tiles.writes_to is None  # whole tiles of their own

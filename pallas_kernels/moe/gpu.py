@@ -171,25 +171,27 @@ def own_widths(largest_group: int) -> tuple[int, ...]:
     return tuple(width for width in OWN_TMS if width < largest_group) + tuple(fits[:1])
 
 
-def chosen_experts(experts: jax.Array, num_experts: int) -> tuple[Tiles, jax.Array]:
+def chosen_experts(experts: jax.Array, num_experts: int, first: jax.Array | int = 0) -> tuple[Tiles, jax.Array]:
     """The plan for at most SHARED_TM[0] tokens: one visit per distinct chosen expert (in id order), each
     multiplying every token (rows 0 ... tm - 1: the tokens, then zeros; wgmma's narrowest N side, what a shared tile
     of those copies costs) and writing rows v * tm ... v * tm + tm - 1 of its own. There is nothing to sort or
-    gather; three small reductions over the copies' pairs make the plan. Also each copy's visit, [N, k] int32
-    (meaningless for a dropped copy): copy (n, j)'s product is row visit * tm + n."""
+    gather; three small reductions over the copies' pairs make the plan. The visits name their experts as weights
+    that hold these first ... first + num_experts - 1 do (a layer's of stacked ones: the offset is added inside the
+    last reduction, not by a kernel of its own). Also each copy's visit, [N, k] int32 (meaningless for a dropped
+    copy): copy (n, j)'s product is row visit * tm + n."""
     tokens, top_k = experts.shape
     tm, count = SHARED_TM[0], min(num_experts, tokens * top_k)
     flat = experts.reshape(-1)
     kept = kept_copies(flat, num_experts)
     copy = jnp.arange(flat.shape[0])
     earlier_same = (flat[None, :] == flat[:, None]) & (copy[None, :] < copy[:, None])
-    first = kept & ~jnp.any(earlier_same, axis=1)  # the first copy of each chosen expert
+    leading = kept & ~jnp.any(earlier_same, axis=1)  # the first copy of each chosen expert
     # each copy's visit: the distinct chosen experts below its id; a sentinel id past them all (first) counts them
     ids = jnp.concatenate([jnp.full(1, num_experts, flat.dtype), flat])
-    below = jnp.sum(first[None, :] & (flat[None, :] < ids[:, None]), axis=1, dtype=jnp.int32)  # [1 + N * k]
+    below = jnp.sum(leading[None, :] & (flat[None, :] < ids[:, None]), axis=1, dtype=jnp.int32)  # [1 + N * k]
     visit = below[1:]
-    chosen = first[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
-    expert = jnp.sum(jnp.where(chosen, flat[None, :], 0), axis=1, dtype=jnp.int32)  # padding visits: expert 0
+    chosen = leading[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
+    expert = jnp.sum(jnp.where(chosen, flat[None, :] + first, 0), axis=1, dtype=jnp.int32)  # padding: expert 0
     tiles = Tiles(expert, None, None, None, below, None, None, (tm,), count * tm, reads_tokens=True)
     return tiles, visit.reshape(tokens, top_k)
 
@@ -363,8 +365,7 @@ def _few_tokens(
     """At most SHARED_TM[0] tokens, at least one expert each (x in gate_up's `layouts.gpu_k_order`, checked by
     `check`) by `chosen_experts`, in two kernels; the ids name experts first ... first + num_experts - 1 of
     the weights."""
-    tiles, visit = chosen_experts(experts, num_experts)
-    tiles = dataclasses.replace(tiles, expert=tiles.expert + first)
+    tiles, visit = chosen_experts(experts, num_experts, first)
     # the token rows as they are: TMA reads the tile's rows past them as zeros (no padded copy)
     hidden_rows = grouped_matmul(x, gate_up, tiles, swiglu=caps, interpret=interpret)
     written = dataclasses.replace(tiles, reads_tokens=False)  # down reads the rows gate_up wrote
