@@ -11,17 +11,21 @@ size's, bit for bit, at Inkling 2 Small's widths (hidden 4608, 48 query and 8 KV
 - dense projections (`numerics.einsum`, bf16 in, fp32 sums rounded once): the query side, K / V, the output
   projection and the LM head, at each size's token count;
 - `rms_normalize` and `log_softmax` over the vocabulary;
+- the router (`model.moe.Router`: sigmoid scores, top 8 of 16 with the selection bias, normalised weights) and the
+  attention-residual mix with its RMSNorm (`attn_res_norm`, 8 blocks, 3 queries), at each token count;
 - the routed experts (the platform's kernels, NVFP4 and MXFP8) at each token count, the first tokens' routing the
   same;
 - attention decode (`ragged_paged_attention` over the page pool, full and sliding-window): one sequence's row
   beside as many other decoding sequences as the size;
 - attention, one position decoded against the same position as the last row of an 8-row speculative verify pass
-  and of a 64-token prefill chunk.
+  and of a 64-token prefill chunk, and each row of a verify pass that straddles a KV block boundary against its
+  position decoded alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -30,16 +34,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from bench.moe_experts import CAPS, routing_case, stored_experts
+from inkling_jax.config import TextConfig
+from inkling_jax.model.moe import Router
 from inkling_jax.runtime.engine import GPU_STEP
 from pallas_kernels import numerics
+from pallas_kernels.attn_res import attn_res_norm
 from pallas_kernels.moe import moe_experts
 from pallas_kernels.moe.layouts import for_gpu_experts
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 HIDDEN, HEADS, KV_HEADS, DIM, D_REL, EXTENT = 4608, 48, 8, 128, 16, 1024
 EXPERTS, INTER, VOCAB, PAGE, CONTEXT = 16, 2304, 200058, 128, 1000
+STRADDLE = 1028  # keys of a verify pass whose positions straddle the block boundary at 1024
 SHARED = 8  # rows compared (the first of every size)
 
 
@@ -91,6 +100,27 @@ def reductions(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
     }
 
 
+def mixing(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
+    """The router's weights and ids, and the attention-residual mix with its norm, of each size's tokens."""
+    router = Router(nnx.Rngs(4), dataclasses.replace(TextConfig(), n_routed_experts=EXPERTS, hidden_size=HIDDEN))
+    router.e_score_correction_bias[...] = jax.random.normal(jax.random.key(5), (EXPERTS,)) * 0.01
+    x = normal(6, (max(sizes), HIDDEN))
+    blocks, queries = 8, 3
+    sources = normal(7, (blocks, max(sizes), HIDDEN))
+    mix = (normal(8, (queries, HIDDEN)).astype(jnp.float32), normal(9, (queries, HIDDEN)))
+
+    def residual(sources, partial, query, gain):
+        return attn_res_norm(sources, partial, query, gain, eps=1e-6, out_dtype=jnp.bfloat16, valid=5)
+
+    return {
+        "router [16 experts, top 8]: weights": rows_of(lambda a: router(a)[1], lambda m: (x[:m],), sizes),
+        "router [16 experts, top 8]: expert ids": rows_of(lambda a: router(a)[0], lambda m: (x[:m],), sizes),
+        "attention-residual mix and norm [5 of 8 blocks, 3 queries]": rows_of(
+            lambda *a: residual(*a).transpose(1, 0, 2), lambda m: (sources[:, :m], x[:m], *mix), sizes
+        ),
+    }  # fmt: skip
+
+
 def experts(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
     found = {}
     x, ids, weights = routing_case(max(sizes), 3, EXPERTS, HIDDEN)
@@ -137,6 +167,10 @@ def attention(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
     prefill = attention_inputs(1, 64)
     last = {name: prefill[name][:, -1:] for name in ("q", "rel", "sinks")}  # the chunk's last row, decoded
     verify = {name: prefill[name][:, -8:] for name in ("q", "rel", "sinks")}  # its last 8 rows, a verify pass
+    # a verify pass at positions 1020 ... 1027 (KV blocks 7 and 8) and each of its rows decoded alone
+    straddle = {name: jnp.concatenate([verify[name][:, c : c + 1] for c in range(8)]) for name in verify}
+    straddle["table"] = jnp.repeat(prefill["table"], 8, axis=0)
+    decoded_lens = [STRADDLE - 7 + c for c in range(8)]
     for window in (None, 1024):
         name = "full" if window is None else f"window {window}"
         found[f"attention decode, {name}: one sequence among as many as the size"] = {
@@ -147,6 +181,11 @@ def attention(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
             1: attend(prefill | last, 1, [CONTEXT], [1], window)[:, -1:],
             8: attend(prefill | verify, 1, [CONTEXT], [8], window)[:, -1:],
             64: attend(prefill, 1, [CONTEXT], [64], window)[:, -1:],
+        }  # fmt: skip
+        found[f"attention, {name}: each row of an 8-row verify pass straddling a KV block boundary (8) against its"
+              " position decoded (1)"] = {
+            1: attend(prefill | straddle, 8, decoded_lens, [1] * 8, window)[:, 0],
+            8: attend(prefill | verify, 1, [STRADDLE], [8], window)[0],
         }  # fmt: skip
     return found
 
@@ -159,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sizes = sorted(args.sizes)
     table = {}
-    for group in (projections, reductions, experts, attention):
+    for group in (projections, reductions, mixing, experts, attention):
         for name, outputs in group(sizes).items():
             table[name] = differing(outputs)
             print(json.dumps({name: table[name]}), flush=True)

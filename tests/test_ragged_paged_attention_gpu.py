@@ -215,3 +215,26 @@ def test_supports():
     assert not gpu.supports(jnp.bfloat16, 96, 128) and not gpu.supports(jnp.bfloat16, 128, 16)
     with pytest.raises(ValueError, match="bf16 or f16 activations .* got float32, head dim 128"):
         compare(dict(inputs(1, *DECODE, extent=64, ring=None), q=jnp.zeros((3, 1, HEADS, DIM), jnp.float32)), None, 1)
+
+
+def test_a_verify_row_gets_its_decode_bits_across_block_boundaries():
+    """Each row of a verify pass equals the same position decoded alone, bit for bit, where the pass straddles a
+    block boundary (its tile sees one more block than its first rows do) and where it straddles the boundary
+    between two KV splits: the splits sit at fixed blocks and the warpgroups take fixed turns within them."""
+    width, extent = 8, 1024
+    kv_lens, query_lens = [260, 644, 1100], [width, width, 0]  # positions 252 ... 259 and 636 ... 643; an idle
+    # sequence whose length gives the call 10 blocks of reach: two splits of five
+    verify = inputs(41, kv_lens, query_lens, width, extent, ring=None)
+    rows = [(s, c) for s in range(2) for c in range(width)]
+    decode = verify | {
+        name: jnp.stack([verify[name][s, c] for s, c in rows])[:, None] for name in ("q", "rel", "sinks")
+    } | {
+        "kv_lens": jnp.asarray([kv_lens[s] - width + 1 + c for s, c in rows], jnp.int32),
+        "query_lens": jnp.ones(len(rows), jnp.int32),
+        "page_table": verify["page_table"][jnp.asarray([s for s, _ in rows])],
+    }  # fmt: skip
+    assert gpu._config(len(rows), KV_HEADS, GROUPS, 10, None) == (True, 2)
+    kernel = functools.partial(gpu._attention, interpret=CPU, in_kernel=False)  # both read the frame's bias
+    call = jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window"))
+    got_verify, got_decode = run(call, verify, None), run(call, decode, None)
+    np.testing.assert_array_equal(got_decode[:, 0], got_verify[:2].reshape(len(rows), HEADS, DIM))

@@ -37,9 +37,11 @@ with Mosaic GPU's lane-level semantics: the warpgroup-level layout inference fai
 
 Decoding has few (sequence, head) pairs, too few CTAs for 132 SMs: the KV blocks are then split over
 several CTAs (flash-decoding). Every CTA's partial softmax writes its normalised output, running max and sum,
-and plain jnp combines them; only the first counts the sink. Prefill tiles rows over CTAs instead (and
-splits too where there are few), each tile walking only the blocks its queries can see (causal and window
-bounds per tile, `blocks.visible_blocks`).
+and plain jnp combines them, partial after partial; only the first counts the sink. Decode and verify splits are
+fixed runs of blocks from block 0, and within one the warpgroups' turns are counted from its first block: a
+position's row is the same bits in a decode tile and in a verify tile that reaches a block further. Prefill
+tiles rows over CTAs instead (and splits too where there are few), each tile walking only the blocks its queries
+can see (causal and window bounds per tile, `blocks.visible_blocks`).
 """
 
 import functools
@@ -139,19 +141,27 @@ def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarr
 
 def _work(
     kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, ring_rows: jax.Array, c_min: np.ndarray,
-    c_max: np.ndarray, *, block: int, splits: int, window: int | None, ring: int | None,
+    c_max: np.ndarray, *, block: int, splits: int, window: int | None, ring: int | None, anchored: int | None,
 ) -> jax.Array:  # fmt: skip
     """[S, tiles, splits, 8] int32, the kernel's one table of scalars: each CTA's KV blocks [lo, hi), its
     tile's smallest and largest real query position (tiles of padding queries get nothing to visit), then
-    its sequence's first query position, last key position, bias frame start and ring (ring_rows[s])."""
+    its sequence's first query position, last key position, bias frame start and ring (ring_rows[s]).
+
+    `anchored` (a count of blocks): split i takes the blocks [i * anchored, (i + 1) * anchored) the tile sees,
+    whatever the tile's reach, so a row's keys fall into the same splits in a tile of any rows (decode, verify);
+    None: the tile's blocks in near-equal splits."""
     seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, bias_first, ring_rows], axis=-1)  # [S, 4]
     kv_lens, query_lens = kv_lens[:, None], query_lens[:, None]  # [S, 1]
     q_min = kv_lens - query_lens + c_min  # [S, tiles]
     q_max = kv_lens - query_lens + jnp.minimum(c_max, query_lens - 1)
     lo, hi = visible_blocks(kv_lens, query_lens, c_min, c_max, block=block, window=window, ring=ring)
-    share = (hi - lo + splits - 1) // splits
-    start = jnp.minimum(lo[..., None] + share[..., None] * jnp.arange(splits), hi[..., None])  # [S, tiles, splits]
-    stop = jnp.minimum(start + share[..., None], hi[..., None])
+    if anchored is None:
+        share = (hi - lo + splits - 1) // splits
+        start = jnp.minimum(lo[..., None] + share[..., None] * jnp.arange(splits), hi[..., None])  # [S, tiles, splits]
+        stop = jnp.minimum(start + share[..., None], hi[..., None])
+    else:
+        edges = anchored * jnp.arange(splits + 1)
+        start, stop = (jnp.clip(e, lo[..., None], hi[..., None]) for e in (edges[:-1], edges[1:]))
     bounds = [jnp.broadcast_to(x[..., None], start.shape) for x in (q_min, q_max, *(seq[:, None, i] for i in range(4)))]
     return jnp.stack([start, stop, *bounds], axis=-1).astype(jnp.int32)
 
@@ -161,8 +171,9 @@ def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None
 
     With at most 64 rows (decode, verify) both warpgroups take the same rows and alternate KV blocks, each
     keeping its own partial softmax; with more they take 64 rows each. Decode and verify split the KV blocks as
-    a call of DECODE_SEQUENCES sequences needs to fill the SMs, whatever the call's count: a sequence's blocks
-    are cut at the same places, and its row gets the same bits, beside any other sequences (batch invariance).
+    a call of DECODE_SEQUENCES sequences needs to fill the SMs, whatever the call's count, each split a fixed run
+    of blocks (`_work`'s anchored splits): a position's keys fall into the same splits, and its row gets the same
+    bits, beside any other sequences and in a tile of any of its sequence's positions (batch invariance).
     Prefill's splits make enough CTAs for the SMs, and with more CTAs than SMs fill the last wave (one CTA per SM:
     192 CTAs would leave a quarter of two waves idle).
     """
@@ -284,9 +295,11 @@ def _attention(
     )  # fmt: skip
     rel_in_smem = flat or (in_kernel and interpret)  # copied to SMEM, not loaded into registers from GMEM
     c_min, c_max = _row_bounds(rows, padded, tile, width)
+    # decode and verify: the splits at fixed blocks, the warpgroups' turns at fixed steps (see `_work`)
+    anchored = -(-plan.steps // splits) if kv_parallel else None
     work = _work(
         kv_lens, query_lens, plan.bias_first, ring_rows, c_min, c_max, block=block, splits=splits, window=window,
-        ring=ring_size if ring else None,
+        ring=ring_size if ring else None, anchored=anchored,
     )  # fmt: skip
     pad = ((0, 0), (0, 0), (0, padded - rows))
     if flat:  # [S * Hq, ...]; a box past the end reads zeros (TMA and the interpreter alike)
@@ -373,7 +386,10 @@ def _attention(
             row0 = tile_idx * tile + (0 if kv_parallel else wg * LANES)
             rows_here = pl.ds(row0, LANES)
             my_bias = pl.ds(0 if kv_parallel else wg * LANES, LANES)  # this warpgroup's rows of the bias slot
-            first, stride = (wg, 2) if kv_parallel else (0, 1)  # the steps this warpgroup visits
+            if kv_parallel:  # the warpgroups alternate steps counted from the split's anchor block, not from lo
+                first, stride = (wg + (lo - split * anchored) * sub) % 2, 2
+            else:
+                first, stride = 0, 1
             count = ((hi - lo) * sub - first + stride - 1) // stride
             if direct:  # the warpgroup's rows: query head h * G + g at steps c0 ... c0 + 63
                 q_here = (s, pl.ds(lax.rem(row0, width), LANES), h * groups + row0 // width)
@@ -737,7 +753,9 @@ def _attention(
         weight = jnp.exp2(m - m.max(axis=0)) * total
         if direct:
             weight = ungroup_rows(weight.reshape(-1, *weight.shape[2:]), width).reshape(partials, *q.shape[:3])
-        out = (weight[..., None] * outs.astype(jnp.float32)).sum(axis=0) / weight.sum(axis=0)[..., None]
+        # summed partial by partial, in order: one order at any shape (a reduction's may change with the shape)
+        mixed = functools.reduce(jnp.add, [weight[i, ..., None] * outs[i].astype(jnp.float32) for i in range(partials)])
+        out = mixed / functools.reduce(jnp.add, list(weight))[..., None]
     else:
         out = outs[0]
     out = out.astype(dtype)
