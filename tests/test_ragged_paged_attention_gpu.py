@@ -219,8 +219,8 @@ def test_supports():
 
 def test_a_verify_row_gets_its_decode_bits_across_block_boundaries():
     """Each row of a verify pass equals the same position decoded alone, bit for bit, where the pass straddles a
-    block boundary (its tile sees one more block than its first rows do) and where it straddles the boundary
-    between two KV splits: the splits sit at fixed blocks and the warpgroups take fixed turns within them."""
+    block boundary (its last rows see one more block than its first rows), which moves where the tile's blocks
+    would split: each reach group splits its own blocks as its rows' decodes do."""
     width, extent = 8, 1024
     kv_lens, query_lens = [260, 644, 1100], [width, width, 0]  # positions 252 ... 259 and 636 ... 643; an idle
     # sequence whose length gives the call 10 blocks of reach: two splits of five

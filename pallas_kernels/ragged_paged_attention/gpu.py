@@ -37,11 +37,12 @@ with Mosaic GPU's lane-level semantics: the warpgroup-level layout inference fai
 
 Decoding has few (sequence, head) pairs, too few CTAs for 132 SMs: the KV blocks are then split over
 several CTAs (flash-decoding). Every CTA's partial softmax writes its normalised output, running max and sum,
-and plain jnp combines them, partial after partial; only the first counts the sink. Decode and verify splits are
-fixed runs of blocks from block 0, and within one the warpgroups' turns are counted from its first block: a
-position's row is the same bits in a decode tile and in a verify tile that reaches a block further. Prefill
-tiles rows over CTAs instead (and splits too where there are few), each tile walking only the blocks its queries
-can see (causal and window bounds per tile, `blocks.visible_blocks`).
+and plain jnp combines them, partial after partial; only the first counts the sink. A verify tile runs as two
+reach groups over its rows, the queries before the last one's KV block and those in it, each visiting and splitting
+the blocks up to its own last query's as that query's decode does: a position's row is the same bits decoded and
+verified, also where the pass straddles a block boundary. Prefill tiles rows over CTAs instead (and
+splits too where there are few), each tile walking only the blocks its queries can see (causal and window
+bounds per tile, `blocks.visible_blocks`).
 """
 
 import functools
@@ -139,29 +140,35 @@ def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarr
     return c_min.astype(np.int32), c_max.astype(np.int32)
 
 
+def _reach_groups(kv_lens: jax.Array, query_lens: jax.Array, width: int, block: int) -> tuple[jax.Array, ...]:
+    """A verify tile's rows as two reach groups, [S] each: the queries before the KV block of the sequence's last
+    (they see a block less), then those in it. Returns the count before it and both groups' smallest and largest
+    step positions c [S, 2] (a group of none: smallest `width`, which `visible_blocks` gives nothing)."""
+    first_query = kv_lens - query_lens
+    before = jnp.clip(jnp.maximum(kv_lens - 1, 0) // block * block - first_query, 0, query_lens)
+    c_min = jnp.stack([jnp.where(before > 0, 0, width), before], axis=-1)
+    c_max = jnp.stack([before - 1, jnp.full_like(before, width - 1)], axis=-1)
+    return before, c_min.astype(jnp.int32), c_max.astype(jnp.int32)
+
+
 def _work(
-    kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, ring_rows: jax.Array, c_min: np.ndarray,
-    c_max: np.ndarray, *, block: int, splits: int, window: int | None, ring: int | None, anchored: int | None,
+    kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, ring_rows: jax.Array, c_min: jax.Array,
+    c_max: jax.Array, *, block: int, splits: int, window: int | None, ring: int | None,
 ) -> jax.Array:  # fmt: skip
     """[S, tiles, splits, 8] int32, the kernel's one table of scalars: each CTA's KV blocks [lo, hi), its
     tile's smallest and largest real query position (tiles of padding queries get nothing to visit), then
-    its sequence's first query position, last key position, bias frame start and ring (ring_rows[s]).
-
-    `anchored` (a count of blocks): split i takes the blocks [i * anchored, (i + 1) * anchored) the tile sees,
-    whatever the tile's reach, so a row's keys fall into the same splits in a tile of any rows (decode, verify);
-    None: the tile's blocks in near-equal splits."""
+    its sequence's first query position, last key position, bias frame start and ring (ring_rows[s]). c_min,
+    c_max: each tile's smallest and largest step position, [tiles] or per sequence [S, tiles]. A tile reaches the
+    blocks up to its last query's, on a ring too (the slots past them hold later positions or none yet)."""
     seq = jnp.stack([kv_lens - query_lens, kv_lens - 1, bias_first, ring_rows], axis=-1)  # [S, 4]
     kv_lens, query_lens = kv_lens[:, None], query_lens[:, None]  # [S, 1]
     q_min = kv_lens - query_lens + c_min  # [S, tiles]
     q_max = kv_lens - query_lens + jnp.minimum(c_max, query_lens - 1)
-    lo, hi = visible_blocks(kv_lens, query_lens, c_min, c_max, block=block, window=window, ring=ring)
-    if anchored is None:
-        share = (hi - lo + splits - 1) // splits
-        start = jnp.minimum(lo[..., None] + share[..., None] * jnp.arange(splits), hi[..., None])  # [S, tiles, splits]
-        stop = jnp.minimum(start + share[..., None], hi[..., None])
-    else:
-        edges = anchored * jnp.arange(splits + 1)
-        start, stop = (jnp.clip(e, lo[..., None], hi[..., None]) for e in (edges[:-1], edges[1:]))
+    reach = q_max + 1 if ring else kv_lens
+    lo, hi = visible_blocks(reach, query_lens, c_min, c_max, block=block, window=window, ring=ring)
+    share = (hi - lo + splits - 1) // splits
+    start = jnp.minimum(lo[..., None] + share[..., None] * jnp.arange(splits), hi[..., None])  # [S, tiles, splits]
+    stop = jnp.minimum(start + share[..., None], hi[..., None])
     bounds = [jnp.broadcast_to(x[..., None], start.shape) for x in (q_min, q_max, *(seq[:, None, i] for i in range(4)))]
     return jnp.stack([start, stop, *bounds], axis=-1).astype(jnp.int32)
 
@@ -171,9 +178,8 @@ def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None
 
     With at most 64 rows (decode, verify) both warpgroups take the same rows and alternate KV blocks, each
     keeping its own partial softmax; with more they take 64 rows each. Decode and verify split the KV blocks as
-    a call of DECODE_SEQUENCES sequences needs to fill the SMs, whatever the call's count, each split a fixed run
-    of blocks (`_work`'s anchored splits): a position's keys fall into the same splits, and its row gets the same
-    bits, beside any other sequences and in a tile of any of its sequence's positions (batch invariance).
+    a call of DECODE_SEQUENCES sequences needs to fill the SMs, whatever the call's count: a sequence's blocks
+    are cut at the same places, and its row gets the same bits, beside any other sequences (batch invariance).
     Prefill's splits make enough CTAs for the SMs, and with more CTAs than SMs fill the last wave (one CTA per SM:
     192 CTAs would leave a quarter of two waves idle).
     """
@@ -252,6 +258,11 @@ def _attention(
     partials = splits  # partial softmaxes per row, combined after the kernel
     padded = -(-rows // tile) * tile
     tiles = padded // tile
+    # A verify tile (at most 64 rows over several positions) runs as two reach groups over the same rows, each
+    # visiting the blocks up to its own last query's and splitting them as that query's decode does: a position's
+    # row then gets its decode bits where the pass straddles a KV block boundary (one group empty where it does not).
+    grouped = kv_parallel and width > 1
+    grid_tiles = 2 if grouped else tiles
     # Each warpgroup's 64 rows one query head (C % 64 == 0), no padding rows: q and the output move straight
     # between the [S, C, Hq, D] arrays and SMEM (a strided TMA box), without a grouped copy of either.
     direct = not kv_parallel and width % LANES == 0 and padded == rows
@@ -294,12 +305,13 @@ def _attention(
         and box <= min(LANES, slots * heads)
     )  # fmt: skip
     rel_in_smem = flat or (in_kernel and interpret)  # copied to SMEM, not loaded into registers from GMEM
-    c_min, c_max = _row_bounds(rows, padded, tile, width)
-    # decode and verify: the splits at fixed blocks, the warpgroups' turns at fixed steps (see `_work`)
-    anchored = -(-plan.steps // splits) if kv_parallel else None
+    if grouped:
+        before, c_min, c_max = _reach_groups(kv_lens, query_lens, width, block)
+    else:
+        c_min, c_max = _row_bounds(rows, padded, tile, width)
     work = _work(
         kv_lens, query_lens, plan.bias_first, ring_rows, c_min, c_max, block=block, splits=splits, window=window,
-        ring=ring_size if ring else None, anchored=anchored,
+        ring=ring_size if ring else None,
     )  # fmt: skip
     pad = ((0, 0), (0, 0), (0, padded - rows))
     if flat:  # [S * Hq, ...]; a box past the end reads zeros (TMA and the interpreter alike)
@@ -330,7 +342,8 @@ def _attention(
         q_smem, sink_smem, stat_smem, k_smem, v_smem, b_smem, p_smem, w_smem, qw_smem, rel_smem = smem_refs
         k_bar, v_bar, b_bar, q_bar, k_free, v_free, w_bar, turn_bar, merge_bar = barriers
         split, sh = lax.axis_index("split"), lax.axis_index("sh")
-        tile_idx = tiles - 1 - lax.axis_index("tile")  # the tiles with the most blocks start first
+        tile_idx = grid_tiles - 1 - lax.axis_index("tile")  # the tiles with the most blocks start first
+        read_idx = 0 if grouped else tile_idx  # reach groups read the same rows
         s, h = sh // kv_heads, sh % kv_heads
         lo, hi, q_min, q_max, first_q, last, bias_first, ring_row = (work_ref[s, tile_idx, split, i] for i in range(8))
         wg = lax.axis_index("wg")
@@ -365,7 +378,7 @@ def _attention(
                     @pl.when(in_frame(j))
                     def _():
                         cols = pl.ds((j - bias_first) * block + off, keys)
-                        src = bias_refs[0].at[s, h, pl.ds(tile_idx * tile, bias_rows), cols]
+                        src = bias_refs[0].at[s, h, pl.ds(read_idx * tile, bias_rows), cols]
                         plgpu.copy_gmem_to_smem(src, b_smem.at[slot, pl.ds(0, bias_rows)], b_bar.at[slot])
 
                 plgpu.copy_gmem_to_smem(src_v, v_smem.at[slot], v_bar.at[slot])
@@ -383,13 +396,11 @@ def _attention(
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            row0 = tile_idx * tile + (0 if kv_parallel else wg * LANES)
+            row0 = read_idx * tile + (0 if kv_parallel else wg * LANES)
             rows_here = pl.ds(row0, LANES)
+            rows_out = pl.ds(tile_idx * tile + (0 if kv_parallel else wg * LANES), LANES)  # its copy of the rows
             my_bias = pl.ds(0 if kv_parallel else wg * LANES, LANES)  # this warpgroup's rows of the bias slot
-            if kv_parallel:  # the warpgroups alternate steps counted from the split's anchor block, not from lo
-                first, stride = (wg + (lo - split * anchored) * sub) % 2, 2
-            else:
-                first, stride = 0, 1
+            first, stride = (wg, 2) if kv_parallel else (0, 1)  # the steps this warpgroup visits
             count = ((hi - lo) * sub - first + stride - 1) // stride
             if direct:  # the warpgroup's rows: query head h * G + g at steps c0 ... c0 + 63
                 q_here = (s, pl.ds(lax.rem(row0, width), LANES), h * groups + row0 // width)
@@ -652,7 +663,9 @@ def _attention(
 
             # a decode tile's rows all sit in its first `box`: only those are written
             kept, out_here, stat_here = (
-                (pl.ds(0, box), (s, h), (s, h)) if flat else (pl.ds(0, LANES), q_here, (s, h, rows_here))
+                (pl.ds(0, box), (s, h), (s, h))
+                if flat
+                else (pl.ds(0, LANES), q_here if direct else (s, h, rows_out), (s, h, rows_out))
             )
 
             def store(out, m, total):
@@ -693,7 +706,7 @@ def _attention(
                 mixed = rows_times(rows_times(out, w0) + rows_times(other, w1), 1 / jnp.maximum(w0 + w1, 1e-30))
                 store(mixed, top, w0 + w1)
 
-    shape = (partials, slots, kv_heads, box if flat else padded)
+    shape = (partials, slots, kv_heads, box if flat else grid_tiles * tile)
     out_shape = (partials, *q.shape) if direct else (*shape, dim)
     out_type = [jax.ShapeDtypeStruct(out_shape, dtype)]  # each partial's own normalised output
     if partials > 1:
@@ -734,7 +747,7 @@ def _attention(
     results = plgpu.kernel(
         entry,
         out_type=tuple(out_type),
-        grid=(splits, tiles, slots * kv_heads),
+        grid=(splits, grid_tiles, slots * kv_heads),
         grid_names=("split", "tile", "sh"),
         num_threads=3,
         thread_name="wg",
@@ -746,6 +759,14 @@ def _attention(
     if flat:
         results = [_decode_rows(x, heads, groups) for x in results]
     elif not direct:
+        if grouped:  # each row from its own reach group's copy: the later group from the last query's block on
+            later = jnp.arange(tile) % width >= before[:, None]  # [S, rows]
+
+            def own_group(x: jax.Array) -> jax.Array:  # [P, S, Hkv, 2 * tile, ...] -> [P, S, Hkv, tile, ...]
+                earlier_copy, later_copy = (lax.slice_in_dim(x, i * tile, (i + 1) * tile, axis=3) for i in (0, 1))
+                return jnp.where(later.reshape(1, slots, 1, tile, *[1] * (x.ndim - 4)), later_copy, earlier_copy)
+
+            results = [own_group(x) for x in results]
         results = [x[:, :, :, :rows] for x in results]
     outs = results[0]
     if partials > 1:  # each partial's weight: its sum, at the largest running max of the row
