@@ -106,23 +106,26 @@ WINDOW_EXTENTS = [(None, 64), (None, 2048), (200, 256)]
 
 
 @pytest.mark.parametrize(
-    ("window", "extent", "splits"),
-    [(*we, sp) for we, sp in cases(WINDOW_EXTENTS, [None, 1], cpu=[((None, 2048), None)])],  # and test_pool_prefill
+    ("window", "extent", "splits", "invariant"),
+    [  # and test_pool_prefill
+        (*we, sp, inv)
+        for we, sp, inv in cases(WINDOW_EXTENTS, [None, 1], [True, False], cpu=[((None, 2048), None, True)])
+    ],
 )
-def test_pool_mixed_batch(window, extent, splits):
-    compare(inputs(17 + (window or 0) + extent, *MIXED, extent, ring=None), window, splits)
+def test_pool_mixed_batch(window, extent, splits, invariant):  # invariant: every row in decode tiles
+    compare(inputs(17 + (window or 0) + extent, *MIXED, extent, ring=None), window, splits, invariant=invariant)
 
 
 @pytest.mark.parametrize(("window", "extent"), [(200, 256)] if CPU else WINDOW_EXTENTS)
-def test_pool_prefill(window, extent):  # on CPU also the interpreter's window over the mixed batch's path
-    compare(inputs(29 + extent, *PREFILL, extent, ring=None), window, None, in_kernel=True)
+def test_pool_prefill(window, extent):  # the prefill tiles; on CPU also the interpreter's window over them
+    compare(inputs(29 + extent, *PREFILL, extent, ring=None), window, None, in_kernel=True, invariant=False)
 
 
-@pytest.mark.parametrize("splits", [None] if CPU else [None, 1])
-def test_ring_mixed_batch(splits):
+@pytest.mark.parametrize(("splits", "invariant"), [(None, False)] if CPU else [(None, True), (None, False), (1, True)])
+def test_ring_mixed_batch(splits, invariant):
     window = 200
     case = inputs(5, *MIXED, extent=window, ring=384)  # at least window + C slots, a multiple of the block
-    compare(case, window, splits, among_layers=True)
+    compare(case, window, splits, among_layers=True, invariant=invariant)
 
 
 @pytest.mark.parametrize("in_kernel", [True] if CPU else [True, False])
@@ -168,7 +171,9 @@ def test_bias_in_kernel_only_for_decode_and_prefill():
     with pytest.raises(ValueError, match="in the kernel"):  # verify rows sit at several positions: the frame
         compare(inputs(1, *VERIFY, extent=64, ring=None), None, None, in_kernel=True)
     with pytest.raises(ValueError, match="in the kernel"):  # C % 64 != 0
-        compare(inputs(1, [100], [96], 96, extent=64, ring=None), None, None, in_kernel=True)
+        compare(inputs(1, [100], [96], 96, extent=64, ring=None), None, None, in_kernel=True, invariant=False)
+    with pytest.raises(ValueError, match="in the kernel"):  # decode tiles over several positions read the frame
+        compare(inputs(1, [300], [128], 128, extent=64, ring=None), None, None, in_kernel=True)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +194,9 @@ def test_lowers_for_cuda_at_production_shapes(width, ring, d_rel):
         spec((d_rel, 1024), jnp.bfloat16), spec((slots, width, heads), jnp.bfloat16),
     )  # fmt: skip
     table = None if ring else spec((slots, 8), jnp.int32)
-    kernel = functools.partial(gpu._attention, interpret=False, in_kernel=True if width == 1 else None)
+    kernel = functools.partial(
+        gpu._attention, interpret=False, in_kernel=True if width in (1, 1024) else None, invariant=width < 1024
+    )  # the prefill tiles build the bias in the kernel
 
     def attention(*args, table):
         return attend(kernel, *args, page_table=table, scale=dim**-0.5, window=1024 if ring else None)
@@ -199,14 +206,16 @@ def test_lowers_for_cuda_at_production_shapes(width, ring, d_rel):
 
 
 def test_decode_splits_do_not_depend_on_the_number_of_sequences():
-    """Decode and verify cut a sequence's KV blocks at the same places in a call of any size (batch invariance): the
-    split count follows the KV heads and the blocks in reach, never the sequences; prefill's still fill the SMs."""
+    """Every step cuts a sequence's KV blocks at the same places whatever the call's size and width (batch
+    invariance): the split count follows the KV heads and the blocks in reach, never the sequences nor the rows;
+    without invariance prefill's still fill the SMs."""
     for kv_heads, steps in [(8, 16), (2, 64), (8, 2), (1, 8192)]:
-        for rows in (6, 48):  # decode of 6 query heads a KV head; a verify pass of 8 positions
-            found = {gpu._config(slots, kv_heads, rows, steps, None) for slots in (1, 8, 16, 64, 68, 196)}
-            assert len(found) == 1 and next(iter(found))[0]  # one choice, the warpgroups sharing the KV blocks
+        # decode of 6 query heads a KV head; a verify pass of 8 positions; prefill chunks of 64 and 1024
+        found = {gpu._config(slots, kv_heads, rows, steps, None) for slots in (1, 8, 16, 64, 68, 196)
+                 for rows in (6, 48, 384, 6144)}  # fmt: skip
+        assert len(found) == 1 and next(iter(found))[0]  # one choice, the warpgroups sharing the KV blocks
     assert gpu._config(8, 8, 6, 16, None) == (True, 2)
-    assert gpu._config(1, 8, 128, 16, None) != gpu._config(64, 8, 128, 16, None)  # prefill fills the SMs
+    assert gpu._config(1, 8, 128, 16, None, invariant=False) != gpu._config(64, 8, 128, 16, None, invariant=False)
 
 
 def test_supports():
@@ -238,3 +247,20 @@ def test_a_verify_row_gets_its_decode_bits_across_block_boundaries():
     call = jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window"))
     got_verify, got_decode = run(call, verify, None), run(call, decode, None)
     np.testing.assert_array_equal(got_decode[:, 0], got_verify[:2].reshape(len(rows), HEADS, DIM))
+
+
+def test_a_prefill_row_gets_its_decode_bits():
+    """Each row of a prefill chunk equals the same position decoded alone, bit for bit (batch invariance): the
+    chunk of 24 positions (three decode tiles, one straddling a KV block boundary) runs as decode tiles, each split
+    into reach groups."""
+    width, extent = 24, 1024
+    kv_lens, query_lens = [268, 1100], [width, 0]  # positions 244 ... 267; an idle sequence for 10 blocks of reach
+    chunk = inputs(43, kv_lens, query_lens, width, extent, ring=None)
+    decode = chunk | {name: chunk[name][0][:, None] for name in ("q", "rel", "sinks")} | {
+        "kv_lens": jnp.arange(kv_lens[0] - width + 1, kv_lens[0] + 1, dtype=jnp.int32),
+        "query_lens": jnp.ones(width, jnp.int32),
+        "page_table": jnp.repeat(chunk["page_table"][:1], width, axis=0),
+    }  # fmt: skip
+    kernel = functools.partial(gpu._attention, interpret=CPU, in_kernel=False)  # both read the frame's bias
+    call = jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window"))
+    np.testing.assert_array_equal(run(call, decode, None)[:, 0], run(call, chunk, None)[0])

@@ -54,25 +54,30 @@ def ragged_paged_attention(
     window: int | None,
     ring_rows: jax.Array | None = None,
     backend: str = "auto",
+    invariant: bool = True,
 ) -> jax.Array:
-    """`reference.ragged_paged_attention`'s contract (shapes and semantics there), computed by `backend`."""
+    """`reference.ragged_paged_attention`'s contract (shapes and semantics there), computed by `backend`.
+    invariant (the GPU kernel's): a position's row gets the same bits whatever the step's width (decode, verify,
+    prefill chunk) and neighbours; False lets prefill chunks take the GPU kernel's faster tiles, which sum a row's
+    keys in another order."""
     chosen = automatic(q, k, page_table) if backend == "auto" else backend
     ring_rows = reference.sequence_rings(ring_rows, q.shape[0])
     return _computed(
         q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_rows, scale=scale, window=window,
-        backend=chosen,
+        backend=chosen, invariant=invariant,
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "backend"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "backend", "invariant"))
 def _computed(
-    q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_rows, *, scale, window, backend
+    q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_rows, *, scale, window, backend, invariant
 ) -> jax.Array:
     """One backend's attention as its own jaxpr: every layer's call of one shape traces to the same jaxpr, which
     a program lowers once (lowering a Mosaic kernel takes about a second)."""
+    options = {"invariant": invariant} if backend == "gpu" else {}
     return implementation(backend)(
         q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, scale=scale, window=window,
-        ring_rows=ring_rows,
+        ring_rows=ring_rows, **options,
     )  # fmt: skip
 
 

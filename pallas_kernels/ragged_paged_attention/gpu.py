@@ -2,14 +2,14 @@
 
 A CTA works on one (sequence, KV head), one tile of grouped query rows and one contiguous share of the KV
 blocks that tile sees. Three warpgroups: one only issues TMA copies (each block's K, V and, inside the bias
-frame, the tile's bias slice, into a ring of SMEM stages that the readers release); two compute. With more
-than 64 rows (prefill) the compute warpgroups take 64 rows each (the wgmma M tile), read every block and take
-turns (FlashAttention-3's ping-pong: one's softmax runs while the other's wgmmas do); with C % 64 == 0 (and G
-* C % 128 == 0) each one's q and output tiles are strided TMA boxes of the [S, C, Hq, D] arrays, one query
-head at 64 consecutive steps. With at most 64 rows (decode, verify) they share the rows and alternate 64-key
-halves of the blocks (four smaller SMEM stages instead of two), each keeping its own softmax, merged in SMEM at
-the end (one partial per CTA); a decode tile
-(the G query heads at one position) reads its q and relative-state rows in place from the [S * Hq] arrays, in
+frame, the tile's bias slice, into a ring of SMEM stages that the readers release); two compute. In prefill
+tiles (more than 64 rows, without batch invariance) the compute warpgroups take 64 rows each (the wgmma M tile),
+read every block and take turns (FlashAttention-3's ping-pong: one's softmax runs while the other's wgmmas do);
+with C % 64 == 0 (and G * C % 128 == 0) each one's q and output tiles are strided TMA boxes of the [S, C, Hq, D]
+arrays, one query head at 64 consecutive steps. In decode tiles (at most 64 rows: decode and verify, and every
+step under batch invariance) they share the rows and alternate 64-key halves of the blocks (four smaller SMEM
+stages instead of two), each keeping its own softmax, merged in SMEM at the end (one partial per CTA); a decode
+tile (the G query heads at one position) reads its q and relative-state rows in place from the [S * Hq] arrays, in
 an 8-aligned box (when S * Hq % 8 == 0 and d_rel is 16, 32 or 64; else from padded grouped copies). Compute is
 FlashAttention's: S = Q K^T on wgmma (the K stage released as soon as it is read), rounded to the activation
 dtype where the reference rounds it (after the product, the scale and the bias), the visibility mask only on
@@ -37,12 +37,14 @@ with Mosaic GPU's lane-level semantics: the warpgroup-level layout inference fai
 
 Decoding has few (sequence, head) pairs, too few CTAs for 132 SMs: the KV blocks are then split over
 several CTAs (flash-decoding). Every CTA's partial softmax writes its normalised output, running max and sum,
-and plain jnp combines them, partial after partial; only the first counts the sink. A verify tile runs as two
-reach groups over its rows, the queries before the last one's KV block and those in it, each visiting and splitting
-the blocks up to its own last query's as that query's decode does: a position's row is the same bits decoded and
-verified, also where the pass straddles a block boundary. Prefill tiles rows over CTAs instead (and
-splits too where there are few), each tile walking only the blocks its queries can see (causal and window
-bounds per tile, `blocks.visible_blocks`).
+and plain jnp combines them, partial after partial; only the first counts the sink. Batch invariance (the
+default): every step, verify passes and prefill chunks too, runs as decode tiles of at most 64 rows with
+decode's splits, and a tile whose rows sit at several positions runs as two reach groups, the queries before the
+last one's KV block and those in it, each visiting and splitting the blocks up to its own last query's as that
+query's decode does: a position's row is the same bits decoded, verified or prefilled (the H200's prefill
+attention 1.4-2.8x slower than with the prefill tiles: bench/results/README.md). Without it, prefill tiles rows
+over CTAs instead (and splits too where there are few), each tile walking only the blocks its queries can see
+(causal and window bounds per tile, `blocks.visible_blocks`).
 """
 
 import functools
@@ -140,15 +142,20 @@ def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarr
     return c_min.astype(np.int32), c_max.astype(np.int32)
 
 
-def _reach_groups(kv_lens: jax.Array, query_lens: jax.Array, width: int, block: int) -> tuple[jax.Array, ...]:
-    """A verify tile's rows as two reach groups, [S] each: the queries before the KV block of the sequence's last
-    (they see a block less), then those in it. Returns the count before it and both groups' smallest and largest
-    step positions c [S, 2] (a group of none: smallest `width`, which `visible_blocks` gives nothing)."""
-    first_query = kv_lens - query_lens
-    before = jnp.clip(jnp.maximum(kv_lens - 1, 0) // block * block - first_query, 0, query_lens)
-    c_min = jnp.stack([jnp.where(before > 0, 0, width), before], axis=-1)
-    c_max = jnp.stack([before - 1, jnp.full_like(before, width - 1)], axis=-1)
-    return before, c_min.astype(jnp.int32), c_max.astype(jnp.int32)
+def _reach_groups(
+    kv_lens: jax.Array, query_lens: jax.Array, c_min: np.ndarray, c_max: np.ndarray, width: int, block: int
+) -> tuple[jax.Array, ...]:
+    """Each tile's rows (step positions c_min ... c_max [tiles], at most a block apart) as two reach groups: the
+    queries before the KV block of the tile's last real one (they see a block less), then those in it. Returns the
+    first step position of the later group [S, tiles] and the groups' smallest and largest step positions
+    [S, 2 * tiles], tile t's at 2t and 2t + 1 (a group of none: smallest `width`, which `visible_blocks` gives
+    nothing)."""
+    first_query = (kv_lens - query_lens)[:, None]  # [S, 1]
+    last = first_query + jnp.minimum(c_max, query_lens[:, None] - 1)  # each tile's last real query [S, tiles]
+    later = jnp.clip(last // block * block - first_query, c_min, c_max + 1)
+    lows = jnp.stack([jnp.where(later > c_min, c_min, width), jnp.where(later <= c_max, later, width)], axis=-1)
+    highs = jnp.stack([later - 1, jnp.broadcast_to(c_max, later.shape)], axis=-1)
+    return later, *(x.reshape(x.shape[0], -1).astype(jnp.int32) for x in (lows, highs))
 
 
 def _work(
@@ -173,20 +180,24 @@ def _work(
     return jnp.stack([start, stop, *bounds], axis=-1).astype(jnp.int32)
 
 
-def _config(slots: int, kv_heads: int, rows: int, steps: int, splits: int | None) -> tuple[bool, int]:
+def _config(
+    slots: int, kv_heads: int, rows: int, steps: int, splits: int | None, invariant: bool = True
+) -> tuple[bool, int]:
     """(whether the two compute warpgroups share the KV blocks rather than the rows, KV splits).
 
-    With at most 64 rows (decode, verify) both warpgroups take the same rows and alternate KV blocks, each
-    keeping its own partial softmax; with more they take 64 rows each. Decode and verify split the KV blocks as
-    a call of DECODE_SEQUENCES sequences needs to fill the SMs, whatever the call's count: a sequence's blocks
-    are cut at the same places, and its row gets the same bits, beside any other sequences (batch invariance).
-    Prefill's splits make enough CTAs for the SMs, and with more CTAs than SMs fill the last wave (one CTA per SM:
-    192 CTAs would leave a quarter of two waves idle).
+    Decode tiles (at most 64 rows: decode and verify; with `invariant`, every width): both warpgroups take the same
+    rows and alternate 64-key steps, each keeping its own partial softmax, and the KV blocks are split as a call of
+    DECODE_SEQUENCES sequences of one tile needs to fill the SMs, whatever the call's count and width: a position's
+    keys are cut at the same places (each tile's reach groups, `_reach_groups`), and its row gets the same bits,
+    beside any other sequences and in a step of any width (batch invariance). Prefill tiles (more than 64 rows,
+    not `invariant`): the warpgroups take 64 rows each (ping-pong), and the splits make enough CTAs for the SMs,
+    with more CTAs than SMs filling the last wave (one CTA per SM: 192 CTAs would leave a quarter of two waves
+    idle).
     """
-    kv_parallel = rows <= LANES
+    kv_parallel = rows <= LANES or invariant
     if splits is None:
         sequences = DECODE_SEQUENCES if kv_parallel else slots
-        ctas = sequences * kv_heads * -(-rows // (2 * LANES))
+        ctas = sequences * kv_heads * (1 if kv_parallel else -(-rows // (2 * LANES)))
         if ctas < SMS:
             splits = max(1, min(SMS // ctas, steps // 4))
         else:
@@ -232,8 +243,8 @@ def _step_keys(kv_parallel: bool, block: int, step_keys: int | None) -> int:
 def _attention(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
     query_lens: jax.Array, page_table: jax.Array | None, ring_rows: jax.Array, plan: Plan, *, scale: float,
-    window: int | None, splits: int | None = None, step_keys: int | None = None, in_kernel: bool | None = None,
-    interpret: bool = False,
+    window: int | None, invariant: bool = True, splits: int | None = None, step_keys: int | None = None,
+    in_kernel: bool | None = None, interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """`kernel` with the KV split count (None: chosen for the SMs), the keys per pipeline step (None: see
     `_step_keys`) and the bias (True: built in the kernel, False: the frame, None: in the kernel where it can
@@ -252,7 +263,7 @@ def _attention(
     k, v = k.astype(dtype), v.astype(dtype)  # a no-op unless the cache keeps another dtype
     ring_size = k.shape[2]
 
-    kv_parallel, splits = _config(slots, kv_heads, rows, plan.steps, splits)
+    kv_parallel, splits = _config(slots, kv_heads, rows, plan.steps, splits, invariant)
     ping_pong = not kv_parallel  # warpgroups with their own rows visit the same steps: they can take turns
     tile = LANES if kv_parallel else 2 * LANES  # rows per CTA
     partials = splits  # partial softmaxes per row, combined after the kernel
@@ -262,7 +273,7 @@ def _attention(
     # visiting the blocks up to its own last query's and splitting them as that query's decode does: a position's
     # row then gets its decode bits where the pass straddles a KV block boundary (one group empty where it does not).
     grouped = kv_parallel and width > 1
-    grid_tiles = 2 if grouped else tiles
+    grid_tiles = 2 * tiles if grouped else tiles
     # Each warpgroup's 64 rows one query head (C % 64 == 0), no padding rows: q and the output move straight
     # between the [S, C, Hq, D] arrays and SMEM (a strided TMA box), without a grouped copy of either.
     direct = not kv_parallel and width % LANES == 0 and padded == rows
@@ -305,10 +316,9 @@ def _attention(
         and box <= min(LANES, slots * heads)
     )  # fmt: skip
     rel_in_smem = flat or (in_kernel and interpret)  # copied to SMEM, not loaded into registers from GMEM
+    c_min, c_max = _row_bounds(rows, padded, tile, width)
     if grouped:
-        before, c_min, c_max = _reach_groups(kv_lens, query_lens, width, block)
-    else:
-        c_min, c_max = _row_bounds(rows, padded, tile, width)
+        later, c_min, c_max = _reach_groups(kv_lens, query_lens, c_min, c_max, width, block)
     work = _work(
         kv_lens, query_lens, plan.bias_first, ring_rows, c_min, c_max, block=block, splits=splits, window=window,
         ring=ring_size if ring else None,
@@ -343,7 +353,7 @@ def _attention(
         k_bar, v_bar, b_bar, q_bar, k_free, v_free, w_bar, turn_bar, merge_bar = barriers
         split, sh = lax.axis_index("split"), lax.axis_index("sh")
         tile_idx = grid_tiles - 1 - lax.axis_index("tile")  # the tiles with the most blocks start first
-        read_idx = 0 if grouped else tile_idx  # reach groups read the same rows
+        read_idx = tile_idx // 2 if grouped else tile_idx  # a tile's two reach groups read its rows
         s, h = sh // kv_heads, sh % kv_heads
         lo, hi, q_min, q_max, first_q, last, bias_first, ring_row = (work_ref[s, tile_idx, split, i] for i in range(8))
         wg = lax.axis_index("wg")
@@ -760,11 +770,13 @@ def _attention(
         results = [_decode_rows(x, heads, groups) for x in results]
     elif not direct:
         if grouped:  # each row from its own reach group's copy: the later group from the last query's block on
-            later = jnp.arange(tile) % width >= before[:, None]  # [S, rows]
+            step = (jnp.arange(padded) % width).reshape(tiles, tile)
+            in_later = step[None] >= later[..., None]  # [S, tiles, tile]
 
-            def own_group(x: jax.Array) -> jax.Array:  # [P, S, Hkv, 2 * tile, ...] -> [P, S, Hkv, tile, ...]
-                earlier_copy, later_copy = (lax.slice_in_dim(x, i * tile, (i + 1) * tile, axis=3) for i in (0, 1))
-                return jnp.where(later.reshape(1, slots, 1, tile, *[1] * (x.ndim - 4)), later_copy, earlier_copy)
+            def own_group(x: jax.Array) -> jax.Array:  # [P, S, Hkv, 2 * padded, ...] -> [P, S, Hkv, padded, ...]
+                x = x.reshape(*x.shape[:3], tiles, 2, tile, *x.shape[4:])
+                pick = in_later.reshape(1, slots, 1, tiles, tile, *[1] * (x.ndim - 6))
+                return jnp.where(pick, x[:, :, :, :, 1], x[:, :, :, :, 0]).reshape(*x.shape[:3], padded, *x.shape[6:])
 
             results = [own_group(x) for x in results]
         results = [x[:, :, :, :rows] for x in results]
@@ -788,14 +800,17 @@ def _attention(
 def kernel(
     q: jax.Array, k: jax.Array, v: jax.Array, rel: jax.Array, rel_proj: jax.Array, sinks: jax.Array, kv_lens: jax.Array,
     query_lens: jax.Array, page_table: jax.Array | None, ring_rows: jax.Array, plan: Plan, *, scale: float,
-    window: int | None,
+    window: int | None, invariant: bool = True,
 ) -> jax.Array:  # fmt: skip
-    """[S, C, Hq, D] attention of the queries q [S, C, Hq, D] over the pool or the rings (see `attend`)."""
+    """[S, C, Hq, D] attention of the queries q [S, C, Hq, D] over the pool or the rings (see `attend`).
+    invariant: every row as decode tiles (see `_config`); False lets prefill rows take the faster prefill tiles."""
     interpret = jax.default_backend() == "cpu"
     return _attention(
         q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, ring_rows, plan, scale=scale,
-        window=window, interpret=interpret,
+        window=window, invariant=invariant, interpret=interpret,
     )  # fmt: skip
 
 
-ragged_paged_attention = functools.partial(attend, kernel)
+def ragged_paged_attention(*args, invariant: bool = True, **kwargs) -> jax.Array:
+    """`reference.ragged_paged_attention`'s contract on this kernel (`invariant`: see `kernel`)."""
+    return attend(functools.partial(kernel, invariant=invariant), *args, **kwargs)
