@@ -33,8 +33,9 @@ HEADS = KV_HEADS * GROUPS
 
 # (kv_lens, query_lens, width C): decode, verify (γ + 1 = 8), a first chunk, a later chunk, an idle slot
 MIXED = ([450, 300, 40, 600, 257] if CPU else [700, 300, 40, 1000, 513], [1, 8, 40, 64, 0], 64)
-# A prefill step of C = 128 (with C % 64 == 0 and more than 64 rows the bias is built in the kernel; here the second
-# warpgroup's rows start mid-chunk): a first chunk and a later, partial one (in the interpreter only the latter).
+# A prefill step of C = 128 (in prefill tiles, with C % 64 == 0 and more than 64 rows the bias is built in the kernel;
+# here the second warpgroup's rows start mid-chunk): a first chunk and a later, partial one (in the interpreter only
+# the latter).
 PREFILL = ([300], [100], 128) if CPU else ([128, 1000], [128, 100], 128)
 DECODE = ([600 if CPU else 1000, 129, 5], [1, 1, 1], 1)
 VERIFY = ([500, 77, 600 if CPU else 1000, 9], [8, 8, 3, 0], 8)  # at most 64 rows: the warpgroups share the rows
@@ -264,3 +265,13 @@ def test_a_prefill_row_gets_its_decode_bits():
     kernel = functools.partial(gpu._attention, interpret=CPU, in_kernel=False)  # both read the frame's bias
     call = jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window"))
     np.testing.assert_array_equal(run(call, decode, None)[:, 0], run(call, chunk, None)[0])
+
+
+def test_invariance_takes_tiles_within_two_blocks():
+    """A step of 200 positions puts positions 192 ... 199 and 0 ... 55 of the next query head in one 64-row tile
+    (three 128-key blocks): refused under batch invariance, naming the way out; the prefill tiles take it."""
+    case = inputs(3, [300], [200], 200, extent=64, ring=None)
+    with pytest.raises(ValueError, match="at most two KV blocks .* invariant=False"):
+        compare(case, None, None)
+    if not CPU:
+        compare(case, None, None, invariant=False)

@@ -2,6 +2,7 @@
 one at a time, preempted sequences resume exactly, cancelled ones free their slots and pages."""
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Code, Rejected, Request
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.sharding import make_mesh
+from pallas_kernels.platform import on_hopper
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "tiny_text" / "hf"
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
@@ -161,25 +163,32 @@ def test_cancelled_and_refused_requests(two_slots):
         scheduler.stop()
 
 
-def test_bfloat16_tokens_and_logprobs_do_not_depend_on_the_batch(tmp_path_factory):
-    """The serving default: bfloat16 activations over the embedded tiny checkpoint's NVFP4 and MXFP8 experts,
-    compiled as a user's run is (XLA's default optimization, whose dots and reductions sum in orders that change
-    with the step's shape: without the model's fixed trees a request or two of three differ on most checkpoints).
-    Greedy and seeded requests give the same tokens and log-probabilities, to the bit, alone (decode steps of one
-    token), beside others (prompt chunks, other slots' decodes in the same step) and after a preemption (their
-    tokens fed again as chunks)."""
-    checkpoint = tmp_path_factory.mktemp("tiny-mixed")
-    write_checkpoint(TINY_CONFIG, checkpoint, experts="mixed", seed=int(np.random.default_rng().integers(1 << 16)))
+# The tiny model at widths the H200's kernels take (attention heads of 128, d_rel 16, experts of 256 over a hidden
+# size of 512, a 128-token window; 4 query heads a KV head, so that two slots' decode rows are read in place): there
+# every operation runs as a Mosaic GPU kernel or a cuBLAS gemm.
+KERNEL_WIDTHS = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+                 "swa_num_attention_heads": 8, "swa_num_key_value_heads": 2, "swa_head_dim": 128,
+                 "sliding_window_size": 128, "d_rel": 16, "rel_extent": 256, "moe_intermediate_size": 256}  # fmt: skip
+
+
+def assert_batch_invariant(
+    checkpoint: Path, compiler_options: dict | None, *, chunk: int = CHUNK, pages: int = 3,
+    prompts: tuple[int, int] = (100, 120), outputs: tuple[int, int] = (30, 45),
+) -> None:  # fmt: skip
+    """Greedy and seeded requests over `checkpoint` in bfloat16 give the same tokens and log-probabilities, to the
+    bit, alone (decode steps of one token), beside others (prompt chunks, other slots' decodes in the same step) and
+    after a preemption (their tokens fed again as chunks): two slots share `pages` pages of 128 tokens, too few for
+    both sequences of `prompts` + `outputs` tokens."""
     model = load_causal_lm(checkpoint, jnp.bfloat16)[1]
     vocab = model.config.unpadded_vocab_size
-    layout = CacheLayout(2, 3, 32, CHUNK)  # two slots share 3 pages: sequences past 128 tokens preempt
+    layout = CacheLayout(2, pages, 32, chunk)
     engine = Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, checkpoint=str(checkpoint),
-                    compiler_options={"xla_backend_optimization_level": 3})  # fmt: skip
+                    compiler_options=compiler_options)  # fmt: skip
     rng = np.random.default_rng()
     requests = [
-        Request(f"r{i}", rng.integers(0, vocab, int(rng.integers(100, 120))).tolist(),
-                max_tokens=int(rng.integers(30, 45)), temperature=float(temperature), seed=int(rng.integers(0, 2**31)),
-                ignore_eos=True, logprobs=MAX_LOGPROBS)
+        Request(f"r{i}", rng.integers(0, vocab, int(rng.integers(*prompts))).tolist(),
+                max_tokens=int(rng.integers(*outputs)), temperature=float(temperature),
+                seed=int(rng.integers(0, 2**31)), ignore_eos=True, logprobs=MAX_LOGPROBS)
         for i, temperature in enumerate([0.0, 1.0, 0.0])
     ]  # fmt: skip
     scheduler = make_scheduler(engine)
@@ -195,3 +204,27 @@ def test_bfloat16_tokens_and_logprobs_do_not_depend_on_the_batch(tmp_path_factor
 
     for request in requests:
         assert bits(together.deltas[request.id]) == bits(alone[request.id])
+
+
+def test_bfloat16_tokens_and_logprobs_do_not_depend_on_the_batch(tmp_path_factory):
+    """The serving default: bfloat16 activations over the embedded tiny checkpoint's NVFP4 and MXFP8 experts,
+    compiled as a user's run is (XLA's default optimization, whose dots and reductions sum in orders that change
+    with the step's shape: without the model's fixed trees a request or two of three differ on most checkpoints);
+    `assert_batch_invariant`."""
+    checkpoint = tmp_path_factory.mktemp("tiny-mixed")
+    write_checkpoint(TINY_CONFIG, checkpoint, experts="mixed", seed=int(np.random.default_rng().integers(1 << 16)))
+    assert_batch_invariant(checkpoint, {"xla_backend_optimization_level": 3})
+
+
+@pytest.mark.skipif(not on_hopper(), reason="the H200's kernels: an sm90 GPU")
+def test_bfloat16_on_the_gpu_kernels_does_not_depend_on_the_batch(tmp_path_factory):
+    """`assert_batch_invariant` on an H200 at the kernels' widths, NVFP4 and MXFP8 experts, the engine's GPU step
+    options: the projections (cuBLAS), the attention-residual, expert and attention kernels (decode tiles at every
+    step width) and XLA's norms and sampler; 64-token chunks (several decode tiles a chunk), sequences of 2-3 pages
+    (chunks straddling page boundaries) and past the sliding layers' 256-slot rings (which lap)."""
+    folder = tmp_path_factory.mktemp("kernel-widths")
+    config = folder / "config.json"
+    config.write_text(json.dumps(json.loads(TINY_CONFIG.read_text()) | KERNEL_WIDTHS))
+    checkpoint = folder / "checkpoint"
+    write_checkpoint(config, checkpoint, experts="mixed", seed=int(np.random.default_rng().integers(1 << 16)))
+    assert_batch_invariant(checkpoint, None, chunk=64, pages=5, prompts=(200, 240), outputs=(60, 80))

@@ -175,10 +175,10 @@ def chosen_experts(experts: jax.Array, num_experts: int, first: jax.Array | int 
     """The plan for at most SHARED_TM[0] tokens: one visit per distinct chosen expert (in id order), each
     multiplying every token (rows 0 ... tm - 1: the tokens, then zeros; wgmma's narrowest N side, what a shared tile
     of those copies costs) and writing rows v * tm ... v * tm + tm - 1 of its own. There is nothing to sort or
-    gather; three small reductions over the copies' pairs make the plan. The visits name their experts as weights
-    that hold these first ... first + num_experts - 1 do (a layer's of stacked ones: the offset is added inside the
-    last reduction, not by a kernel of its own). Also each copy's visit, [N, k] int32 (meaningless for a dropped
-    copy): copy (n, j)'s product is row visit * tm + n."""
+    gather; three small reductions over the copies' pairs make the plan. `first`: the weights' index of expert 0 (a
+    layer's first expert in stacked layers' weights), added to the visits' experts inside the last reduction rather
+    than by a kernel of its own. Also each copy's visit, [N, k] int32 (meaningless for a dropped copy): copy (n, j)'s
+    product is row visit * tm + n."""
     tokens, top_k = experts.shape
     tm, count = SHARED_TM[0], min(num_experts, tokens * top_k)
     flat = experts.reshape(-1)
@@ -186,7 +186,7 @@ def chosen_experts(experts: jax.Array, num_experts: int, first: jax.Array | int 
     copy = jnp.arange(flat.shape[0])
     earlier_same = (flat[None, :] == flat[:, None]) & (copy[None, :] < copy[:, None])
     leading = kept & ~jnp.any(earlier_same, axis=1)  # the first copy of each chosen expert
-    # each copy's visit: the distinct chosen experts below its id; a sentinel id past them all (first) counts them
+    # each copy's visit: the distinct chosen experts below its id; a sentinel id past them all (row 0) counts them
     ids = jnp.concatenate([jnp.full(1, num_experts, flat.dtype), flat])
     below = jnp.sum(leading[None, :] & (flat[None, :] < ids[:, None]), axis=1, dtype=jnp.int32)  # [1 + N * k]
     visit = below[1:]

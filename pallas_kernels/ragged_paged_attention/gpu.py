@@ -19,9 +19,10 @@ with the next step's K stage waited for under it (attention_mgpu's order). In-ke
 that need neither bias nor mask (behind the causal edge and past the profile) in a loop of their own, without
 the per-step conditionals.
 
-The bias: verify tiles (and prefill over the rings, and prefill chunks of other widths) copy tiles of
-`blocks.frame_bias`, built in XLA. Decode tiles (over the pool, or over a ring that holds a window and a step of
-keys) and prefill tiles over the pool build theirs in the kernel: for prefill (C a multiple of 64) the frame
+The bias: decode tiles over several positions (verify, and prefill under batch invariance) and prefill tiles
+over the rings or of other widths copy tiles of `blocks.frame_bias`, built in XLA. Decode tiles at one position
+(over the pool, or over a ring that holds a window and a step of keys) and prefill tiles over the pool build
+theirs in the kernel: for prefill tiles (C a multiple of 64) the frame
 would cost Hq * C * (extent + C) values written through several XLA passes, twice the kernel; for decode it is
 two small XLA kernels per call (~6 us at batch 8, ~35 us at 64 slots on a sliding layer). A decode tile's rows
 (the query heads at one position) see key t of a step at distance D0 - t: their bias is one small wgmma of the
@@ -41,10 +42,11 @@ and plain jnp combines them, partial after partial; only the first counts the si
 default): every step, verify passes and prefill chunks too, runs as decode tiles of at most 64 rows with
 decode's splits, and a tile whose rows sit at several positions runs as two reach groups, the queries before the
 last one's KV block and those in it, each visiting and splitting the blocks up to its own last query's as that
-query's decode does: a position's row is the same bits decoded, verified or prefilled (the H200's prefill
-attention 1.4-2.8x slower than with the prefill tiles: bench/results/README.md). Without it, prefill tiles rows
-over CTAs instead (and splits too where there are few), each tile walking only the blocks its queries can see
-(causal and window bounds per tile, `blocks.visible_blocks`).
+query's decode does: a position's row is the same bits decoded, verified or prefilled, over rings and over the
+pool without a window (the model's layers; a windowed pool's visible blocks and split count change with the
+step's width). On the H200 prefill attention takes 1.4-5x the prefill tiles' time so (bench/results/README.md).
+Without it, prefill tiles rows over CTAs instead (and splits too where there are few), each tile walking only the
+blocks its queries can see (causal and window bounds per tile, `blocks.visible_blocks`).
 """
 
 import functools
@@ -63,6 +65,7 @@ from pallas_kernels.ragged_paged_attention.blocks import (
     attend,
     frame_bias,
     group_rows,
+    spanned,
     ungroup_rows,
     visible_blocks,
     zero_padding,
@@ -152,8 +155,8 @@ def _reach_groups(
     nothing)."""
     first_query = (kv_lens - query_lens)[:, None]  # [S, 1]
     last = first_query + jnp.minimum(c_max, query_lens[:, None] - 1)  # each tile's last real query [S, tiles]
-    later = jnp.clip(last // block * block - first_query, c_min, c_max + 1)
-    lows = jnp.stack([jnp.where(later > c_min, c_min, width), jnp.where(later <= c_max, later, width)], axis=-1)
+    later = jnp.maximum(last // block * block - first_query, c_min)  # at most the last's position: c_max at most
+    lows = jnp.stack([jnp.where(later > c_min, c_min, width), later], axis=-1)
     highs = jnp.stack([later - 1, jnp.broadcast_to(c_max, later.shape)], axis=-1)
     return later, *(x.reshape(x.shape[0], -1).astype(jnp.int32) for x in (lows, highs))
 
@@ -162,8 +165,8 @@ def _work(
     kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, ring_rows: jax.Array, c_min: jax.Array,
     c_max: jax.Array, *, block: int, splits: int, window: int | None, ring: int | None,
 ) -> jax.Array:  # fmt: skip
-    """[S, tiles, splits, 8] int32, the kernel's one table of scalars: each CTA's KV blocks [lo, hi), its
-    tile's smallest and largest real query position (tiles of padding queries get nothing to visit), then
+    """[S, T, splits, 8] int32 (T: the grid's tiles), the kernel's one table of scalars: each CTA's KV blocks
+    [lo, hi), its tile's smallest and largest real query position (tiles of padding queries get nothing to visit), then
     its sequence's first query position, last key position, bias frame start and ring (ring_rows[s]). c_min,
     c_max: each tile's smallest and largest step position, [tiles] or per sequence [S, tiles]. A tile reaches the
     blocks up to its last query's, on a ring too (the slots past them hold later positions or none yet)."""
@@ -303,7 +306,7 @@ def _attention(
     elif in_kernel and not eligible:
         raise ValueError(
             "the bias can be built in the kernel only for decode (C = 1) over the pool or a ring that holds a window"
-            " and a step of keys, or for prefill (C % 64 == 0) over the pool"
+            " and a step of keys, or for prefill tiles (C % 64 == 0, invariant=False) over the pool"
         )
     stages = _stages(0, keys, dim, itemsize, extra=extra) if in_kernel else _stages(tile, keys, dim, itemsize)
     # Decode rows (the G query heads at one position) are consecutive rows of q [S * Hq, D] and of the relative
@@ -318,6 +321,11 @@ def _attention(
     rel_in_smem = flat or (in_kernel and interpret)  # copied to SMEM, not loaded into registers from GMEM
     c_min, c_max = _row_bounds(rows, padded, tile, width)
     if grouped:
+        if max(spanned(int(hi - lo) + 1, block) for lo, hi in zip(c_min, c_max, strict=True) if lo <= hi) > 2:
+            raise ValueError(
+                f"batch invariance takes a step of {width} positions in tiles of {tile} rows whose positions touch"
+                f" at most two KV blocks of {block}: C at most 64 or a multiple of 64 (or invariant=False)"
+            )
         later, c_min, c_max = _reach_groups(kv_lens, query_lens, c_min, c_max, width, block)
     work = _work(
         kv_lens, query_lens, plan.bias_first, ring_rows, c_min, c_max, block=block, splits=splits, window=window,
