@@ -227,44 +227,34 @@ def test_supports():
         compare(dict(inputs(1, *DECODE, extent=64, ring=None), q=jnp.zeros((3, 1, HEADS, DIM), jnp.float32)), None, 1)
 
 
-def test_a_verify_row_gets_its_decode_bits_across_block_boundaries():
-    """Each row of a verify pass equals the same position decoded alone, bit for bit, where the pass straddles a
-    block boundary (its last rows see one more block than its first rows), which moves where the tile's blocks
-    would split: each reach group splits its own blocks as its rows' decodes do."""
-    width, extent = 8, 1024
-    kv_lens, query_lens = [260, 644, 1100], [width, width, 0]  # positions 252 ... 259 and 636 ... 643; an idle
-    # sequence whose length gives the call 10 blocks of reach: two splits of five
-    verify = inputs(41, kv_lens, query_lens, width, extent, ring=None)
-    rows = [(s, c) for s in range(2) for c in range(width)]
-    decode = verify | {
-        name: jnp.stack([verify[name][s, c] for s, c in rows])[:, None] for name in ("q", "rel", "sinks")
+@pytest.mark.parametrize(
+    ("kv_lens", "query_lens", "width"),
+    [
+        # verify passes at positions 252 ... 259 and 636 ... 643 (straddling blocks 2 and 5)
+        ([260, 644, 1100], [8, 8, 0], 8),
+        # a prefill chunk at positions 244 ... 267: three decode tiles, one straddling block 2
+        ([268, 1100], [24, 0], 24),
+    ],
+)
+def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width):
+    """Each row of a verify pass or a prefill chunk equals the same position decoded alone, bit for bit (batch
+    invariance), also where the step straddles a KV block boundary, which moves where a tile's blocks would split:
+    each tile runs as reach groups that split their own blocks as their rows' decodes do. The idle sequence gives
+    the call 10 blocks of reach: two splits of five."""
+    step = inputs(41 + width, kv_lens, query_lens, width, 1024, ring=None)
+    rows = [(s, c) for s, length in enumerate(query_lens) for c in range(length)]
+    decode = step | {
+        name: jnp.stack([step[name][s, c] for s, c in rows])[:, None] for name in ("q", "rel", "sinks")
     } | {
-        "kv_lens": jnp.asarray([kv_lens[s] - width + 1 + c for s, c in rows], jnp.int32),
+        "kv_lens": jnp.asarray([kv_lens[s] - query_lens[s] + 1 + c for s, c in rows], jnp.int32),
         "query_lens": jnp.ones(len(rows), jnp.int32),
-        "page_table": verify["page_table"][jnp.asarray([s for s, _ in rows])],
+        "page_table": step["page_table"][jnp.asarray([s for s, _ in rows])],
     }  # fmt: skip
-    assert gpu._config(len(rows), KV_HEADS, GROUPS, 10, None) == (True, 2)
+    assert gpu._config(len(rows), KV_HEADS, GROUPS * width, 10, None) == (True, 2)
     kernel = functools.partial(gpu._attention, interpret=CPU, in_kernel=False)  # both read the frame's bias
     call = jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window"))
-    got_verify, got_decode = run(call, verify, None), run(call, decode, None)
-    np.testing.assert_array_equal(got_decode[:, 0], got_verify[:2].reshape(len(rows), HEADS, DIM))
-
-
-def test_a_prefill_row_gets_its_decode_bits():
-    """Each row of a prefill chunk equals the same position decoded alone, bit for bit (batch invariance): the
-    chunk of 24 positions (three decode tiles, one straddling a KV block boundary) runs as decode tiles, each split
-    into reach groups."""
-    width, extent = 24, 1024
-    kv_lens, query_lens = [268, 1100], [width, 0]  # positions 244 ... 267; an idle sequence for 10 blocks of reach
-    chunk = inputs(43, kv_lens, query_lens, width, extent, ring=None)
-    decode = chunk | {name: chunk[name][0][:, None] for name in ("q", "rel", "sinks")} | {
-        "kv_lens": jnp.arange(kv_lens[0] - width + 1, kv_lens[0] + 1, dtype=jnp.int32),
-        "query_lens": jnp.ones(width, jnp.int32),
-        "page_table": jnp.repeat(chunk["page_table"][:1], width, axis=0),
-    }  # fmt: skip
-    kernel = functools.partial(gpu._attention, interpret=CPU, in_kernel=False)  # both read the frame's bias
-    call = jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window"))
-    np.testing.assert_array_equal(run(call, decode, None)[:, 0], run(call, chunk, None)[0])
+    got_step, got_decode = run(call, step, None), run(call, decode, None)
+    np.testing.assert_array_equal(got_decode[:, 0], np.stack([got_step[s, c] for s, c in rows]))
 
 
 def test_invariance_takes_tiles_within_two_blocks():

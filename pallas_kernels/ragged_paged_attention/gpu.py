@@ -148,7 +148,7 @@ def _row_bounds(rows: int, padded: int, tile: int, width: int) -> tuple[np.ndarr
 def _reach_groups(
     kv_lens: jax.Array, query_lens: jax.Array, c_min: np.ndarray, c_max: np.ndarray, width: int, block: int
 ) -> tuple[jax.Array, ...]:
-    """Each tile's rows (step positions c_min ... c_max [tiles], at most a block apart) as two reach groups: the
+    """Each tile's rows (step positions c_min ... c_max [tiles], within two KV blocks) as two reach groups: the
     queries before the KV block of the tile's last real one (they see a block less), then those in it. Returns the
     first step position of the later group [S, tiles] and the groups' smallest and largest step positions
     [S, 2 * tiles], tile t's at 2t and 2t + 1 (a group of none: smallest `width`, which `visible_blocks` gives
@@ -272,9 +272,10 @@ def _attention(
     partials = splits  # partial softmaxes per row, combined after the kernel
     padded = -(-rows // tile) * tile
     tiles = padded // tile
-    # A verify tile (at most 64 rows over several positions) runs as two reach groups over the same rows, each
-    # visiting the blocks up to its own last query's and splitting them as that query's decode does: a position's
-    # row then gets its decode bits where the pass straddles a KV block boundary (one group empty where it does not).
+    # A decode tile over several positions (verify; prefill under invariance) runs as two reach groups over the
+    # same rows, each visiting the blocks up to its own last query's and splitting them as that query's decode does:
+    # a position's row then gets its decode bits where the tile straddles a KV block boundary (one group empty where
+    # it does not).
     grouped = kv_parallel and width > 1
     grid_tiles = 2 * tiles if grouped else tiles
     # Each warpgroup's 64 rows one query head (C % 64 == 0), no padding rows: q and the output move straight
