@@ -1,0 +1,230 @@
+"""The continuous-batching scheduler on the tiny parity model: concurrent requests equal the same requests run
+one at a time, preempted sequences resume exactly, cancelled ones free their slots and pages."""
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paths import TINY_CONFIG, TINY_TEXT
+
+from inkling_jax.cache import CacheLayout
+from inkling_jax.checkpoint import load_causal_lm
+from inkling_jax.checkpoint.synthetic import write_checkpoint
+from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.requests import MAX_LOGPROBS, Code, Rejected, Request
+from inkling_jax.runtime.scheduler import Scheduler
+from inkling_jax.sharding import make_mesh
+from pallas_kernels.platform import on_hopper
+
+FIXTURE = TINY_TEXT / "hf"
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_causal_lm(FIXTURE, np.float32)[1]
+
+
+def make_engine(model, slots: int, pages: int) -> Engine:
+    layout = CacheLayout(slots, pages, 32, CHUNK)  # 32 pages of 128 tokens: the model's whole context
+    return Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, checkpoint=str(FIXTURE))
+
+
+@pytest.fixture(scope="module")
+def two_slots(model) -> Engine:
+    """Two slots sharing 3 pages, compiled once for the tests that need few pages (each runs its own scheduler:
+    admission resets a slot's state)."""
+    return make_engine(model, slots=2, pages=3)
+
+
+def make_scheduler(engine: Engine, **kwargs) -> Scheduler:
+    scheduler = Scheduler(engine, **kwargs)
+    scheduler.warm_up()
+    scheduler.start()
+    return scheduler
+
+
+class Collector:
+    """Streams of many requests: tokens and deltas per id, and an event when all have finished."""
+
+    def __init__(self, count: int):
+        self.tokens: dict[str, list[int]] = {}
+        self.deltas: dict[str, list] = {}
+        self.left = count
+        self.done = threading.Event()
+
+    def sink(self, request_id: str):
+        self.tokens[request_id], self.deltas[request_id] = [], []
+
+        def on_delta(delta):
+            self.tokens[request_id].extend(delta.token_ids)
+            self.deltas[request_id].append(delta)
+            if delta.finish_reason is not None:
+                self.left -= 1
+                if self.left == 0:
+                    self.done.set()
+
+        return on_delta
+
+
+def random_requests(rng, count: int, prompt_range=(1, 20), max_tokens=(1, 12)) -> list[Request]:
+    return [
+        Request(f"r{i}", rng.integers(0, 500, int(rng.integers(*prompt_range))).tolist(),
+                max_tokens=int(rng.integers(*max_tokens)), temperature=float(rng.choice([0.0, 0.7, 1.2])),
+                top_k=int(rng.choice([0, 20])), top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(0, 2**31)))
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def run(scheduler: Scheduler, requests: list[Request], **options) -> Collector:
+    collector = Collector(len(requests))
+    for request in requests:
+        scheduler.submit(dataclasses.replace(request, **options), collector.sink(request.id))
+    assert collector.done.wait(300)
+    return collector
+
+
+def test_concurrent_requests_equal_running_alone(model):
+    requests = random_requests(np.random.default_rng(0), 12)
+    scheduler = make_scheduler(make_engine(model, slots=4, pages=8), prefill_budget=10)
+    compiled = scheduler.engine.compilations
+    try:
+        alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
+        collector = run(scheduler, requests, logprobs=3)
+    finally:
+        scheduler.stop()
+    assert scheduler.engine.compilations == compiled  # warm-up compiled every shape the workload used
+    for request in requests:
+        tokens = [t for delta in alone[request.id] for t in delta.token_ids]
+        assert collector.tokens[request.id] == tokens
+        deltas = collector.deltas[request.id]
+        assert deltas[-1].finish_reason == alone[request.id][-1].finish_reason
+        assert deltas[-1].completion_tokens == len(tokens)
+        assert all(len(d.logprobs) == len(d.token_ids) and len(d.top_logprobs[0]) == 3 for d in deltas)
+        for delta in deltas:  # the chosen token's logprob is at most the best one's
+            assert delta.logprobs[0] <= delta.top_logprobs[0][0].logprob + 1e-6
+    stats = scheduler.stats()
+    assert (
+        stats.pages_used == 0
+        and stats.running == 0
+        and stats.generated_tokens == 2 * sum(len(tokens) for tokens in collector.tokens.values())
+    )
+
+
+def test_preempted_sequences_resume_exactly(two_slots):
+    """Two slots share 3 pages: long sequences need 2 pages past position 128, so the later one is
+    preempted, recomputed (prompt and outputs fed again, penalties and seeded stream intact) once pages
+    free, and ends exactly as when it ran alone."""
+    rng = np.random.default_rng(1)
+    requests = random_requests(rng, 3, prompt_range=(100, 120), max_tokens=(40, 50))
+    penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}
+    scheduler = make_scheduler(two_slots)
+    try:
+        alone = {r.id: run(scheduler, [r], **penalties).tokens[r.id] for r in requests}
+        assert scheduler.stats().preemptions == 0
+        together = run(scheduler, requests, **penalties)
+        assert scheduler.stats().preemptions >= 1
+    finally:
+        scheduler.stop()
+    assert together.tokens == alone
+
+
+def test_cancelled_and_refused_requests(two_slots):
+    rng = np.random.default_rng(2)
+    scheduler = make_scheduler(two_slots)
+    try:
+        request = random_requests(rng, 1, max_tokens=(300, 301))[0]
+        collector = Collector(1)
+        scheduler.submit(request, collector.sink(request.id))
+        while not collector.tokens[request.id]:
+            threading.Event().wait(0.01)
+        scheduler.cancel(request.id)
+        assert collector.done.wait(60)
+        assert collector.deltas[request.id][-1].finish_reason == "abort"
+        stats = scheduler.stats()
+        assert (stats.running, stats.pages_used) == (0, 0)
+        bad = {
+            Code.INVALID_ARGUMENT: Request("a", (1, 700)),
+            Code.OUT_OF_RANGE: Request("b", (1, 2), max_tokens=5000),
+            Code.RESOURCE_EXHAUSTED: Request("c", tuple(range(400)), max_tokens=200),  # > 3 pages
+        }
+        for code, bad_request in bad.items():
+            with pytest.raises(Rejected) as refused:
+                scheduler.submit(bad_request, lambda delta: None)
+            assert refused.value.code is code
+        scheduler.drain(timeout=10)
+        with pytest.raises(Rejected, match="draining"):
+            scheduler.submit(request, lambda delta: None)
+    finally:
+        scheduler.stop()
+
+
+# The tiny model at widths the H200's kernels take (attention heads of 128, d_rel 16, experts of 256 over a hidden
+# size of 512, a 128-token window; 4 query heads a KV head, so that two slots' decode rows are read in place): there
+# every operation runs as a Mosaic GPU kernel or a cuBLAS gemm.
+KERNEL_WIDTHS = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+                 "swa_num_attention_heads": 8, "swa_num_key_value_heads": 2, "swa_head_dim": 128,
+                 "sliding_window_size": 128, "d_rel": 16, "rel_extent": 256, "moe_intermediate_size": 256}  # fmt: skip
+
+
+def assert_batch_invariant(
+    checkpoint: Path, compiler_options: dict | None, *, chunk: int = CHUNK, pages: int = 3,
+    prompts: tuple[int, int] = (100, 120), outputs: tuple[int, int] = (30, 45),
+) -> None:  # fmt: skip
+    """Greedy and seeded requests over `checkpoint` in bfloat16 give the same tokens and log-probabilities, to the
+    bit, alone (decode steps of one token), beside others (prompt chunks, other slots' decodes in the same step) and
+    after a preemption (their tokens fed again as chunks): two slots share `pages` pages of 128 tokens, too few for
+    both sequences of `prompts` + `outputs` tokens."""
+    model = load_causal_lm(checkpoint, jnp.bfloat16)[1]
+    vocab = model.config.unpadded_vocab_size
+    layout = CacheLayout(2, pages, 32, chunk)
+    engine = Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, checkpoint=str(checkpoint),
+                    compiler_options=compiler_options)  # fmt: skip
+    rng = np.random.default_rng()
+    requests = [
+        Request(f"r{i}", rng.integers(0, vocab, int(rng.integers(*prompts))).tolist(),
+                max_tokens=int(rng.integers(*outputs)), temperature=float(temperature),
+                seed=int(rng.integers(0, 2**31)), ignore_eos=True, logprobs=MAX_LOGPROBS)
+        for i, temperature in enumerate([0.0, 1.0, 0.0])
+    ]  # fmt: skip
+    scheduler = make_scheduler(engine)
+    try:
+        alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
+        together = run(scheduler, requests)
+        assert scheduler.stats().preemptions >= 1
+    finally:
+        scheduler.stop()
+
+    def bits(deltas: list) -> list:  # every token with its log-probability and its top ones, as computed
+        return [(t, p, top) for d in deltas for t, p, top in zip(d.token_ids, d.logprobs, d.top_logprobs, strict=True)]
+
+    for request in requests:
+        assert bits(together.deltas[request.id]) == bits(alone[request.id])
+
+
+def test_bfloat16_tokens_and_logprobs_do_not_depend_on_the_batch(tmp_path_factory):
+    """The serving default: bfloat16 activations over the embedded tiny checkpoint's NVFP4 and MXFP8 experts,
+    compiled as a user's run is (XLA's default optimization, whose dots and reductions sum in orders that change
+    with the step's shape: without the model's fixed trees a request or two of three differ on most checkpoints);
+    `assert_batch_invariant`."""
+    checkpoint = tmp_path_factory.mktemp("tiny-mixed")
+    write_checkpoint(TINY_CONFIG, checkpoint, experts="mixed", seed=int(np.random.default_rng().integers(1 << 16)))
+    assert_batch_invariant(checkpoint, {"xla_backend_optimization_level": 3})
+
+
+@pytest.mark.skipif(not on_hopper(), reason="the H200's kernels: an sm90 GPU")
+def test_bfloat16_on_the_gpu_kernels_does_not_depend_on_the_batch(tmp_path_factory):
+    """`assert_batch_invariant` on an H200 at the kernels' widths, NVFP4 and MXFP8 experts, the engine's GPU step
+    options: the projections (cuBLAS), the attention-residual, expert and attention kernels (decode tiles at every
+    step width) and XLA's norms and sampler; 64-token chunks (several decode tiles a chunk), sequences of 2-3 pages
+    (chunks straddling page boundaries) and past the sliding layers' 256-slot rings (which lap)."""
+    folder = tmp_path_factory.mktemp("kernel-widths")
+    config = folder / "config.json"
+    config.write_text(json.dumps(json.loads(TINY_CONFIG.read_text()) | KERNEL_WIDTHS))
+    checkpoint = folder / "checkpoint"
+    write_checkpoint(config, checkpoint, experts="mixed", seed=int(np.random.default_rng().integers(1 << 16)))
+    assert_batch_invariant(checkpoint, None, chunk=64, pages=5, prompts=(200, 240), outputs=(60, 80))

@@ -1,0 +1,137 @@
+"""The server end to end on the embedded tiny synthetic checkpoint (with its tokenizer): 64 concurrent
+gRPC streams each equal the batch runner's output for the same request; cancelled and timed-out
+streams free their slots and pages; `python -m inkling_jax.offline` on text prompts and stop strings."""
+
+import dataclasses
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from paths import TINY_CONFIG
+
+from inkling_jax import offline
+from inkling_jax.checkpoint.synthetic import write_checkpoint
+from inkling_jax.runtime.batch import run_requests
+from inkling_jax.runtime.engine import load_engine
+from inkling_jax.runtime.requests import Request
+from inkling_jax.runtime.scheduler import Scheduler
+from serving.proto import inkling_pb2 as pb
+from serving.proto import inkling_pb2_grpc as pb_grpc
+from serving.server import serve
+
+WORDS = ["the", "model", "runs", "on", "TPU", "and", "GPU", "café", "数据", "🙂", "fast", "exact", "\n", "  "]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(TINY_CONFIG, tmp_path_factory.mktemp("served") / "checkpoint", experts="mixed")
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return load_engine(str(checkpoint), dtype="float32", max_num_seqs=8, chunk=8)
+
+
+def random_requests(rng, count: int) -> list[tuple]:
+    requests = []
+    for i in range(count):
+        if i % 2:
+            prompt = tuple(int(t) for t in rng.integers(0, 480, int(rng.integers(1, 30))))
+            text = None
+        else:
+            text = " ".join(rng.choice(WORDS, int(rng.integers(1, 12))))
+            prompt = None
+        options = Request("", (), max_tokens=int(rng.integers(1, 24)), temperature=float(rng.choice([0.0, 0.8, 1.5])),
+                          top_k=int(rng.choice([0, 40])), top_p=float(rng.choice([1.0, 0.85])),
+                          repetition_penalty=float(rng.choice([1.0, 1.2])), seed=int(rng.integers(0, 2**31)),
+                          stop=("e",) if i % 7 == 0 else ())  # fmt: skip
+        requests.append((f"q{i}", text, prompt, options))
+    return requests
+
+
+def as_engine_request(request, tokenizer) -> Request:
+    request_id, text, prompt, options = request
+    ids = tuple(tokenizer.encode(text)) if text is not None else prompt
+    return dataclasses.replace(options, id=request_id, prompt_token_ids=ids)
+
+
+def as_grpc_request(request) -> pb.GenerateRequest:
+    request_id, text, prompt, o = request
+    sampling = pb.SamplingParams(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
+                                 repetition_penalty=o.repetition_penalty, seed=o.seed)  # fmt: skip
+    stop = pb.StopConditions(max_tokens=o.max_tokens, stop=list(o.stop), ignore_eos=o.ignore_eos)
+    if text is not None:
+        return pb.GenerateRequest(request_id=request_id, text=text, sampling=sampling, stop=stop)
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=sampling,
+                              stop=stop)  # fmt: skip
+
+
+def stream(stub, request) -> dict:
+    token_ids, text, reason = [], [], None
+    for response in stub.Generate(as_grpc_request(request), timeout=300):
+        token_ids += response.token_ids
+        text.append(response.text)
+        reason = response.finish_reason or reason
+    return {"token_ids": token_ids, "text": "".join(text), "finish_reason": pb.FinishReason.Name(reason)}
+
+
+def test_64_concurrent_streams_equal_the_batch_runner(engine):
+    requests = random_requests(np.random.default_rng(0), 64)
+    want = run_requests(engine, [as_engine_request(r, engine.tokenizer) for r in requests])
+    scheduler = Scheduler(engine)
+    scheduler.warm_up()
+    scheduler.start()
+    server = serve(scheduler, engine)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.InklingStub(channel)
+            with ThreadPoolExecutor(64) as pool:
+                got = list(pool.map(lambda r: stream(stub, r), requests))
+        assert any(w["finish_reason"] == "stop" and w["text"] for w in want)  # a stop string really cut a text
+        for result, expected in zip(got, want, strict=True):
+            assert result["finish_reason"] == f"FINISH_REASON_{expected['finish_reason'].upper()}"
+            assert (result["token_ids"], result["text"]) == (expected["token_ids"], expected["text"])
+
+        long = Request("", (), max_tokens=3000, ignore_eos=True)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.InklingStub(channel)
+            with pytest.raises(grpc.RpcError) as timed_out:
+                for _ in stub.Generate(as_grpc_request(("timed-out", None, (1, 2, 3), long)), timeout=1.0):
+                    pass
+            assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            call = stub.Generate(as_grpc_request(("cancelled", None, (4, 5, 6), long)))
+            next(call)
+            call.cancel()
+        deadline = time.monotonic() + 30
+        while scheduler.stats().running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = scheduler.stats()
+        assert (stats.running, stats.waiting, stats.pages_used) == (0, 0, 0)
+    finally:
+        server.stop()
+        scheduler.stop()
+
+
+def test_offline_cli_text_prompts_stop_strings_and_bad_lines(checkpoint, tmp_path, capsys):
+    lines = [{"id": "a", "prompt": "the model runs", "max_tokens": 12, "temperature": 0},
+             {"id": "b", "prompt_token_ids": [5, 6, 7], "max_tokens": 6, "temperature": 0.7, "seed": 3},
+             {"id": "c", "prompt": "café 数据", "max_tokens": 20, "temperature": 1.0, "seed": 9,
+              "stop": ["a", "e"]}]  # fmt: skip
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.jsonl"), "--output",
+            str(tmp_path / "out.jsonl"), "--dtype", "float32", "--chunk", "8", "--max-num-seqs", "8"]  # fmt: skip
+    assert offline.main(args) == 0
+    results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in results] == ["a", "b", "c"]
+    assert results[0]["finish_reason"] in ("length", "stop") and len(results[1]["token_ids"]) <= 6
+    assert "a" not in results[2]["text"] and "e" not in results[2]["text"]
+    assert "requests in" in capsys.readouterr().err  # the throughput summary
+    for bad, message in [({"id": 1}, "exactly one of 'prompt'"), ({"id": 1, "prompt": "x", "top_k": 1.5}, "integer"),
+                         ({"id": 1, "prompt": "x", "temperature": -1}, "temperature must be within")]:  # fmt: skip
+        (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+        assert offline.main([*args[:2], "--input", str(tmp_path / "bad.jsonl"), *args[4:]]) == 2
+        assert message in capsys.readouterr().err
