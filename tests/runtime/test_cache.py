@@ -21,7 +21,7 @@ MiB = 2**20
      (1048576, 4, 8254.7)],
 )  # fmt: skip
 def test_full_model_bytes_per_sequence(context, tp, total_mib):
-    """bf16 state of the 594B model with 512-token prefill chunks, per device (README's table)."""
+    """bf16 state of the 594B model with 512-token prefill chunks, per device (docs/engine.md's table)."""
     parts = bytes_per_sequence(FULL, context, max_chunk=512, tp=tp)
     kv_token = 2 * (8 // tp) * 128 * 2  # K and V, the device's KV heads, head dim 128, bf16
     assert parts["full_attention_kv"] == 8 * context * kv_token  # 8 full layers, whole 128-token pages
