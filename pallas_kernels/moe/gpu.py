@@ -26,7 +26,7 @@ matmuls XLA combines the copies (`routing.combine`, `routing.weighted_sum`).
 
 Every work item sums its whole K, in the same order in every plan: a token's products are the same bits whatever
 else the call holds (batch invariance; K split over CTAs where the items fell unevenly on them gave a token's row
-other bits at some token counts, and the decode calls measured no slower without it: bench/results/README.md).
+other bits at some token counts, and the decode calls measured no slower without it: bench/results at 3bff46a).
 
 The weights are decoded to bf16 wgmma register operands by `gpu_decode`, the oracle's values bit for bit."""
 
