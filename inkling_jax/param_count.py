@@ -8,7 +8,6 @@ device in bf16, the routed experts in the formats the config's `quantization_con
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
@@ -17,6 +16,7 @@ from flax import nnx
 
 from inkling_jax.checkpoint.loader import abstract_causal_lm, checkpoint_parameters, parameter_paths
 from inkling_jax.checkpoint.quantized import configured_expert_formats
+from inkling_jax.cli import argument_parser
 from inkling_jax.config import ModelConfig, VisionConfig, load_config
 
 
@@ -73,10 +73,11 @@ def parameter_bytes(config: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> int
     return sum(math.prod(var.shape) * var.dtype.itemsize for var in parameter_paths(state).values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Parameter counts of an Inkling 2 config.json")
+def main(argv: list[str] | None = None) -> None:
+    """`python -m inkling_jax.param_count` (`inkling-param-count`): print a config's counts and bytes."""
+    parser = argument_parser("inkling_jax.param_count", "Parameter counts of an Inkling 2 config.json")
     parser.add_argument("config", help="config.json or a checkpoint directory")
-    config = load_config(parser.parse_args().config)
+    config = load_config(parser.parse_args(argv).config)
     counts = count_parameters(config)
     for name in ("total", "text", "vision", "routed_experts", "active_per_token",
                  "active_per_token_without_embedding"):  # fmt: skip
