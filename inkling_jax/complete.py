@@ -7,11 +7,11 @@ Prints the continuation's token ids as a JSON list.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from inkling_jax.checkpoint import CheckpointError, load_model
+from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError
 from inkling_jax.forward import greedy_continuation
 from inkling_jax.score import DTYPES, log_to_stderr
@@ -19,11 +19,11 @@ from inkling_jax.token_ids import TokenIdError, validate_token_ids
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inkling_jax.complete", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True)
+    parser = argument_parser("inkling_jax.complete", __doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
     parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and activation dtype")
     args = parser.parse_args(argv)
     log_to_stderr()
     try:

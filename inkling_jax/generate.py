@@ -19,7 +19,7 @@ from inkling_jax.runtime import batch
 
 
 def main(argv: list[str] | None = None) -> int:
-    return batch.main(argv, prog="python -m inkling_jax.generate")
+    return batch.main(argv, module="inkling_jax.generate")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from inkling_jax.runtime import batch
 
 
 def main(argv: list[str] | None = None) -> int:
-    return batch.main(argv, prog="python -m inkling_jax.offline")
+    return batch.main(argv, module="inkling_jax.offline")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ device in bf16, the routed experts in the formats the config's `quantization_con
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
@@ -17,6 +16,7 @@ from flax import nnx
 
 from inkling_jax.checkpoint.loader import abstract_causal_lm, checkpoint_parameters, parameter_paths
 from inkling_jax.checkpoint.quantized import configured_expert_formats
+from inkling_jax.cli import argument_parser
 from inkling_jax.config import ModelConfig, VisionConfig, load_config
 
 
@@ -73,16 +73,20 @@ def parameter_bytes(config: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> int
     return sum(math.prod(var.shape) * var.dtype.itemsize for var in parameter_paths(state).values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Parameter counts of an Inkling 2 config.json")
+def main(argv: list[str] | None = None) -> None:
+    """`python -m inkling_jax.param_count` (`inkling-param-count`): print a config's counts and bytes."""
+    parser = argument_parser("inkling_jax.param_count", "Parameter counts of an Inkling 2 config.json")
     parser.add_argument("config", help="config.json or a checkpoint directory")
-    config = load_config(parser.parse_args().config)
+    dtype_help = "dtype of the parameters whose bytes are counted (routed experts: as the config stores them)"
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help=dtype_help)
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
     counts = count_parameters(config)
     for name in ("total", "text", "vision", "routed_experts", "active_per_token",
                  "active_per_token_without_embedding"):  # fmt: skip
         print(f"{name:>36}: {getattr(counts, name):>16,} ({getattr(counts, name) / 1e9:.2f}B)")
-    size = parameter_bytes(config)
-    print(f"{'bytes (bf16, experts as configured)':>36}: {size:>16,} ({size / 2**30:.2f} GiB)")
+    size = parameter_bytes(config, jnp.dtype(args.dtype))
+    print(f"{f'bytes ({args.dtype}, experts as config)':>36}: {size:>16,} ({size / 2**30:.2f} GiB)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ IDS.json is a JSON list of token ids; LOGITS.npy gets float32 [len(ids), unpadde
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax.checkpoint import CheckpointError, load_model
+from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError
 from inkling_jax.forward import logits_fn
 from inkling_jax.token_ids import TokenIdError, read_token_ids
@@ -33,7 +33,7 @@ def log_to_stderr() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inkling_jax.score", description=__doc__.splitlines()[0])
+    parser = argument_parser("inkling_jax.score", __doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json + safetensors)")
     parser.add_argument("--input", required=True, help="JSON file holding a list of token ids")
     parser.add_argument("--output", required=True, help="where to write the float32 logits (.npy)")

@@ -20,6 +20,7 @@ import sys
 import grpc
 from google.protobuf import json_format
 
+from inkling_jax.cli import argument_parser
 from serving.connection import ConnectionSetupError, read_certificates, read_token, token_metadata
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
@@ -33,7 +34,7 @@ def _token_ids(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m serving.client", description="Stream a generation")
+    parser = argument_parser("serving.client", "Stream a generation")
     parser.add_argument("prompt", nargs="?", help="prompt text")
     parser.add_argument("--address", default="127.0.0.1:50051", help="server HOST:PORT")
     parser.add_argument("--token-ids", type=_token_ids, help="prompt as token ids: 1,2,3")

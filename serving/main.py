@@ -42,6 +42,7 @@ from inkling_jax import distributed
 from inkling_jax.cache import CacheBudgetError
 from inkling_jax.checkpoint import CheckpointError
 from inkling_jax.checkpoint.synthetic import write_checkpoint
+from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError
 from inkling_jax.distributed import DistributedError
 from inkling_jax.model.draft import NoDraftError
@@ -79,14 +80,14 @@ class ShutdownRequested(Exception):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m serving.main", description="Serve Inkling 2 over gRPC")
+    parser = argument_parser("serving.main", "Serve Inkling 2 over gRPC")
     parser.add_argument("--checkpoint", help=f"checkpoint directory, or with --load-format dummy a config JSON file "
                         f"(default: the synthetic {DEFAULT_CHECKPOINT})")  # fmt: skip
-    parser.add_argument("--mesh", default="tp1", help="device mesh: tpN or dpMtpN (default tp1)")
-    host_help = "address to bind, gRPC and metrics (default 127.0.0.1; 0.0.0.0 for all: see security below)"
+    parser.add_argument("--mesh", default="tp1", help="device mesh: tpN or dpMtpN")
+    host_help = "address to bind, gRPC and metrics (0.0.0.0 for all: see security below)"
     parser.add_argument("--host", default="127.0.0.1", help=host_help)
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter and activation dtype")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     add_batched_tokens_argument(parser)

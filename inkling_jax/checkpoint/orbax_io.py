@@ -16,7 +16,6 @@ what is wrong; the command prints it on one line and exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -37,6 +36,7 @@ from inkling_jax.checkpoint.errors import CheckpointError
 from inkling_jax.checkpoint.finite import FiniteCheck, value_kind
 from inkling_jax.checkpoint.loader import abstract_causal_lm, load_causal_lm, parameter_paths
 from inkling_jax.checkpoint.progress import Progress
+from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError, ModelConfig, load_config
 from inkling_jax.model.stack import stacked_rows
 from inkling_jax.model.text import CausalLM
@@ -228,12 +228,10 @@ def restore(directory: str | Path, mesh: Mesh | None = None) -> tuple[ModelConfi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m inkling_jax.checkpoint.orbax_io", description="Convert a safetensors checkpoint to an Orbax one"
-    )
+    parser = argument_parser("inkling_jax.checkpoint.orbax_io", "Convert a safetensors checkpoint to an Orbax one")
     parser.add_argument("--checkpoint", required=True, help="safetensors checkpoint directory")
     parser.add_argument("--out", required=True, help="Orbax directory to create")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="parameter dtype")
     args = parser.parse_args(argv)
     from inkling_jax.score import log_to_stderr  # here: inkling_jax.score imports this package
 

@@ -33,6 +33,7 @@ from inkling_jax.checkpoint.loader import checkpoint_parameters
 from inkling_jax.checkpoint.names import interleave_rows, original_name
 from inkling_jax.checkpoint.safetensors_io import TensorSpec, split_by_bytes, write_sharded_streamed
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
+from inkling_jax.cli import argument_parser
 from inkling_jax.config import DRAFT_SECTION, ModelConfig, parse_config
 from inkling_jax.tokenizer import TokenizerError
 from pallas_kernels import block_formats
@@ -193,17 +194,19 @@ def _layer_range(text: str) -> range:
         raise argparse.ArgumentTypeError(f"expected a layer range like 0-39, got {text!r}") from error
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Write a random Inkling 2 checkpoint for a config")
+def main(argv: list[str] | None = None) -> None:
+    """`python -m inkling_jax.checkpoint.synthetic` (`inkling-synthetic`): write one and print its directory."""
+    parser = argument_parser("inkling_jax.checkpoint.synthetic", "Write a random Inkling 2 checkpoint for a config")
     parser.add_argument("--config", required=True, help="config.json describing the model")
     parser.add_argument("--out", required=True, help="directory to write")
     parser.add_argument("--experts", choices=EXPERT_CHOICES, default="bf16", help="how routed experts are stored")
     parser.add_argument("--nvfp4-layers", type=_layer_range, help="with --experts mixed: NVFP4 layers, e.g. 0-39")
-    parser.add_argument("--layout", choices=("original", "transformers"), default="original")
-    parser.add_argument("--seed", type=int, default=0)
+    layout_help = "tensor names: a hub release's or transformers' module names"
+    parser.add_argument("--layout", choices=("original", "transformers"), default="original", help=layout_help)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of every tensor")
     parser.add_argument("--shard-gib", type=float, default=2.0, help="approximate shard size")
     parser.add_argument("--draft-config", type=Path, help="a dspark_config JSON object: add a random DSpark draft")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     draft = json.loads(args.draft_config.read_text()) if args.draft_config else None
     out = write_checkpoint(
         args.config, args.out, seed=args.seed, experts=args.experts, nvfp4_layers=args.nvfp4_layers,

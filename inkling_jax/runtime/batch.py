@@ -16,7 +16,6 @@ global batch in lockstep; the `data` axis of the mesh holds the replicas. Proces
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -31,6 +30,7 @@ from jax.sharding import Mesh
 from inkling_jax import distributed
 from inkling_jax.cache import CacheBudgetError
 from inkling_jax.checkpoint import CheckpointError
+from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError
 from inkling_jax.distributed import DistributedError
 from inkling_jax.model.draft import NoDraftError, require_draft
@@ -220,14 +220,14 @@ _USER_ERRORS = (
 )  # fmt: skip
 
 
-def main(argv: list[str] | None, prog: str) -> int:
-    """The batch runner's command line (`prog` names the entry point); 0, or 2 after one line on bad input."""
-    parser = argparse.ArgumentParser(prog=prog, description="Batch generation of JSONL requests")
+def main(argv: list[str] | None, module: str) -> int:
+    """The batch runner's command line (`module` names the entry point); 0, or 2 after one line on bad input."""
+    parser = argument_parser(module, "Batch generation of JSONL requests")
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory (with --load-format dummy: or "
                         "a config JSON file)")  # fmt: skip
     parser.add_argument("--input", required=True, help="JSONL requests")
     parser.add_argument("--output", required=True, help="JSONL results, in input order")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter and activation dtype")
     parser.add_argument("--mesh", default="tp1", help="tpN (tensor and expert parallel over N devices) or dpMtpN "
                         "(M replicas of tpN)")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=8, help="slots per data-parallel replica")
