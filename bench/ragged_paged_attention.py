@@ -15,6 +15,8 @@ a step of `--layers` calls sharing the lengths and page table. Prefill: one sequ
 `prefix` keys (0: the start of its prompt; chunked prefill of a long prompt: a later chunk), causal, C * prefix +
 C(C+1)/2 visible pairs; reported as attention TFLOP/s (4 * 128 * 48 * pairs / time) against the ~800 TFLOP/s bf16
 GEMM rate (cuDNN after a prefix: its whole C x (prefix + C) rectangle, since its causal mask is not the chunk's).
+On a GPU, prefill rows also time `gpu_prefill_tiles`: the kernel with `invariant=False`, its 64-row prefill tiles
+instead of the decode tiles that give a position the same bits at every step width (the cost of batch invariance).
 Times are device time from CUPTI (every kernel the call launches, including the layout prep around ours and the
 page gather in the reference; `kernel_only`: the longest single kernel of ours, the attention itself), median of
 `repeats`. Each kernel result is checked against the reference where the reference runs.
@@ -23,6 +25,7 @@ page gather in the reference; `kernel_only`: the longest single kernel of ours, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -36,6 +39,7 @@ from pallas_kernels.ragged_paged_attention.reference import paged_keys
 
 HEADS, KV_HEADS, DIM, PAGE, D_REL, EXTENT = 48, 8, 128, 128, 16, 1024
 COPY_TB_S, BF16_TFLOP_S = 4.3, 800.0
+PREFILL_TILES = (("gpu_prefill_tiles", {"invariant": False}),)  # the GPU kernel without batch invariance
 LAYERED_KV_BYTES = 1 << 34  # per-layer timing only up to this much KV over all layers (each has its own pool)
 
 
@@ -93,22 +97,28 @@ def per_layer_ms(inputs: dict, *, kernel: str, layers: int, repeats: int) -> flo
     return device_ms(step, *args, repeats=repeats)[0] / layers
 
 
-def run_case(inputs: dict, *, kernel: str, repeats: int, with_reference: bool, causal_chunk: bool) -> dict:
-    """Times of the kernel, the reference and cuDNN on one case, and the kernel's largest error."""
+def run_case(
+    inputs: dict, *, kernel: str, repeats: int, with_reference: bool, causal_chunk: bool, variants: tuple = ()
+) -> dict:
+    """Times of the kernel, the reference and cuDNN on one case, and the kernel's largest error; `variants`: further
+    (name, options) of the kernel to time, checked against the reference too."""
     args = [inputs[name] for name in ("q", "k", "v", "kv_lens", "query_lens", "rel", "rel_proj", "sinks")]
     row = {}
     results = {}
-    for name in dict.fromkeys([kernel, "reference"] if with_reference else [kernel]):
-        attend = implementation(name)
+    calls = {kernel: implementation(kernel), "reference": implementation("reference")}
+    calls |= {name: functools.partial(implementation(kernel), **options) for name, options in variants}
+    names = [kernel, *(name for name, _ in variants)]
+    for name in dict.fromkeys([*names, "reference"] if with_reference else names):
+        attend = calls[name]
         fn = jax.jit(lambda *a, table, attend=attend: attend(*a, page_table=table, scale=DIM**-0.5, window=None))
         results[name] = fn(*args, table=inputs["page_table"])
         total, longest = device_ms(lambda *a, fn=fn: fn(*a, table=inputs["page_table"]), *args, repeats=repeats)
         row[f"{name}_ms"] = total
         if name == kernel and name != "reference":
             row["kernel_only_ms"] = longest
-    if with_reference and kernel != "reference":
-        error = jnp.abs(results[kernel].astype(jnp.float32) - results["reference"].astype(jnp.float32)).max()
-        row["max_abs_error"] = float(error)
+    for name in names if with_reference and kernel != "reference" else ():
+        error = jnp.abs(results[name].astype(jnp.float32) - results["reference"].astype(jnp.float32)).max()
+        row["max_abs_error" if name == kernel else f"{name}_max_abs_error"] = float(error)
     if jax.default_backend() == "gpu":
         k, v = contiguous(inputs)
         cudnn = jax.jit(
@@ -186,9 +196,9 @@ def main(argv: list[str] | None = None) -> None:
             logits_bytes = 4 * HEADS * chunk * (prefix + chunk)
             row |= run_case(
                 inputs, kernel=kernel, repeats=args.repeats, with_reference=logits_bytes <= args.skip_reference_above,
-                causal_chunk=prefix == 0,
+                causal_chunk=prefix == 0, variants=PREFILL_TILES if kernel == "gpu" else (),
             )  # fmt: skip
-            for name in (kernel, "kernel_only", "reference", "cudnn"):
+            for name in (kernel, "gpu_prefill_tiles", "kernel_only", "reference", "cudnn"):
                 if f"{name}_ms" in row:
                     # cuDNN after a prefix sees the whole chunk x context rectangle (no causal mask inside the chunk)
                     work = 4 * DIM * HEADS * chunk * (prefix + chunk) if name == "cudnn" and prefix else flops
