@@ -15,12 +15,12 @@ from jax.sharding import PartitionSpec as P
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from inkling_jax.sharding import MODEL
+from pallas_kernels.devices import on_hopper
 from pallas_kernels.moe import GpuWeight, TpuWeight, moe_experts
 from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe import tpu as moe_tpu
 from pallas_kernels.moe.layouts import PLAIN, for_gpu_experts, for_tpu_experts
 from pallas_kernels.numerics import round_to, total
-from pallas_kernels.platform import on_hopper
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import devices
 from pallas_kernels.attn_res import gpu, reference, tpu, xla
 from pallas_kernels.attn_res.reference import Sources
 from pallas_kernels.platform import hopper_takes
 
 BACKENDS = ("auto", "reference", "tpu", "gpu", "xla")
-XLA_FROM_TOKENS = 1024  # GPU: the XLA formulation from this many tokens (3x the oracle at 4096; slower at 64)
 
 
 def attn_res_norm(
@@ -45,7 +45,7 @@ def attn_res_norm(
             raise ValueError(f"valid must be a scalar count of sources, not of shape {valid.shape}")
     if backend == "auto":
         platform, tokens = jax.default_backend(), math.prod(partial.shape[:-1])
-        on_gpu = "xla" if tokens >= XLA_FROM_TOKENS else "reference"
+        on_gpu = "xla" if tokens >= devices.gpu().xla_mix_from_tokens else "reference"
         if hopper_takes(gpu.check, sources, partial, queries, norm_weights):
             on_gpu = "gpu"
         backend = {"tpu": "tpu", "gpu": on_gpu}.get(platform, "reference")

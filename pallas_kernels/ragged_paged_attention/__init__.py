@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import jax
 
-from pallas_kernels.platform import on_hopper
+from pallas_kernels.devices import on_hopper
 from pallas_kernels.ragged_paged_attention import reference, tpu
 from pallas_kernels.ragged_paged_attention.blocks import kv_block
 
