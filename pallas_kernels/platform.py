@@ -1,25 +1,10 @@
-"""Which accelerator the kernels run on (the entry points' "auto" choice), how Mosaic GPU lowers them, and what
-their custom calls need when a program runs."""
+"""What the kernels' Mosaic runtimes need in a process: how Mosaic GPU lowers them, and what their custom calls need
+when a program runs."""
 
 import functools
 import importlib
-from collections.abc import Callable
 
 import jax
-
-from pallas_kernels import devices
-
-
-def hopper_takes(check: Callable[..., None], *operands) -> bool:
-    """Whether `auto` runs a Mosaic GPU kernel: on an sm90 GPU, for operands its `check` accepts (raises no
-    ValueError for)."""
-    if not devices.on_hopper():
-        return False
-    try:
-        check(*operands)
-    except ValueError:
-        return False
-    return True
 
 
 def import_kernel_runtimes() -> None:
