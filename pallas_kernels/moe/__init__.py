@@ -3,17 +3,20 @@
 `backend` picks "tpu" (the Mosaic TPU kernels, over weights laid out by `layouts.for_tpu` at load), "gpu"
 (the Mosaic GPU kernels, over weights laid out by `layouts.for_gpu`; in Mosaic GPU's interpreter on CPU),
 "reference" (pure jnp under XLA) or "auto": the kernels of the platform it runs on when the weights are laid
-out for them (and of a shape they take), the reference otherwise (`IMPLEMENTATIONS`, a `backends.Backends`).
+out for them (and of a shape they take), the reference otherwise (`IMPLEMENTATIONS`, a `backends.Backends`). The
+model lays its experts out once, at load, for the platform `kernel_platform` names, by `kernel_layout`.
 """
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import devices
 from pallas_kernels.backends import Backends, hopper_takes
 from pallas_kernels.moe import gpu, reference, tpu
-from pallas_kernels.moe.layouts import GpuWeight, TpuWeight, for_gpu, for_tpu
+from pallas_kernels.moe.layouts import PLAIN, GpuWeight, TpuWeight, for_gpu, for_gpu_experts, for_tpu, for_tpu_experts
 from pallas_kernels.quantized import QuantizedArray
 
 Weight = jax.Array | QuantizedArray | TpuWeight | GpuWeight
@@ -100,4 +103,42 @@ def _one_layer(weight: Weight) -> Weight:
     return jax.eval_shape(lambda w: jax.tree.map(lambda a: a[0], w), weight)
 
 
-__all__ = ["BACKENDS", "GpuWeight", "TpuWeight", "for_gpu", "for_tpu", "moe_experts"]
+def kernel_platform() -> str | None:
+    """The platform whose expert kernels this process runs, which the experts are laid out for at load: "tpu",
+    "gpu" (an sm90 GPU: the kernels' wgmma) or None."""
+    if jax.default_backend() == "tpu":
+        return "tpu"
+    return "gpu" if devices.on_hopper() else None
+
+
+def kernel_layout(
+    platform: str, gate_up: jax.Array | QuantizedArray
+) -> Callable[[Weight, Weight], tuple[Weight, Weight]] | None:
+    """What lays the experts (gate_up, down) out for `platform`'s ("tpu" or "gpu") kernels, once, at load
+    (`layouts.for_tpu_experts`, `layouts.for_gpu_experts`): where those kernels take gate_up's shape [..., E, 2I,
+    H] and format; None where they do not (the reference takes the weights as they are)."""
+    two_i, hidden = gate_up.shape[-2:]
+    if platform == "tpu" and tpu.supports(two_i, hidden):
+        return for_tpu_experts
+    if platform == "gpu" and gpu.supports(two_i, hidden, _gpu_format(gate_up)):
+        return for_gpu_experts
+    return None
+
+
+def _gpu_format(weight: jax.Array | QuantizedArray) -> str:
+    """The GPU kernels' name for a weight's format (plain weights only in bf16)."""
+    if isinstance(weight, QuantizedArray):
+        return weight.format
+    return PLAIN if weight.dtype == jnp.bfloat16 else str(weight.dtype)
+
+
+__all__ = [
+    "BACKENDS",
+    "GpuWeight",
+    "TpuWeight",
+    "for_gpu",
+    "for_tpu",
+    "kernel_layout",
+    "kernel_platform",
+    "moe_experts",
+]

@@ -3,7 +3,7 @@ point the model calls. `backend` picks the implementation: "tpu" (Mosaic TPU), "
 (pure jnp), or "auto": the kernel of the platform the computation runs on (GPU: Hopper), the reference elsewhere
 (CPU, other GPUs) and for inputs a kernel does not take (on GPU fp32, head dims or blocks not multiples of 64:
 the tiny test models; on TPU rings without a block of whole sublane tiles): `IMPLEMENTATIONS`, a
-`backends.Backends`."""
+`backends.Backends`. `paged_keys` reads a page pool back in position order."""
 
 import functools
 from collections.abc import Callable
@@ -14,6 +14,7 @@ from pallas_kernels import devices
 from pallas_kernels.backends import Backends
 from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
 from pallas_kernels.ragged_paged_attention.blocks import kv_block
+from pallas_kernels.ragged_paged_attention.reference import paged_keys
 
 
 def _tpu_takes(q: jax.Array, k: jax.Array, page_table: jax.Array | None) -> bool:
@@ -85,4 +86,4 @@ def _computed(
     )  # fmt: skip
 
 
-__all__ = ["BACKENDS", "automatic", "implementation", "ragged_paged_attention"]
+__all__ = ["BACKENDS", "automatic", "implementation", "paged_keys", "ragged_paged_attention"]
