@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from bench.timing import kernels_ms
+from pallas_kernels import devices
 from pallas_kernels.moe import gpu_work as work
 from pallas_kernels.moe.gpu_decode import LANES, TABLE_ENTRIES
 from pallas_kernels.quantized import MXFP8, NVFP4
@@ -48,7 +49,7 @@ ITEMS, STREAM_K = 70, 4608  # `stream`: items per CTA (prefill's gate_up at 4096
 def _kernel(body, wgs: int, n: int, scratch: list, interpret: bool):
     """A kernel of one CTA per multiprocessor and `wgs` warpgroups; body(out_smem, *scratch) leaves each
     warpgroup's [64, n] fp32 products, stored as [n, 64] bf16 per (CTA, warpgroup)."""
-    ctas = 2 if interpret else work.multiprocessors()
+    ctas = 2 if interpret else devices.gpu().multiprocessors
 
     def kernel(out_gmem, o_smem, *refs):
         wg = lax.axis_index("wg")
@@ -125,7 +126,7 @@ def stream_kernel(fmt: str, tm: int, operands: str, interpret: bool):
     """The kernels' stage streaming alone: (weights [E, N, K / items], scales [E, K / block, N], x [R, K]) -> an
     unwritten output; CTA c's item i streams expert c's column tile (c + i) % 24 and activation rows (c + i) % 36
     (NVFP4's per-step copy of the tile's global scales, 768 bytes, left out)."""
-    ctas = 2 if interpret else work.multiprocessors()
+    ctas = 2 if interpret else devices.gpu().multiprocessors
     rows, kc = WGS * LANES, 128
     items, steps = (2, 3) if interpret else (ITEMS, STREAM_K // kc)
     item = jnp.dtype(DATA[fmt]).itemsize
@@ -162,7 +163,7 @@ def stream_kernel(fmt: str, tm: int, operands: str, interpret: bool):
 
 def stream_rate(fmt: str, tm: int, operands: str, interpret: bool) -> str:
     """`stream_kernel`'s bytes per second over all CTAs."""
-    experts = 2 if interpret else work.multiprocessors()
+    experts = 2 if interpret else devices.gpu().multiprocessors
     k = 3 * 128 if interpret else STREAM_K
     per_item = work.VALUES_PER_ITEM[fmt]
     keys = jax.random.split(jax.random.key(0), 3)
@@ -177,7 +178,7 @@ def stream_rate(fmt: str, tm: int, operands: str, interpret: bool) -> str:
     ms = sum(ms for _, ms in kernels_ms(kernel, w, s, x, repeats=5))
     weight_bytes = WGS * LANES * 128 * (w.dtype.itemsize / per_item + s.dtype.itemsize / work.BLOCK[fmt])
     step_bytes = {"weights": weight_bytes, "activations": tm * 256, "both": weight_bytes + tm * 256}[operands]
-    total = work.multiprocessors() * steps * step_bytes
+    total = devices.gpu().multiprocessors * steps * step_bytes
     return f"{total / ms / 1e9:.2f} TB/s ({ms * 1e3:.0f} us)"
 
 
@@ -187,7 +188,7 @@ def tflops(kernel, flops_per_cta: float, interpret: bool) -> float | None:
         jax.block_until_ready(kernel())
         return None
     ms = sum(ms for _, ms in kernels_ms(kernel, repeats=5))
-    return work.multiprocessors() * flops_per_cta / ms / 1e9
+    return devices.gpu().multiprocessors * flops_per_cta / ms / 1e9
 
 
 def _rate(tflop_s: float | None) -> str:

@@ -23,8 +23,7 @@ from inkling_jax.model.params import HeadProjections, Linear, normal, param
 from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
 from inkling_jax.sharding import MODEL
 from pallas_kernels.numerics import round_to
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from pallas_kernels.ragged_paged_attention.reference import paged_keys
+from pallas_kernels.ragged_paged_attention import paged_keys, ragged_paged_attention
 from pallas_kernels.relative_attention import relative_attention
 
 

@@ -15,12 +15,9 @@ from jax.sharding import PartitionSpec as P
 from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from inkling_jax.sharding import MODEL
-from pallas_kernels.moe import GpuWeight, TpuWeight, moe_experts
-from pallas_kernels.moe import gpu as moe_gpu
-from pallas_kernels.moe import tpu as moe_tpu
-from pallas_kernels.moe.layouts import PLAIN, for_gpu_experts, for_tpu_experts
+from pallas_kernels.moe import GpuWeight, TpuWeight, kernel_layout, moe_experts
+from pallas_kernels.moe import kernel_platform as kernel_platform  # what the engine lays the experts out for
 from pallas_kernels.numerics import round_to, total
-from pallas_kernels.platform import on_hopper
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 
@@ -132,13 +129,10 @@ class Experts(nnx.Module):
         gate_up, down = self.weights()
         if isinstance(gate_up, TpuWeight | GpuWeight):
             return
-        lead, (_, n, k) = gate_up.shape[:-3], gate_up.shape[-3:]
-        if platform == "tpu" and moe_tpu.supports(n, k):
-            lay_out = for_tpu_experts
-        elif platform == "gpu" and moe_gpu.supports(n, k, _format(gate_up)):
-            lay_out = for_gpu_experts
-        else:
+        lay_out = kernel_layout(platform, gate_up)
+        if lay_out is None:
             return
+        lead = gate_up.shape[:-3]
         if lead:
             rows = [lay_out(*(jax.tree.map(lambda a, r=r: a[r], w) for w in (gate_up, down))) for r in range(lead[0])]
             laid = [jax.tree.map(lambda *parts: jnp.stack(parts), *(row[i] for row in rows)) for i in range(2)]
@@ -146,13 +140,6 @@ class Experts(nnx.Module):
             laid = lay_out(gate_up, down)
         for name, weight in zip(("gate_up_proj", "down_proj"), laid, strict=True):
             setattr(self, name, LaidOutWeight(weight, EXPERT_AXES[name], len(lead)))
-
-
-def _format(weight: jax.Array | QuantizedArray) -> str:
-    """The GPU kernels' name for a weight's format (plain weights only in bf16)."""
-    if isinstance(weight, QuantizedArray):
-        return weight.format
-    return PLAIN if weight.dtype == jnp.bfloat16 else str(weight.dtype)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -211,13 +198,6 @@ def expert_parallel(run, mesh, x, gate_up, down, experts, weights, layer: jax.Ar
         axis_names={MODEL},
         check_vma=False,  # the all-gather's result is replicated; the type check cannot see it
     )(x, gate_up, down, experts, weights, *layers)
-
-
-def kernel_platform() -> str | None:
-    """The platform whose expert kernels this process runs: "tpu", "gpu" (sm90: the GPU kernels' wgmma) or None."""
-    if jax.default_backend() == "tpu":
-        return "tpu"
-    return "gpu" if on_hopper() else None
 
 
 def lay_out_experts(model: nnx.Module, platform: str) -> nnx.Module:

@@ -54,7 +54,7 @@ from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shar
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.step import Emitted, StepBatch, pack_spans, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
-from pallas_kernels.platform import import_kernel_runtimes
+from pallas_kernels import import_kernel_runtimes
 
 logger = logging.getLogger(__name__)
 

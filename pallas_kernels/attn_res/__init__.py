@@ -2,8 +2,9 @@
 the entry point. `backend` picks "tpu" (Mosaic TPU), "gpu" (Mosaic GPU, Hopper; in Mosaic GPU's interpreter on
 CPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the oracle) or "auto": the TPU kernel on TPU; on a
 Hopper GPU the Mosaic GPU kernel for the shapes it takes (on the H200 up to 3x faster than the XLA paths, equal
-at their best: bench/results/README.md); otherwise on GPU the XLA formulation for prefill-sized calls and the
-oracle for decode-sized ones; the oracle on CPU. Every backend takes the sources as a list or as one stacked
+at their best: bench/results/README.md); otherwise on GPU the XLA formulation for prefill-sized calls (from the device's
+`xla_mix_from_tokens`) and the oracle for decode-sized ones; the oracle on CPU (`IMPLEMENTATIONS`, a
+`backends.Backends`). Every backend takes the sources as a list or as one stacked
 buffer, and a count `valid` of real ones (a scan over the blocks carries it)."""
 
 import functools
@@ -15,12 +16,27 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import devices
 from pallas_kernels.attn_res import gpu, reference, tpu, xla
 from pallas_kernels.attn_res.reference import Sources
-from pallas_kernels.platform import hopper_takes
+from pallas_kernels.backends import Backends, hopper_takes
 
-BACKENDS = ("auto", "reference", "tpu", "gpu", "xla")
-XLA_FROM_TOKENS = 1024  # GPU: the XLA formulation from this many tokens (3x the oracle at 4096; slower at 64)
+
+def _gpu_takes(sources: Sources, partial: jax.Array, queries: jax.Array, norm_weights: jax.Array) -> bool:
+    """On Hopper, for the shapes and dtypes `gpu.check` takes."""
+    return hopper_takes(gpu.check, sources, partial, queries, norm_weights)
+
+
+def _xla_takes(sources: Sources, partial: jax.Array, queries: jax.Array, norm_weights: jax.Array) -> bool:
+    """Prefill-sized calls: XLA's formulation beats the oracle's from the device's `xla_mix_from_tokens`."""
+    return math.prod(partial.shape[:-1]) >= devices.gpu().xla_mix_from_tokens
+
+
+IMPLEMENTATIONS = Backends("attention-residual", "attn_res_norm", reference)
+IMPLEMENTATIONS.register("tpu", tpu, platform="tpu", takes=lambda *operands: True)
+IMPLEMENTATIONS.register("gpu", gpu, platform="gpu", takes=_gpu_takes)
+IMPLEMENTATIONS.register("xla", xla, platform="gpu", takes=_xla_takes)
+BACKENDS = IMPLEMENTATIONS.names
 
 
 def attn_res_norm(
@@ -37,18 +53,12 @@ def attn_res_norm(
     """`reference.attn_res_norm`'s contract ([Q, ..., H]: RMSNorm_q(mix_q) of sources[:valid] and the partial),
     computed by `backend`. sources: N arrays [..., H] or one stacked [N, ..., H]; valid: None (all N real) or an
     int32 scalar, possibly traced."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention-residual backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    IMPLEMENTATIONS.check(backend)
     if valid is not None:
         valid = jnp.asarray(valid, jnp.int32)
         if valid.shape:
             raise ValueError(f"valid must be a scalar count of sources, not of shape {valid.shape}")
-    if backend == "auto":
-        platform, tokens = jax.default_backend(), math.prod(partial.shape[:-1])
-        on_gpu = "xla" if tokens >= XLA_FROM_TOKENS else "reference"
-        if hopper_takes(gpu.check, sources, partial, queries, norm_weights):
-            on_gpu = "gpu"
-        backend = {"tpu": "tpu", "gpu": on_gpu}.get(platform, "reference")
+    backend = IMPLEMENTATIONS.choose(backend, sources, partial, queries, norm_weights)
     return _computed(sources, partial, queries, norm_weights, valid, eps=eps, out_dtype=out_dtype, backend=backend)
 
 
@@ -60,16 +70,15 @@ def _computed(
     """One backend's mix as its own jaxpr: every layer's call of one shape traces to the same jaxpr, which a
     program lowers once (lowering a Mosaic kernel takes about a second)."""
     options = {"eps": eps, "out_dtype": out_dtype}
+    implementation = IMPLEMENTATIONS.function(backend)
     if backend in ("reference", "xla"):
-        module = reference if backend == "reference" else xla
-        return module.attn_res_norm(sources, partial, queries, norm_weights, valid=valid, **options)
+        return implementation(sources, partial, queries, norm_weights, valid=valid, **options)
     if backend == "gpu":
         options["interpret"] = jax.default_backend() == "cpu"
-    module = tpu if backend == "tpu" else gpu
 
     def kernel(*operands) -> jax.Array:  # per_device passes operands by position; the kernels take valid by name
         *arrays, count = operands
-        return module.attn_res_norm(*arrays, valid=count, **options)
+        return implementation(*arrays, valid=count, **options)
 
     return per_device(kernel, sources, partial, queries, norm_weights, valid)
 

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import devices
 from pallas_kernels.attn_res.reference import SOURCE_EPS, Sources, mask_sources, source_specs
 
 V = 2  # contiguous values per thread in a row's chunk
@@ -50,7 +51,6 @@ ROWS = plgpu.Layout.TILED(
 COLUMNS = ROWS.reduce(0)  # [CHUNK]: one row of ROWS
 PER_ROW = ROWS.reduce(1)  # [R]: one value per row, in every thread
 WARPGROUPS = 2  # per CTA, each over H / 2 columns of the token
-SMEM_BYTES = 232448  # per-block shared memory on sm90
 REDUCTION_ROWS = 16  # rows summed over the columns per cross-warp round (512 bytes of SMEM scratch each)
 
 
@@ -183,10 +183,11 @@ def check(sources: Sources, partial: jax.Array, queries: jax.Array, norm_weights
     count, num_queries = len(sources) + 1, queries.shape[0]
     exchanges = 4 * WARPGROUPS * ((1 + num_queries) * count + max(2, num_queries)) + 8 * 3 * WARPGROUPS  # + barriers
     smem = hidden * sum(x.dtype.itemsize for x in (*sources, partial))
-    if smem + REDUCTION_ROWS * 512 + exchanges > SMEM_BYTES:
+    limit = devices.gpu().smem_bytes
+    if smem + REDUCTION_ROWS * 512 + exchanges > limit:
         raise ValueError(
             f"the GPU attention-residual kernel holds a token's {len(sources)} sources and partial in SMEM:"
-            f" {smem} bytes at H = {hidden} exceed {SMEM_BYTES}"
+            f" {smem} bytes at H = {hidden} exceed {limit}"
         )
 
 

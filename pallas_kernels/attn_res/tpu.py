@@ -22,15 +22,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import devices
 from pallas_kernels.attn_res.reference import SOURCE_EPS, Sources, mask_sources, source_specs
 
-VMEM_BUDGET = 24 << 20  # bytes of VMEM a step may use (v7x: 64 MiB per core)
+
+def _step_vmem() -> int:
+    """Bytes of VMEM a grid step's buffers may use: 3/8 of a core's (the compiler may use twice that)."""
+    return devices.tpu().vmem_bytes * 3 // 8
 
 
 def _tokens_per_step(tokens: int, hidden: int, sources: int, queries: int, itemsize: int) -> int:
-    """Rows per grid step: a multiple of 8 (the sublane tile) whose buffers fit VMEM_BUDGET, at most 256."""
+    """Rows per grid step: a multiple of 8 (the sublane tile) whose buffers fit `_step_vmem`, at most 256."""
     per_token = hidden * (2 * sources * itemsize + sources * 4 + 2 * queries * itemsize + 4 * queries)
-    fits = max(8, min(256, VMEM_BUDGET // per_token) // 8 * 8)
+    fits = max(8, min(256, _step_vmem() // per_token) // 8 * 8)
     return min(fits, -(-tokens // 8) * 8)
 
 
@@ -112,6 +116,6 @@ def attn_res_norm(
             out_specs=pl.BlockSpec((num_queries, tile, hidden), lambda i, *_: (0, i, 0)),
         ),
         out_shape=jax.ShapeDtypeStruct((num_queries, tokens, hidden), out_dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=2 * VMEM_BUDGET),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=2 * _step_vmem()),
     )(*prefetch, *operands, partial, queries, norm_weights)
     return out.reshape(num_queries, *lead, hidden)

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import devices
 from pallas_kernels.moe import gpu_work as work
 from pallas_kernels.moe.gpu_decode import LANES, TABLE_ENTRIES
 from pallas_kernels.moe.gpu_work import SHARED_TM
@@ -72,9 +73,6 @@ ask_ptxas_once()
 OWN_TMS = (64, 80, 96, 112)  # prefill: the widths (rows) of the windows of an expert's own, each window the narrowest
 # that holds its copies (at 4096 tokens the groups average 85 copies: one width of 96, two windows for groups past
 # it, multiplied 41K rows; these, 36K); 112 the widest where the quantized formats keep rings of 3 SMEM stages
-OWN_TILES_FROM = 16  # copies per expert (on average) from which the groups get windows of their own (MXFP8 on the
-# H200, all kernels of the call, shared against own: 3.88 / 4.02 ms at 640 tokens, 13.3 per expert; 4.15 / 4.03 at
-# 768, 16; 4.73 / 4.09 at 1024; bench/results/moe_threshold_h200.txt)
 
 
 @jax.tree_util.register_dataclass
@@ -122,14 +120,14 @@ def shared_rows(copies: int, num_experts: int) -> int:
 
 
 def tile_copies(routing: Routing, distinct_ids: bool = False) -> Tiles:
-    """The kernels' rows for the copies `routing` sorted (shared tiles below OWN_TILES_FROM copies expected per
-    expert, own windows from there; shared tiles sized by all the copies, foreign ones included: sized for the
-    expected ones under expert parallelism they made more visits, 137 against 96 at 1024 tokens on one shard of
-    four). `distinct_ids`: no token names an expert twice, so a group holds at most one copy of each token."""
+    """The kernels' rows for the copies `routing` sorted (shared tiles below the device's `own_windows_from` copies
+    expected per expert, own windows from there; shared tiles sized by all the copies, foreign ones included: sized
+    for the expected ones under expert parallelism they made more visits, 137 against 96 at 1024 tokens on one
+    shard of four). `distinct_ids`: no token names an expert twice, so a group holds at most one copy of each token."""
     group_sizes, copies = routing.group_sizes, routing.order.shape[0]
     num_experts = group_sizes.shape[0]
     offsets = group_offsets(routing)
-    if routing.expected < OWN_TILES_FROM * num_experts:
+    if routing.expected < devices.gpu().own_windows_from * num_experts:
         tm = shared_rows(copies, num_experts)
         tiles = -(-copies // tm)
         expert, tile, real = visits(offsets, tm, tiles + min(num_experts, copies) - 1)
@@ -217,7 +215,7 @@ def _grouped(
     n_tiles = n // cta_rows  # work items per visit: its column tiles
     weight_operands = {PLAIN: 0, MXFP8: 1, NVFP4: 2}[fmt]  # the weight's scales, global scales
     visit_bound = tiles.expert.shape[0]
-    ctas = min(work.multiprocessors(), n_tiles * visit_bound)
+    ctas = min(devices.gpu().multiprocessors, n_tiles * visit_bound)
 
     whole = tiles.writes_from is None  # every visit writes all its rows
     strided = tiles.first_row is None  # visit v's rows start at v * width

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import block_formats
+from pallas_kernels import block_formats, devices
 from pallas_kernels.moe.gpu_decode import (
     LANES,
     across,
@@ -27,17 +27,9 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 COMPUTE_WGS = (3, 2)  # compute warpgroups per CTA, the most that divide N's tiles of 64 rows (3: 8% faster than 2 at
 # 8 tokens on the H200, more warps hiding the decode's latencies; a CTA of 4 compute warpgroups hung there)
 SHARED_TM = (8, 32)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group,
-# below gpu.OWN_TILES_FROM copies per expert)
-SMS = 132  # H200 multiprocessors (the interpreter's CTAs)
-SMEM_BYTES = 232448  # per-block shared memory on sm90
+# below the device's `own_windows_from` copies per expert)
 BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (quantized: 32 bytes a row)
 VALUES_PER_ITEM = {PLAIN: 1, MXFP8: 4, NVFP4: 8}  # K values per item of GpuWeight.data (bf16, or uint32 words)
-
-
-def multiprocessors() -> int:
-    """The GPU's multiprocessors (SMS off the GPU: the interpreter's)."""
-    device = jax.devices()[0]
-    return device.core_count if device.platform == "gpu" else SMS
 
 
 def item_rows(n: int) -> int:
@@ -63,21 +55,21 @@ def ring(w: GpuWeight, tm: int, kc: int, staging: int) -> tuple[int, int, int]:
     activations' [tm, step]. Raises ValueError where not even one stage of 128 fits."""
     fmt = w.format
     _, n, k = w.shape
-    cta_rows = item_rows(n)
+    cta_rows, smem_bytes = item_rows(n), devices.gpu().smem_bytes
     for step in dict.fromkeys((kc, 128)):
         steps = k // step
         scale_bytes = 0 if fmt == PLAIN else step // BLOCK[fmt] * cta_rows * w.scales.dtype.itemsize
         scale_bytes += cta_rows * 4 if fmt == NVFP4 else 0  # the global scales, fp32
         weight_bytes = cta_rows * step // VALUES_PER_ITEM[fmt] * w.data.dtype.itemsize
         stage_bytes = weight_bytes + tm * step * 2 + scale_bytes
-        fits = min(4, (SMEM_BYTES - staging - 1024) // stage_bytes)
+        fits = min(4, (smem_bytes - staging - 1024) // stage_bytes)
         stages = max((d for d in range(1, fits + 1) if steps % d == 0), default=0)
         if stages > 1:
             break
     if not stages:
         raise ValueError(
             f"the GPU expert kernel's pipeline stage ({stage_bytes} bytes: {cta_rows} weight rows, {tm} activation"
-            f" rows, K step {step}) does not fit the {SMEM_BYTES}-byte SMEM beside {staging} other bytes"
+            f" rows, K step {step}) does not fit the {smem_bytes}-byte SMEM beside {staging} other bytes"
         )
     return step, steps, stages
 

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import block_formats
+from pallas_kernels import block_formats, devices
 from pallas_kernels.moe.layouts import (
     NVFP4_E4M3_SCALE,
     PLAIN,
@@ -46,7 +46,6 @@ LANES = 128
 MAX_COPIES = 1 << 17  # token copies per call: gate_up holds each one's token in SMEM (4 bytes: 512 KiB of it)
 LANE_OPTIONS = (768, 512, 384, 256, 128)  # output columns per step, the widest that divides N and fits
 WEIGHT_BUFFER = 8 << 20  # bytes of one weight operand's block, double-buffered
-VMEM_LIMIT = 48 << 20  # v7x: 64 MiB per core
 
 
 @jax.tree_util.register_dataclass
@@ -312,7 +311,7 @@ def _grouped(
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((plan.rows, n), dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
+            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=devices.tpu().vmem_bytes * 3 // 4
         ),  # either may be the visits' dynamic count, which a "parallel" one cannot be (nor would one split the work
         # on a v7x: JAX sees its two TensorCores as devices of their own, no megacore); gate_up's steps carry rows
         interpret=False if interpret is None else interpret,

@@ -2,41 +2,46 @@
 point the model calls. `backend` picks the implementation: "tpu" (Mosaic TPU), "gpu" (Mosaic GPU), "reference"
 (pure jnp), or "auto": the kernel of the platform the computation runs on (GPU: Hopper), the reference elsewhere
 (CPU, other GPUs) and for inputs a kernel does not take (on GPU fp32, head dims or blocks not multiples of 64:
-the tiny test models; on TPU rings without a block of whole sublane tiles)."""
+the tiny test models; on TPU rings without a block of whole sublane tiles): `IMPLEMENTATIONS`, a
+`backends.Backends`. `paged_keys` reads a page pool back in position order."""
 
 import functools
-import importlib
 from collections.abc import Callable
 
 import jax
 
-from pallas_kernels.platform import on_hopper
-from pallas_kernels.ragged_paged_attention import reference, tpu
+from pallas_kernels import devices
+from pallas_kernels.backends import Backends
+from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
 from pallas_kernels.ragged_paged_attention.blocks import kv_block
+from pallas_kernels.ragged_paged_attention.reference import paged_keys
 
-BACKENDS = ("auto", "reference", "tpu", "gpu")
+
+def _tpu_takes(q: jax.Array, k: jax.Array, page_table: jax.Array | None) -> bool:
+    """Mosaic TPU tiles the KV blocks in their dtype."""
+    return tpu.supports(k.dtype, kv_block(k, page_table))
+
+
+def _gpu_takes(q: jax.Array, k: jax.Array, page_table: jax.Array | None) -> bool:
+    """On Hopper, for the activations' dtype, head dim and KV blocks."""
+    return devices.on_hopper() and gpu.supports(q.dtype, q.shape[-1], kv_block(k, page_table))
+
+
+IMPLEMENTATIONS = Backends("attention", "ragged_paged_attention", reference)
+IMPLEMENTATIONS.register("tpu", tpu, platform="tpu", takes=_tpu_takes)
+IMPLEMENTATIONS.register("gpu", gpu, platform="gpu", takes=_gpu_takes)
+BACKENDS = IMPLEMENTATIONS.names
 
 
 def automatic(q: jax.Array, k: jax.Array, page_table: jax.Array | None) -> str:
     """The backend "auto" means for these inputs on this platform: its kernel where the kernel takes their
     dtype and tiling, else the reference."""
-    platform, block = jax.default_backend(), kv_block(k, page_table)
-    if platform == "tpu":
-        return "tpu" if tpu.supports(k.dtype, block) else "reference"
-    if platform == "gpu" and on_hopper():
-        from pallas_kernels.ragged_paged_attention import gpu  # Mosaic GPU is imported only where it runs
-
-        return "gpu" if gpu.supports(q.dtype, q.shape[-1], block) else "reference"
-    return "reference"
+    return IMPLEMENTATIONS.choose("auto", q, k, page_table)
 
 
 def implementation(backend: str) -> Callable[..., jax.Array]:
     """The function behind a backend other than "auto", all with the reference's signature."""
-    if backend not in BACKENDS[1:]:
-        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend == "reference":
-        return reference.ragged_paged_attention
-    return importlib.import_module(f"pallas_kernels.ragged_paged_attention.{backend}").ragged_paged_attention
+    return IMPLEMENTATIONS.function(backend)
 
 
 def ragged_paged_attention(
@@ -60,7 +65,7 @@ def ragged_paged_attention(
     invariant (the GPU kernel's): a position's row gets the same bits whatever the step's width (decode, verify,
     prefill chunk) and neighbours; False lets prefill chunks take the GPU kernel's faster tiles, which sum a row's
     keys in another order."""
-    chosen = automatic(q, k, page_table) if backend == "auto" else backend
+    chosen = IMPLEMENTATIONS.choose(backend, q, k, page_table)
     ring_rows = reference.sequence_rings(ring_rows, q.shape[0])
     return _computed(
         q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table, ring_rows, scale=scale, window=window,
@@ -81,4 +86,4 @@ def _computed(
     )  # fmt: skip
 
 
-__all__ = ["BACKENDS", "automatic", "implementation", "ragged_paged_attention"]
+__all__ = ["BACKENDS", "automatic", "implementation", "paged_keys", "ragged_paged_attention"]

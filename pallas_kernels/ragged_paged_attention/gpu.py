@@ -36,8 +36,8 @@ of rel_proj (TMA'd per step, one step ahead). Qw goes to an untiled SMEM buffer 
 back through a view of pitch W - 1, which shifts row r by r: bias[r, t] = Qw[r, t - r + 63]. That kernel lowers
 with Mosaic GPU's lane-level semantics: the warpgroup-level layout inference fails on the reshaped view.
 
-Decoding has few (sequence, head) pairs, too few CTAs for 132 SMs: the KV blocks are then split over
-several CTAs (flash-decoding). Every CTA's partial softmax writes its normalised output, running max and sum,
+Decoding has few (sequence, head) pairs, too few CTAs for the SMs (`devices.gpu`): the KV blocks are then split
+over several CTAs (flash-decoding). Every CTA's partial softmax writes its normalised output, running max and sum,
 and plain jnp combines them, partial after partial; only the first counts the sink. Batch invariance (the
 default): every step, verify passes and prefill chunks too, runs as decode tiles of at most 64 rows with
 decode's splits, and a tile whose rows sit at several positions runs as two reach groups, the queries before the
@@ -59,6 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import devices
 from pallas_kernels.numerics import round_to
 from pallas_kernels.ragged_paged_attention.blocks import (
     Plan,
@@ -72,9 +73,7 @@ from pallas_kernels.ragged_paged_attention.blocks import (
 )
 
 LANES = 64  # rows per compute warpgroup: the wgmma M tile
-SMS = 132  # H200 multiprocessors
 DECODE_SEQUENCES = 8  # sequences of the calls decode splits are sized for (an engine's smallest decode step)
-SMEM_BYTES = 232448  # per-block shared memory limit on sm90
 LOG2E = math.log2(math.e)
 TRANSFORMS_16BIT = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 ALIGN = 8  # rows per SMEM tile of the profile window: its TMA starts on a multiple of this
@@ -199,14 +198,15 @@ def _config(
     """
     kv_parallel = rows <= LANES or invariant
     if splits is None:
+        sms = devices.gpu().multiprocessors
         sequences = DECODE_SEQUENCES if kv_parallel else slots
         ctas = sequences * kv_heads * (1 if kv_parallel else -(-rows // (2 * LANES)))
-        if ctas < SMS:
-            splits = max(1, min(SMS // ctas, steps // 4))
+        if ctas < sms:
+            splits = max(1, min(sms // ctas, steps // 4))
         else:
 
             def filled(n: int) -> float:  # the busy share of the SMs over the waves of ctas * n CTAs
-                return ctas * n / (-(-ctas * n // SMS) * SMS)
+                return ctas * n / (-(-ctas * n // sms) * sms)
 
             options = range(1, max(1, min(4, steps // 4)) + 1)
             splits = next((n for n in options if filled(n) >= 0.9), max(options, key=filled))
@@ -218,7 +218,7 @@ def _stages(tile: int, keys: int, dim: int, itemsize: int, *, extra: int = 0) ->
     even number up to four, 0 when two do not fit. tile: rows of bias per stage (0: built in the kernel)."""
     fixed = 2 * LANES * dim * itemsize + 3 * 1024 + extra  # q or output tiles; sinks, max and sum; barriers
     stage = (2 * keys * dim + tile * keys) * itemsize
-    stages = min(4, (SMEM_BYTES - fixed) // stage) // 2 * 2
+    stages = min(4, (devices.gpu().smem_bytes - fixed) // stage) // 2 * 2
     return stages if stages >= 2 else 0
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax import export
 
+from pallas_kernels import devices
 from pallas_kernels.moe import gpu, gpu_work, moe_experts, reference
 from pallas_kernels.moe.layouts import (
     PLAIN,
@@ -211,7 +212,7 @@ def test_own_windows_take_the_widths_their_groups_can_need():
 def test_windows_that_each_hold_a_group_bound_the_visits_by_the_experts(monkeypatch):
     """68 tokens' copies among 16 experts (the proxy's batch-64 decode): every group fits one window, so the plan's
     visits are bounded by the experts, and gate_up's K (4608) streams in steps of 128."""
-    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 132)
+    monkeypatch.setattr(devices, "gpu", lambda: devices.H200)
     ids = np.argsort(np.random.default_rng(68).random((68, 16)), axis=1)[:, :8]
     tiles = gpu.tile_copies(route(jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape), 16), distinct_ids=True)
     assert tiles.widths == (64, 80) and tiles.expert.shape[0] == 16
@@ -343,7 +344,7 @@ def test_own_windows_of_every_width_match_oracle(fmt, monkeypatch):
     """Prefill groups of 60, 75, 90, 105 and 130 copies: windows multiplied at each of the widths (64, 80, 96, 112;
     130 as two windows of 72 and 58 rows), each writing back its own rows, on 5 CTAs that each run the pipelines of
     several widths in turn: the oracle's result."""
-    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 5)
+    monkeypatch.setattr(devices, "gpu", lambda: dataclasses.replace(devices.H200, multiprocessors=5))
     sizes = (60, 75, 90, 105, 130)
     ids = np.random.default_rng(5).permutation(np.repeat(np.arange(len(sizes)), sizes)).reshape(-1, 1)
     x, gate_up, down, _, weights = routed_case(11, ids.shape[0], 1, fmt, experts=len(sizes))
@@ -363,7 +364,7 @@ def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
     """Three CTAs, each walking many work items through one pipeline (START, STEADY ..., STOP; gate_up's K in
     three steps of 256 at decode, six of 128 in own windows: rings of 3): the oracle's result (at 132 CTAs the
     interpreter's cases give most CTAs one item)."""
-    monkeypatch.setattr(gpu_work, "multiprocessors", lambda: 3)
+    monkeypatch.setattr(devices, "gpu", lambda: dataclasses.replace(devices.H200, multiprocessors=3))
     x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, hidden=768 if CPU else HIDDEN)
     want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))

@@ -18,7 +18,7 @@ from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Code, Rejected, Request
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.sharding import make_mesh
-from pallas_kernels.platform import on_hopper
+from pallas_kernels.devices import on_hopper
 
 FIXTURE = TINY_TEXT / "hf"
 CHUNK = 8
