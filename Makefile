@@ -1,9 +1,10 @@
-# Two entry points: `make run` (the main job on the embedded synthetic checkpoint) and `make test`.
+# Two entry points: `make run` (the main job on the embedded synthetic checkpoint) and `make test` (`make test-fast`:
+# the same without the slow tests).
 VENV := .venv
 PY := $(VENV)/bin/python
 CHECKPOINT := out/tiny-checkpoint
 
-.PHONY: setup run test lint fixtures proto
+.PHONY: setup run test test-fast lint fixtures proto
 
 $(VENV)/.installed: pyproject.toml
 	PYENV_VERSION=3.12.1 python3.12 -m venv $(VENV)
@@ -31,6 +32,10 @@ lint: setup
 # fails there, its stacks printed, and the tests that worker had yet to run are not reported.
 test: lint
 	$(PY) -m pytest -n 2 --dist loadfile --max-worker-restart 0
+
+# The edit loop: every area's tests but those marked slow (pyproject.toml), in under 3 minutes on two cores.
+test-fast: lint
+	$(PY) -m pytest -n 2 --dist loadfile --max-worker-restart 0 -m "not slow"
 
 # Regenerate the transformers parity fixtures (Python 3.11 + torch CPU + transformers 5.23.0).
 fixtures:

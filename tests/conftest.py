@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
+from xla_flags import DEVICES, UNOPTIMIZED
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-FLAGS = " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + FLAGS).strip()
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICES, UNOPTIMIZED]).strip()
 
-import jax  # noqa: E402  (after XLA_FLAGS, which the backend reads once)
+import jax
 
 CACHE = tempfile.mkdtemp(prefix="inkling-jax-tests-")
 atexit.register(shutil.rmtree, CACHE, ignore_errors=True)

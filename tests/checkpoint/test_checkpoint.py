@@ -112,6 +112,7 @@ def test_checkpoint_must_be_a_directory(tiny_checkpoint):
         load_causal_lm(tiny_checkpoint / "model.safetensors", jnp.float32)
 
 
+@pytest.mark.slow
 def test_key_clip_tensors_are_ignored_like_transformers(tiny_checkpoint, tmp_path):
     edited = edited_copy(
         tiny_checkpoint, tmp_path, lambda t: {**t, "model.layers.0.self_attn.k_l2_clip.scale": np.ones(4)}
@@ -150,6 +151,7 @@ def test_bfloat16_load_keeps_fp32_parameters(tiny_checkpoint):
         assert params[fp32].dtype == jnp.float32, fp32
 
 
+@pytest.mark.slow
 def test_multimodal_transformers_layout_sharded_skips_vision(tiny_checkpoint, tmp_path):
     files = CheckpointFiles(tiny_checkpoint)
     tensors = {name.replace("model.", "model.language_model.", 1): np.array(files.read(name)) for name in files}

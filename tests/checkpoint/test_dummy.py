@@ -36,6 +36,7 @@ def placement(model: nnx.Module) -> dict:
     return {jax.tree_util.keystr(path): (leaf.shape, leaf.dtype, leaf.sharding) for path, leaf in leaves}
 
 
+@pytest.mark.slow
 def test_dummy_model_is_laid_out_as_the_checkpoint_would_load(tmp_path):
     """A synthetic checkpoint with mixed NVFP4 / MXFP8 experts and a draft, loaded at tp4, against a dummy model
     of its config.json at tp4: the same parameters, shapes, dtypes (the quantized experts as data + scales) and
@@ -53,6 +54,7 @@ def test_dummy_model_is_laid_out_as_the_checkpoint_would_load(tmp_path):
     assert embedding.std() > 0 and not np.array_equal(embedding, np.asarray(loaded.model.embed_tokens.weight[...]))
 
 
+@pytest.mark.slow
 def test_a_random_model_is_the_abstract_model_with_values_as_its_initialisers_draw_them():
     """The tiny config with NVFP4, MXFP8 and plain experts at the places of its blocks (one segment of two),
     built at tp4: every parameter has the abstract model's shape and dtype and the shards the rules give it;
@@ -163,6 +165,7 @@ def run_generate(tmp_path: Path, lines: list[dict], *options: str) -> tuple[int,
     return code, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 
+@pytest.mark.slow
 def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
     """The tiny config with mixed experts and its draft, as a config file: generation through the scheduler at
     tp1 and tp4 gives the same tokens (the random weights do not depend on the shards), speculating or not."""

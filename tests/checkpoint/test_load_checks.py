@@ -93,6 +93,7 @@ def _checkpoint(which: str, bf16_mixed: Path) -> Path:
     return {"plain": PLAIN, "mixed": MIXED, "mxfp8": MXFP8, "bf16 mixed": bf16_mixed}[which]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("which", "kind", "dtype"),
     [
@@ -130,6 +131,7 @@ def test_every_offending_tensor_is_named_with_its_count(rng, tmp_path):
     assert _findings(error.value) == expected, f"seed {seed}: {error.value}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["tp4", "dp2tp4"])
 def test_sharded_loads_are_checked_across_their_shards(spec, rng, tmp_path):
     seed, generator = rng
@@ -140,6 +142,7 @@ def test_sharded_loads_are_checked_across_their_shards(spec, rng, tmp_path):
     assert _findings(error.value) == {name: count}, f"seed {seed}: {error.value}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["plain", "mixed", "mxfp8", "bf16 mixed"])
 def test_clean_checkpoints_load(which, bf16_mixed):
     load_causal_lm(_checkpoint(which, bf16_mixed), jnp.bfloat16)
@@ -172,6 +175,7 @@ def test_float_specials_are_judged_right(dtype, rng):
     assert _findings(error.value) == {"nan": 1, "inf": 1, "-inf": 1}, f"seed {seed}"
 
 
+@pytest.mark.slow
 def test_two_processes_both_refuse_a_value_only_one_of_them_holds(rng, tmp_path):
     """tp4 over two processes of two devices: the second holds experts 4-7 of the MXFP8 fixture's 8. A NaN in one
     of them is found there and named by both processes (their flags and counts are gathered), which exit 2."""

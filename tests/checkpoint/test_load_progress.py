@@ -60,6 +60,7 @@ def _steps(done: list[int]) -> list[int]:
     return [after - before for before, after in zip([0, *done[:-1]], done, strict=True)]
 
 
+@pytest.mark.slow
 def test_lines_add_up_to_the_checkpoint(checkpoint, logs, monkeypatch):
     monkeypatch.setattr(progress, "INTERVAL_S", 0.0)  # a line for every parameter placed
     tensors, nbytes = _headers(checkpoint)

@@ -47,6 +47,7 @@ def _bits(model: nnx.Module) -> dict[str, bytes]:
     return {path: np.asarray(v[...]).tobytes() for path, v in parameter_paths(nnx.state(model)).items()}
 
 
+@pytest.mark.slow
 def test_plain_experts_round_trip(tmp_path):
     _, model = load_causal_lm(PLAIN, jnp.float32)
     saved = orbax_io.save(model, PLAIN / "config.json", tmp_path / "plain")
@@ -54,6 +55,7 @@ def test_plain_experts_round_trip(tmp_path):
     assert _bits(load_model(saved, jnp.float32)[1]) == _bits(model)
 
 
+@pytest.mark.slow
 def test_restore_reports_progress_group_by_group(mixed, saved, logs, monkeypatch):
     monkeypatch.setattr(orbax_io, "RESTORE_GROUP_BYTES", 0)
     monkeypatch.setattr(orbax_io, "RESTORE_GROUPS", 7)
@@ -76,6 +78,7 @@ def test_save_reports_the_parameters_bytes(mixed, logs, tmp_path):
     assert f"({parameter_bytes(mixed):,} bytes)" in last[0].getMessage()
 
 
+@pytest.mark.slow
 def test_restore_refuses_non_finite_values_naming_the_stacked_row(mixed, tmp_path):
     """One random value of a random parameter (float, E4M3 or E8M0 codes) made non-finite before saving."""
     seed = np.random.SeedSequence().entropy
@@ -149,6 +152,7 @@ def _convert(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "message"),
     [
@@ -175,6 +179,7 @@ def test_the_command_names_a_bad_directory_in_one_line(tmp_path, how, message):
     assert len(errors) == 1 and re.search(message, errors[0]), result.stderr
 
 
+@pytest.mark.slow
 def test_the_command_converts_with_progress(tmp_path):
     result = _convert(PLAIN, tmp_path / "converted")
     assert result.returncode == 0, result.stderr

@@ -61,6 +61,7 @@ def test_mixed_checkpoint_is_original_layout_sharded_with_modelopt_sidecars(mixe
     assert config["quantized_layers"]["model.llm.layers.2.mlp.experts"] == {"quant_algo": "MXFP8"}
 
 
+@pytest.mark.slow
 def test_experts_stay_quantized_and_decode_to_the_generated_weights(mixed):
     _, model = load_causal_lm(mixed, jnp.float32)
     for layer, format in enumerate([NVFP4, NVFP4, MXFP8]):
@@ -88,6 +89,7 @@ def test_device_bytes_match_the_checkpoint(mixed):
     assert quantized < 0.6 * plain_experts
 
 
+@pytest.mark.slow
 def test_score_cli_runs_on_a_quantized_checkpoint(mixed, tmp_path):
     (tmp_path / "ids.json").write_text(json.dumps(np.asarray(IDS[0]).tolist()))
     command = [sys.executable, "-m", "inkling_jax.score", "--checkpoint", str(mixed), "--input",
@@ -162,6 +164,7 @@ def test_truncated_shard_is_named(mixed, tmp_path):
         load_causal_lm(out, jnp.float32)
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_keeps_experts_quantized(mixed, tmp_path):
     from inkling_jax.checkpoint import load_model
     from inkling_jax.checkpoint.orbax_io import save

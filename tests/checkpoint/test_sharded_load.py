@@ -67,6 +67,7 @@ def assert_placed_like(got: nnx.Module, want: nnx.Module, mesh) -> None:
             assert _bits(shard.data) == _bits(expected.data), (path, shard.device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", MESHES)
 @pytest.mark.parametrize("name", ["plain_transformers", "plain_original", "mixed_original", "mixed_transformers"])
 def test_sharded_load_equals_unsharded_load_then_shard_model(checkpoints, unsharded, name, spec):
@@ -138,6 +139,7 @@ def _zero_global_scale(t):
     return t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -152,6 +154,7 @@ def test_scale_checks_run_on_every_shard(tmp_path, edit, message):
         load_causal_lm(checkpoint, jnp.bfloat16, _mesh(checkpoint, "tp4"))
 
 
+@pytest.mark.slow
 def test_one_global_scale_for_all_experts_reaches_every_shard(tmp_path):
     checkpoint = edited_copy(MIXED, tmp_path, lambda t: {**t, NV_GLOBAL: t[NV_GLOBAL][:1].copy()})
     mesh = _mesh(checkpoint, "tp4")
@@ -161,6 +164,7 @@ def test_one_global_scale_for_all_experts_reaches_every_shard(tmp_path):
     assert np.unique(np.asarray(shared)).size == 1
 
 
+@pytest.mark.slow
 def test_orbax_restores_straight_into_shards(checkpoints, unsharded, tmp_path):
     """Save a tp4-sharded model, restore it onto dp2tp4 through `load_model`: same bits, the rules' shardings."""
     checkpoint = checkpoints["mixed_transformers"]

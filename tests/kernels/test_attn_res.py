@@ -90,6 +90,7 @@ def leading(mix_list, x: dict) -> list[np.ndarray]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("count", "queries"), [(0, 1), (3, 3), (8, 1)])
 def test_reference_matches_the_definition(count, queries):
     x = case(count, count, queries, (2, 5, 64), jnp.float32)
@@ -103,6 +104,7 @@ def interpreted(**inputs) -> jax.Array:
     return race_checked(lambda _: tpu.attn_res_norm(**inputs, eps=EPS, out_dtype=jnp.bfloat16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("count", "queries", "shape", "partial_dtype"),
     [(0, 1, (3, 256), jnp.bfloat16), (3, 3, (2, 13, 256), jnp.float32), (8, 1, (37, 256), jnp.float32)],
@@ -115,6 +117,7 @@ def test_tpu_kernel_matches_the_reference(count, queries, shape, partial_dtype):
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)  # fp32 sums in another order: 1 bf16 ulp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("valid", "stacked"), [(0, True), (3, True), (5, True), (2, False)])
 def test_tpu_kernel_takes_a_count_of_real_sources(valid, stacked):
     """5 sources with NaN and inf past the count, stacked or listed, 3 queries, a partial tile: in interpret mode
@@ -130,6 +133,7 @@ def test_tpu_kernel_takes_a_count_of_real_sources(valid, stacked):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
 
 
+@pytest.mark.slow
 def test_tpu_kernel_in_a_scan():
     """The kernel carried by the decoder's kind of scan (traced count, buffer filled block by block), in interpret
     mode with race detection: each step the oracle on the blocks closed so far."""
@@ -145,6 +149,7 @@ def test_tpu_kernel_in_a_scan():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("count", "queries"), [(0, 1), (3, 3), (8, 1)])
 def test_xla_formulation_matches_the_reference(count, queries):
     x = case(20 + count, count, queries, (2, 7, 256), jnp.float32)
@@ -155,6 +160,7 @@ def test_xla_formulation_matches_the_reference(count, queries):
     assert rounded.dtype == jnp.bfloat16 and rounded.shape == (queries, 2, 7, 256)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", [reference, xla])
 @pytest.mark.parametrize("valid", [0, 2, 5])
 def test_a_count_of_real_sources_takes_the_leading_ones(module, valid):
@@ -171,6 +177,7 @@ def test_a_count_of_real_sources_takes_the_leading_ones(module, valid):
     np.testing.assert_allclose(unmasked, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "xla"])
 def test_a_traced_count_in_jit_and_in_a_scan(backend):
     """The count traced: one jit for every count, and carried by a scan that fills the buffer block by block."""
@@ -233,6 +240,7 @@ def for_v7x(fn, *args) -> str:
         return export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
 
 
+@pytest.mark.slow
 def test_entry_point_picks_a_backend():
     x = case(3, 2, 1, (4, 64), jnp.float32)
     want = reference.attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16)
@@ -241,6 +249,7 @@ def test_entry_point_picks_a_backend():
         attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16, backend="triton")
 
 
+@pytest.mark.slow
 def test_the_model_through_the_tpu_kernel(monkeypatch):
     """The tiny parity model's whole-sequence forward with every mix + norm (both per layer and the final one)
     running the TPU kernel in interpret mode: the same log-probabilities as through the oracle."""
@@ -274,6 +283,7 @@ def test_the_model_through_the_tpu_kernel(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_per_device_on_the_engines_mesh():
     """On the engine's kind of mesh (data x model, automatic axes) with the tokens split over `data`, a kernel
     wrapped by `per_device` sees whole operands on every device and returns the replicated whole."""
@@ -301,6 +311,7 @@ def test_per_device_on_the_engines_mesh():
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_entry_point_with_a_count_on_the_engines_mesh(monkeypatch):
     """The entry point's kernel path on the engine's kind of mesh (data x model, automatic axes): `per_device` gives
     every device's kernel the whole stacked buffer and the traced count (the TPU kernel stood in for by the oracle:

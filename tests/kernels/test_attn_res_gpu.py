@@ -31,6 +31,7 @@ def mixed(x: dict, out_dtype: jnp.dtype, backend: str) -> np.ndarray:
     return np.asarray(attn_res_norm(**x, eps=EPS, out_dtype=out_dtype, backend=backend), np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("count", "queries", "shape", "partial_dtype"),
     [
@@ -49,6 +50,7 @@ def test_kernel_matches_the_reference(count, queries, shape, partial_dtype):
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)  # then one bf16 rounding: 1 ulp apart at most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("valid", "queries", "stacked"), [(0, 1, True), (3, 3, True), (8, 1, True), (5, 3, False)])
 def test_kernel_takes_a_count_of_real_sources(valid, queries, stacked):
     """8 sources with NaN and inf past the count (their rows not copied, SMEM left as it was: NaN in the
@@ -64,6 +66,7 @@ def test_kernel_takes_a_count_of_real_sources(valid, queries, stacked):
     np.testing.assert_allclose(got, mixed(x_alone, jnp.float32, "reference"), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_kernel_in_a_scan():
     """The kernel carried by the decoder's kind of scan (traced count, buffer filled block by block): each step
     the oracle on the blocks closed so far."""
@@ -134,6 +137,7 @@ def test_lowers_for_cuda_at_production_shapes(tokens, queries):
     assert "mosaic_gpu" in lowered.mlir_module()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("queries", [1, 3])
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 @pytest.mark.parametrize("stacked", [True, False])

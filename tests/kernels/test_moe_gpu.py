@@ -105,6 +105,7 @@ def test_activations_take_the_kernels_k_order(fmt):
         rows_in_gpu_k_order(flat.astype(jnp.float32), rows, fmt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_value_decodes_exactly(fmt):
     """Identity rows times w^T is w: the kernel's weight values, bit for bit the oracle's (three compute warpgroups
@@ -113,6 +114,7 @@ def test_every_value_decodes_exactly(fmt):
     assert_decodes_exactly(every_value(jax.random.key(2), n, k, fmt))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exponent", [-116, 116])
 def test_nvfp4_steps_at_the_tables_edges_decode_exactly(exponent):
     """Global scales 2^-116 and 2^116 under every finite block scale: steps from 2^-125 to 448 * 2^116, the ends
@@ -142,6 +144,7 @@ def test_own_windows_start_at_the_copies_expected_per_expert(tokens, routed, own
     assert tiles.widths == (gpu.OWN_TMS if own else (32,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tokens, top_k, experts",
     [(1, 8, 384), (8, 8, 384), (64, 8, 384), (300, 8, 240), (5, 3, 4), (30, 2, 4), (5, 3, 1), (300, 8, 8),
@@ -243,6 +246,7 @@ def test_few_tokens_visit_each_chosen_expert_once(tokens, top_k, experts):
         assert tiles.reads_tokens and tiles.writes_from is None and tiles.writes_to is None  # whole tiles of their own
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
     """gate_up with the SwiGLU in its epilogue (K in one pipeline step) on shared tiles of 8 rows whose
@@ -312,6 +316,7 @@ CASES = [  # (format, tokens, top_k, foreign ids + fp32 out, experts); each form
                      (NVFP4, 30, 8, False, EXPERTS), (PLAIN, 9, 8, True, EXPERTS)])  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, tokens, top_k, foreign, num_experts", CASES)
 def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, foreign, num_experts)
@@ -323,6 +328,7 @@ def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     assert_close_to_oracle(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
 def test_a_token_gets_the_same_bits_at_every_token_count(fmt):
     """The first tokens' outputs alone (chosen experts' visits), among more in shared tiles and among many in windows
@@ -339,6 +345,7 @@ def test_a_token_gets_the_same_bits_at_every_token_count(fmt):
         np.testing.assert_array_equal(out, outs[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
 def test_own_windows_of_every_width_match_oracle(fmt, monkeypatch):
     """Prefill groups of 60, 75, 90, 105 and 130 copies: windows multiplied at each of the widths (64, 80, 96, 112;
@@ -358,6 +365,7 @@ def test_own_windows_of_every_width_match_oracle(fmt, monkeypatch):
     assert_close_to_oracle(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, tokens, top_k", [(MXFP8, 6, 4), (MXFP8, 12, 4), (NVFP4, 64, 2)])  # chosen experts;
 # shared tiles; own windows (CPU)
 def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
@@ -372,6 +380,7 @@ def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
     assert_close_to_oracle(got, want)
 
 
+@pytest.mark.slow
 def test_all_copies_dropped_gives_zeros():
     x, gate_up, down, experts, weights = routed_case(0, 2, 2, MXFP8)
     got = moe_experts(
@@ -437,6 +446,7 @@ def abstract_weight(fmt: str, experts: int, n: int, k: int, paired: bool = False
     return GpuWeight(spec((experts, n, k // 8), jnp.uint32), scales, global_scale, NVFP4, paired)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, tokens, experts", [(PLAIN, 8, 384), (MXFP8, 1, 384), (MXFP8, 4096, 384),
                                                   (NVFP4, 64, 384), (NVFP4, 8, 48)])  # fmt: skip
 def test_lowers_for_cuda_at_production_shapes(fmt, tokens, experts):
@@ -453,6 +463,7 @@ def test_lowers_for_cuda_at_production_shapes(fmt, tokens, experts):
     assert "mosaic_gpu" in lowered.mlir_module()
 
 
+@pytest.mark.slow
 def test_the_moe_layer_on_gpu_laid_out_experts(monkeypatch):
     """A MoE layer whose NVFP4 experts are re-laid for the GPU kernels at load: the same output through the
     reference (the layout is exact); on CPU expert-parallel over tp2 with the laid-out weights split over experts
@@ -484,6 +495,7 @@ def test_the_moe_layer_on_gpu_laid_out_experts(monkeypatch):
         assert_close_to_oracle(layer(x), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fmt", "tokens"), [(NVFP4, 3), (MXFP8, 32)])
 def test_a_layer_of_a_stack_is_read_in_place(fmt, tokens):
     """Stacked layers' weights [L, E, ...] and a traced layer: that layer's own call, bit for bit (the kernels read

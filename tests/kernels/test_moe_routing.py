@@ -9,6 +9,7 @@ import pytest
 from pallas_kernels.moe.routing import RANKED_UP_TO, combine, group_of, group_offsets, prefix_sum, route, visits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 16), (37, 4, 8)])
 def test_combine_sums_each_tokens_copies_in_order(tokens, top_k, experts):
     keys = jax.random.split(jax.random.key(tokens), 4)

@@ -51,6 +51,7 @@ def routed(seed: int, tokens: int, top_k: int, ids: tuple[int, int]) -> tuple[ja
     return x, (choices + ids[0]).astype(jnp.int32), weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [PLAIN, MXFP8, NVFP4])
 def test_layout_round_trips(fmt):
     gate_up, _ = expert_weights(1, fmt)
@@ -163,6 +164,7 @@ def interpreted(*args, **kwargs) -> jax.Array:
     return race_checked(lambda params: tpu.moe_experts(*args, **kwargs, interpret=params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "tokens", "top_k", "ids", "experts"),
     [
@@ -191,6 +193,7 @@ def test_tpu_kernels_match_the_reference(fmt, tokens, top_k, ids, experts):
     assert (got == want).mean() > 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
 def test_both_grid_orders_give_the_oracle(fmt, monkeypatch):
     """Column tiles outside or visits outside (tiles of 128 columns: gate_up's two, down's four), over groups of
@@ -225,6 +228,7 @@ def test_grid_order_reads_fewer_bytes():
     assert tpu._visits_first(piled, 3, 1000.0, rows)  # rows again 2 x 4096
 
 
+@pytest.mark.slow
 def test_fp32_partial_sums_for_expert_parallelism():
     """out_dtype fp32 (what a shard returns for the cross-shard sum) and a shard holding none of the experts."""
     gate_up, down = expert_weights(3, MXFP8)
@@ -238,6 +242,7 @@ def test_fp32_partial_sums_for_expert_parallelism():
     np.testing.assert_array_equal(elsewhere, np.zeros_like(elsewhere))
 
 
+@pytest.mark.slow
 def test_entry_point_picks_a_backend_and_names_bad_input():
     gate_up, down = expert_weights(4, MXFP8, experts=4)
     x, chosen, weights = routed(5, 3, 2, (0, 4))
@@ -260,6 +265,7 @@ def test_entry_point_picks_a_backend_and_names_bad_input():
         tpu.moe_experts(jnp.zeros((1, 256), jnp.bfloat16), *small, chosen[:1] % 2, weights[:1], **CAPS)
 
 
+@pytest.mark.slow
 def test_expert_parallel_tiles_are_sized_for_the_kept_copies():
     """One shard of four (ids over 4 x EXPERTS, three quarters dropped here): with routed_experts the own tiles
     are sized for the copies expected to stay (16 rows for ~8 per expert, not 32 for all 32 per expert), and the
@@ -306,6 +312,7 @@ def test_tpu_kernels_lower_at_production_shapes(fmt, tokens, experts):
     assert lowered.mlir_module().count("tpu_custom_call") >= 2
 
 
+@pytest.mark.slow
 def test_the_moe_layer_on_tpu_laid_out_experts(monkeypatch):
     """A MoE layer whose MXFP8 experts are re-laid for the TPU kernels at load: the same output through the
     reference, through the kernels in interpret mode, and expert-parallel over tp2 (8 simulated devices)."""
@@ -337,6 +344,7 @@ def test_the_moe_layer_on_tpu_laid_out_experts(monkeypatch):
     assert_tp2_matches(layer, text, x, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fmt", "tokens"), [(NVFP4, 3), (MXFP8, 70)])
 def test_a_layer_of_a_stack_is_read_in_place(fmt, tokens):
     """Stacked layers' weights [L, E, ...] and a traced layer: that layer's own call, bit for bit (the kernels read

@@ -9,6 +9,8 @@ import pytest
 
 from pallas_kernels import numerics
 
+pytestmark = pytest.mark.slow
+
 OPTIMIZED = {"xla_backend_optimization_level": 3}  # XLA's default
 
 

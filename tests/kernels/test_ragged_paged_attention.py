@@ -106,6 +106,7 @@ def check(case: dict, got: jax.Array, window: int | None) -> None:
 MIXED = ([37, 29, 61, 8, 1, 20], [1, 8, 8, 8, 0, 3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extent", [5, 64])
 @pytest.mark.parametrize("window", [None, 6])
 def test_paged_layout_equals_whole_sequences(extent, window):
@@ -133,6 +134,7 @@ def test_ring_layout_equals_whole_sequences(extent):
     check(case, got, window)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize(("width", "extent", "block"), [(8, 24, 8), (1, 1024, 128), (64, 100, 16), (8, 6, 14)])
 def test_the_kernels_bias_frame_is_the_gathered_bias(ring, width, extent, block):

@@ -106,6 +106,7 @@ def cases(*full: list, cpu: list[tuple]) -> list[tuple]:
 WINDOW_EXTENTS = [(None, 64), (None, 2048), (200, 256)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("window", "extent", "splits", "invariant"),
     [  # and test_pool_prefill
@@ -117,11 +118,13 @@ def test_pool_mixed_batch(window, extent, splits, invariant):  # invariant: ever
     compare(inputs(17 + (window or 0) + extent, *MIXED, extent, ring=None), window, splits, invariant=invariant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("window", "extent"), [(200, 256)] if CPU else WINDOW_EXTENTS)
 def test_pool_prefill(window, extent):  # the prefill tiles; on CPU also the interpreter's window over them
     compare(inputs(29 + extent, *PREFILL, extent, ring=None), window, None, in_kernel=True, invariant=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("splits", "invariant"), [(None, False)] if CPU else [(None, True), (None, False), (1, True)])
 def test_ring_mixed_batch(splits, invariant):
     window = 200
@@ -129,6 +132,7 @@ def test_ring_mixed_batch(splits, invariant):
     compare(case, window, splits, among_layers=True, invariant=invariant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_kernel", [True] if CPU else [True, False])
 def test_ring_decode(in_kernel):
     """Decode over rings, one far past a lap of the ring (its slots hold positions from two laps), its bias built
@@ -149,11 +153,13 @@ DECODE_AND_VERIFY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("batch", "splits", "in_kernel"), [(VERIFY, None, None)] if CPU else DECODE_AND_VERIFY)
 def test_pool_decode_and_verify(batch, splits, in_kernel):
     compare(inputs(3 + batch[2], *batch, extent=1024, ring=None), None, splits, in_kernel=in_kernel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits", [None] if CPU else [None, 1])
 def test_decode_rows_read_in_place(splits, monkeypatch):  # d_rel 16, S * Hq % 8 == 0: q, rel from [S * Hq] boxes
     picked = []
@@ -162,6 +168,7 @@ def test_decode_rows_read_in_place(splits, monkeypatch):  # d_rel 16, S * Hq % 8
     assert picked, "the decode tiles did not read their rows in place"
 
 
+@pytest.mark.slow
 def test_public_entry_point():  # on CPU also the interpreter's decode case (its bias built in the kernel)
     case = inputs(11, *DECODE, extent=64, ring=None)
     got = run(jax.jit(gpu.ragged_paged_attention, static_argnames=("scale", "window")), case, None)
@@ -227,6 +234,7 @@ def test_supports():
         compare(dict(inputs(1, *DECODE, extent=64, ring=None), q=jnp.zeros((3, 1, HEADS, DIM), jnp.float32)), None, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kv_lens", "query_lens", "width"),
     [

@@ -44,6 +44,7 @@ def inputs(
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("extent", "window"), [(5, None), (64, None), (5, 6), (64, 12)])
 def test_paged_layout(extent, window):
     case = random_case(100 + extent + (window or 0), *MIXED, extent)
@@ -51,6 +52,7 @@ def test_paged_layout(extent, window):
     check(case, interpreted(**inputs(case, k_pages, v_pages, table, window)), window)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ring", [False, True])
 def test_decode_only_steps(ring):
     """A step of width 1 (every row of a KV head at one position): bias rows rotated alike."""
@@ -65,6 +67,7 @@ def test_decode_only_steps(ring):
     check(case, interpreted(**inputs(case, k, v, table, window, width=1, ring_rows=rows)), window)
 
 
+@pytest.mark.slow
 def test_wide_chunks_in_row_tiles_over_many_steps():
     """Chunks of 128 queries (two row tiles per sequence, each with its own causal horizon and window
     start) against up to 28 pages, visited 8 per step."""
@@ -74,6 +77,7 @@ def test_wide_chunks_in_row_tiles_over_many_steps():
     check(case, interpreted(**inputs(case, k_pages, v_pages, table, window, width=128)), window)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("window", "lengths"), [(6, MIXED), (130, ([300, 137, 9, 140], [1, 8, 8, 0]))])
 def test_ring_layout(window, lengths):
     """Rings of one block (window 6 + chunk 8) and of two blocks of 69 slots, wrapped more than once."""
@@ -82,6 +86,7 @@ def test_ring_layout(window, lengths):
     check(case, interpreted(**inputs(case, k_ring, v_ring, None, window)), window)
 
 
+@pytest.mark.slow
 def test_bf16_matches_the_reference():
     """In bf16 the kernel rounds where the oracle does, up to the online softmax's order of operations."""
     case = random_case(7, *MIXED, extent=24)
@@ -95,6 +100,7 @@ def test_bf16_matches_the_reference():
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("width", "ring"), [(1, False), (8, False), (512, False), (1, True), (512, True)])
 def test_lowers_for_tpu_at_production_shapes(width, ring):
     """48 query / 8 KV heads of 128, 128-token pages, extent and window 1024, bf16, for TPU v7x."""
@@ -118,6 +124,7 @@ def test_lowers_for_tpu_at_production_shapes(width, ring):
     assert "tpu_custom_call" in lowered.mlir_module()
 
 
+@pytest.mark.slow
 def test_the_engine_step_through_the_kernel(monkeypatch, tmp_path):
     """Chunked prefill and decode with both cached attention layers (a ring and a pool) running the TPU kernel
     in interpret mode: the same log-probabilities as a whole-sequence forward. The model is the tiny parity
@@ -157,6 +164,7 @@ def test_the_engine_step_through_the_kernel(monkeypatch, tmp_path):
         np.testing.assert_allclose(logprobs, want[position], rtol=1e-4, atol=1e-4 * np.abs(want[position]).max())
 
 
+@pytest.mark.slow
 def test_the_kernel_runs_on_each_devices_heads_under_tensor_parallelism(monkeypatch):
     """The model's cached attention on a 2-device `model` mesh: every device runs the kernel (interpret mode)
     on its own query and KV heads, and the whole equals whole-sequence attention."""

@@ -87,6 +87,7 @@ def test_config_errors_name_the_field(change, field):
         parse_config({**TINY, "dspark_config": [1]})
 
 
+@pytest.mark.slow
 def test_shapes(model):
     c, positions = _context(model, 9)
     assert c.shape == (2, 9, HIDDEN)
@@ -103,6 +104,7 @@ def test_shapes(model):
     assert confidence.shape == (2,) and bool(jnp.all((confidence > 0) & (confidence < 1)))
 
 
+@pytest.mark.slow
 def test_target_hidden_capture(model):
     ids = jax.random.randint(jax.random.key(1), (2, 6), 0, VOCAB)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
@@ -123,6 +125,7 @@ def test_target_hidden_capture(model):
     assert not np.allclose(features[:, :, 0], features[:, :, 1])
 
 
+@pytest.mark.slow
 def test_block_sees_only_context_before_the_anchor(model):
     c, positions = _context(model, 10)
     anchors, anchor_positions = jnp.array([4, 9]), jnp.array([6, 10])
@@ -141,6 +144,7 @@ def test_block_sees_only_context_before_the_anchor(model):
     np.testing.assert_array_equal(block(earlier)[1], base[1])  # slots are independent
 
 
+@pytest.mark.slow
 def test_block_is_non_causal_within_the_block(model):
     c, positions = _context(model, 5)
     k, v = model.dspark.context_kv(c, positions)
@@ -154,6 +158,7 @@ def test_block_is_non_causal_within_the_block(model):
         assert not np.allclose(perturbed[:, slot], base[:, slot], atol=1e-4), slot
 
 
+@pytest.mark.slow
 def test_context_kv_stored_per_committed_chunk_equals_one_pass(model):
     """K/V computed as positions commit, stored in a page pool, read back: the same block as K/V
     computed in one pass, whatever sits in the pool at and after the anchor."""
@@ -220,6 +225,7 @@ def test_confidence_matches_numpy(model):
     np.testing.assert_allclose(model.dspark.confidence(jnp.asarray(h), jnp.asarray(prev)), _sigmoid(logit), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_rnn_state_starts_at_zero_in_every_block(model):
     h = jax.random.normal(jax.random.key(7), (1, GAMMA, HIDDEN))
     anchor = jnp.array([12])

@@ -4,8 +4,9 @@ The fixtures were written by tests/parity/make_fixtures.py with transformers' ow
 the transformers layout (hf/) and the original release layout (original/).
 """
 
+import contextlib
+import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from paths import PARITY
+from xla_flags import optimized_environment
 
+from inkling_jax import score
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.loader import parameter_paths
 from inkling_jax.config import load_config
@@ -24,7 +27,6 @@ from inkling_jax.forward import greedy_continuation, logits_fn
 
 CASES = ("tiny_text", "tiny_mm")
 LAYOUTS = ("hf", "original")
-UNOPTIMIZED = "--xla_backend_optimization_level=0"  # tests/conftest.py's
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -63,6 +65,7 @@ def test_float32_logits_match_reference(case, layout, reference, models):
     assert relative_error(got, want) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_continuation_matches_reference(case, reference, models):
     prompt = reference[case]["greedy_prompt"].tolist()
@@ -79,18 +82,25 @@ def test_layouts_load_identical_parameters(models):
 
 
 def _score(checkpoint: Path, ids: object, tmp_path: Path, dtype: str = "float32", optimized: bool = False):
-    """Runs the scoring CLI; `optimized`: compiled with XLA's default optimization, as a user's run is (the tests'
-    own processes compile unoptimized)."""
+    """Runs the scoring CLI on `ids` written as JSON, writing tmp_path/logits.npy."""
     (tmp_path / "ids.json").write_text(json.dumps(ids))
-    output = tmp_path / "logits.npy"
-    command = [sys.executable, "-m", "inkling_jax.score", "--checkpoint", str(checkpoint),
-               "--input", str(tmp_path / "ids.json"), "--output", str(output), "--dtype", dtype]  # fmt: skip
-    env = dict(os.environ)
+    return _run_score(checkpoint, tmp_path / "ids.json", tmp_path / "logits.npy", dtype, optimized)
+
+
+def _run_score(checkpoint: Path, ids: Path, output: Path, dtype: str = "float32", optimized: bool = False):
+    """The scoring CLI's exit status and stderr: run in this process, or (`optimized`) as a user's run compiles it,
+    with XLA's default optimization, in a process of its own (the tests' processes compile unoptimized)."""
+    argv = ["--checkpoint", str(checkpoint), "--input", str(ids), "--output", str(output), "--dtype", dtype]
     if optimized:
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(UNOPTIMIZED, "")
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        command = [sys.executable, "-m", "inkling_jax.score", *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=optimized_environment())
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = score.main(argv)
+    return subprocess.CompletedProcess(argv, code, "", stderr.getvalue())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_score_cli_writes_reference_logits(layout, reference, tmp_path):
     case = "tiny_text"
@@ -120,6 +130,7 @@ def _assert_rounds_where_reference_rounds(got: np.ndarray, case: str, reference:
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_bfloat16_logits_follow_reference_rounding(case, reference):
     ids = jnp.asarray(reference[case]["input_ids"][None], jnp.int32)
@@ -127,6 +138,7 @@ def test_bfloat16_logits_follow_reference_rounding(case, reference):
     _assert_rounds_where_reference_rounds(got, case, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_score_cli_bfloat16_rounds_where_reference_rounds(case, reference, tmp_path):
     """The scoring CLI as a user runs it (XLA's default optimization) rounds as the model does in tests."""
@@ -154,6 +166,7 @@ def test_score_cli_rejects_bad_ids(ids, message, tmp_path):
     assert not (tmp_path / "logits.npy").exists()
 
 
+@pytest.mark.slow
 def test_batched_sequences_match_single_runs(reference, models):
     """Rows of a batch stay independent: attention, convolutions and routing see only their own row."""
     ids = reference["tiny_text"]["input_ids"][None]
@@ -181,21 +194,19 @@ def test_unexpected_original_tensor_is_named(tmp_path):
 
 
 def test_score_cli_reports_unreadable_ids_and_unwritable_output(tmp_path):
-    (tmp_path / "ids.json").write_bytes(b"\xff\xfe[1]")
-    command = [sys.executable, "-m", "inkling_jax.score", "--checkpoint", str(PARITY / "tiny_text" / "hf")]
-    result = subprocess.run([*command, "--input", str(tmp_path / "ids.json"), "--output", str(tmp_path / "o.npy")],
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    checkpoint, ids = PARITY / "tiny_text" / "hf", tmp_path / "ids.json"
+    ids.write_bytes(b"\xff\xfe[1]")
+    result = _run_score(checkpoint, ids, tmp_path / "o.npy")
     assert result.returncode == 2 and "is not JSON" in result.stderr
-    (tmp_path / "ids.json").write_text("[1, 2, 3]")
-    missing_dir = tmp_path / "no" / "such" / "dir" / "o.npy"
-    result = subprocess.run([*command, "--input", str(tmp_path / "ids.json"), "--output", str(missing_dir)],
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    ids.write_text("[1, 2, 3]")
+    result = _run_score(checkpoint, ids, tmp_path / "no" / "such" / "dir" / "o.npy")
     assert result.returncode == 2 and "cannot write" in result.stderr
 
 
 QUANTIZED_CASES = ("tiny_text_mxfp8", "tiny_text_mixed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", QUANTIZED_CASES)
 def test_quantized_checkpoints_match_reference_on_dequantized_weights(case):
     """Experts stored MXFP8 (some as U8 + F8_E8M0) or NVFP4 (ModelOpt and Inkling v1 sidecar names)
@@ -210,6 +221,7 @@ def test_quantized_checkpoints_match_reference_on_dequantized_weights(case):
     assert greedy_continuation(model, prompt, len(want)) == want
 
 
+@pytest.mark.slow
 def test_score_cli_works_unchanged_on_a_quantized_checkpoint(tmp_path):
     reference = np.load(PARITY / "tiny_text_mixed" / "reference.npz")
     result = _score(PARITY / "tiny_text_mixed" / "original", reference["input_ids"].tolist(), tmp_path)

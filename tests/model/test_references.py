@@ -36,6 +36,7 @@ def naive_attention(q, k, v, rel, rel_proj, sinks, pos, scale, window):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 5])
 def test_relative_attention_matches_loops(window):
     rng = np.random.default_rng(1)

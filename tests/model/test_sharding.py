@@ -63,12 +63,14 @@ def assert_mesh_matches_one_device(model, spec, ids, prompt):
 
 
 # quantized (mixed NVFP4 / MXFP8) experts under a mesh: the wide model's cases below
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "spec"), [("tiny_text", "tp4"), ("tiny_text", "dp2tp2")])
 def test_meshes_give_the_same_logits_and_greedy_continuation(reference, name, spec):
     ids = jnp.asarray(reference["input_ids"][None], jnp.int32)
     assert_mesh_matches_one_device(load_fixture(name), spec, ids, reference["greedy_prompt"].tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["tp2", "tp8", "dp2tp4"])
 def test_meshes_up_to_tp8_give_the_same_logits_and_greedy_continuation(wide_model, spec):
     rng = np.random.default_rng(8)
@@ -76,6 +78,7 @@ def test_meshes_up_to_tp8_give_the_same_logits_and_greedy_continuation(wide_mode
     assert_mesh_matches_one_device(wide_model, spec, ids, rng.integers(0, 500, 9).tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("spec", "kv_axis"), [("tp4", None), ("tp2", "model")])
 def test_fused_projections_shard_by_head(reference, spec, kv_axis):
     """The engine's fused attention projections under a mesh: the query side's by head, sliding layers' K and V by
@@ -93,6 +96,7 @@ def test_fused_projections_shard_by_head(reference, spec, kv_axis):
     assert_mesh_matches_one_device(model, spec, ids, reference["greedy_prompt"].tolist())
 
 
+@pytest.mark.slow
 def test_experts_run_on_their_own_devices(wide_model):
     """Under tp8 each device multiplies only its 2 experts: the expert weights are never gathered,
     and the combine is a reduce-scatter."""

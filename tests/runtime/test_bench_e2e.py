@@ -33,6 +33,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
     return json.loads((out / "e2e.json").read_text()), done.stdout, out / "e2e.md"
 
 
+@pytest.mark.slow
 def test_the_cold_compile_covers_every_step_shape(run):
     result, _, _ = run
     slots = max(CONCURRENCY) + LONG_PROMPTS

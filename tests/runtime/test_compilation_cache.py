@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from paths import REPO
 
 from inkling_jax.runtime import compilation_cache
@@ -24,6 +25,7 @@ print(json.dumps({"code": code, "hits": events["/jax/compilation_cache/cache_hit
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_compiles_from_the_cache(tmp_path):
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": 0, "prompt_token_ids": [3, 1, 4, 1, 5], "max_tokens": 4}))
     cache = tmp_path / "xla"

@@ -41,6 +41,7 @@ def one_process() -> list[dict]:
     return generate(model, [Request(**r) for r in requests()], max_num_seqs=2, chunk=4)
 
 
+@pytest.mark.slow
 def test_two_processes_agree_with_one(tmp_path, one_process):
     """Two devices per process and a tp4 mesh over both: attention's and the experts' collectives cross
     processes."""

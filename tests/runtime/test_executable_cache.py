@@ -115,6 +115,7 @@ def test_another_program_misses(model, first):
     assert not misfiled.exists() and (directory / stored).exists()
 
 
+@pytest.mark.slow
 def test_a_corrupt_entry_is_deleted_compiled_again_and_stored(model, first, caplog, monkeypatch):
     directory, want = first
     (entry,) = directory.glob("*.exe")
@@ -154,6 +155,7 @@ def test_a_backend_that_cannot_serialize_turns_the_cache_off_with_one_warning(tm
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_step_programs_get_their_platforms_options(model, monkeypatch):
     """A plain TPU decode step keeps its gathers off SparseCore; every GPU shape keeps dots unmerged and its
     matmuls in cuBLAS, untuned, reading stacked weights in place, and runs its independent kernels side by side and
@@ -178,6 +180,7 @@ def test_step_programs_get_their_platforms_options(model, monkeypatch):
     assert asked == [(jax.default_backend(), engine.shape(prefill=False, speculative=False))]
 
 
+@pytest.mark.slow
 def test_few_decoding_slots_run_a_program_of_few_tokens(model):
     """With more slots than FEW_TOKENS, a decode step of at most that many tokens runs a program of its own, and its
     slots emit what the same sequences emit from the full decode program beside other slots."""
@@ -214,6 +217,7 @@ def test_few_decoding_slots_run_a_program_of_few_tokens(model):
     np.testing.assert_allclose(alone.top_logprobs[:3], beside.top_logprobs[3:6], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_warm_up_lowers_one_shape_at_a_time_most_tokens_first(model, monkeypatch, tmp_path):
     """Lowering holds the GIL, XLA's compile does not: the warm-up lowers the shapes one after the other, the one
     of most tokens first, and compiles each while the next lowers; every shape ends compiled and runs. Over a

@@ -21,6 +21,7 @@ def run(tmp_path: Path, lines: list, *options: str) -> tuple[int, list[dict]]:
     return code, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 
+@pytest.mark.slow
 def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path):
     prompt, greedy = REFERENCE["greedy_prompt"].tolist(), REFERENCE["greedy_ids"].tolist()
     rng = np.random.default_rng(0)
@@ -74,6 +75,7 @@ def test_a_step_budget_without_room_for_a_prompt_token_is_refused(tmp_path, caps
     assert "max_num_batched_tokens 4 leaves no prompt token beside the 4 decode tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_small_budget_makes_requests_wait_for_pages(tmp_path):
     """Three slots but pages for two sequences: the third request waits, and nothing changes."""
     from inkling_jax.cache import CacheLayout, init_state
@@ -104,6 +106,7 @@ def one_device(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["tp4", "dp2tp2"])
 def test_sharded_generation_matches_one_device(tmp_path, one_device, spec):
     """8 simulated CPU devices (tests/conftest.py): the same tokens as tp1 (tp4 keeps a copy of one of

@@ -53,6 +53,7 @@ def test_samples_follow_the_filtered_distribution(temperature, top_k, top_p, min
     np.testing.assert_allclose(frequencies, want, atol=4.5 * np.sqrt(0.25 / draws))
 
 
+@pytest.mark.slow
 def test_a_seeded_request_ignores_its_slot_and_batch():
     rng = np.random.default_rng(1)
     ours = rng.normal(size=VOCAB).astype(np.float32)
@@ -117,6 +118,7 @@ def test_greedy_and_logprobs():
     np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-logprobs, axis=-1)[:, :4], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("n", "vocab"), [(0, 1000), (7, 1000), (16, 1000), (20, 1000), (40, 1000), (1, 5000), (20, 12411), (20, 90001)]
 )
@@ -141,6 +143,7 @@ def test_most_likely_is_top_k(n, vocab):
     np.testing.assert_array_equal(ids, expected_ids)
 
 
+@pytest.mark.slow
 def test_top_k_and_top_p_keep_what_their_definitions_keep():
     """Rows of a large vocabulary with ties, each with its own top-k and top-p: the kept tokens are those the sorted
     definition keeps (the first k; every token whose mass before it is below top_p; ties of the last one kept),
@@ -171,6 +174,7 @@ def test_top_k_and_top_p_keep_what_their_definitions_keep():
         assert kept[row].sum() >= 1
 
 
+@pytest.mark.slow
 def test_a_slot_gets_alone_what_it_gets_in_any_mixed_batch():
     """The batch decides whether the penalties, the top-k / top-p search and the draw run at all; a slot's token
     and log-probabilities do not depend on which of them its neighbours switch on."""

@@ -88,6 +88,7 @@ def run(scheduler: Scheduler, requests: list[Request], **options) -> Collector:
     return collector
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_running_alone(model):
     requests = random_requests(np.random.default_rng(0), 12)
     scheduler = make_scheduler(make_engine(model, slots=4, pages=8), prefill_budget=10)
@@ -115,6 +116,7 @@ def test_concurrent_requests_equal_running_alone(model):
     )
 
 
+@pytest.mark.slow
 def test_preempted_sequences_resume_exactly(two_slots):
     """Two slots share 3 pages: long sequences need 2 pages past position 128, so the later one is
     preempted, recomputed (prompt and outputs fed again, penalties and seeded stream intact) once pages
@@ -206,6 +208,7 @@ def assert_batch_invariant(
         assert bits(together.deltas[request.id]) == bits(alone[request.id])
 
 
+@pytest.mark.slow
 def test_bfloat16_tokens_and_logprobs_do_not_depend_on_the_batch(tmp_path_factory):
     """The serving default: bfloat16 activations over the embedded tiny checkpoint's NVFP4 and MXFP8 experts,
     compiled as a user's run is (XLA's default optimization, whose dots and reductions sum in orders that change

@@ -63,6 +63,7 @@ def _conv_states(kv):
     return {s: np.asarray(getattr(kv, f"conv_{s}")) for s in CONV_STREAMS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_verify_then_commit_equals_feeding_the_committed_tokens(target, seed):
     """8 tokens fed and c[s] committed == only the first c[s] fed: conv states bit-identical, and the
@@ -134,6 +135,7 @@ def drafted(tmp_path_factory):
     return load_causal_lm(path, jnp.float32)
 
 
+@pytest.mark.slow
 def test_draft_pool_shape_sizes_and_sharding(drafted):
     config, _ = drafted
     text, draft = config.text, config.draft
@@ -157,6 +159,7 @@ def test_draft_pool_shape_sizes_and_sharding(drafted):
     assert state_specs(plain, text, 2).kv.draft_k is None
 
 
+@pytest.mark.slow
 def test_block_from_the_pool_equals_the_block_from_features(drafted):
     """Draft context K/V committed a verify chunk at a time (per-slot commits, garbage around) and read
     back through the page tables give the same draft block as K/V computed from the features at once."""
@@ -199,6 +202,7 @@ def test_block_from_the_pool_equals_the_block_from_features(drafted):
     np.testing.assert_allclose(from_pool, direct, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_engine_steps_keep_the_draft_context(drafted):
     """Prefill in chunks and a decode step through the engine's step fill the draft pool with the
     context K/V of every position fed, as computed from a whole-sequence forward."""

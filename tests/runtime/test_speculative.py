@@ -242,6 +242,7 @@ def chi_square(tokens: np.ndarray, values: dict) -> tuple[float, float, int]:
     return statistic, float(stats.chi2.sf(statistic, dof)), dof
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "greedy_draft"), [(name, False) for name in CONFIGS] + [("temperature 1", True)])
 def test_joint_of_the_first_tokens_is_the_targets(name, greedy_draft):
     values = CONFIGS[name]
@@ -250,6 +251,7 @@ def test_joint_of_the_first_tokens_is_the_targets(name, greedy_draft):
     assert p_value > ALPHA
 
 
+@pytest.mark.slow
 def test_broken_rules_fail_the_joint_test(monkeypatch):
     """The same test must reject (a) a rejection sampling p instead of the residual, (b) a q other than the
     one the draft sampled from (its pre-bias distribution)."""
@@ -266,6 +268,7 @@ def test_broken_rules_fail_the_joint_test(monkeypatch):
 # --- greedy and seeding ---
 
 
+@pytest.mark.slow
 def test_greedy_emits_the_targets_greedy_decoding():
     """At temperature 0 the emitted tokens are plain greedy decoding (with penalties, filters ignored as in
     `sample`), whatever the drafts and their q, and the padding and log-probabilities are as documented."""
@@ -351,6 +354,7 @@ def speculative_round(params, generated, draft_logits, target, counts, prompt, n
     return drafts, verify(target, drafts, q, num_drafts, params, counts, prompt, generated)
 
 
+@pytest.mark.slow
 def test_a_request_ignores_its_slot_and_batch():
     """Permuting the slots permutes the outputs, and other requests around one leave its outputs alone: a
     request's drafts, acceptances and samples depend only on its seed and token indices."""

@@ -120,6 +120,7 @@ def chi_square(samples: np.ndarray, joint: np.ndarray) -> tuple[float, float, in
     return statistic, float(stats.chi2.sf(statistic, dof)), dof
 
 
+@pytest.mark.slow
 def test_the_step_samples_the_targets_joint_law(model):
     samples = first_two(engine_for(model), ROUNDS, TEMPERATURES)
     for temperature in TEMPERATURES:
@@ -140,6 +141,7 @@ def wrong_q(sample_draft):
     return broken
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "patch"),
     [("rejection samples p, not the residual", ("residual", lambda p, q: p)),
@@ -215,6 +217,7 @@ def scheduler_outputs(model, speculative: str, requests: list[Request]) -> tuple
     return tokens, last, stats, engine.compilations - compiled
 
 
+@pytest.mark.slow
 def test_the_scheduler_speculates_through_preemption(model):
     """Greedy and opted-out requests stream exactly what plain decoding gives, speculating ones their full
     length with an acceptance length, with preemptions, the context's end and no compilation after warm-up."""
@@ -245,6 +248,7 @@ def test_generate_cli_names_a_checkpoint_without_draft(tmp_path, capsys):
     assert code == 2 and "has no DSpark draft" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_greedy_and_opted_out_requests_match_plain_decoding_on_a_mesh(model, plain_outputs):
     """Through `generate` on dp2tp2 (vocabulary, heads and experts split over `model`, slots and pages, the
     draft pool too, over `data`) with greedy drafting: greedy requests emit plain greedy decoding (one

@@ -29,6 +29,7 @@ def reference():
     return dict(np.load(TINY_TEXT / "reference.npz"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lanes", [False, True])
 @pytest.mark.parametrize("sizes", [[8] * 5, [3, 8, 1, 7, 8, 5, 8], [1] * 40])
 def test_chunked_prefill_and_decode_match_the_whole_sequence(model, reference, sizes, lanes):
@@ -39,6 +40,7 @@ def test_chunked_prefill_and_decode_match_the_whole_sequence(model, reference, s
         assert error < 1e-4, (position, error)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lanes", [False, True])
 def test_a_slot_a_new_sequence_takes_over_computes_as_a_fresh_one(model, lanes):
     """A new sequence in a slot another one used (its convolution states left as they were) gives the
@@ -93,6 +95,7 @@ def _sampled_continuation(model, reference, slot, neighbours, seed, lanes=False)
     return tokens
 
 
+@pytest.mark.slow
 def test_outputs_do_not_depend_on_slot_or_batch(model, reference):
     alone = _sampled_continuation(model, reference, 0, [], seed=5)
     assert alone == _sampled_continuation(model, reference, 2, [0, 1], seed=5)
@@ -101,6 +104,7 @@ def test_outputs_do_not_depend_on_slot_or_batch(model, reference):
     assert alone != _sampled_continuation(model, reference, 0, [], seed=6)
 
 
+@pytest.mark.slow
 def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
     """Two tokens a step among three slots (attention and sampling over the busy slots only) emit what the same
     steps emit with a row for every slot, whichever two slots bring the tokens."""
@@ -127,6 +131,7 @@ def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
         np.testing.assert_allclose(full[2], few[2], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("slots", "tokens", "width", "busy"), [(6, 4, 1, 4), (6, 4, 1, 2), (6, 6, 1, 0),
                                                                (5, 9, 1, 0), (4, 12, 3, 0)])  # fmt: skip
 def test_lane_free_steps_read_their_rows_in_place(slots, tokens, width, busy):
@@ -162,6 +167,7 @@ def test_lane_free_steps_read_their_rows_in_place(slots, tokens, width, busy):
     assert np.count_nonzero(np.asarray(gathered)[0, :, 0, 0]) == counts.sum()
 
 
+@pytest.mark.slow
 def test_lanes_in_a_step_of_fewer_tokens_than_slots(model):
     """A prompt read through lanes in steps of two tokens among three slots emits what the same chunks emit in
     steps of a row per slot; an idle slot's feedback token stays the one before."""
@@ -201,6 +207,7 @@ def test_no_compilation_after_warm_up(model):
     assert step._cache_size() == compiled
 
 
+@pytest.mark.slow
 def test_the_state_is_updated_in_place(model):
     """The donated decode state aliases the step's output: no copy of the K/V pool per step."""
     graphdef, params = nnx.split(model)
@@ -221,6 +228,7 @@ def test_the_state_is_updated_in_place(model):
         assert memory.temp_size_in_bytes < 0.1 * state.nbytes
 
 
+@pytest.mark.slow
 def test_fused_attention_projections_give_the_same_logits():
     """The engine's fused projections (query side on every layer, K and V on sliding ones) on a bf16 model of both
     layer kinds: the unfused model's logits bit for bit, on fresh random tokens."""

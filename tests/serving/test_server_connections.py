@@ -178,6 +178,7 @@ def after_ready(states: list[grpc.ChannelConnectivity]) -> list[grpc.ChannelConn
     return states[states.index(ready) + 1 :] if ready in states else []
 
 
+@pytest.mark.slow
 def test_a_client_pinging_every_second_keeps_its_connection_idle_and_through_a_long_prefill(launch):
     server, _ = launch(SlowPrefill)
     channel, states = pinging_channel(server.port)
@@ -191,6 +192,7 @@ def test_a_client_pinging_every_second_keeps_its_connection_idle_and_through_a_l
         assert after_ready(states) == []  # never dropped (a GOAWAY turns the channel IDLE)
 
 
+@pytest.mark.slow
 def test_without_the_keepalive_options_the_same_client_is_cut_off(launch, monkeypatch):
     """The control: with gRPC's defaults the server answers those pings with GOAWAY too_many_pings."""
     monkeypatch.setattr(server_module, "KEEPALIVE_OPTIONS", ())
@@ -249,6 +251,7 @@ class Lines:
         return self.seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_second_signal_during_the_drain_aborts_the_requests_and_exits(model, second):
     argv = ["--checkpoint", model.checkpoint, "--port", "0", "--drain-timeout", "300", "--compilation-cache", "none"]

@@ -23,6 +23,8 @@ from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 from serving.server import serve
 
+pytestmark = pytest.mark.slow
+
 WORDS = ["the", "model", "runs", "on", "TPU", "and", "GPU", "café", "数据", "🙂", "fast", "exact", "\n", "  "]
 
 

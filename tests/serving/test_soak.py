@@ -6,6 +6,7 @@ import random
 
 import pytest
 from paths import TINY_CONFIG
+from xla_flags import optimized_environment
 
 from bench import soak
 from inkling_jax.checkpoint.synthetic import write_checkpoint
@@ -14,7 +15,9 @@ from serving.proto import inkling_pb2 as pb
 EOS = 499
 
 
-def test_a_minute_of_mixed_load_passes_every_check(tmp_path):
+@pytest.mark.slow
+def test_a_minute_of_mixed_load_passes_every_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", optimized_environment()["XLA_FLAGS"])  # the server's time goes to running steps
     checkpoint = write_checkpoint(TINY_CONFIG, tmp_path / "checkpoint", experts="mixed")
     settings = soak.Settings(
         minutes=1.0, reference_minutes=0.25, round_seconds=(5.0, 12.0), rss_every_s=1.0,

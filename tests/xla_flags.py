@@ -1,0 +1,14 @@
+"""The XLA flags the suite's processes run under (tests/conftest.py sets them before JAX starts), and the
+environment of a child process that should compile as a user's run does."""
+
+import os
+
+DEVICES = "--xla_force_host_platform_device_count=8"  # multi-device tests on one CPU
+UNOPTIMIZED = "--xla_backend_optimization_level=0"  # the tests' programs are tiny and compile-bound
+
+
+def optimized_environment() -> dict[str, str]:
+    """os.environ with XLA's default optimization: for a child process whose time goes to running its programs
+    rather than compiling them (a server under load, a user's run)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(UNOPTIMIZED, "").split()
+    return {**os.environ, "XLA_FLAGS": " ".join(flags)}
