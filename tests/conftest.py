@@ -5,10 +5,10 @@ A test still running after HANG_SECONDS (set-up included) writes every thread's 
 fails the suite in minutes and says where, instead of holding CI to its limit. Under xdist, whose workers' own output
 is dropped, the stacks go to .pytest-hangs/ and the controller prints them after the run.
 
-Compiled programs also go to a compilation cache private to this process (removed at exit; each of `make test`'s
-two xdist workers has its own, and runs whole test files): each engine jits
-its step afresh, so tests that build engines of the same shapes would otherwise compile the same program
-again (a cache hit skips only XLA's compilation; tracing, lowering and every run are the test's own)."""
+Compiled programs also go to a compilation cache of the run's own (removed when it ends), shared by `make test`'s
+two xdist workers: each engine jits its step afresh, so tests that build engines of the same shapes would otherwise
+compile the same program again (a cache hit skips only XLA's compilation; tracing, lowering and every run are the
+test's own)."""
 
 import atexit
 import faulthandler
@@ -26,8 +26,11 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICES, UN
 
 import jax
 
-CACHE = tempfile.mkdtemp(prefix="inkling-jax-tests-")
-atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
+# one cache for the run: xdist's workers, started after the controller loaded this file, inherit its directory
+CACHE = os.environ.get("INKLING_JAX_TESTS_CACHE")
+if CACHE is None:
+    CACHE = os.environ["INKLING_JAX_TESTS_CACHE"] = tempfile.mkdtemp(prefix="inkling-jax-tests-")
+    atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the engines' steps, not every small jit
 # the command-line entry points tests run (in this process or as subprocesses) leave JAX's cache settings alone
@@ -81,3 +84,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         if "most recent call first" in text:
             terminalreporter.write_sep("=", f"hung: {log.stem}")
             terminalreporter.write(text)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding slow tests run first: the last files xdist hands out are then quick ones, and neither worker
+    waits long for the other at the end of the run."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
