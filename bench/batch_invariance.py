@@ -79,8 +79,12 @@ def normal(key: int, shape: tuple[int, ...], std: float = 1.0) -> jax.Array:
 
 def projections(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
     tokens = normal(1, (max(sizes), 6144))
-    cases = {"query side": (13104, HIDDEN), "K and V": (2 * KV_HEADS * DIM, HIDDEN), "output": (HIDDEN, 6144),
-             "LM head": (201024, HIDDEN)}  # fmt: skip
+    cases = {
+        "query side": (13104, HIDDEN),
+        "K and V": (2 * KV_HEADS * DIM, HIDDEN),
+        "output": (HIDDEN, 6144),
+        "LM head": (201024, HIDDEN),
+    }
     found = {}
     for name, (out, inner) in cases.items():
         weight = normal(out, (out, inner), 0.02)
@@ -118,7 +122,7 @@ def mixing(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
         "attention-residual mix and norm [5 of 8 blocks, 3 queries]": rows_of(
             lambda *a: residual(*a).transpose(1, 0, 2), lambda m: (sources[:, :m], x[:m], *mix), sizes
         ),
-    }  # fmt: skip
+    }
 
 
 def experts(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
@@ -140,19 +144,23 @@ def attention_inputs(slots: int, width: int) -> dict:
     pages its own, in order): the inputs of fewer sequences are the leading ones of these."""
     pages = slots * (-(-2 * CONTEXT // PAGE) + 1)
     return {
-        "q": normal(10, (slots, width, HEADS, DIM)), "rel": normal(11, (slots, width, HEADS, D_REL)),
-        "sinks": normal(12, (slots, width, HEADS)), "rel_proj": normal(13, (D_REL, EXTENT)),
-        "k": normal(14, (pages, KV_HEADS, PAGE, DIM)), "v": normal(15, (pages, KV_HEADS, PAGE, DIM)),
+        "q": normal(10, (slots, width, HEADS, DIM)),
+        "rel": normal(11, (slots, width, HEADS, D_REL)),
+        "sinks": normal(12, (slots, width, HEADS)),
+        "rel_proj": normal(13, (D_REL, EXTENT)),
+        "k": normal(14, (pages, KV_HEADS, PAGE, DIM)),
+        "v": normal(15, (pages, KV_HEADS, PAGE, DIM)),
         "table": jnp.arange(pages, dtype=jnp.int32).reshape(slots, -1),
-    }  # fmt: skip
+    }
 
 
 def attend(inputs: dict, slots: int, kv_lens: list[int], query_lens: list[int], window: int | None) -> np.ndarray:
     """The first `slots` sequences' attention [S, C, Hq, D] (all the pool's pages in reach)."""
 
     def run(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table):
-        return ragged_paged_attention(q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table,
-                                      scale=DIM**-0.5, window=window)  # fmt: skip
+        return ragged_paged_attention(
+            q, k, v, kv_lens, query_lens, rel, rel_proj, sinks, page_table=page_table, scale=DIM**-0.5, window=window
+        )
 
     lead = {name: inputs[name][:slots] for name in ("q", "rel", "sinks", "table")}
     lens = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(query_lens, jnp.int32)
@@ -176,17 +184,21 @@ def attention(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
         found[f"attention decode, {name}: one sequence among as many as the size"] = {
             n: attend(decoding, n, [CONTEXT, *others[1:n]], [1] * n, window)[:1] for n in sizes
         }
-        found[f"attention, {name}: a position decoded (size 1), as an 8-row verify pass's last (8) and as a 64-row"
-              " prefill chunk's last (64)"] = {
+        found[
+            f"attention, {name}: a position decoded (size 1), as an 8-row verify pass's last (8) and as a 64-row"
+            " prefill chunk's last (64)"
+        ] = {
             1: attend(prefill | last, 1, [CONTEXT], [1], window)[:, -1:],
             8: attend(prefill | verify, 1, [CONTEXT], [8], window)[:, -1:],
             64: attend(prefill, 1, [CONTEXT], [64], window)[:, -1:],
-        }  # fmt: skip
-        found[f"attention, {name}: each row of an 8-row verify pass straddling a KV block boundary (8) against its"
-              " position decoded (1)"] = {
+        }
+        found[
+            f"attention, {name}: each row of an 8-row verify pass straddling a KV block boundary (8) against its"
+            " position decoded (1)"
+        ] = {
             1: attend(prefill | straddle, 8, decoded_lens, [1] * 8, window)[:, 0],
             8: attend(prefill | verify, 1, [STRADDLE], [8], window)[0],
-        }  # fmt: skip
+        }
     return found
 
 

@@ -75,8 +75,12 @@ def slice_bytes(model: CausalLM, batch: int, context: int, tp: int) -> dict[str,
         sliding = text.is_sliding(layer)
         keys = min(context, text.sliding_window_size) if sliding else context
         kv += batch * keys * kv_bytes_per_token(text, sliding, jnp.bfloat16, tp)
-    return {"other_params": total - expert_total, "experts": expert_total * distinct / experts, "kv": kv,
-            "distinct_experts": distinct}  # fmt: skip
+    return {
+        "other_params": total - expert_total,
+        "experts": expert_total * distinct / experts,
+        "kv": kv,
+        "distinct_experts": distinct,
+    }
 
 
 def step_ms(model: CausalLM, mesh: Mesh, batch: int, context: int, repeats: int) -> float:
@@ -86,8 +90,9 @@ def step_ms(model: CausalLM, mesh: Mesh, batch: int, context: int, repeats: int)
     table = np.arange(slots * engine.max_pages, dtype=np.int32).reshape(slots, engine.max_pages)
     everyone, idle = np.ones(slots, bool), [None] * slots
     prefill_random(engine, everyone, context, table, idle, np.random.default_rng(0))
-    decode = engine.host_batch(np.zeros((slots, 1), np.int32), np.ones(slots, np.int32), idle, table,
-                               feedback=everyone, emit=everyone)  # fmt: skip
+    decode = engine.host_batch(
+        np.zeros((slots, 1), np.int32), np.ones(slots, np.int32), idle, table, feedback=everyone, emit=everyone
+    )
     on_mesh = jax.tree.map(
         lambda host: jax.make_array_from_callback(host.shape, engine.by_slot, lambda i: host[i]), decode
     )
@@ -129,19 +134,28 @@ def main(argv: list[str] | None = None) -> None:
         size = {k: (sizes[more, batch][k] - sizes[fewer, batch][k]) / (more - fewer) for k in sizes[more, batch]}
         must_read = size["other_params"] + size["experts"] + size["kv"]
         model_step_ms = times[fewer, batch] + (config.text.num_hidden_layers - fewer) * per_layer_ms
-        rows.append({
-            "batch": batch, "step_ms": {str(n): times[n, batch] for n in (more, fewer)},
-            "per_layer_ms": per_layer_ms, "distinct_experts": sizes[more, batch]["distinct_experts"],
-            "bytes_per_layer_per_device": must_read, "expert_bytes_per_layer_per_device": size["experts"],
-            "pct_of_copy": 100 * must_read / per_layer_ms / 1e9 / COPY_TB_S,
-            "model_step_ms_estimate": model_step_ms, "tokens_per_s_per_device": batch / model_step_ms * 1e3 / tp,
-        })  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "step_ms": {str(n): times[n, batch] for n in (more, fewer)},
+                "per_layer_ms": per_layer_ms,
+                "distinct_experts": sizes[more, batch]["distinct_experts"],
+                "bytes_per_layer_per_device": must_read,
+                "expert_bytes_per_layer_per_device": size["experts"],
+                "pct_of_copy": 100 * must_read / per_layer_ms / 1e9 / COPY_TB_S,
+                "model_step_ms_estimate": model_step_ms,
+                "tokens_per_s_per_device": batch / model_step_ms * 1e3 / tp,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     report = {
         "command": "python -m bench.decode_layers " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": jax.devices()[0].device_kind, "devices": tp, "context": args.context, "experts": args.experts,
+        "device": jax.devices()[0].device_kind,
+        "devices": tp,
+        "context": args.context,
+        "experts": args.experts,
         "rows": rows,
-    }  # fmt: skip
+    }
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
 

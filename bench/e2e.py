@@ -169,8 +169,11 @@ def prefill_random(
         tokens = rng.integers(0, engine.text.unpadded_vocab_size, (slots, max(counts.max(), 1)), dtype=np.int32)
         emit = active & (fed + counts >= context) & (counts > 0)
         reset = np.full(slots, first) | (active & (fed == 0) & (counts > 0))
-        engine.fetch(engine.step(engine.host_batch(tokens, counts, sampling, table, reset=reset,
-                                                   is_prompt=counts > 0, emit=emit)))  # fmt: skip
+        engine.fetch(
+            engine.step(
+                engine.host_batch(tokens, counts, sampling, table, reset=reset, is_prompt=counts > 0, emit=emit)
+            )
+        )
         fed += counts
         first = False
 
@@ -209,8 +212,12 @@ def decode_step_ms(engine: Engine, batch: int, context: int, steps: int, repeats
         host, wait = host + dispatched - begun, wait + time.perf_counter() - dispatched
         pending = emitted
     engine.fetch(pending)
-    times = {"wall": (time.perf_counter() - start) / steps * 1e3, "host": host / steps * 1e3,
-             "wait": wait / steps * 1e3, "kernels": None}  # fmt: skip
+    times = {
+        "wall": (time.perf_counter() - start) / steps * 1e3,
+        "host": host / steps * 1e3,
+        "wait": wait / steps * 1e3,
+        "kernels": None,
+    }
     if jax.default_backend() == "gpu":
         times["kernels"] = sum(ms for _, ms in call_kernels_ms(decode, repeats=repeats))
     return times
@@ -229,9 +236,16 @@ def engine_phase(args: argparse.Namespace, record: Callable[[dict], None]) -> No
     cache = compilation_cache.enable(str(args.compilation_cache))
     record({"section": "device", "device": devices()})
     start = time.perf_counter()
-    engine = load_engine(str(args.config), mesh=args.mesh, dtype=DTYPE, max_num_seqs=args.max_num_seqs,
-                         chunk=args.chunk, kv_cache_mib=args.kv_cache_mib, load_format="dummy",
-                         executable_cache=compilation_cache.executables(cache))  # fmt: skip
+    engine = load_engine(
+        str(args.config),
+        mesh=args.mesh,
+        dtype=DTYPE,
+        max_num_seqs=args.max_num_seqs,
+        chunk=args.chunk,
+        kv_cache_mib=args.kv_cache_mib,
+        load_format="dummy",
+        executable_cache=compilation_cache.executables(cache),
+    )
     record({"section": "load", "seconds": time.perf_counter() - start})
     start = time.perf_counter()
     engine.warm_up()
@@ -359,11 +373,16 @@ def start_server(args: argparse.Namespace) -> tuple[ServerProcess, str, dict]:
     load = warming_up - loading
     written = cache_entries(args.compilation_cache) - before
     timings = {
-        "to_serving_s": serving, "before_load_s": loading, "load_s": load,
-        "warm_up_s": server.stamp(SERVING) - warming_up, "beyond_load_s": serving - load,
-        "cache_entries_before": len(before), "cache_entries_written": len(written),
-        "steps_loaded": server.count(STEP_LOADED), "steps_compiled": server.count(STEP_COMPILED),
-    }  # fmt: skip
+        "to_serving_s": serving,
+        "before_load_s": loading,
+        "load_s": load,
+        "warm_up_s": server.stamp(SERVING) - warming_up,
+        "beyond_load_s": serving - load,
+        "cache_entries_before": len(before),
+        "cache_entries_written": len(written),
+        "steps_loaded": server.count(STEP_LOADED),
+        "steps_compiled": server.count(STEP_COMPILED),
+    }
     return server, address, timings
 
 
@@ -419,7 +438,7 @@ def long_prompts(stub: pb_grpc.InklingStub, args: argparse.Namespace, vocab: int
                     token_ids=pb.TokenIds(ids=rng.integers(0, vocab, args.prompt_tokens).tolist()),
                     sampling=pb.SamplingParams(temperature=1.0, seed=index),
                     stop=pb.StopConditions(max_tokens=budget, ignore_eos=True),
-                )  # fmt: skip
+                )
                 calls.append(stub.Generate(request, timeout=START_TIMEOUT_S))
                 workers.append(pool.submit(follow, index, calls[-1]))
             decoding = _wait_until(lambda: all(arrivals), workers, START_TIMEOUT_S)
@@ -435,12 +454,14 @@ def long_prompts(stub: pb_grpc.InklingStub, args: argparse.Namespace, vocab: int
         worker.result()
     during = _gaps(arrivals, sent, done)
     return {
-        "streams": streams, "prompts": args.long_prompts, "prompt_tokens": args.long_prompt_tokens,
+        "streams": streams,
+        "prompts": args.long_prompts,
+        "prompt_tokens": args.long_prompt_tokens,
         "ttft_ms": {"p50": percentiles(firsts)["p50"], "max": round(max(firsts) * 1e3, 2)},
         "stream_tpot_ms_before": percentiles(_gaps(arrivals, decoding, sent)),
         "stream_tpot_ms_during": {**percentiles(during), "max": round(max(during, default=0.0) * 1e3, 2)},
         "streams_ended_early": sum(sum(n for _, n in a) >= budget and a[-1][0] < done for a in arrivals),
-    }  # fmt: skip
+    }
 
 
 # --- the record ---
@@ -499,14 +520,22 @@ def decode_section(result: dict) -> str:
     rows = []
     for d in result["decode"]:
         size = d["bytes"]
-        rows.append([
-            str(d["batch"]), _kernels(result, d["kernels_ms"]), _number(d["wall_ms"], 3),
-            _number(d.get("host_ms"), 3), _number(d.get("wait_ms"), 3),
-            _number(d["wall_over_kernels"]), _number(size["total"] / 1e9, 3),
-            _number(size["total"] / d["batch"] / 1e9, 4), _number(size["distinct_experts"], 1),
-            _number(d["roofline_ms"], 3), _number(d["roofline_pct_of_kernels"], 1),
-            _number(d["roofline_pct_of_wall"], 1),
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(d["batch"]),
+                _kernels(result, d["kernels_ms"]),
+                _number(d["wall_ms"], 3),
+                _number(d.get("host_ms"), 3),
+                _number(d.get("wait_ms"), 3),
+                _number(d["wall_over_kernels"]),
+                _number(size["total"] / 1e9, 3),
+                _number(size["total"] / d["batch"] / 1e9, 4),
+                _number(size["distinct_experts"], 1),
+                _number(d["roofline_ms"], 3),
+                _number(d["roofline_pct_of_kernels"], 1),
+                _number(d["roofline_pct_of_wall"], 1),
+            ]
+        )
     headers = ["batch", "kernels ms", "engine loop wall ms", "of which host ms", "of which waiting ms",
                "wall / kernels", "GB a step reads", "GB a token reads",
                "experts a layer", "roofline ms", "% of roofline (kernels)", "% of roofline (wall)"]  # fmt: skip
@@ -524,10 +553,17 @@ def grpc_section(result: dict) -> str:
     rows = []
     for g in result["grpc"]:
         tpot, ttft = g["tpot_ms"], g["ttft_ms"]
-        rows.append([
-            str(g["concurrency"]), str(g["requests"]), _number(tpot.get("p50")), _number(tpot.get("p99")),
-            _number(ttft.get("p50")), _number(ttft.get("p99")), _number(g["output_tokens_per_s"], 1),
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(g["concurrency"]),
+                str(g["requests"]),
+                _number(tpot.get("p50")),
+                _number(tpot.get("p99")),
+                _number(ttft.get("p50")),
+                _number(ttft.get("p99")),
+                _number(g["output_tokens_per_s"], 1),
+            ]
+        )
     setup = result["setup"]
     head = f"## gRPC: {setup['prompt_tokens']}-token prompts, {setup['max_tokens']} output tokens each"
     headers = ["concurrency", "requests", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "TTFT p99 ms", "output tokens/s"]
@@ -556,14 +592,28 @@ def side_by_side(result: dict) -> str:
     for batch in sorted(decode.keys() | served.keys()):
         step, tpot = decode.get(batch), served.get(batch, {}).get("tpot_ms", {})
         roofline = step["roofline_ms"] if step else None
-        rows.append([
-            str(batch), _number(roofline, 3), _kernels(result, step["kernels_ms"]) if step else "n/a",
-            _number(step["wall_ms"] if step else None, 3), _number(tpot.get("p50")), _number(tpot.get("p99")),
-            _number(served.get(batch, {}).get("output_tokens_per_s"), 1),
-            _number(100 * roofline / tpot["p50"] if roofline and tpot.get("p50") else None, 1),
-        ])  # fmt: skip
-    headers = ["batch = concurrency", "roofline ms", "kernels ms", "engine loop ms", "gRPC TPOT p50 ms",
-               "gRPC TPOT p99 ms", "gRPC output tokens/s", "% of roofline (gRPC p50)"]  # fmt: skip
+        rows.append(
+            [
+                str(batch),
+                _number(roofline, 3),
+                _kernels(result, step["kernels_ms"]) if step else "n/a",
+                _number(step["wall_ms"] if step else None, 3),
+                _number(tpot.get("p50")),
+                _number(tpot.get("p99")),
+                _number(served.get(batch, {}).get("output_tokens_per_s"), 1),
+                _number(100 * roofline / tpot["p50"] if roofline and tpot.get("p50") else None, 1),
+            ]
+        )
+    headers = [
+        "batch = concurrency",
+        "roofline ms",
+        "kernels ms",
+        "engine loop ms",
+        "gRPC TPOT p50 ms",
+        "gRPC TPOT p99 ms",
+        "gRPC output tokens/s",
+        "% of roofline (gRPC p50)",
+    ]
     title = "## Side by side: a decode step from the bytes it must read to a token over gRPC"
     return f"{title}\n\n{_table(headers, rows)}"
 
@@ -597,10 +647,16 @@ def markdown(result: dict) -> str:
 def commit() -> str:
     """`git rev-parse --short HEAD`, marked +dirty when tracked files differ from it; 'unknown' outside git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -613,23 +669,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=PROXY)
     parser.add_argument("--mesh", default="tp1")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64],
-                        help="gRPC concurrency levels, and the decode batches the engine phase measures")  # fmt: skip
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 8, 64],
+        help="gRPC concurrency levels, and the decode batches the engine phase measures",
+    )
     parser.add_argument("--requests-per-level", type=int, default=16, help="at least the level's concurrency")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--long-prompt-tokens", type=int, default=2048)
     parser.add_argument("--long-prompts", type=int, default=4)
-    parser.add_argument("--context", type=int, help="tokens per sequence in the timed decode steps "
-                        "(default: prompt-tokens + max-tokens / 2, a gRPC request's mean)")  # fmt: skip
+    parser.add_argument(
+        "--context",
+        type=int,
+        help="tokens per sequence in the timed decode steps "
+        "(default: prompt-tokens + max-tokens / 2, a gRPC request's mean)",
+    )
     parser.add_argument("--max-num-seqs", type=int, help="the engine's slots (default: max concurrency + long prompts)")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--kv-cache-mib", type=int, help="decode state per device (default: what this run needs)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps of the engine loop")
     parser.add_argument("--repeats", type=int, default=5, help="CUPTI runs of a decode step")
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s per device (H200: measured copy)")
-    parser.add_argument("--compilation-cache", type=Path, help="JAX's compilation cache for the run: empty unless "
-                        "--skip-engine (default: a fresh temporary directory)")  # fmt: skip
+    parser.add_argument(
+        "--compilation-cache",
+        type=Path,
+        help="JAX's compilation cache for the run: empty unless --skip-engine (default: a fresh temporary directory)",
+    )
     parser.add_argument("--skip-engine", action="store_true", help="no compile, decode step or bytes phase")
     parser.add_argument("--skip-restart", action="store_true", help="no timed server start (gRPC still starts one)")
     parser.add_argument("--skip-grpc", action="store_true", help="no gRPC or long-prompt phase")
@@ -637,8 +705,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="the results as JSON (rewritten as each one comes)")
     parser.add_argument("--markdown", type=Path, help="the results as markdown, e.g. bench/results/e2e_h200.md")
     parser.add_argument("--render", type=Path, nargs="+", help="measure nothing: merge these runs' JSON files")
-    parser.add_argument("--only-engine", action="store_true", help="phase 1 here, results as JSON lines (what a "
-                        "full run starts as its child process)")  # fmt: skip
+    parser.add_argument(
+        "--only-engine",
+        action="store_true",
+        help="phase 1 here, results as JSON lines (what a full run starts as its child process)",
+    )
     args = parser.parse_args(argv)
     if args.render or args.only_engine:  # the engine child is given every size
         return args
@@ -647,8 +718,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.context = args.context or args.prompt_tokens + args.max_tokens // 2
     if min(args.concurrency) < 1 or max(args.concurrency) + args.long_prompts > args.max_num_seqs:
         parser.error(f"--concurrency must be 1 .. --max-num-seqs ({args.max_num_seqs}) - --long-prompts")
-    tokens = max(args.context + WARM_STEPS + args.steps + args.repeats + 4, args.long_prompt_tokens + 1,
-                 args.prompt_tokens + max(args.max_tokens, stream_tokens(args, text)))  # fmt: skip
+    tokens = max(
+        args.context + WARM_STEPS + args.steps + args.repeats + 4,
+        args.long_prompt_tokens + 1,
+        args.prompt_tokens + max(args.max_tokens, stream_tokens(args, text)),
+    )
     if tokens > text.max_position_embeddings:
         parser.error(f"a sequence needs {tokens} tokens; the model's context is {text.max_position_embeddings}")
     args.kv_cache_mib = args.kv_cache_mib or state_budget_mib(text, args.max_num_seqs, args.chunk, tokens)
@@ -679,8 +753,10 @@ def main(argv: list[str] | None = None) -> None:
         args.compilation_cache = Path(temporary.name)
     args.compilation_cache.mkdir(parents=True, exist_ok=True)
     if not args.skip_engine and cache_entries(args.compilation_cache):
-        sys.exit(f"error: {args.compilation_cache} holds compiled programs: the engine phase's compile would not be "
-                 "cold (give an empty directory, or --skip-engine)")  # fmt: skip
+        sys.exit(
+            f"error: {args.compilation_cache} holds compiled programs: the engine phase's compile would not be "
+            "cold (give an empty directory, or --skip-engine)"
+        )
     result: dict = {
         "setup": {
             "command": " ".join(["python -m bench.e2e", *given]), "commit": args.commit or commit(),

@@ -168,13 +168,16 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(f"| {name} | {status} | {answered * 1e3:.0f} | {health * 1e3:.0f} | {gap * 1e3:.0f} |")
             print(rows[-1], flush=True)
     watch.close()
-    table = "\n".join([
-        f"Server: {args.address} ({info.checkpoint}, {info.dtype}, mesh {info.mesh}), {args.streams} ordinary streams",
-        "",
-        "| hostile call | status | answered in ms | slowest health ms | longest token gap ms |",
-        "|---|---|---|---|---|",
-        *rows,
-    ])  # fmt: skip
+    table = "\n".join(
+        [
+            f"Server: {args.address} ({info.checkpoint}, {info.dtype}, mesh {info.mesh}),"
+            f" {args.streams} ordinary streams",
+            "",
+            "| hostile call | status | answered in ms | slowest health ms | longest token gap ms |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     if args.out:
         with open(args.out, "w") as out:
             out.write(table + "\n")

@@ -135,16 +135,30 @@ def main() -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     runs = []
     for spec in args.mesh:
-        command = [sys.executable, "-m", "bench.load_check", "--measure", str(checkpoint), "--mesh", spec,
-                   "--repeats", str(args.repeats)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "bench.load_check",
+            "--measure",
+            str(checkpoint),
+            "--mesh",
+            spec,
+            "--repeats",
+            str(args.repeats),
+        ]
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if result.returncode:
             raise RuntimeError(f"{spec}: {result.stderr}")
         runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
         print(json.dumps(runs[-1]))
     stored = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    record = {"command": " ".join(["python -m bench.load_check", *sys.argv[1:]]), "config": config,
-              "experts": args.experts, "checkpoint_bytes": stored, "runs": runs}  # fmt: skip
+    record = {
+        "command": " ".join(["python -m bench.load_check", *sys.argv[1:]]),
+        "config": config,
+        "experts": args.experts,
+        "checkpoint_bytes": stored,
+        "runs": runs,
+    }
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
 

@@ -61,12 +61,16 @@ def _kernel(body, wgs: int, n: int, scratch: list, interpret: bool):
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((ctas, wgs, n, LANES), jnp.bfloat16), grid=(ctas,),
-        grid_names=("sm",), num_threads=wgs, thread_name="wg",
+        kernel,
+        out_type=jax.ShapeDtypeStruct((ctas, wgs, n, LANES), jnp.bfloat16),
+        grid=(ctas,),
+        grid_names=("sm",),
+        num_threads=wgs,
+        thread_name="wg",
         scratch_types=[plgpu.SMEM((wgs, n, LANES), jnp.bfloat16), *scratch],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )  # fmt: skip
+    )
 
 
 def wgmma_kernel(n: int, registers: bool, wgs: int, iters: int, interpret: bool):
@@ -85,8 +89,10 @@ def wgmma_kernel(n: int, registers: bool, wgs: int, iters: int, interpret: bool)
 
         return acc_ref
 
-    scratch = [plgpu.SMEM((wgs, LANES, 128), jnp.bfloat16, transforms=work.X_TRANSFORMS),
-               plgpu.SMEM((n, 128), jnp.bfloat16, transforms=work.X_TRANSFORMS)]  # fmt: skip
+    scratch = [
+        plgpu.SMEM((wgs, LANES, 128), jnp.bfloat16, transforms=work.X_TRANSFORMS),
+        plgpu.SMEM((n, 128), jnp.bfloat16, transforms=work.X_TRANSFORMS),
+    ]
     return _kernel(body, wgs, n, scratch, interpret)
 
 
@@ -108,9 +114,12 @@ def body_kernel(fmt: str, tm: int, kc: int, iters: int, interpret: bool):
 
         return acc_ref
 
-    scratch = [plgpu.SMEM((rows, kc // work.VALUES_PER_ITEM[fmt]), DATA[fmt],
-                          transforms=work.weight_transforms(fmt, kc, item)),
-               plgpu.SMEM((tm, kc), jnp.bfloat16, transforms=work.X_TRANSFORMS)]  # fmt: skip
+    scratch = [
+        plgpu.SMEM(
+            (rows, kc // work.VALUES_PER_ITEM[fmt]), DATA[fmt], transforms=work.weight_transforms(fmt, kc, item)
+        ),
+        plgpu.SMEM((tm, kc), jnp.bfloat16, transforms=work.X_TRANSFORMS),
+    ]
     if fmt != "plain":
         scratch.append(plgpu.SMEM((kc // work.BLOCK[fmt], rows), SCALES[fmt]))
     if fmt == NVFP4:
@@ -135,10 +144,13 @@ def stream_kernel(fmt: str, tm: int, operands: str, interpret: bool):
         c = lax.axis_index("sm")
         e = c % w_gmem.shape[0]
         weight_specs = [
-            plgpu.BlockSpec((rows, kc // work.VALUES_PER_ITEM[fmt]), lambda i, kk: ((c + i) % 24, kk),
-                            transforms=work.weight_transforms(fmt, kc, item)),
+            plgpu.BlockSpec(
+                (rows, kc // work.VALUES_PER_ITEM[fmt]),
+                lambda i, kk: ((c + i) % 24, kk),
+                transforms=work.weight_transforms(fmt, kc, item),
+            ),
             plgpu.BlockSpec((kc // work.BLOCK[fmt], rows), lambda i, kk: (kk, (c + i) % 24)),
-        ]  # fmt: skip
+        ]
         x_spec = plgpu.BlockSpec((tm, kc), lambda i, kk: ((c + i) % 36, kk), transforms=work.X_TRANSFORMS)
         specs = {"weights": weight_specs, "activations": [x_spec], "both": [*weight_specs, x_spec]}[operands]
         refs = {"weights": [w_gmem.at[e], s_gmem.at[e]], "activations": [x_gmem]}
@@ -148,17 +160,26 @@ def stream_kernel(fmt: str, tm: int, operands: str, interpret: bool):
             pass
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            release, grid=(items, steps), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=WGS,
+            release,
+            grid=(items, steps),
+            memory_registers=40,
+            in_specs=specs,
+            wg_axis="wg",
+            num_compute_wgs=WGS,
             max_concurrent_steps=3,
-        )  # fmt: skip
+        )
         pipeline(*refs[operands])
 
     return items * steps, plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((8, 128), jnp.float32), grid=(ctas,), grid_names=("sm",),
-        num_threads=WGS + 1, thread_name="wg",
+        kernel,
+        out_type=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        grid=(ctas,),
+        grid_names=("sm",),
+        num_threads=WGS + 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )  # fmt: skip
+    )
 
 
 def stream_rate(fmt: str, tm: int, operands: str, interpret: bool) -> str:

@@ -80,8 +80,9 @@ def gather_path(x, gate_up, down, experts, weights):
     """Each copy's experts gathered, dequantized and multiplied in XLA."""
     copy_ids, top_k = experts.reshape(-1), experts.shape[1]
     rows = jnp.repeat(x, top_k, axis=0)  # [N * k, H], copy n * k + j
-    projected = round_to(jnp.einsum("ch,cnh->cn", rows, values(take(gate_up, copy_ids)),
-                                    preferred_element_type=jnp.float32), x.dtype)  # fmt: skip
+    projected = round_to(
+        jnp.einsum("ch,cnh->cn", rows, values(take(gate_up, copy_ids)), preferred_element_type=jnp.float32), x.dtype
+    )
     inter = projected.shape[-1] // 2
     hidden = capped_swiglu(projected[:, :inter], projected[:, inter:], **CAPS)
     out_rows = jnp.einsum("ci,chi->ch", hidden, values(take(down, copy_ids)), preferred_element_type=jnp.float32)
@@ -98,12 +99,10 @@ def padded_path(x, gate_up, down, experts, weights, *, capacity: int):
     slot = jnp.arange(copies) - (jnp.cumsum(routing.group_sizes) - routing.group_sizes)[expert_of]
     index = jnp.full((num_experts, capacity), copies, jnp.int32).at[expert_of, slot].set(jnp.arange(copies))
     rows = jnp.concatenate([x[routing.token_of], jnp.zeros((1, hidden_size), x.dtype)])[index]  # [E, C, H]
-    projected = round_to(jnp.einsum("ech,enh->ecn", rows, values(gate_up), preferred_element_type=jnp.float32),
-                         x.dtype)  # fmt: skip
+    projected = round_to(jnp.einsum("ech,enh->ecn", rows, values(gate_up), preferred_element_type=jnp.float32), x.dtype)
     inter = projected.shape[-1] // 2
     hidden = capped_swiglu(projected[..., :inter], projected[..., inter:], **CAPS)
-    out_rows = round_to(jnp.einsum("eci,ehi->ech", hidden, values(down), preferred_element_type=jnp.float32),
-                        x.dtype)  # fmt: skip
+    out_rows = round_to(jnp.einsum("eci,ehi->ech", hidden, values(down), preferred_element_type=jnp.float32), x.dtype)
     sorted_rows = out_rows.reshape(-1, hidden_size)[expert_of * capacity + slot]
     return combine(sorted_rows, routing, x.shape[0], x.dtype)
 
@@ -162,8 +161,11 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
     num_experts, hidden, inter = args.shape
     gate_up, down, per_expert = stored_experts(num_experts, hidden, inter, fmt)
     laid = for_gpu_experts(gate_up, down) if jax.default_backend() == "gpu" else None
-    kernel = jax.jit(lambda x, gate_up, down, experts, weights: moe_experts(
-        x, gate_up, down, experts, weights, **CAPS, backend="gpu"))  # fmt: skip
+    kernel = jax.jit(
+        lambda x, gate_up, down, experts, weights: moe_experts(
+            x, gate_up, down, experts, weights, **CAPS, backend="gpu"
+        )
+    )
     for tokens in args.tokens:
         x, experts, weights = routing_case(tokens, tokens, num_experts, hidden)
         distinct = len(np.unique(np.asarray(experts)))
@@ -174,8 +176,9 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
 
         operands = (x, gate_up, down, experts, weights)
         if laid:
-            row["kernel_ms"], row["kernel_longest_ms"] = device_ms(kernel, x, *laid, experts, weights,
-                                                                   repeats=args.repeats)  # fmt: skip
+            row["kernel_ms"], row["kernel_longest_ms"] = device_ms(
+                kernel, x, *laid, experts, weights, repeats=args.repeats
+            )
         if not args.kernel_only:
             row["gather_ms"] = device_ms(jax.jit(gather_path), *operands, repeats=args.repeats)[0]
             row["xla_read_ms"] = device_ms(jax.jit(read), gate_up, down, repeats=args.repeats)[0]
@@ -189,8 +192,9 @@ def measure_format(fmt: str, args: argparse.Namespace, record) -> None:
         run = jax.jit(lambda *a, c=capacity: padded_path(*a, capacity=c))
         row = {"format": fmt, "tokens": tokens, "capacity": capacity, "flops": flops}
         if laid:
-            row["kernel_ms"], row["kernel_longest_ms"] = device_ms(kernel, x, *laid, experts, weights,
-                                                                   repeats=args.repeats)  # fmt: skip
+            row["kernel_ms"], row["kernel_longest_ms"] = device_ms(
+                kernel, x, *laid, experts, weights, repeats=args.repeats
+            )
             row["kernel_tflop_s"] = flops / row["kernel_ms"] / 1e9
             row["kernel_pct_of_bf16"] = 100 * row["kernel_tflop_s"] / BF16_TFLOP_S
         if not args.kernel_only:

@@ -49,9 +49,18 @@ WEIGHT_BYTES = {"bf16": 2.0, MXFP8: 1 + 1 / block_formats.MX_BLOCK, NVFP4: 0.5 +
 
 
 NOT_VECTOR_WORK = {  # a vreg reinterpreted or moved whole, or memory
-    "bitcast", "bitcast_convert_type", "reshape", "concatenate", "broadcast_in_dim", "squeeze", "slice", "get", "swap",
-    "jit", "multiple_of",
-}  # fmt: skip
+    "bitcast",
+    "bitcast_convert_type",
+    "reshape",
+    "concatenate",
+    "broadcast_in_dim",
+    "squeeze",
+    "slice",
+    "get",
+    "swap",
+    "jit",
+    "multiple_of",
+}
 
 
 def dequant_ops(fmt: str, tn: int = 512) -> Counter:
@@ -70,8 +79,11 @@ def dequant_ops(fmt: str, tn: int = 512) -> Counter:
         out_ref[...] = tpu._chunk(fmt, weight, scales, 0, jnp.bfloat16)
 
     def call(*args):
-        return pl.pallas_call(kernel, out_shape=spec((tpu.CHUNK, tn), jnp.bfloat16),
-                              scratch_shapes=[pltpu.VMEM((blocks, tn), jnp.float32)])(*args)  # fmt: skip
+        return pl.pallas_call(
+            kernel,
+            out_shape=spec((tpu.CHUNK, tn), jnp.bfloat16),
+            scratch_shapes=[pltpu.VMEM((blocks, tn), jnp.float32)],
+        )(*args)
 
     ops = Counter()
 
@@ -88,9 +100,16 @@ def dequant_ops(fmt: str, tn: int = 512) -> Counter:
 
 
 def kernel_work(
-    expert: np.ndarray, tm: int, k: int, tiles: int, block: int, out: int, per_value: float, visits_first: bool,
+    expert: np.ndarray,
+    tm: int,
+    k: int,
+    tiles: int,
+    block: int,
+    out: int,
+    per_value: float,
+    visits_first: bool,
     row_bytes: float,
-) -> tuple[float, float]:  # fmt: skip
+) -> tuple[float, float]:
     """(HBM bytes, flops) of one grouped matmul over the visits' experts `expert` [V] and its `tiles` column tiles:
     each step's weight block(s) [K, block] fetched where the expert or the column tile changes, its rows
     (`row_bytes` a visit) where the visit does, its output tile [TM, out] out (bf16)."""
@@ -126,20 +145,32 @@ def call_work(tokens: int, fmt: str, shards: int) -> dict:
     rows = (kept * token_row, real * plan.tm * INTER * 2)  # each kernel's rows, every visit's once
     shapes = ((INTER // tn, 2 * INTER * HIDDEN * itemsize), (HIDDEN // th, HIDDEN * INTER * itemsize))  # column
     # tiles, an expert's weight bytes
-    orders = [bool(tpu._visits_first(plan, tiles, expert_bytes, jnp.float32(row_bytes)))  # as the kernels choose
-              for (tiles, expert_bytes), row_bytes in zip(shapes, rows, strict=True)]  # fmt: skip
+    orders = [
+        bool(tpu._visits_first(plan, tiles, expert_bytes, jnp.float32(row_bytes)))  # as the kernels choose
+        for (tiles, expert_bytes), row_bytes in zip(shapes, rows, strict=True)
+    ]
     gate_up = kernel_work(expert, plan.tm, HIDDEN, INTER // tn, 2 * tn, tn, per_value, orders[0], rows[0])
     down = kernel_work(expert, plan.tm, INTER, HIDDEN // th, th, th, per_value, orders[1], rows[1])
     xla = tokens * (HIDDEN * 2 + token_row) + kept * HIDDEN * 2 + tokens * HIDDEN * 2  # x's rows relaid; combine
     floor = sum(max(b / HBM_TB_S, f / MXU_TFLOP_S) for b, f in (gate_up, down)) / 1e9 + xla / HBM_TB_S / 1e9
     stored = len(np.unique(expert)) * 3 * HIDDEN * INTER * per_value
     return {
-        "tokens": tokens, "format": fmt, "shards": shards, "visits": real, "tm": plan.tm,
-        "rows_per_kept": real * plan.tm / max(kept, 1), "shared_per_kept": shared_rows(routing) / max(kept, 1),
-        "static_rows": plan.rows, "orders": "".join("V" if first else "C" for first in orders),
-        "weights_gb": stored / 1e9, "kernel_gb": (gate_up[0] + down[0]) / 1e9, "xla_gb": xla / 1e9,
-        "tflop": (gate_up[1] + down[1]) / 1e12, "floor_ms": floor, "weights_ms": stored / HBM_TB_S / 1e9,
-    }  # fmt: skip
+        "tokens": tokens,
+        "format": fmt,
+        "shards": shards,
+        "visits": real,
+        "tm": plan.tm,
+        "rows_per_kept": real * plan.tm / max(kept, 1),
+        "shared_per_kept": shared_rows(routing) / max(kept, 1),
+        "static_rows": plan.rows,
+        "orders": "".join("V" if first else "C" for first in orders),
+        "weights_gb": stored / 1e9,
+        "kernel_gb": (gate_up[0] + down[0]) / 1e9,
+        "xla_gb": xla / 1e9,
+        "tflop": (gate_up[1] + down[1]) / 1e12,
+        "floor_ms": floor,
+        "weights_ms": stored / HBM_TB_S / 1e9,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,8 +182,11 @@ def main(argv: list[str] | None = None) -> None:
     for fmt in args.formats:
         if fmt != "bf16":
             ops = dequant_ops(fmt)
-            print(f"{fmt} dequantization: {sum(ops.values()):.2f} element operations per weight value (" +
-                  ", ".join(f"{name} {count:.2f}" for name, count in ops.most_common()) + ")")  # fmt: skip
+            print(
+                f"{fmt} dequantization: {sum(ops.values()):.2f} element operations per weight value ("
+                + ", ".join(f"{name} {count:.2f}" for name, count in ops.most_common())
+                + ")"
+            )
     head = "tokens format shards visits TM rows/kept shared/kept static orders weights_GB kernels_GB XLA_GB TFLOP"
     head += " floor_ms"
     head += " weights_ms"

@@ -171,9 +171,12 @@ def main(argv: list[str] | None = None) -> None:
             inputs = case(batch, context, 1, seed=batch * 7 + context)
             row = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
             row |= run_case(
-                inputs, kernel=kernel, repeats=args.repeats, with_reference=kv_bytes <= args.skip_reference_above,
+                inputs,
+                kernel=kernel,
+                repeats=args.repeats,
+                with_reference=kv_bytes <= args.skip_reference_above,
                 causal_chunk=False,
-            )  # fmt: skip
+            )
             if args.layers > 1 and kernel != "reference" and args.layers * kv_bytes <= LAYERED_KV_BYTES:
                 row[f"{kernel}_per_layer_ms"] = per_layer_ms(
                     inputs, kernel=kernel, layers=args.layers, repeats=args.repeats
@@ -195,9 +198,13 @@ def main(argv: list[str] | None = None) -> None:
             row = {"chunk": chunk, "prefix": prefix, "flops": flops}
             logits_bytes = 4 * HEADS * chunk * (prefix + chunk)
             row |= run_case(
-                inputs, kernel=kernel, repeats=args.repeats, with_reference=logits_bytes <= args.skip_reference_above,
-                causal_chunk=prefix == 0, variants=PREFILL_TILES if kernel == "gpu" else (),
-            )  # fmt: skip
+                inputs,
+                kernel=kernel,
+                repeats=args.repeats,
+                with_reference=logits_bytes <= args.skip_reference_above,
+                causal_chunk=prefix == 0,
+                variants=PREFILL_TILES if kernel == "gpu" else (),
+            )
             for name in (kernel, "gpu_prefill_tiles", "kernel_only", "reference", "cudnn"):
                 if f"{name}_ms" in row:
                     # cuDNN after a prefix sees the whole chunk x context rectangle (no causal mask inside the chunk)

@@ -47,9 +47,10 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def one_request(stub, prompt: list[int], max_tokens: int, seed: int) -> tuple[float, float | None, int]:
     """(TTFT, TPOT or None, output tokens) of one streamed call, in seconds."""
     request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(temperature=1.0, seed=seed),
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=1.0, seed=seed),
         stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=True),
-    )  # fmt: skip
+    )
     start = time.perf_counter()
     first = last = None
     tokens = 0
@@ -102,9 +103,15 @@ def start_server(args: argparse.Namespace):
         checkpoint = TINY
     else:
         checkpoint = write_checkpoint(TINY, Path(tempfile.mkdtemp()) / "tiny", experts="mixed")
-    engine = load_engine(str(checkpoint), mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                         chunk=args.chunk, load_format=args.load_format,
-                         executable_cache=compilation_cache.executables(cache))  # fmt: skip
+    engine = load_engine(
+        str(checkpoint),
+        mesh=args.mesh,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        chunk=args.chunk,
+        load_format=args.load_format,
+        executable_cache=compilation_cache.executables(cache),
+    )
     scheduler = Scheduler(engine)
     scheduler.warm_up()
     scheduler.start()
@@ -136,8 +143,18 @@ def main() -> None:
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.InklingStub(channel)
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
-            levels = [level(stub, c, max(args.requests_per_level, c), args.prompt_tokens, args.max_tokens,
-                            info.unpadded_vocab_size, seed=1000 * c) for c in args.concurrency]  # fmt: skip
+            levels = [
+                level(
+                    stub,
+                    c,
+                    max(args.requests_per_level, c),
+                    args.prompt_tokens,
+                    args.max_tokens,
+                    info.unpadded_vocab_size,
+                    seed=1000 * c,
+                )
+                for c in args.concurrency
+            ]
         devices = math.prod(parse_mesh(info.mesh))
         for each in levels:
             each["output_tokens_per_s_per_device"] = round(each["output_tokens_per_s"] / devices, 1)
@@ -146,8 +163,9 @@ def main() -> None:
             server.stop()
             scheduler.stop()
     given = {k: v for k, v in vars(args).items() if v is not None and k != "out"}
-    flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                     for k, v in given.items())  # fmt: skip
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in given.items()
+    )
     result = {
         "command": f"python -m bench.serve {flags}",
         "server": {"checkpoint": checkpoint, "mesh": info.mesh, "dtype": info.dtype, "max_num_seqs": info.max_num_seqs},

@@ -29,11 +29,21 @@ import time
 from pathlib import Path
 
 CONFIG = {
-    "model_type": "inkling2_text", "vocab_size": 32768, "unpadded_vocab_size": 32000, "hidden_size": 1024,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "swa_num_attention_heads": 8,
-    "swa_num_key_value_heads": 2, "swa_head_dim": 128, "moe_intermediate_size": 512, "n_routed_experts": 64,
-    "num_experts_per_tok": 8, "eos_token_id": 2,
-}  # fmt: skip
+    "model_type": "inkling2_text",
+    "vocab_size": 32768,
+    "unpadded_vocab_size": 32000,
+    "hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "swa_num_attention_heads": 8,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 128,
+    "moe_intermediate_size": 512,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 8,
+    "eos_token_id": 2,
+}
 MODES = ("sharded", "whole_then_shard")
 
 

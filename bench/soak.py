@@ -162,13 +162,18 @@ class Mismatch:
         got, alone = self.call.token_ids, self.reference.token_ids
         first = first_difference(got, alone)
         entry = {
-            "id": self.call.request.request_id, "kind": self.call.kind, "preempted": self.preempted,
-            "first_difference": first, "got": got[max(0, first - 2) : first + 6],
-            "alone": alone[max(0, first - 2) : first + 6], "lengths": [len(got), len(alone)],
+            "id": self.call.request.request_id,
+            "kind": self.call.kind,
+            "preempted": self.preempted,
+            "first_difference": first,
+            "got": got[max(0, first - 2) : first + 6],
+            "alone": alone[max(0, first - 2) : first + 6],
+            "lengths": [len(got), len(alone)],
             "finish": [pb.FinishReason.Name(c.finish) for c in (self.call, self.reference)],
-            "top_alone_at_difference": self.top_alone, "reference_outcome": self.reference.outcome,
+            "top_alone_at_difference": self.top_alone,
+            "reference_outcome": self.reference.outcome,
             "request": json_format.MessageToDict(self.reference.request),
-        }  # fmt: skip
+        }
         if first < min(len(self.call.logprobs), len(self.reference.logprobs)):
             entry["logprob_at_difference"] = [self.call.logprobs[first].logprob, self.reference.logprobs[first].logprob]
         return entry
@@ -199,8 +204,9 @@ class ServerProcess:
             self.command += ["--checkpoint", settings.checkpoint]
         path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(self.command, cwd=REPO, env={**os.environ, "PYTHONPATH": path},
-                                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            self.process = subprocess.Popen(
+                self.command, cwd=REPO, env={**os.environ, "PYTHONPATH": path}, stdout=log, stderr=subprocess.STDOUT
+            )
         self.address = self.metrics_url = ""
 
     def wait_serving(self, timeout: float = 1800.0) -> float:
@@ -267,9 +273,13 @@ def kv_cache_mib(settings: Settings) -> float:
     while True:
         try:
             layout = layout_for_budget(
-                text, int(mib * 2**20), max_num_seqs=settings.max_num_seqs, max_context=text.max_position_embeddings,
-                max_chunk=64, dtype=DTYPES[settings.dtype],
-            )  # fmt: skip
+                text,
+                int(mib * 2**20),
+                max_num_seqs=settings.max_num_seqs,
+                max_context=text.max_position_embeddings,
+                max_chunk=64,
+                dtype=DTYPES[settings.dtype],
+            )
             if layout.num_pages >= settings.kv_pages:
                 return mib
         except CacheBudgetError:
@@ -379,9 +389,12 @@ class Load:
         if self.rng.random() < 0.35:
             return pb.SamplingParams(temperature=0.0, seed=seed)
         sampling = pb.SamplingParams(
-            temperature=self.rng.choice((0.5, 0.8, 1.0, 1.3)), seed=seed, top_k=self.rng.choice((0, 0, 5, 40)),
-            top_p=self.rng.choice((1.0, 0.9, 0.7)), min_p=self.rng.choice((0.0, 0.0, 0.05)),
-        )  # fmt: skip
+            temperature=self.rng.choice((0.5, 0.8, 1.0, 1.3)),
+            seed=seed,
+            top_k=self.rng.choice((0, 0, 5, 40)),
+            top_p=self.rng.choice((1.0, 0.9, 0.7)),
+            min_p=self.rng.choice((0.0, 0.0, 0.05)),
+        )
         if self.rng.random() < 0.3:
             sampling.repetition_penalty = self.rng.choice((1.1, 1.3, 0.9))
             sampling.presence_penalty = self.rng.uniform(-1, 1)
@@ -506,8 +519,9 @@ class Load:
 
     async def generate(self, text: bool | None = None) -> None:
         request = self.ordinary(text=text)
-        await self.send(Call("Generate: text" if request.HasField("text") else "Generate: token ids", OK,
-                             request=request))  # fmt: skip
+        await self.send(
+            Call("Generate: text" if request.HasField("text") else "Generate: token ids", OK, request=request)
+        )
 
     async def cancel(self, at_a_time: bool | None = None) -> None:
         if at_a_time is None:
@@ -515,17 +529,21 @@ class Load:
         if not at_a_time:
             after = self.rng.randint(1, 48)
             request = self.unending(self._size((1, 15), (15, 120), (120, 400)), after + CANCEL_MARGIN)
-            await self.send(Call("Generate: cancelled after some tokens", "CANCELLED", request=request),
-                            cancel_after_tokens=after)  # fmt: skip
+            await self.send(
+                Call("Generate: cancelled after some tokens", "CANCELLED", request=request), cancel_after_tokens=after
+            )
         else:  # often while queued or prefilling a long prompt
             request = self.unending(self._size((1, 15), (120, 400), (400, 600)), 1000)
-            await self.send(Call("Generate: cancelled at a random time", "CANCELLED", request=request),
-                            cancel_after_s=self.rng.uniform(0.0, 1.5))  # fmt: skip
+            await self.send(
+                Call("Generate: cancelled at a random time", "CANCELLED", request=request),
+                cancel_after_s=self.rng.uniform(0.0, 1.5),
+            )
 
     async def deadline(self) -> None:
         request = self.unending(self._size((1, 15), (15, 120), (120, 300)), self.rng.randint(1500, 2500))
-        await self.send(Call("Generate: tight deadline", "DEADLINE_EXCEEDED", request=request),
-                        timeout=self.rng.uniform(0.05, 3.0))  # fmt: skip
+        await self.send(
+            Call("Generate: tight deadline", "DEADLINE_EXCEEDED", request=request), timeout=self.rng.uniform(0.05, 3.0)
+        )
 
     async def duplicate_id(self) -> None:
         """A second call with the request id of a stream in flight: ALREADY_EXISTS; then the first is cancelled."""
@@ -597,8 +615,9 @@ class Load:
             elif kind == 1:
                 ids = self._ids_of(self.rng.randint(0, 300))
                 skip = self.rng.random() < 0.5
-                await stub.Detokenize(pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=skip),
-                                      timeout=CALL_TIMEOUT_S)  # fmt: skip
+                await stub.Detokenize(
+                    pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=skip), timeout=CALL_TIMEOUT_S
+                )
             elif await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S) != self.info:
                 call.problems.append("the model info changed")
             call.outcome = OK
@@ -608,24 +627,37 @@ class Load:
     # rounds
 
     async def worker(self, until: float) -> None:
-        kinds = {"generate": self.generate, "cancel": self.cancel, "deadline": self.deadline, "bad": self.bad,
-                 "unary": self.unary, "duplicate id": self.duplicate_id}  # fmt: skip
+        kinds = {
+            "generate": self.generate,
+            "cancel": self.cancel,
+            "deadline": self.deadline,
+            "bad": self.bad,
+            "unary": self.unary,
+            "duplicate id": self.duplicate_id,
+        }
         while time.monotonic() < until:
             await kinds[self.rng.choices(list(KINDS), list(KINDS.values()))[0]]()
 
     def every_kind(self) -> list[Awaitable[None]]:
         """One call of every kind and variant, every bad request included."""
         return [
-            self.generate(text=True), self.generate(text=False), self.cancel(at_a_time=False),
-            self.cancel(at_a_time=True), self.deadline(), self.duplicate_id(), *(self.unary(k) for k in range(3)),
+            self.generate(text=True),
+            self.generate(text=False),
+            self.cancel(at_a_time=False),
+            self.cancel(at_a_time=True),
+            self.deadline(),
+            self.duplicate_id(),
+            *(self.unary(k) for k in range(3)),
             *(self.bad(i) for i in range(len(self.bad_requests()))),
-        ]  # fmt: skip
+        ]
 
     def burst(self) -> list[Awaitable[Call]]:
         """16-64 short streams at once."""
         self.bursts += 1
-        return [self.send(Call("Generate: burst", OK, request=self.ordinary(short=True)))
-                for _ in range(self.rng.randint(16, 64))]  # fmt: skip
+        return [
+            self.send(Call("Generate: burst", OK, request=self.ordinary(short=True)))
+            for _ in range(self.rng.randint(16, 64))
+        ]
 
     def long_burst(self) -> list[Awaitable[Call]]:
         """Slots to 2x slots prompts of 400-700 ids at once: more than the page pool holds, so some are preempted."""
@@ -687,10 +719,13 @@ class Load:
         """Streams run again alone, one at a time: the preempted first, then the others in random order, until
         `seconds` have passed. Returns the streams checked and the mismatches."""
         candidates = [
-            c for c in self.calls
-            if c.request is not None and c.outcome == c.expected and (c.outcome == OK or c.token_ids)
+            c
+            for c in self.calls
+            if c.request is not None
+            and c.outcome == c.expected
+            and (c.outcome == OK or c.token_ids)
             and c.outcome in (OK, "CANCELLED", "DEADLINE_EXCEEDED")
-        ]  # fmt: skip
+        ]
         self.rng.shuffle(candidates)
         candidates.sort(key=lambda c: c.request.request_id not in preempted)
         checked, mismatches = [], []
@@ -765,8 +800,12 @@ def same_output(call: Call, reference: Call) -> bool:
     if call.outcome != OK:
         return call.token_ids == reference.token_ids
     return (call.token_ids, "".join(call.text), call.finish, call.matched_stop, call.usage) == (
-        reference.token_ids, "".join(reference.text), reference.finish, reference.matched_stop, reference.usage
-    )  # fmt: skip
+        reference.token_ids,
+        "".join(reference.text),
+        reference.finish,
+        reference.matched_stop,
+        reference.usage,
+    )
 
 
 def stream_problems(call: Call, eos: set[int]) -> list[str]:
@@ -955,18 +994,23 @@ def make_report(results: Results) -> Report:
         "",
         "| call | expected | calls | outcomes |",
         "|---|---|---|---|",
-        *(f"| {kind} | {expected[kind]} | {sum(counts[kind].values())} | "
-          f"{', '.join(f'{name} {n}' for name, n in sorted(counts[kind].items()))} |"
-          for kind in sorted(counts, key=lambda k: (k.startswith("bad: "), k))),
+        *(
+            f"| {kind} | {expected[kind]} | {sum(counts[kind].values())} | "
+            f"{', '.join(f'{name} {n}' for name, n in sorted(counts[kind].items()))} |"
+            for kind in sorted(counts, key=lambda k: (k.startswith("bad: "), k))
+        ),
         f"| all | | {len(load.calls)} | {len(unexpected)} unexpected |",
         "",
         "| check | result | detail |",
         "|---|---|---|",
         *(f"| {name} | {'pass' if passed else 'FAIL'} | {detail} |" for name, passed, detail in checks),
-    ]  # fmt: skip
+    ]
     described = [m.describe() for m in r.mismatches]
-    sections = (("Mismatches (a stream against the same request alone)", [json.dumps(d) for d in described]),
-                ("Unexpected outcomes", unexpected), ("Broken stream rules", broken))  # fmt: skip
+    sections = (
+        ("Mismatches (a stream against the same request alone)", [json.dumps(d) for d in described]),
+        ("Unexpected outcomes", unexpected),
+        ("Broken stream rules", broken),
+    )
     for title, entries in sections:
         if entries:
             lines += ["", f"{title}, {len(entries)} (the first 20):", "", *(f"- {entry}" for entry in entries[:20])]
@@ -1010,24 +1054,41 @@ def run(settings: Settings, command: str = "python -m bench.soak") -> Report:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="minutes of load (default 30)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the server's dtype (default float32, the recorded run's)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the server's dtype (default float32, the recorded run's)",
+    )
     parser.add_argument("--out", help="write the report (markdown) here")
     parser.add_argument("--checkpoint", help="checkpoint directory (default: the server's embedded synthetic one)")
     parser.add_argument("--seed", type=int, help="the load's random seed (default: a random one, reported)")
-    parser.add_argument("--reference-minutes", type=float,
-                        help="at most this long running streams again alone (default: half of --minutes)")  # fmt: skip
+    parser.add_argument(
+        "--reference-minutes",
+        type=float,
+        help="at most this long running streams again alone (default: half of --minutes)",
+    )
     parser.add_argument("--kv-pages", type=int, default=32, help="KV pages in the server's pool (default 32)")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the server's slots (default 8)")
-    parser.add_argument("--rss-tolerance-mb", type=float, default=32.0,
-                        help="RSS rise over the load's second half past which a trend fails (default 32)")  # fmt: skip
+    parser.add_argument(
+        "--rss-tolerance-mb",
+        type=float,
+        default=32.0,
+        help="RSS rise over the load's second half past which a trend fails (default 32)",
+    )
     parser.add_argument("--log", help="the server's log file (default: a temporary file, named in the report)")
     args = parser.parse_args(argv)
     settings = Settings(
-        minutes=args.minutes, dtype=args.dtype, checkpoint=args.checkpoint, seed=args.seed,
-        reference_minutes=args.reference_minutes, kv_pages=args.kv_pages, max_num_seqs=args.max_num_seqs,
-        rss_tolerance_mb=args.rss_tolerance_mb, log=args.log,
-    )  # fmt: skip
+        minutes=args.minutes,
+        dtype=args.dtype,
+        checkpoint=args.checkpoint,
+        seed=args.seed,
+        reference_minutes=args.reference_minutes,
+        kv_pages=args.kv_pages,
+        max_num_seqs=args.max_num_seqs,
+        rss_tolerance_mb=args.rss_tolerance_mb,
+        log=args.log,
+    )
     report = run(settings, " ".join(["python -m bench.soak", *(sys.argv[1:] if argv is None else argv)]))
     print(report.text, end="")
     if args.out:

@@ -45,8 +45,14 @@ TARGET = {
         "conv_kernel_size": 4, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
         "final_logit_softcapping": 30.0, "eos_token_id": 499,
 }  # fmt: skip
-DRAFT = {"num_hidden_layers": 2, "block_size": 7, "target_layer_ids": [1, 5, 10], "mask_token_id": 498,
-         "markov_rank": 64, "intermediate_size": 256}  # fmt: skip
+DRAFT = {
+    "num_hidden_layers": 2,
+    "block_size": 7,
+    "target_layer_ids": [1, 5, 10],
+    "mask_token_id": 498,
+    "markov_rank": 64,
+    "intermediate_size": 256,
+}
 
 
 def build_target(root: Path, dtype: jnp.dtype, sharpen: float) -> CausalLM:
@@ -117,8 +123,9 @@ def distill(model: CausalLM, text: np.ndarray, steps: int, batch: int, anchors: 
         starts = starts.reshape(-1)  # [R]: anchor positions
         block = starts[:, None] + jnp.arange(gamma + 1)  # the anchor, then the γ positions to predict
         window = tokens[rows[:, None], block]  # [R, γ + 1]
-        h = draft.block_hidden(window[:, 0], starts, context_k[:, rows], context_v[:, rows], positions[rows],
-                               target.model.embed_tokens)  # fmt: skip
+        h = draft.block_hidden(
+            window[:, 0], starts, context_k[:, rows], context_v[:, rows], positions[rows], target.model.embed_tokens
+        )
         logits = target.logits(h) + draft.block_biases(window[:, 0], window[:, 1:], h)  # [R, γ, V]
         teacher = jax.nn.softmax(teacher_logits[rows[:, None], block[:, :-1]], axis=-1)  # [R, γ, V]
         return -jnp.mean(jnp.sum(teacher * jax.nn.log_softmax(logits, axis=-1), axis=-1))
@@ -141,8 +148,14 @@ def distill(model: CausalLM, text: np.ndarray, steps: int, batch: int, anchors: 
             curve.append((step, round(float(loss), 4)))
             print(f"  step {step}: loss {float(loss):.4f}", file=sys.stderr)
     nnx.update(model.dspark, draft_state)
-    return {"steps": steps, "batch": batch, "anchors_per_sequence": anchors, "lr": lr, "loss": curve,
-            "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+    return {
+        "steps": steps,
+        "batch": batch,
+        "anchors_per_sequence": anchors,
+        "lr": lr,
+        "loss": curve,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 def measure(model: CausalLM, eval_prompts: list[list[int]], max_tokens: int, repeats: int) -> list[dict]:
@@ -166,12 +179,18 @@ def measure(model: CausalLM, eval_prompts: list[list[int]], max_tokens: int, rep
                 seconds = float(np.median(times))
                 generated = sum(len(r["token_ids"]) for r in results)
                 lengths = [r["acceptance_length"] for r in results if "acceptance_length" in r]
-                rows.append({
-                    "batch": slots, "speculative": mode, "temperature": temperature, "generated": generated,
-                    "seconds": round(seconds, 4), "tokens_per_s": round(generated / seconds, 1),
-                    "per_user_tokens_per_s": round(generated / slots / seconds, 1),
-                    "acceptance_length": round(float(np.mean(lengths)), 3) if lengths else None,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "batch": slots,
+                        "speculative": mode,
+                        "temperature": temperature,
+                        "generated": generated,
+                        "seconds": round(seconds, 4),
+                        "tokens_per_s": round(generated / seconds, 1),
+                        "per_user_tokens_per_s": round(generated / slots / seconds, 1),
+                        "acceptance_length": round(float(np.mean(lengths)), 3) if lengths else None,
+                    }
+                )
                 print(f"  {rows[-1]}", file=sys.stderr)
     return rows
 
@@ -209,11 +228,20 @@ def main(argv: list[str] | None = None) -> int:
     trained = measure(model, eval_prompts, args.max_tokens, args.repeats)
     result = {
         "command": "python -m bench.speculative " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-                    "host": platform.node(), "cpus": jax.local_device_count()},
-        "target": TARGET, "draft": DRAFT, "sharpen": args.sharpen, "dtype": args.dtype,
-        "training": training, "untrained_draft": untrained, "trained_draft": trained,
-    }  # fmt: skip
+        "machine": {
+            "backend": jax.default_backend(),
+            "device": str(jax.devices()[0].device_kind),
+            "host": platform.node(),
+            "cpus": jax.local_device_count(),
+        },
+        "target": TARGET,
+        "draft": DRAFT,
+        "sharpen": args.sharpen,
+        "dtype": args.dtype,
+        "training": training,
+        "untrained_draft": untrained,
+        "trained_draft": trained,
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

@@ -66,8 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"weights built on the device: {_seconds(start)}", flush=True)
     with jax.set_mesh(mesh):
         chunk = args.width if args.width > 1 else 64  # a prompt lane per slot of `width` tokens
-        engine = Engine.create(model, mesh, max_num_seqs=args.slots, chunk=chunk, max_context=2048,
-                               max_num_batched_tokens=args.slots * args.width + 1, num_top=MAX_LOGPROBS)  # fmt: skip
+        engine = Engine.create(
+            model,
+            mesh,
+            max_num_seqs=args.slots,
+            chunk=chunk,
+            max_context=2048,
+            max_num_batched_tokens=args.slots * args.width + 1,
+            num_top=MAX_LOGPROBS,
+        )
         table = np.arange(args.slots * engine.max_pages, dtype=np.int32).reshape(args.slots, -1)
         vocab = config.text.unpadded_vocab_size
         tokens = np.random.default_rng(0).integers(0, vocab, (args.slots, args.width), dtype=np.int32)
@@ -103,8 +110,11 @@ def main(argv: list[str] | None = None) -> None:
                 logprobs = np.asarray(emitted.top_logprobs)
                 if first_logprobs is None:
                     first_logprobs = logprobs
-                print(f"first step's top log-probabilities against the first program's: largest difference "
-                      f"{np.abs(logprobs - first_logprobs).max():.3g}", flush=True)  # fmt: skip
+                print(
+                    f"first step's top log-probabilities against the first program's: largest difference "
+                    f"{np.abs(logprobs - first_logprobs).max():.3g}",
+                    flush=True,
+                )
                 name = f"{flat}_tokens_options_{number}"
                 if args.dump:
                     args.dump.mkdir(parents=True, exist_ok=True)
@@ -134,8 +144,11 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
             emitted = step()
         jax.block_until_ready(emitted)
         wall = (time.perf_counter() - start) / steps * 1e3
-        print(f"{active} active: wall time per step, back to back: {wall:.2f} ms; a dispatch on an idle device: "
-              f"{np.median(dispatch[2:]) * 1e3:.2f} ms", flush=True)  # fmt: skip
+        print(
+            f"{active} active: wall time per step, back to back: {wall:.2f} ms; a dispatch on an idle device: "
+            f"{np.median(dispatch[2:]) * 1e3:.2f} ms",
+            flush=True,
+        )
         if jax.default_backend() == "gpu":
             try:
                 kernels = call_kernels_ms(step, repeats=repeats)

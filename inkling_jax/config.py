@@ -337,9 +337,19 @@ def _validate_draft(draft: DraftConfig, text: TextConfig, section: str) -> Draft
     _positive(
         section,
         draft,
-        ("num_hidden_layers", "block_size", "markov_rank", "hidden_size", "num_attention_heads",
-         "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta", "rms_norm_eps"),
-    )  # fmt: skip
+        (
+            "num_hidden_layers",
+            "block_size",
+            "markov_rank",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "rope_theta",
+            "rms_norm_eps",
+        ),
+    )
     if draft.markov_head_type != "rnn":
         raise ConfigError(
             f"config field {_field(section, 'markov_head_type')} must be 'rnn' (the only sequential head "

@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = load_config(args.config)
     counts = count_parameters(config)
-    for name in ("total", "text", "vision", "routed_experts", "active_per_token",
-                 "active_per_token_without_embedding"):  # fmt: skip
+    for name in ("total", "text", "vision", "routed_experts", "active_per_token", "active_per_token_without_embedding"):
         print(f"{name:>36}: {getattr(counts, name):>16,} ({getattr(counts, name) / 1e9:.2f}B)")
     size = parameter_bytes(config, jnp.dtype(args.dtype))
     print(f"{f'bytes ({args.dtype}, experts as config)':>36}: {size:>16,} ({size / 2**30:.2f} GiB)")

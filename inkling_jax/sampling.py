@@ -119,8 +119,9 @@ def ranked_floor(scaled: jax.Array, probs: jax.Array, params: SamplingParams) ->
     # a search that found no value (k past the vocabulary; a top_p the rounded mass never reaches) keeps all
     cut_k = (top_k > 0) & (by_k > 0)
     cut_p = (top_p < 1) & (by_p > 0)
-    return jnp.maximum(jnp.where(cut_k, _from_ordered_keys(by_k), -jnp.inf),
-                       jnp.where(cut_p, _from_ordered_keys(by_p), -jnp.inf))  # fmt: skip
+    return jnp.maximum(
+        jnp.where(cut_k, _from_ordered_keys(by_k), -jnp.inf), jnp.where(cut_p, _from_ordered_keys(by_p), -jnp.inf)
+    )
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:

@@ -80,9 +80,16 @@ class Emitted:
 
 
 def pack_spans(
-    tokens_of: np.ndarray, counts: np.ndarray, speculating: np.ndarray, *, width: int, lane_width: int, tokens: int,
-    lanes: int, replicas: int = 1,
-) -> tuple[np.ndarray, ...]:  # fmt: skip
+    tokens_of: np.ndarray,
+    counts: np.ndarray,
+    speculating: np.ndarray,
+    *,
+    width: int,
+    lane_width: int,
+    tokens: int,
+    lanes: int,
+    replicas: int = 1,
+) -> tuple[np.ndarray, ...]:
     """The host's layout of a step (numpy): each slot's tokens_of[s, :counts[s]] ([S, any width]) at the next free
     flat index of its replica's `tokens`, a speculating slot's span `width` long; a slot that brings more than
     `width` tokens read through lanes of `lane_width`. A step without lanes that has `width` tokens for every slot
@@ -111,17 +118,23 @@ def pack_spans(
             starts[slot] = cursor
             cursor += width if speculating[slot] else count
         if cursor > tokens or lane > lanes:
-            raise ValueError(f"replica {replica}: spans of {cursor} tokens in {lane} lanes do not fit a step of "
-                             f"{tokens} tokens and {lanes} lanes")  # fmt: skip
+            raise ValueError(
+                f"replica {replica}: spans of {cursor} tokens in {lane} lanes do not fit a step of "
+                f"{tokens} tokens and {lanes} lanes"
+            )
     return flat.reshape(-1), starts, *lane_table.reshape(3, -1)
 
 
 def _one_token(sampled: Sampled, emit: jax.Array) -> Emitted:
     """A plain step's output: each slot's one sampled token, kept where `emit` is set."""
     return Emitted(
-        sampled.tokens[:, None], emit.astype(jnp.int32), sampled.logprobs[:, None], sampled.top_ids[:, None],
-        sampled.top_logprobs[:, None], sampled.tokens,
-    )  # fmt: skip
+        sampled.tokens[:, None],
+        emit.astype(jnp.int32),
+        sampled.logprobs[:, None],
+        sampled.top_ids[:, None],
+        sampled.top_logprobs[:, None],
+        sampled.tokens,
+    )
 
 
 def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
@@ -141,8 +154,13 @@ def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
     output_counts, prompt_mask = jax.lax.cond(
         any_slot(reset), clear_vocabulary_rows, lambda *kept: kept, state.output_counts, state.prompt_mask
     )
-    return dataclasses.replace(state, lengths=clear(state.lengths), output_counts=output_counts,
-                               prompt_mask=prompt_mask, generated=clear(state.generated))  # fmt: skip
+    return dataclasses.replace(
+        state,
+        lengths=clear(state.lengths),
+        output_counts=output_counts,
+        prompt_mask=prompt_mask,
+        generated=clear(state.generated),
+    )
 
 
 def step_fn(
@@ -163,8 +181,15 @@ def step_fn(
     (static): the draft proposes its argmax instead of sampling; width, lane_width (static): the narrow group's
     queries per slot and the lanes'. `step` is it jitted with the state donated; `inkling_jax.runtime.engine`
     jits it with the output shardings pinned to the input ones."""
-    replica_step = functools.partial(_step, graphdef, num_top=num_top, speculative=speculative,
-                                     greedy_draft=greedy_draft, width=width, lane_width=lane_width)  # fmt: skip
+    replica_step = functools.partial(
+        _step,
+        graphdef,
+        num_top=num_top,
+        speculative=speculative,
+        greedy_draft=greedy_draft,
+        width=width,
+        lane_width=lane_width,
+    )
     mesh = jax.sharding.get_abstract_mesh()
     if DATA in mesh.axis_names and mesh.shape[DATA] > 1:
         slots = P(DATA)
@@ -180,8 +205,11 @@ def step_fn(
     return emitted, state
 
 
-step = jax.jit(step_fn, static_argnames=("graphdef", "num_top", "speculative", "greedy_draft", "width", "lane_width"),
-               donate_argnames="state")  # fmt: skip
+step = jax.jit(
+    step_fn,
+    static_argnames=("graphdef", "num_top", "speculative", "greedy_draft", "width", "lane_width"),
+    donate_argnames="state",
+)
 
 
 def _step(
@@ -206,8 +234,17 @@ def _step(
     if batch.lane_slot.shape[0]:
         lanes = Lanes(batch.lane_slot, batch.lane_first, batch.lane_count, lane_width)
     counts = jnp.where(spec, gamma + 1, batch.counts)  # a verify pass: the anchor and its drafts
-    chunk = Chunk.make(state.lengths, counts, state.page_table, starts, lanes, width=width, tokens=tokens,
-                       kernel_size=model.config.conv_kernel_size, ordered=lanes is None and width == 1)  # fmt: skip
+    chunk = Chunk.make(
+        state.lengths,
+        counts,
+        state.page_table,
+        starts,
+        lanes,
+        width=width,
+        tokens=tokens,
+        kernel_size=model.config.conv_kernel_size,
+        ordered=lanes is None and width == 1,
+    )
 
     vocab = state.prompt_mask.shape[1]
     slot, real = chunk.token_slot, chunk.valid[0]  # the host's tokens: a speculating slot's one is not a prompt's
@@ -229,8 +266,9 @@ def _step(
         num_drafts = jnp.where(spec, gamma, 0)
         rounds = verify(logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top)
         last = jnp.take_along_axis(rounds.tokens, rounds.num_accepted[:, None], axis=1)[:, 0]
-        speculated = Emitted(rounds.tokens, rounds.num_accepted + 1, rounds.logprobs, rounds.top_ids,
-                             rounds.top_logprobs, last)  # fmt: skip
+        speculated = Emitted(
+            rounds.tokens, rounds.num_accepted + 1, rounds.logprobs, rounds.top_ids, rounds.top_logprobs, last
+        )
         emitted = jax.tree.map(  # plain's [S, 1] entries broadcast: past its count they are padding
             lambda ours, theirs: jnp.where(spec.reshape(-1, *(1,) * (ours.ndim - 1)), ours, theirs), speculated, plain
         )

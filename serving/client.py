@@ -58,11 +58,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-speculative", action="store_true", help="decode plainly on a speculating server")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
     parser.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's root certificates")
-    parser.add_argument("--tls-ca", metavar="FILE",
-                        help="connect over TLS, trusting the PEM certificates in FILE (a self-signed server "
-                        "certificate is its own CA)")  # fmt: skip
-    parser.add_argument("--auth-token-file", metavar="FILE",
-                        help="send the token FILE holds, as the server's --auth-token-file does")  # fmt: skip
+    parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="connect over TLS, trusting the PEM certificates in FILE (a self-signed server certificate is its own CA)",
+    )
+    parser.add_argument(
+        "--auth-token-file", metavar="FILE", help="send the token FILE holds, as the server's --auth-token-file does"
+    )
     args = parser.parse_args(argv)
     if not args.info and (args.prompt is None) == (args.token_ids is None):
         parser.error("give a prompt or --token-ids (one of them)")
@@ -80,8 +83,15 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     else:
         request.text = args.prompt
     for name in (
-        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed"
-    ):  # fmt: skip
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+    ):
         if getattr(args, name) is not None:
             setattr(request.sampling, name, getattr(args, name))
     if args.max_tokens is not None:

@@ -67,9 +67,17 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "tiny.json"
 DEFAULT_CHECKPOINT = REPO / "out" / "tiny-checkpoint"
 LOAD_ERRORS = (
-    ConfigError, CheckpointError, MeshError, CacheBudgetError, TokenizerError, DistributedError, NoDraftError,
-    SpeculationError, BatchedTokensError, OSError,
-)  # fmt: skip
+    ConfigError,
+    CheckpointError,
+    MeshError,
+    CacheBudgetError,
+    TokenizerError,
+    DistributedError,
+    NoDraftError,
+    SpeculationError,
+    BatchedTokensError,
+    OSError,
+)
 # A process-directed signal may land on any thread; its Python handler then runs only when the main thread next
 # executes bytecode, which a wait without a timeout never lets it do. The main thread waits in slices this long.
 SIGNAL_POLL_SECONDS = 0.2
@@ -81,8 +89,11 @@ class ShutdownRequested(Exception):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argument_parser("serving.main", "Serve Inkling 2 over gRPC")
-    parser.add_argument("--checkpoint", help=f"checkpoint directory, or with --load-format dummy a config JSON file "
-                        f"(default: the synthetic {DEFAULT_CHECKPOINT})")  # fmt: skip
+    parser.add_argument(
+        "--checkpoint",
+        help=f"checkpoint directory, or with --load-format dummy a config JSON file "
+        f"(default: the synthetic {DEFAULT_CHECKPOINT})",
+    )
     parser.add_argument("--mesh", default="tp1", help="device mesh: tpN or dpMtpN")
     host_help = "address to bind, gRPC and metrics (0.0.0.0 for all: see security below)"
     parser.add_argument("--host", default="127.0.0.1", help=host_help)
@@ -103,14 +114,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     drain_help = "seconds to let requests finish on SIGTERM / SIGINT (a second signal aborts them)"
     parser.add_argument("--drain-timeout", type=float, default=30.0, help=drain_help)
     security = parser.add_argument_group(
-        "security", "the gRPC API and the metrics endpoint take the same certificate and token; grpc.health.v1 and "
+        "security",
+        "the gRPC API and the metrics endpoint take the same certificate and token; grpc.health.v1 and "
         "server reflection stay open, so that load balancers and probes need no token",
-    )  # fmt: skip
+    )
     security.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this PEM certificate chain")
     security.add_argument("--tls-key", metavar="FILE", help="the certificate's PEM private key, unencrypted")
-    security.add_argument("--auth-token-file", metavar="FILE",
-                          help="refuse calls (UNAUTHENTICATED; metrics: 401) that do not send the token this file "
-                          "holds as 'authorization: Bearer <token>'")  # fmt: skip
+    security.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="refuse calls (UNAUTHENTICATED; metrics: 401) that do not send the token this file "
+        "holds as 'authorization: Bearer <token>'",
+    )
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -199,10 +214,17 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = args.checkpoint or str(default_checkpoint())
         log.info("loading %s on mesh %s (%s)", checkpoint, args.mesh, args.dtype)
         engine = load_engine(
-            checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
-            kv_cache_mib=args.kv_cache_mib, speculative=args.speculative, load_format=args.load_format,
-            executable_cache=compilation_cache.executables(cache), max_num_batched_tokens=args.max_num_batched_tokens,
-        )  # fmt: skip
+            checkpoint,
+            mesh=args.mesh,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            chunk=args.chunk,
+            kv_cache_mib=args.kv_cache_mib,
+            speculative=args.speculative,
+            load_format=args.load_format,
+            executable_cache=compilation_cache.executables(cache),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
         scheduler = Scheduler(engine)
         log.info("warming up: compiling every step shape")
         scheduler.warm_up()
@@ -229,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         second = signals[1]
         log.warning(
             "%s during the drain: exiting now, aborting the requests in flight (%d)",
-            signal.Signals(second).name, server.servicer.in_flight,
-        )  # fmt: skip
+            signal.Signals(second).name,
+            server.servicer.in_flight,
+        )
         scheduler.stop()  # every request still in flight ends with finish reason ABORT
         drain.join()  # returns as the scheduler is empty now; the server's loop stays open until it has
         server.stop()

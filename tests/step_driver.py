@@ -24,8 +24,11 @@ class Driver:
     def __init__(self, model, width=WIDTH, lanes=False, tokens=None):
         self.graphdef, self.params = nnx.split(model)
         self.text, self.width, self.tokens = model.config, width, tokens or SLOTS * width
-        self.layout = dict(width=1, lane_width=3, lanes=-(-SLOTS * width // 3) + SLOTS) if lanes else \
-            dict(width=width, lane_width=1, lanes=0)  # fmt: skip
+        self.layout = (
+            dict(width=1, lane_width=3, lanes=-(-SLOTS * width // 3) + SLOTS)
+            if lanes
+            else dict(width=width, lane_width=1, lanes=0)
+        )
         self.state = init_state(self.text, CacheLayout(SLOTS, SLOTS * MAX_PAGES, MAX_PAGES, width), jnp.float32)
         self.page_table = jnp.arange(SLOTS * MAX_PAGES, dtype=jnp.int32).reshape(SLOTS, MAX_PAGES)
 
@@ -39,13 +42,26 @@ class Driver:
         groups = {"reset": reset, "emit": emit, "is_prompt": prompt, "feedback": (), "replay": (), "speculate": ()}
         flags = {name: jnp.asarray([s in group for s in range(SLOTS)]) for name, group in groups.items()}
         layout = self.layout
-        token_ids, starts, *lanes = pack_spans(tokens, counts, np.zeros(SLOTS, bool), tokens=self.tokens,
-                                               **layout)  # fmt: skip
-        batch = StepBatch(jnp.asarray(token_ids), jnp.asarray(counts), jnp.asarray(starts), *map(jnp.asarray, lanes),
-                          page_table=self.page_table, sampling=sampling or SamplingParams.neutral(SLOTS),
-                          **flags)  # fmt: skip
-        out, self.state = step(self.graphdef, self.params, self.state, batch, NO_PREVIOUS, num_top=num_top,
-                               width=layout["width"], lane_width=layout["lane_width"])  # fmt: skip
+        token_ids, starts, *lanes = pack_spans(tokens, counts, np.zeros(SLOTS, bool), tokens=self.tokens, **layout)
+        batch = StepBatch(
+            jnp.asarray(token_ids),
+            jnp.asarray(counts),
+            jnp.asarray(starts),
+            *map(jnp.asarray, lanes),
+            page_table=self.page_table,
+            sampling=sampling or SamplingParams.neutral(SLOTS),
+            **flags,
+        )
+        out, self.state = step(
+            self.graphdef,
+            self.params,
+            self.state,
+            batch,
+            NO_PREVIOUS,
+            num_top=num_top,
+            width=layout["width"],
+            lane_width=layout["lane_width"],
+        )
         return out
 
 

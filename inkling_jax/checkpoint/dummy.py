@@ -204,8 +204,9 @@ def plan_build(config: ModelConfig, dtype: jnp.dtype, mesh: Mesh, expert_formats
                     lambda *rows: jax.tree.map(lambda *values: jnp.concatenate(values), *rows),
                     out_shardings=_at(shardings, prefix),
                 ).lower(*[programs[program].out_info] * segment.blocks)
-            parts.append(Part(prefix, program, segment.layers[position :: segment.width],
-                              stack if segment.blocks > 1 else None))  # fmt: skip
+            parts.append(
+                Part(prefix, program, segment.layers[position :: segment.width], stack if segment.blocks > 1 else None)
+            )
     for index in range(0 if draft is None else draft.num_hidden_layers):
         prefix = ("dspark", "layers", index)
         add(("draft layer",), draft_layer(draft, text, dtype), _at(shardings, prefix))

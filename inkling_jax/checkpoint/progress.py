@@ -93,15 +93,28 @@ class Progress:
         tensors = f"{self.tensors}/{self.total_tensors} tensors, " if self.total_tensors is not None else ""
         self.logger.info(
             "%s: %s%s/%s %s (%.0f%%), %.3g GB/s, %s left",
-            self.what, tensors, _size(self.bytes, self.unit), _size(self.total_bytes, self.unit), self.unit[0],
-            100 * self.bytes / max(self.total_bytes, 1), rate / GB, left, extra=self._counts(),
-        )  # fmt: skip
+            self.what,
+            tensors,
+            _size(self.bytes, self.unit),
+            _size(self.total_bytes, self.unit),
+            self.unit[0],
+            100 * self.bytes / max(self.total_bytes, 1),
+            rate / GB,
+            left,
+            extra=self._counts(),
+        )
 
     def _last_line(self) -> None:
         seconds = time.perf_counter() - self.start
         tensors = f"{self.tensors} tensors, " if self.total_tensors is not None else ""
         self.logger.info(
             "%s: done, %s%s %s (%s bytes) in %.1f s, %.3g GB/s",
-            self.what, tensors, _size(self.bytes, self.unit), self.unit[0], f"{self.bytes:,}", seconds,
-            self.bytes / max(seconds, 1e-9) / GB, extra=self._counts(),
-        )  # fmt: skip
+            self.what,
+            tensors,
+            _size(self.bytes, self.unit),
+            self.unit[0],
+            f"{self.bytes:,}",
+            seconds,
+            self.bytes / max(seconds, 1e-9) / GB,
+            extra=self._counts(),
+        )

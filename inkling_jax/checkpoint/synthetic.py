@@ -209,9 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     draft = json.loads(args.draft_config.read_text()) if args.draft_config else None
     out = write_checkpoint(
-        args.config, args.out, seed=args.seed, experts=args.experts, nvfp4_layers=args.nvfp4_layers,
-        layout=args.layout, shard_bytes=int(args.shard_gib * 2**30), draft=draft,
-    )  # fmt: skip
+        args.config,
+        args.out,
+        seed=args.seed,
+        experts=args.experts,
+        nvfp4_layers=args.nvfp4_layers,
+        layout=args.layout,
+        shard_bytes=int(args.shard_gib * 2**30),
+        draft=draft,
+    )
     print(out)
 
 

@@ -96,8 +96,9 @@ def write_ring(rings: jax.Array, layer: int, values: jax.Array, chunk: Chunk) ->
     return rings.at[layer, chunk.token_slot, :, index].set(values[0].astype(rings.dtype), mode="drop")
 
 
-def grouped_attention(chunk: Chunk, attend: Callable[..., jax.Array], q: jax.Array, rel: jax.Array,
-                      sinks: jax.Array) -> jax.Array:  # fmt: skip
+def grouped_attention(
+    chunk: Chunk, attend: Callable[..., jax.Array], q: jax.Array, rel: jax.Array, sinks: jax.Array
+) -> jax.Array:
     """The step's attention [1, T, Hq, D] from q [1, T, Hq, D], rel [1, T, Hq, d_rel], sinks [1, T, Hq]: each
     group of sequences (`Chunk.groups`) through attend(q, rel, sinks, kv_lens, query_lens, page_table, slots) with
     its query rows gathered [N, W, ...], and the rows back to their tokens (zeros at padding). An ordered chunk's
@@ -220,8 +221,7 @@ class Attention(nnx.Module):
             q, gate, rel, sinks = self.query_side(x)
             return q, gate.reshape(*x.shape[:-1], -1), rel, sinks[..., 0]
         heads = (*x.shape[:-1], self.num_heads, -1)
-        return (self.q_proj(x).reshape(heads), self.gate_proj(x), self.r_proj(x).reshape(heads),
-                self.sink_proj(x))  # fmt: skip
+        return (self.q_proj(x).reshape(heads), self.gate_proj(x), self.r_proj(x).reshape(heads), self.sink_proj(x))
 
     def _keys_values(self, k_in: jax.Array, v_in: jax.Array) -> tuple[jax.Array, jax.Array]:
         """k_in, v_in [B, T, hidden] -> K and V before their convolutions, [B, T, KV * D] each."""
@@ -299,9 +299,19 @@ class Attention(nnx.Module):
 
             def attend(q, rel, sinks, kv_lens, query_lens, table, slots):  # base: the layer's first page or ring
                 return cached_attention(
-                    q, k, v, kv_lens, query_lens, rel, proj, sinks, page_table=table + base if paged else None,
-                    scale=scale, window=window, ring_rows=None if paged else base + slots,
-                )  # fmt: skip
+                    q,
+                    k,
+                    v,
+                    kv_lens,
+                    query_lens,
+                    rel,
+                    proj,
+                    sinks,
+                    page_table=table + base if paged else None,
+                    scale=scale,
+                    window=window,
+                    ring_rows=None if paged else base + slots,
+                )
 
             out = grouped_attention(chunk, attend, q, rel, sinks)
         gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))

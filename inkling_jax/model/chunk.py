@@ -128,8 +128,17 @@ class Chunk:
         """Every slot's span at s * width (T = S * width), no lanes: a decode step's layout, or tokens laid out
         [S, width] and flattened."""
         starts = jnp.arange(lengths.shape[0], dtype=jnp.int32) * width
-        return cls.make(lengths, counts, page_table, starts, None, width=width, tokens=lengths.shape[0] * width,
-                        kernel_size=kernel_size, ordered=True)  # fmt: skip
+        return cls.make(
+            lengths,
+            counts,
+            page_table,
+            starts,
+            None,
+            width=width,
+            tokens=lengths.shape[0] * width,
+            kernel_size=kernel_size,
+            ordered=True,
+        )
 
     @property
     def slots(self) -> int:

@@ -84,9 +84,14 @@ class BiasedLinear(Linear):
     """y = x @ weight.T + bias (weight [out, in], bias [out])."""
 
     def __init__(
-        self, rngs: nnx.Rngs, in_features: int, out_features: int, axes: tuple[str | None, str | None],
-        dtype: jnp.dtype, std: float,
-    ):  # fmt: skip
+        self,
+        rngs: nnx.Rngs,
+        in_features: int,
+        out_features: int,
+        axes: tuple[str | None, str | None],
+        dtype: jnp.dtype,
+        std: float,
+    ):
         super().__init__(rngs, in_features, out_features, axes, dtype, std)
         self.bias = param(rngs, (out_features,), axes[:1], dtype, zeros)
 
@@ -101,8 +106,10 @@ class DraftAttention(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, config: DraftConfig, dtype: jnp.dtype, std: float):
         self.theta = config.rope_theta
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-        )  # fmt: skip
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(rngs, hidden, q_size, ("heads", "embed"), dtype, std)
         self.k_proj = Linear(rngs, hidden, kv_size, ("kv_heads", "embed"), dtype, std)

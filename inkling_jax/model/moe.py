@@ -157,8 +157,9 @@ class SparseMoeBlock(nnx.Module):
         experts, weights = self.gate(flat)
         if valid is not None:  # an id past every expert is dropped by every backend
             experts = jnp.where(valid.reshape(-1, 1), experts, self.config.n_routed_experts)
-        run = functools.partial(moe_experts, gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap,
-                                distinct_ids=True)  # the router's top-k: each token's ids are distinct  # fmt: skip
+        run = functools.partial(
+            moe_experts, gate_cap=self.config.mlp_gate_softcap, up_cap=self.config.mlp_up_softcap, distinct_ids=True
+        )  # the router's top-k: each token's ids are distinct
         mesh = jax.sharding.get_abstract_mesh()
         if MODEL in mesh.axis_names and mesh.shape[MODEL] > 1:
             out = expert_parallel(run, mesh, flat, *self.experts.weights(), experts, weights, layer)
@@ -182,8 +183,16 @@ def expert_parallel(run, mesh, x, gate_up, down, experts, weights, layer: jax.Ar
     def local(x, gate_up, down, experts, weights, *layer):  # gate_up, down: this device's experts
         per_device = jax.tree.leaves(gate_up)[0].shape[1 if stacked else 0]
         mine = experts - jax.lax.axis_index(MODEL) * per_device  # ids outside [0, per_device) are dropped
-        partial = run(x, gate_up, down, mine, weights, out_dtype=jnp.float32, routed_experts=per_device * tp,
-                      layer=layer[0] if layer else None)  # fmt: skip
+        partial = run(
+            x,
+            gate_up,
+            down,
+            mine,
+            weights,
+            out_dtype=jnp.float32,
+            routed_experts=per_device * tp,
+            layer=layer[0] if layer else None,
+        )
         partial = jnp.pad(partial, ((0, padded - tokens), (0, 0)))
         summed = jax.lax.psum_scatter(partial, MODEL, scatter_dimension=0, tiled=True)
         return jax.lax.all_gather(round_to(summed, x.dtype), MODEL, axis=0, tiled=True)[:tokens]

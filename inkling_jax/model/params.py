@@ -51,9 +51,14 @@ class Linear(nnx.Module):
     """y = x @ weight.T with weight [out, in], accumulated in fp32 and rounded to x's dtype."""
 
     def __init__(
-        self, rngs: nnx.Rngs, in_features: int, out_features: int, axes: tuple[str | None, str | None],
-        dtype: jnp.dtype, std: float,
-    ):  # fmt: skip
+        self,
+        rngs: nnx.Rngs,
+        in_features: int,
+        out_features: int,
+        axes: tuple[str | None, str | None],
+        dtype: jnp.dtype,
+        std: float,
+    ):
         self.weight = param(rngs, (out_features, in_features), axes, dtype, normal(std))
 
     def __call__(self, x: jax.Array) -> jax.Array:

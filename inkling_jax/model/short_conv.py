@@ -67,9 +67,15 @@ class ShortConvolution(nnx.Module):
 
 class DynamicShortConvolution(nnx.Module):
     def __init__(
-        self, rngs: nnx.Rngs, channels: int, input_size: int, num_heads: int, kernel_size: int,
-        dtype: jnp.dtype, std: float,
-    ):  # fmt: skip
+        self,
+        rngs: nnx.Rngs,
+        channels: int,
+        input_size: int,
+        num_heads: int,
+        kernel_size: int,
+        dtype: jnp.dtype,
+        std: float,
+    ):
         self.kernel_size = kernel_size
         self.num_heads = num_heads
         self.static_weight = param(rngs, (kernel_size, channels), (None, "kv_heads"), dtype, zeros)

@@ -147,8 +147,12 @@ def run_requests(
         while not run.done.wait(0.5):
             if progress:
                 rate = run.generated / (time.perf_counter() - start)
-                print(f"\r{run.finished}/{len(requests)} requests, {rate:.1f} tokens/s", end="", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(
+                    f"\r{run.finished}/{len(requests)} requests, {rate:.1f} tokens/s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         scheduler.stop()
     if progress:
@@ -156,9 +160,11 @@ def run_requests(
         rates = f"{run.generated / elapsed:.1f} tokens/s, {len(requests) / elapsed:.2f} requests/s"
         rounds = stats.speculative_rounds
         accepted = f", acceptance length {stats.speculative_tokens / rounds:.2f}" if rounds else ""
-        print(f"\r{len(requests)} requests in {elapsed:.2f} s: {stats.prompt_tokens} prompt tokens, "
-              f"{run.generated} generated ({rates}), {stats.preemptions} preemptions{accepted}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"\r{len(requests)} requests in {elapsed:.2f} s: {stats.prompt_tokens} prompt tokens, "
+            f"{run.generated} generated ({rates}), {stats.preemptions} preemptions{accepted}",
+            file=sys.stderr,
+        )
     return [result.line() for result in run.results]
 
 
@@ -179,9 +185,15 @@ def generate(
     mesh = make_mesh("tp1", model.config) if mesh is None else mesh
     room = require_draft(model).block_size if speculative != "none" else 0  # a last verify pass's positions
     engine = Engine.create(
-        model, mesh, max_num_seqs=max_num_seqs, chunk=chunk, max_context=_longest(requests) + room,
-        budget_bytes=budget_bytes, num_top=MAX_LOGPROBS, speculative=speculative,
-    )  # fmt: skip
+        model,
+        mesh,
+        max_num_seqs=max_num_seqs,
+        chunk=chunk,
+        max_context=_longest(requests) + room,
+        budget_bytes=budget_bytes,
+        num_top=MAX_LOGPROBS,
+        speculative=speculative,
+    )
     return run_requests(engine, requests)
 
 
@@ -215,30 +227,48 @@ def read_requests(path: str | Path, checkpoint: Checkpoint) -> list[Request]:
 
 # Bad input of any kind: one line naming it, exit status 2.
 _USER_ERRORS = (
-    ConfigError, CheckpointError, TokenizerError, RequestError, CacheBudgetError, MeshError, DistributedError,
-    NoDraftError, SpeculationError, BatchedTokensError, OSError,
-)  # fmt: skip
+    ConfigError,
+    CheckpointError,
+    TokenizerError,
+    RequestError,
+    CacheBudgetError,
+    MeshError,
+    DistributedError,
+    NoDraftError,
+    SpeculationError,
+    BatchedTokensError,
+    OSError,
+)
 
 
 def main(argv: list[str] | None, module: str) -> int:
     """The batch runner's command line (`module` names the entry point); 0, or 2 after one line on bad input."""
     parser = argument_parser(module, "Batch generation of JSONL requests")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint directory (with --load-format dummy: or "
-                        "a config JSON file)")  # fmt: skip
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory (with --load-format dummy: or a config JSON file)"
+    )
     parser.add_argument("--input", required=True, help="JSONL requests")
     parser.add_argument("--output", required=True, help="JSONL results, in input order")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter and activation dtype")
-    parser.add_argument("--mesh", default="tp1", help="tpN (tensor and expert parallel over N devices) or dpMtpN "
-                        "(M replicas of tpN)")  # fmt: skip
+    parser.add_argument(
+        "--mesh", default="tp1", help="tpN (tensor and expert parallel over N devices) or dpMtpN (M replicas of tpN)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=8, help="slots per data-parallel replica")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     add_batched_tokens_argument(parser)
-    parser.add_argument("--kv-cache-mib", type=float, help="decode-state budget per device; default: room for "
-                        "the longest request in every slot")  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-mib",
+        type=float,
+        help="decode-state budget per device; default: room for the longest request in every slot",
+    )
     parser.add_argument("--prefill-budget", type=int, help="prompt tokens per step (default: 2 chunks)")
-    parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
-                        help="DSpark speculative decoding with the checkpoint's draft (dspark-greedy: drafts are the "
-                             "draft's argmax); the output's distribution is the target's either way")  # fmt: skip
+    parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="none",
+        help="DSpark speculative decoding with the checkpoint's draft (dspark-greedy: drafts are the "
+        "draft's argmax); the output's distribution is the target's either way",
+    )
     add_load_format_argument(parser)
     compilation_cache.add_argument(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary on stderr")
@@ -255,10 +285,17 @@ def main(argv: list[str] | None, module: str) -> int:
         draft = checkpoint.config.draft
         room = draft.block_size if args.speculative != "none" and draft is not None else 0
         engine = load_engine(
-            checkpoint, mesh=args.mesh, dtype=args.dtype, max_num_seqs=args.max_num_seqs, chunk=args.chunk,
-            kv_cache_mib=args.kv_cache_mib, speculative=args.speculative, max_context=_longest(requests) + room,
-            executable_cache=compilation_cache.executables(cache), max_num_batched_tokens=args.max_num_batched_tokens,
-        )  # fmt: skip
+            checkpoint,
+            mesh=args.mesh,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            chunk=args.chunk,
+            kv_cache_mib=args.kv_cache_mib,
+            speculative=args.speculative,
+            max_context=_longest(requests) + room,
+            executable_cache=compilation_cache.executables(cache),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
         progress = not args.quiet and jax.process_index() == 0
         results = run_requests(engine, requests, prefill_budget=args.prefill_budget, progress=progress)
         if jax.process_index() == 0:

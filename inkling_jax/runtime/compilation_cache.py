@@ -34,9 +34,13 @@ def default_directory() -> str:
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compilation-cache", default=default_directory(), metavar="DIR|none",
-                        help="cache of compiled programs: the step programs' executables in DIR/executables, "
-                             "JAX's persistent compilation cache in DIR (default: %(default)s; none: off)")  # fmt: skip
+    parser.add_argument(
+        "--compilation-cache",
+        default=default_directory(),
+        metavar="DIR|none",
+        help="cache of compiled programs: the step programs' executables in DIR/executables, "
+        "JAX's persistent compilation cache in DIR (default: %(default)s; none: off)",
+    )
 
 
 def enable(directory: str) -> Path | None:

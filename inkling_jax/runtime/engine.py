@@ -73,9 +73,15 @@ def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
 
 # What an idle slot samples with (its token is discarded), and each parameter's neutral value.
 NEUTRAL_SAMPLING = {
-    "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0,
-}  # fmt: skip
+    "temperature": 0.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "seed": 0,
+}
 _SAMPLING_DTYPES = {"top_k": np.int32, "seed": np.uint32}
 
 
@@ -166,8 +172,9 @@ class Engine:
             replica.max_pages_per_seq,
             replica.max_chunk,
         )
-        self.max_num_batched_tokens = batched_tokens(max_num_batched_tokens, self.slots_per_replica, self.gamma,
-                                                     self.chunk)  # fmt: skip
+        self.max_num_batched_tokens = batched_tokens(
+            max_num_batched_tokens, self.slots_per_replica, self.gamma, self.chunk
+        )
         self.lane_width = min(LANE, self.chunk)
         self.lanes = -(-self.max_num_batched_tokens // self.lane_width)
         layout = dataclasses.replace(replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas)
@@ -186,17 +193,29 @@ class Engine:
         num_top, greedy_draft = min(num_top, self.text.unpadded_vocab_size), speculative == "dspark-greedy"
         out_shardings = (NamedSharding(mesh, P()), shardings)
         self._step = jax.jit(
-            functools.partial(_flat_step, self.graphdef, self._param_tree, num_top=num_top, greedy_draft=greedy_draft,
-                              lane_width=self.lane_width),
-            static_argnames=("speculative", "width", "layout"), donate_argnames="state",
-            out_shardings=out_shardings, compiler_options=compiler_options,
-        )  # fmt: skip
+            functools.partial(
+                _flat_step,
+                self.graphdef,
+                self._param_tree,
+                num_top=num_top,
+                greedy_draft=greedy_draft,
+                lane_width=self.lane_width,
+            ),
+            static_argnames=("speculative", "width", "layout"),
+            donate_argnames="state",
+            out_shardings=out_shardings,
+            compiler_options=compiler_options,
+        )
         self._layouts: dict[StepShape, BatchLayout] = {}
         # what the executable cache's key needs beyond the arguments, the mesh and the graph definition
-        self._options = {"num_top": num_top, "greedy_draft": greedy_draft, "donate": "state",
-                         "lane_width": self.lane_width,
-                         "compiler_options": repr(sorted((compiler_options or {}).items())),
-                         "out_shardings": repr(out_shardings)}  # fmt: skip
+        self._options = {
+            "num_top": num_top,
+            "greedy_draft": greedy_draft,
+            "donate": "state",
+            "lane_width": self.lane_width,
+            "compiler_options": repr(sorted((compiler_options or {}).items())),
+            "out_shardings": repr(out_shardings),
+        }
         self._executables = ExecutableCache(executable_cache) if executable_cache is not None else None
         self._programs: dict[StepShape, jax.stages.Compiled] = {}
         # lower_s, kernels_s and compile_s, or loaded_s; first_run_s
@@ -231,12 +250,26 @@ class Engine:
             replica = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
         else:
             replica = layout_for_budget(
-                model.config, budget_bytes, max_num_seqs=max_num_seqs, max_context=max_context, max_chunk=chunk,
-                dtype=model.model.embed_tokens.weight.dtype, tp=mesh.shape[MODEL],
+                model.config,
+                budget_bytes,
+                max_num_seqs=max_num_seqs,
+                max_context=max_context,
+                max_chunk=chunk,
+                dtype=model.model.embed_tokens.weight.dtype,
+                tp=mesh.shape[MODEL],
                 draft=require_draft(model) if speculative != "none" else None,
-            )  # fmt: skip
-        return cls(model, replica, mesh, num_top, speculative, tokenizer=tokenizer, checkpoint=checkpoint,
-                   executable_cache=executable_cache, max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+            )
+        return cls(
+            model,
+            replica,
+            mesh,
+            num_top,
+            speculative,
+            tokenizer=tokenizer,
+            checkpoint=checkpoint,
+            executable_cache=executable_cache,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
 
     @property
     def params(self) -> nnx.State:
@@ -277,8 +310,11 @@ class Engine:
     def shapes(self) -> tuple[StepShape, ...]:
         """Every step shape this engine runs."""
         few = (self.shape(False, False, FEW_TOKENS),) if self.slots_per_replica > FEW_TOKENS else ()
-        return few + tuple(self.shape(prefill, speculative) for speculative in (False, True)[: 1 + self.speculative]
-                           for prefill in (False, True))  # fmt: skip
+        return few + tuple(
+            self.shape(prefill, speculative)
+            for speculative in (False, True)[: 1 + self.speculative]
+            for prefill in (False, True)
+        )
 
     def shape(self, prefill: bool, speculative: bool, tokens: int | None = None) -> StepShape:
         """The shape of a step with prompt chunks (`prefill`) or a speculating slot, or neither; a plain decode
@@ -312,16 +348,27 @@ class Engine:
         lanes, a speculating slot gets γ + 1 tokens. `sampling[s]`: any object with the sampling fields (or None:
         idle values). ValueError when a replica's tokens or lanes do not fit a step."""
         slots = self.slots
-        flags = [np.zeros(slots, bool) if flag is None else flag
-                 for flag in (reset, is_prompt, emit, feedback, replay, speculate)]  # fmt: skip
+        flags = [
+            np.zeros(slots, bool) if flag is None else flag
+            for flag in (reset, is_prompt, emit, feedback, replay, speculate)
+        ]
         speculating = flags[-1] & (counts > 0)
         width = self.gamma + 1 if speculating.any() else 1
         busiest = int(np.asarray(counts).reshape(self.replicas, -1).sum(axis=1).max())
         shape = self.shape(bool(np.any(counts > width)), bool(speculating.any()), busiest)
-        spans = pack_spans(tokens, counts, speculating, width=width, lane_width=self.lane_width, tokens=shape.tokens,
-                           lanes=shape.lanes, replicas=self.replicas)  # fmt: skip
-        return StepBatch(spans[0], np.asarray(counts, np.int32), *spans[1:], *flags, page_table.copy(),
-                         sampling_columns(sampling))  # fmt: skip
+        spans = pack_spans(
+            tokens,
+            counts,
+            speculating,
+            width=width,
+            lane_width=self.lane_width,
+            tokens=shape.tokens,
+            lanes=shape.lanes,
+            replicas=self.replicas,
+        )
+        return StepBatch(
+            spans[0], np.asarray(counts, np.int32), *spans[1:], *flags, page_table.copy(), sampling_columns(sampling)
+        )
 
     def step(self, batch: StepBatch) -> Emitted:
         """Dispatch one step on a host batch (`host_batch`); returns at once with the device's outputs (`fetch`
@@ -343,8 +390,12 @@ class Engine:
         and the previous step's tokens. They hold the engine's state, which the next step donates: good for one
         call."""
         speculative = bool(np.any(batch.speculate))
-        shape = StepShape(batch.token_ids.shape[0] // self.replicas, self.gamma + 1 if speculative else 1,
-                          batch.lane_slot.shape[0] // self.replicas, speculative)  # fmt: skip
+        shape = StepShape(
+            batch.token_ids.shape[0] // self.replicas,
+            self.gamma + 1 if speculative else 1,
+            batch.lane_slot.shape[0] // self.replicas,
+            speculative,
+        )
         packed = self._layout(shape).pack(batch)
         on_mesh = jax.make_array_from_callback(packed.shape, self.by_slot, lambda index: packed[index])
         return shape, (self._param_leaves, self.state, on_mesh, self.previous)
@@ -382,8 +433,9 @@ class Engine:
         lowered = self._lower(args, shape)
         return lowered, time.perf_counter() - start
 
-    def _compiled(self, shape: StepShape, lowered: jax.stages.Lowered, lower_s: float,
-                  key: str | None) -> jax.stages.Compiled:  # fmt: skip
+    def _compiled(
+        self, shape: StepShape, lowered: jax.stages.Lowered, lower_s: float, key: str | None
+    ) -> jax.stages.Compiled:
         """A lowered step program compiled by XLA with its shape's options (and stored in the executable cache),
         its Mosaic GPU kernels built first on many threads (`kernel_builds`; XLA builds them one by one)."""
         shape_options = shape_compiler_options(jax.default_backend(), shape)
@@ -424,8 +476,7 @@ class Engine:
     def _lower(self, args: tuple, shape: StepShape) -> jax.stages.Lowered:
         """Trace and lower the step for `args` (what a restart over the executable cache skips)."""
         with jax.set_mesh(self.mesh):
-            return self._step.lower(*args, speculative=shape.speculative, width=shape.width,
-                                    layout=self._layout(shape))  # fmt: skip
+            return self._step.lower(*args, speculative=shape.speculative, width=shape.width, layout=self._layout(shape))
 
     @staticmethod
     def fetch(emitted: Emitted) -> Emitted:
@@ -441,8 +492,18 @@ class Engine:
             slots, shape.speculative
         )  # with counts 0 nothing runs, but the program is the speculative one
         zeros = np.zeros(slots, np.int32)
-        return StepBatch(tokens, zeros, zeros, lanes, lanes, lanes, *flags, speculate,
-                         np.zeros((slots, self.max_pages), np.int32), sampling_columns([None] * slots))  # fmt: skip
+        return StepBatch(
+            tokens,
+            zeros,
+            zeros,
+            lanes,
+            lanes,
+            lanes,
+            *flags,
+            speculate,
+            np.zeros((slots, self.max_pages), np.int32),
+            sampling_columns([None] * slots),
+        )
 
     def warm_up(self) -> None:
         """Compile or load (and run once) every step shape, so serving never compiles. The executable cache is read
@@ -492,17 +553,21 @@ def batched_tokens(asked: int | None, slots: int, gamma: int, chunk: int) -> int
 def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
     """`--max-num-batched-tokens`, as every command that runs the engine takes it (vLLM's name)."""
     parser.add_argument(
-        "--max-num-batched-tokens", type=int,
+        "--max-num-batched-tokens",
+        type=int,
         help="tokens of a step with prompt chunks, per data-parallel replica (decoding, verifying and prompt tokens; "
-             "default: every slot's decode tokens and two chunks)",
-    )  # fmt: skip
+        "default: every slot's decode tokens and two chunks)",
+    )
 
 
 GPU_STEP = {
-    "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
-    "xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+    "xla_gpu_dot_merger_threshold_mb": 0,
+    "xla_gpu_autotune_level": 0,
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_enable_dynamic_slice_fusion": True,
+    "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE",
-}  # fmt: skip
+}
 
 
 def shape_compiler_options(platform: str, shape: StepShape) -> dict[str, object]:
@@ -599,17 +664,32 @@ def load_engine(
     else:
         _, model = load_model(source.path, DTYPES[dtype], device_mesh)  # straight into its shards
     return Engine.create(
-        model, device_mesh, max_num_seqs=max_num_seqs, chunk=chunk,
+        model,
+        device_mesh,
+        max_num_seqs=max_num_seqs,
+        chunk=chunk,
         max_context=max_context or source.config.text.max_position_embeddings,
-        budget_bytes=None if kv_cache_mib is None else int(kv_cache_mib * 2**20), num_top=MAX_LOGPROBS,
-        speculative=speculative, tokenizer=source.tokenizer, checkpoint=source.path, executable_cache=executable_cache,
+        budget_bytes=None if kv_cache_mib is None else int(kv_cache_mib * 2**20),
+        num_top=MAX_LOGPROBS,
+        speculative=speculative,
+        tokenizer=source.tokenizer,
+        checkpoint=source.path,
+        executable_cache=executable_cache,
         max_num_batched_tokens=max_num_batched_tokens,
-    )  # fmt: skip
+    )
 
 
-def _flat_step(graphdef: nnx.GraphDef, param_tree: jax.tree_util.PyTreeDef, param_leaves: list[jax.Array],
-               state: DecodeState, packed: jax.Array, previous: jax.Array, *, layout: BatchLayout,
-               **static: object) -> tuple[Emitted, DecodeState]:  # fmt: skip
+def _flat_step(
+    graphdef: nnx.GraphDef,
+    param_tree: jax.tree_util.PyTreeDef,
+    param_leaves: list[jax.Array],
+    state: DecodeState,
+    packed: jax.Array,
+    previous: jax.Array,
+    *,
+    layout: BatchLayout,
+    **static: object,
+) -> tuple[Emitted, DecodeState]:
     """`step_fn` over the parameters' arrays (in `param_tree`'s order) and a packed host batch (`layout`)."""
     params = jax.tree.unflatten(param_tree, param_leaves)
     return step_fn(graphdef, params, state, layout.unpack(packed), previous, **static)

@@ -52,8 +52,18 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"inkling_jax executable v1\n"
 SUFFIX = ".exe"
-PACKAGES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes", "jax-cuda12-plugin", "jax-cuda12-pjrt",
-            "jax-cuda13-plugin", "jax-cuda13-pjrt", "libtpu")  # fmt: skip
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "numpy",
+    "ml_dtypes",
+    "jax-cuda12-plugin",
+    "jax-cuda12-pjrt",
+    "jax-cuda13-plugin",
+    "jax-cuda13-pjrt",
+    "libtpu",
+)
 ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 # JAX settings that cannot change a compiled program: where caches and logs go, and what gets printed
 UNRELATED_CONFIG = re.compile(r"cache|log|dump|pprint|traceback|explain|timeout|mtls|transfer_guard")
@@ -134,17 +144,22 @@ class ExecutableCache:
         self.directory = Path(directory).expanduser()
         self.off = jax.process_count() > 1
         if self.off:
-            logger.info("executable cache off: %d processes (each compiles its own step programs)",
-                        jax.process_count())  # fmt: skip
+            logger.info("executable cache off: %d processes (each compiles its own step programs)", jax.process_count())
 
     def key(self, name: str, mesh: Mesh, options: dict[str, object], static: object, args: object) -> str:
         """The entry's file name for program `name` on `mesh` with static `options`, the static part of the
         function (`static`, e.g. its graph definition: whose repr must not depend on object identity) and the
         arguments `args` (arrays or ShapeDtypeStructs, as the program is called)."""
         parts = (
-            MAGIC.decode(), name, _software(), _process(), _devices(mesh), repr(sorted(options.items())),
-            hashlib.sha256(repr(static).encode()).hexdigest(), signature(args),
-        )  # fmt: skip
+            MAGIC.decode(),
+            name,
+            _software(),
+            _process(),
+            _devices(mesh),
+            repr(sorted(options.items())),
+            hashlib.sha256(repr(static).encode()).hexdigest(),
+            signature(args),
+        )
         digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         label = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
         return f"{label}-{digest}{SUFFIX}"
@@ -166,8 +181,12 @@ class ExecutableCache:
         try:
             compiled = _decode(blob, key, args, devices)
         except Exception as error:  # (any failure to read an entry back is a miss)
-            logger.warning("executable cache: %s is unusable (%s: %s): deleted, compiling instead", path,
-                           type(error).__name__, error)  # fmt: skip
+            logger.warning(
+                "executable cache: %s is unusable (%s: %s): deleted, compiling instead",
+                path,
+                type(error).__name__,
+                error,
+            )
             path.unlink(missing_ok=True)
             return None
         return compiled
@@ -189,8 +208,10 @@ class ExecutableCache:
             return False
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-            body = pickle.dumps({"key": key, "payload": payload, "in_tree": in_tree, "out_tree": out_tree},
-                                protocol=pickle.HIGHEST_PROTOCOL)  # fmt: skip
+            body = pickle.dumps(
+                {"key": key, "payload": payload, "in_tree": in_tree, "out_tree": out_tree},
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
         except Exception as error:  # (a backend or program that cannot be serialized)
             _serialization_failed(error)
             self.off = True
@@ -244,8 +265,9 @@ def _serialization_failed(error: Exception) -> None:
     if _warned:
         return
     _warned.append(error)
-    logger.warning("executable cache off: this backend cannot serialize the step programs (%s: %s)",
-                   type(error).__name__, error)  # fmt: skip
+    logger.warning(
+        "executable cache off: this backend cannot serialize the step programs (%s: %s)", type(error).__name__, error
+    )
 
 
 def _decode(blob: bytes, key: str, args: object, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
@@ -265,6 +287,9 @@ def _decode(blob: bytes, key: str, args: object, devices: Sequence[jax.Device]) 
     if entry["in_tree"] != expected:
         raise ValueError("its arguments' tree structure differs")
     return serialize_executable.deserialize_and_load(
-        entry["payload"], entry["in_tree"], entry["out_tree"], backend=devices[0].client,
+        entry["payload"],
+        entry["in_tree"],
+        entry["out_tree"],
+        backend=devices[0].client,
         execution_devices=list(devices),
-    )  # fmt: skip
+    )

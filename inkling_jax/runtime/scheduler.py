@@ -138,9 +138,11 @@ class Scheduler:
         needed = pages_for(len(request.prompt_token_ids) + request.max_tokens)
         if needed > min(self.engine.pages_per_replica, self.engine.max_pages):
             capacity = min(self.engine.pages_per_replica, self.engine.max_pages) * self.engine.page_size
-            raise Rejected(Code.RESOURCE_EXHAUSTED,
-                           f"prompt + max_tokens needs {needed} pages; one sequence can hold at most {capacity} "
-                           "tokens in this server's cache")  # fmt: skip
+            raise Rejected(
+                Code.RESOURCE_EXHAUSTED,
+                f"prompt + max_tokens needs {needed} pages; one sequence can hold at most {capacity} "
+                "tokens in this server's cache",
+            )
         with self._lock:
             if request.id in self._ids:
                 raise Rejected(Code.INVALID_ARGUMENT, f"request id {request.id!r} is already in flight")
@@ -257,9 +259,11 @@ class Scheduler:
                 if wanted > 0:
                     held = sequence.known + sequence.bound - 1  # the most the state holds once in-flight steps land
                     speculate = (
-                        engine.speculative and request.speculative and wanted > 1
+                        engine.speculative
+                        and request.speculative
+                        and wanted > 1
                         and pages_for(held + engine.gamma + 1) <= capacity
-                    )  # fmt: skip
+                    )
                     piece = [] if sequence.in_flight else [sequence.token(sequence.known - 1)]  # else on device
                     span = engine.gamma + 1 if speculate else 1
                     pieces[slot] = (sequence, piece, span, speculate)
@@ -309,8 +313,18 @@ class Scheduler:
                 kept[slot], bounds[slot] = sequence, span if speculating else 1
                 sequence.in_flight += 1
                 sequence.bound += bounds[slot]
-        batch = engine.host_batch(tokens, counts, sampling, table, reset=reset, is_prompt=is_prompt, emit=emit,
-                                  feedback=feedback, replay=replay, speculate=speculate)  # fmt: skip
+        batch = engine.host_batch(
+            tokens,
+            counts,
+            sampling,
+            table,
+            reset=reset,
+            is_prompt=is_prompt,
+            emit=emit,
+            feedback=feedback,
+            replay=replay,
+            speculate=speculate,
+        )
         return _Plan(batch, kept, bounds)
 
     def _by_priority(self) -> list[int]:
@@ -402,8 +416,18 @@ class Scheduler:
                     )
                 )
             tokens = tuple(sequence.outputs[-taken:])
-            self._deliver(sequence, Delta(tokens, logprobs, top, reason, len(sequence.prompt), len(sequence.outputs),
-                                          acceptance_length=sequence.acceptance_length))  # fmt: skip
+            self._deliver(
+                sequence,
+                Delta(
+                    tokens,
+                    logprobs,
+                    top,
+                    reason,
+                    len(sequence.prompt),
+                    len(sequence.outputs),
+                    acceptance_length=sequence.acceptance_length,
+                ),
+            )
             if reason is not None:
                 self._finish(sequence, reason, delivered=True)
 
@@ -416,8 +440,12 @@ class Scheduler:
             self._ids.pop(sequence.request.id, None)
             self._lock.notify_all()
         if not delivered:
-            self._deliver(sequence, Delta((), (), (), reason, len(sequence.prompt), len(sequence.outputs), error,
-                                          sequence.acceptance_length))  # fmt: skip
+            self._deliver(
+                sequence,
+                Delta(
+                    (), (), (), reason, len(sequence.prompt), len(sequence.outputs), error, sequence.acceptance_length
+                ),
+            )
 
     def _deliver(self, sequence: _Sequence, delta: Delta) -> None:
         try:

@@ -64,9 +64,16 @@ def attn_res_norm(
 
 @functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "backend"))
 def _computed(
-    sources: Sources, partial: jax.Array, queries: jax.Array, norm_weights: jax.Array, valid: jax.Array | None, *,
-    eps: float, out_dtype: jnp.dtype, backend: str,
-) -> jax.Array:  # fmt: skip
+    sources: Sources,
+    partial: jax.Array,
+    queries: jax.Array,
+    norm_weights: jax.Array,
+    valid: jax.Array | None,
+    *,
+    eps: float,
+    out_dtype: jnp.dtype,
+    backend: str,
+) -> jax.Array:
     """One backend's mix as its own jaxpr: every layer's call of one shape traces to the same jaxpr, which a
     program lowers once (lowering a Mosaic kernel takes about a second)."""
     options = {"eps": eps, "out_dtype": out_dtype}

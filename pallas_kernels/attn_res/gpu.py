@@ -93,9 +93,12 @@ def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: 
     mine = pl.ds(pl.multiple_of(wg * share, CHUNK), share)  # this warpgroup's columns
     for s, (row_ref, row_smem) in enumerate(zip(row_refs, smem, strict=True)):
         copy = functools.partial(
-            plgpu.copy_gmem_to_smem, row_ref.at[pl.ds(token, 1), mine], row_smem.at[:, mine], landed.at[wg],
+            plgpu.copy_gmem_to_smem,
+            row_ref.at[pl.ds(token, 1), mine],
+            row_smem.at[:, mine],
+            landed.at[wg],
             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
-        )  # fmt: skip
+        )
         if valid is None or s == count - 1:
             copy()
         else:  # a masked source's row is not read: its warpgroup arrives without a copy

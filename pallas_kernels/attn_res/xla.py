@@ -36,7 +36,7 @@ def attn_res_norm(
     scores = [
         jnp.stack([jnp.sum(x * q, axis=-1) for q in queries]) * r * hidden**-0.5  # [Q, ...]
         for x, r in zip(rows, inverse_rms, strict=True)
-    ]  # fmt: skip
+    ]
     weights = jax.nn.softmax(jnp.stack(mask_sources(scores, valid, -jnp.inf), axis=-1), axis=-1)  # [Q, ..., N + 1]
     gains = norm_weights.astype(jnp.float32)
     out = []

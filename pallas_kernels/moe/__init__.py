@@ -46,10 +46,20 @@ BACKENDS = IMPLEMENTATIONS.names
 
 
 def moe_experts(
-    x: jax.Array, gate_up: Weight, down: Weight, experts: jax.Array, weights: jax.Array, *, gate_cap: float,
-    up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
-    layer: jax.Array | int | None = None, distinct_ids: bool = False, backend: str = "auto",
-) -> jax.Array:  # fmt: skip
+    x: jax.Array,
+    gate_up: Weight,
+    down: Weight,
+    experts: jax.Array,
+    weights: jax.Array,
+    *,
+    gate_cap: float,
+    up_cap: float,
+    out_dtype: jnp.dtype | None = None,
+    routed_experts: int | None = None,
+    layer: jax.Array | int | None = None,
+    distinct_ids: bool = False,
+    backend: str = "auto",
+) -> jax.Array:
     """`reference.moe_experts`'s contract ([N, H]: each token's weighted sum over its experts), by `backend`.
     `routed_experts`: under expert parallelism, the experts the ids were chosen among (these weights hold only
     some; the others' ids are dropped here): the TPU kernels size their row tiles for the copies expected to stay,
@@ -69,8 +79,13 @@ def moe_experts(
             f"the {backend.upper()} expert kernels take weights laid out by pallas_kernels.moe.layouts."
             f"{LAYOUTS[backend][1]} (once, at load); got {type(gate_up).__name__} and {type(down).__name__}"
         )
-    options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype, "routed_experts": routed_experts,
-               "distinct_ids": distinct_ids}  # fmt: skip
+    options = {
+        "gate_cap": gate_cap,
+        "up_cap": up_cap,
+        "out_dtype": out_dtype,
+        "routed_experts": routed_experts,
+        "distinct_ids": distinct_ids,
+    }
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
     return _computed(x, gate_up, down, experts, weights, layer, backend=backend, **options)
 
@@ -79,10 +94,20 @@ def moe_experts(
     jax.jit, static_argnames=("gate_cap", "up_cap", "out_dtype", "routed_experts", "distinct_ids", "backend")
 )
 def _computed(
-    x: jax.Array, gate_up: Weight, down: Weight, experts: jax.Array, weights: jax.Array, layer: jax.Array | None, *,
-    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None, routed_experts: int | None, distinct_ids: bool,
+    x: jax.Array,
+    gate_up: Weight,
+    down: Weight,
+    experts: jax.Array,
+    weights: jax.Array,
+    layer: jax.Array | None,
+    *,
+    gate_cap: float,
+    up_cap: float,
+    out_dtype: jnp.dtype | None,
+    routed_experts: int | None,
+    distinct_ids: bool,
     backend: str,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """One backend's experts as their own jaxpr: every layer's call of one shape traces to the same jaxpr, which
     a program lowers once (lowering a Mosaic kernel takes about a second)."""
     options = {"gate_cap": gate_cap, "up_cap": up_cap, "out_dtype": out_dtype}
@@ -94,8 +119,16 @@ def _computed(
     options |= {"routed_experts": routed_experts, "layer": layer}
     if backend == "tpu":
         return implementation(x, gate_up, down, experts, weights, **options)
-    return implementation(x, gate_up, down, experts, weights, **options, distinct_ids=distinct_ids,
-                          interpret=jax.default_backend() == "cpu")  # fmt: skip
+    return implementation(
+        x,
+        gate_up,
+        down,
+        experts,
+        weights,
+        **options,
+        distinct_ids=distinct_ids,
+        interpret=jax.default_backend() == "cpu",
+    )
 
 
 def _one_layer(weight: Weight) -> Weight:

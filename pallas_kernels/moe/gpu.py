@@ -234,8 +234,9 @@ def _grouped(
             dealt round the CTAs (cta, cta + ctas, ...), so that no CTA runs more than one item above another."""
             kc, steps, stages = rings[c]
             specs = work.stage_specs(w, kc, width)
-            step_mma = work.multiply_step(fmt, kc, w.data.dtype.itemsize, wg, table_smem, (a_smem or [None])[0],
-                                          interpret)  # fmt: skip
+            step_mma = work.multiply_step(
+                fmt, kc, w.data.dtype.itemsize, wg, table_smem, (a_smem or [None])[0], interpret
+            )
             first_item = 0 if c == 0 else real_ref[c - 1] * n_tiles
             mine = first_item + (cta - first_item % ctas + ctas) % ctas  # this CTA's first item of the width
 
@@ -275,9 +276,16 @@ def _grouped(
 
             def pipeline(state, context=None):
                 return plgpu.emit_pipeline_warp_specialized(
-                    mma, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=wgs,
-                    max_concurrent_steps=stages, compute_context=context, pipeline_state=state,
-                )  # fmt: skip
+                    mma,
+                    grid=(steps,),
+                    memory_registers=40,
+                    in_specs=specs,
+                    wg_axis="wg",
+                    num_compute_wgs=wgs,
+                    max_concurrent_steps=stages,
+                    compute_context=context,
+                    pipeline_state=state,
+                )
 
             def run_item(j, state, allocations):
                 where = item(j)
@@ -319,9 +327,13 @@ def _grouped(
 
 
 def grouped_matmul(
-    rows: jax.Array, w: GpuWeight, tiles: Tiles, *, swiglu: tuple[float, float] | None = None,
+    rows: jax.Array,
+    w: GpuWeight,
+    tiles: Tiles,
+    *,
+    swiglu: tuple[float, float] | None = None,
     interpret: bool = False,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """rows [R, K] laid out by `tiles` (with `reads_tokens`: the tokens [<= tm, K]), K in `layouts.gpu_k_order` ->
     [R, N] (R = tiles.rows): each row times its expert's w^T, accumulated in fp32 over the whole K in one order
     (whatever the call's size: a token's row is the same bits beside any other tokens) and rounded to the rows'
@@ -356,10 +368,18 @@ def supports(two_i: int, hidden: int, fmt: str) -> bool:
 
 
 def _few_tokens(
-    x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
-    caps: tuple[float, float], out_dtype: jnp.dtype, num_experts: int, first: jax.Array | int,
+    x: jax.Array,
+    gate_up: GpuWeight,
+    down: GpuWeight,
+    experts: jax.Array,
+    weights: jax.Array,
+    *,
+    caps: tuple[float, float],
+    out_dtype: jnp.dtype,
+    num_experts: int,
+    first: jax.Array | int,
     interpret: bool = False,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """At most SHARED_TM[0] tokens, at least one expert each (x in gate_up's `layouts.gpu_k_order`, checked by
     `check`) by `chosen_experts`, in two kernels; the ids name experts first ... first + num_experts - 1 of
     the weights."""
@@ -373,10 +393,20 @@ def _few_tokens(
 
 
 def moe_experts(
-    x: jax.Array, gate_up: GpuWeight, down: GpuWeight, experts: jax.Array, weights: jax.Array, *,
-    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
-    layer: jax.Array | int | None = None, distinct_ids: bool = False, interpret: bool = False,
-) -> jax.Array:  # fmt: skip
+    x: jax.Array,
+    gate_up: GpuWeight,
+    down: GpuWeight,
+    experts: jax.Array,
+    weights: jax.Array,
+    *,
+    gate_cap: float,
+    up_cap: float,
+    out_dtype: jnp.dtype | None = None,
+    routed_experts: int | None = None,
+    layer: jax.Array | int | None = None,
+    distinct_ids: bool = False,
+    interpret: bool = False,
+) -> jax.Array:
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_gpu` (`interpret`: run the
     kernels in Mosaic GPU's interpreter): at most SHARED_TM[0] tokens by `chosen_experts`, more by the copies
     sorted by expert (`tile_copies`, choosing shared tiles or own windows by the copies `routing.route` expects
@@ -391,8 +421,18 @@ def moe_experts(
         return jnp.zeros((tokens, hidden), out_dtype)
     caps = (gate_cap, up_cap)
     if tokens <= SHARED_TM[0]:
-        return _few_tokens(in_gpu_k_order(x, gate_up.format), gate_up, down, experts, weights, caps=caps,
-                           out_dtype=out_dtype, num_experts=num_experts, first=first, interpret=interpret)  # fmt: skip
+        return _few_tokens(
+            in_gpu_k_order(x, gate_up.format),
+            gate_up,
+            down,
+            experts,
+            weights,
+            caps=caps,
+            out_dtype=out_dtype,
+            num_experts=num_experts,
+            first=first,
+            interpret=interpret,
+        )
     routing = route(experts, weights, num_experts, routed_experts)
     tiles = tile_copies(routing, distinct_ids)
     tiles = dataclasses.replace(tiles, expert=tiles.expert + first)

@@ -188,8 +188,11 @@ def multiply_step(fmt: str, kc: int, data_item: int, wg: jax.Array, tables, a_sm
             if fmt == MXFP8:
                 parts = [mx_values(words, run, scales[j], interpret)]
             elif fmt == NVFP4:
-                parts = list(nv_values(words, run, scales[j], global_scale) if interpret
-                             else e2m1_by_table(run)(words, entries[j]))  # fmt: skip
+                parts = list(
+                    nv_values(words, run, scales[j], global_scale)
+                    if interpret
+                    else e2m1_by_table(run)(words, entries[j])
+                )
             pending += parts
             if len(pending) * 32 < WGMMA_K:
                 continue

@@ -124,8 +124,9 @@ def down_order_columns(two_i: int) -> np.ndarray:
 
 def _columns(weight: TpuWeight, columns: np.ndarray, in_down_order: bool) -> TpuWeight:
     """The weight's N columns taken in the order `columns`."""
-    arrays = [None if a is None else jnp.take(a, columns, axis=-1) for a in (weight.data, weight.scales,
-                                                                                weight.global_scale)]  # fmt: skip
+    arrays = [
+        None if a is None else jnp.take(a, columns, axis=-1) for a in (weight.data, weight.scales, weight.global_scale)
+    ]
     return TpuWeight(*arrays, weight.format, in_down_order)
 
 
@@ -373,8 +374,10 @@ def paired_rows(two_i: int, fmt: str) -> np.ndarray:
 
 def _permute_rows(weight: GpuWeight, rows: np.ndarray) -> GpuWeight:
     """The weight's rows (N) taken in the order `rows`, flipping `paired`."""
-    fields = [None if a is None else jnp.take(a, rows, axis=1 if a is weight.data else 2)
-              for a in (weight.data, weight.scales, weight.global_scale)]  # fmt: skip
+    fields = [
+        None if a is None else jnp.take(a, rows, axis=1 if a is weight.data else 2)
+        for a in (weight.data, weight.scales, weight.global_scale)
+    ]
     return GpuWeight(*fields, weight.format, not weight.paired)
 
 

@@ -177,8 +177,9 @@ def _matmul(x: jax.Array, w: jax.Array, widen: bool) -> jax.Array:
     dots round)."""
     if widen:
         x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-    return lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)  # fmt: skip
+    return lax.dot_general(
+        x, w, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
 
 
 def _fetch_rows(v, first_ref, live_ref, token_ref, x_hbm, landing, sem) -> None:
@@ -200,8 +201,9 @@ def _token_rows(order_ref, first_ref, live_ref, token_ref, x_hbm, landing, x_ref
     _, visit = _column_and_visit(i, j, order_ref)
     first_step = (i == 0) & (j == 0)
     _, previous = _column_and_visit(jnp.where(j == 0, i - 1, i), jnp.where(j == 0, inner - 1, j - 1), order_ref)
-    fetch = functools.partial(_fetch_rows, first_ref=first_ref, live_ref=live_ref, token_ref=token_ref, x_hbm=x_hbm,
-                              landing=landing, sem=sem)  # fmt: skip
+    fetch = functools.partial(
+        _fetch_rows, first_ref=first_ref, live_ref=live_ref, token_ref=token_ref, x_hbm=x_hbm, landing=landing, sem=sem
+    )
 
     @pl.when(first_step)
     def _():
@@ -224,8 +226,9 @@ def _token_rows(order_ref, first_ref, live_ref, token_ref, x_hbm, landing, x_ref
             fetch(upcoming)
 
 
-def _gate_up_kernel(expert_ref, tile_ref, order_ref, first_ref, live_ref, token_ref, x_hbm, *refs, fmt, chunks, caps,
-                    widen):  # fmt: skip
+def _gate_up_kernel(
+    expert_ref, tile_ref, order_ref, first_ref, live_ref, token_ref, x_hbm, *refs, fmt, chunks, caps, widen
+):
     count = OPERANDS[fmt]
     gate_refs, up_refs = refs[:count], refs[count : 2 * count]
     out_ref, *scratch, landing, x_ref, sem = refs[2 * count :]
@@ -281,10 +284,20 @@ def _column_and_visit(i, j, order) -> tuple[jax.Array, jax.Array]:
 
 
 def _grouped(
-    kernel, rows: tuple[jax.Array, pl.BlockSpec], weights: list[TpuWeight], specs, n: int, tn: int, plan: _Plan,
-    reads: tuple[float, jax.Array], *, scalars: tuple[jax.Array, ...] = (), scratch: tuple = (),
-    interpret: pltpu.InterpretParams | None, **options,
-) -> jax.Array:  # fmt: skip
+    kernel,
+    rows: tuple[jax.Array, pl.BlockSpec],
+    weights: list[TpuWeight],
+    specs,
+    n: int,
+    tn: int,
+    plan: _Plan,
+    reads: tuple[float, jax.Array],
+    *,
+    scalars: tuple[jax.Array, ...] = (),
+    scratch: tuple = (),
+    interpret: pltpu.InterpretParams | None,
+    **options,
+) -> jax.Array:
     """One grouped matmul pallas_call over the visits: the rows of K (`rows`: the operand and its spec; `scalars`
     prefetched after the plan's) -> the plan's rows [R, N] (`reads`: `_visits_first`'s expert and row bytes)."""
     expert, tile, tm = plan.expert, plan.tile, plan.tm
@@ -300,9 +313,12 @@ def _grouped(
     scales = [s for w in weights for s in _scale_scratch(w, tn)]
     operands = [x for w in weights for x in _weight_operands(w)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3 + len(scalars), grid=grid, in_specs=[rows[1], *specs],
-        out_specs=pl.BlockSpec((tm, tn), out_block), scratch_shapes=[*scales, *scratch],
-    )  # fmt: skip
+        num_scalar_prefetch=3 + len(scalars),
+        grid=grid,
+        in_specs=[rows[1], *specs],
+        out_specs=pl.BlockSpec((tm, tn), out_block),
+        scratch_shapes=[*scales, *scratch],
+    )
     body = functools.partial(
         kernel, fmt=weights[0].format, chunks=weights[0].shape[2] // CHUNK, widen=interpret is not None, **options
     )
@@ -352,10 +368,19 @@ def _check(x: jax.Array, gate_up: TpuWeight, down: TpuWeight, experts: jax.Array
 
 
 def moe_experts(
-    x: jax.Array, gate_up: TpuWeight, down: TpuWeight, experts: jax.Array, weights: jax.Array, *,
-    gate_cap: float, up_cap: float, out_dtype: jnp.dtype | None = None, routed_experts: int | None = None,
-    layer: jax.Array | int | None = None, interpret: pltpu.InterpretParams | None = None,
-) -> jax.Array:  # fmt: skip
+    x: jax.Array,
+    gate_up: TpuWeight,
+    down: TpuWeight,
+    experts: jax.Array,
+    weights: jax.Array,
+    *,
+    gate_cap: float,
+    up_cap: float,
+    out_dtype: jnp.dtype | None = None,
+    routed_experts: int | None = None,
+    layer: jax.Array | int | None = None,
+    interpret: pltpu.InterpretParams | None = None,
+) -> jax.Array:
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_tpu` (`interpret`: run the
     kernels in Pallas' TPU interpreter with these parameters; the tiles sized as `routing.route` expects for
     `routed_experts`). With `layer`, the weights are stacked layers' [L, E, ...] and layer `layer`'s are read in
@@ -385,21 +410,37 @@ def moe_experts(
     # [T, blocks, 128]: a token's row one DMA into whole VMEM tiles of its own (a DMA into part of a tile is not to
     # be had); whole tiles of rows are also what Mosaic's shape cast back to [TM, blocks * 128] asks for
     row_scratch = (
-        pltpu.VMEM((plan.tm, blocks, LANES), x.dtype), pltpu.VMEM((plan.tm, hidden), x.dtype), pltpu.SemaphoreType.DMA,
-    )  # fmt: skip
+        pltpu.VMEM((plan.tm, blocks, LANES), x.dtype),
+        pltpu.VMEM((plan.tm, hidden), x.dtype),
+        pltpu.SemaphoreType.DMA,
+    )
     kept_rows = jnp.sum(routing.group_sizes).astype(jnp.float32) * (blocks * LANES * x.dtype.itemsize)
     hidden_rows = _grouped(
-        _gate_up_kernel, (x_rows, pl.BlockSpec(memory_space=pl.ANY)), [gate_up, gate_up],
-        gate_up_specs, inter, tn, plan, (hidden * two_i * itemsize, kept_rows),
-        scalars=(plan.first_copy, plan.live, routing.token_of), scratch=row_scratch, caps=(gate_cap, up_cap),
+        _gate_up_kernel,
+        (x_rows, pl.BlockSpec(memory_space=pl.ANY)),
+        [gate_up, gate_up],
+        gate_up_specs,
+        inter,
+        tn,
+        plan,
+        (hidden * two_i * itemsize, kept_rows),
+        scalars=(plan.first_copy, plan.live, routing.token_of),
+        scratch=row_scratch,
+        caps=(gate_cap, up_cap),
         interpret=interpret,
-    )  # fmt: skip
+    )
     if not gate_up.in_down_order:  # the SwiGLU's columns come in gate_up's order, not yet in down's K order
         hidden_rows = rows_in_order(hidden_rows, inter)
     th = _columns_per_step(hidden, inter, itemsize)
     out_rows = _grouped(
-        _down_kernel, (hidden_rows, _visit_tiles(plan.tm, inter)), [down], _weight_specs(down, th, lambda n: n), hidden,
-        th, plan, (inter * hidden * itemsize, plan.real[0].astype(jnp.float32) * (plan.tm * inter * x.dtype.itemsize)),
+        _down_kernel,
+        (hidden_rows, _visit_tiles(plan.tm, inter)),
+        [down],
+        _weight_specs(down, th, lambda n: n),
+        hidden,
+        th,
+        plan,
+        (inter * hidden * itemsize, plan.real[0].astype(jnp.float32) * (plan.tm * inter * x.dtype.itemsize)),
         interpret=interpret,
-    )  # fmt: skip
+    )
     return combine(out_rows, routing, experts.shape[0], out_dtype, plan.row_of)

@@ -228,9 +228,15 @@ def attend(
     ring, block = page_table is None, kv_block(k, page_table)
     capacity = k.shape[2] if ring else page_table.shape[1] * block
     plan = plan_blocks(
-        kv_lens, query_lens, width=width, block=block, capacity=capacity, extent=rel_proj.shape[1], window=window,
+        kv_lens,
+        query_lens,
+        width=width,
+        block=block,
+        capacity=capacity,
+        extent=rel_proj.shape[1],
+        window=window,
         ring=ring,
-    )  # fmt: skip
+    )
     return kernel(
         q, k, v, rel, rel_proj, sinks, kv_lens, query_lens, page_table, sequence_rings(ring_rows, q.shape[0]), plan,
         scale=scale, window=window,

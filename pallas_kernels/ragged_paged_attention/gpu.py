@@ -161,9 +161,18 @@ def _reach_groups(
 
 
 def _work(
-    kv_lens: jax.Array, query_lens: jax.Array, bias_first: jax.Array, ring_rows: jax.Array, c_min: jax.Array,
-    c_max: jax.Array, *, block: int, splits: int, window: int | None, ring: int | None,
-) -> jax.Array:  # fmt: skip
+    kv_lens: jax.Array,
+    query_lens: jax.Array,
+    bias_first: jax.Array,
+    ring_rows: jax.Array,
+    c_min: jax.Array,
+    c_max: jax.Array,
+    *,
+    block: int,
+    splits: int,
+    window: int | None,
+    ring: int | None,
+) -> jax.Array:
     """[S, T, splits, 8] int32 (T: the grid's tiles), the kernel's one table of scalars: each CTA's KV blocks
     [lo, hi), its tile's smallest and largest real query position (tiles of padding queries get nothing to visit), then
     its sequence's first query position, last key position, bias frame start and ring (ring_rows[s]). c_min,
@@ -299,9 +308,13 @@ def _attention(
     lapped = ring and window is not None and ring_size >= window + keys - 1
     tiled = width % LANES == 0 if sheared else width == 1  # prefill (C % 64 == 0) or decode tiles
     eligible = (  # over the pool, or decode over a ring that laps; with room for the windows and Qw buffers
-        tiled and (not ring or (lapped and not sheared)) and span <= 256 and d_rel is not None
-        and rel.dtype == dtype and _stages(0, keys, dim, itemsize, extra=extra) > 0
-    )  # fmt: skip
+        tiled
+        and (not ring or (lapped and not sheared))
+        and span <= 256
+        and d_rel is not None
+        and rel.dtype == dtype
+        and _stages(0, keys, dim, itemsize, extra=extra) > 0
+    )
     if in_kernel is None:
         in_kernel = eligible
     elif in_kernel and not eligible:
@@ -316,9 +329,12 @@ def _attention(
     # G sink logits are G scalar reads. No padded copy of any of them.
     box = -(-(ALIGN - 1 + groups) // ALIGN) * ALIGN
     flat = (
-        in_kernel and not sheared and rel.shape[-1] == d_rel and slots * heads % ALIGN == 0
+        in_kernel
+        and not sheared
+        and rel.shape[-1] == d_rel
+        and slots * heads % ALIGN == 0
         and box <= min(LANES, slots * heads)
-    )  # fmt: skip
+    )
     rel_in_smem = flat or (in_kernel and interpret)  # copied to SMEM, not loaded into registers from GMEM
     c_min, c_max = _row_bounds(rows, padded, tile, width)
     if grouped:
@@ -329,9 +345,17 @@ def _attention(
             )
         later, c_min, c_max = _reach_groups(kv_lens, query_lens, c_min, c_max, width, block)
     work = _work(
-        kv_lens, query_lens, plan.bias_first, ring_rows, c_min, c_max, block=block, splits=splits, window=window,
+        kv_lens,
+        query_lens,
+        plan.bias_first,
+        ring_rows,
+        c_min,
+        c_max,
+        block=block,
+        splits=splits,
+        window=window,
         ring=ring_size if ring else None,
-    )  # fmt: skip
+    )
     pad = ((0, 0), (0, 0), (0, padded - rows))
     if flat:  # [S * Hq, ...]; a box past the end reads zeros (TMA and the interpreter alike)
         q, rel, sinks = q.reshape(slots * heads, dim), rel.reshape(slots * heads, d_rel), sinks.reshape(-1)

@@ -77,8 +77,16 @@ def ragged_paged_attention(
         k, v = (jnp.swapaxes(x[rows], 1, 2) for x in (k, v))
         kv_positions = ring_positions(k.shape[1], kv_lens)
     out = relative_attention(
-        q, k.astype(q.dtype), v.astype(q.dtype), rel, rel_proj, sinks, positions, kv_positions,
-        scale=scale, window=window,
-    )  # fmt: skip
+        q,
+        k.astype(q.dtype),
+        v.astype(q.dtype),
+        rel,
+        rel_proj,
+        sinks,
+        positions,
+        kv_positions,
+        scale=scale,
+        window=window,
+    )
     real = jnp.arange(q.shape[1])[None, :] < query_lens[:, None]
     return jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))

@@ -235,9 +235,19 @@ def kernel(
     table_spec = pl.BlockSpec(table.shape, lambda *_: (0, 0))
     scalars = [kv_lens, query_lens, page_table.reshape(-1) if paged else ring_rows]
     body = functools.partial(
-        _attend_step, scale=scale, window=window, width=width, tile_rows=tile_rows, block=block, per_step=per_step,
-        steps=steps, extent=rel_proj.shape[1], pad=pad, span=span, ring=ring,
-    )  # fmt: skip
+        _attend_step,
+        scale=scale,
+        window=window,
+        width=width,
+        tile_rows=tile_rows,
+        block=block,
+        per_step=per_step,
+        steps=steps,
+        extent=rel_proj.shape[1],
+        pad=pad,
+        span=span,
+        ring=ring,
+    )
     return pl.pallas_call(
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -145,9 +145,14 @@ def test_bfloat16_load_keeps_fp32_parameters(tiny_checkpoint):
     params = named_parameters(model)
     assert params["model.layers.0.self_attn.q_proj.weight"].dtype == jnp.bfloat16
     assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == jnp.bfloat16
-    for fp32 in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate.e_score_correction_bias",
-                 "model.layers.0.post_mlp_convolution.conv1d.weight", "model.layers.0.self_attn.k_sconv.conv1d.weight",
-                 "model.layers.1.attention_input.query", "model.final_input.query"):  # fmt: skip
+    for fp32 in (
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.mlp.gate.e_score_correction_bias",
+        "model.layers.0.post_mlp_convolution.conv1d.weight",
+        "model.layers.0.self_attn.k_sconv.conv1d.weight",
+        "model.layers.1.attention_input.query",
+        "model.final_input.query",
+    ):
         assert params[fp32].dtype == jnp.float32, fp32
 
 
@@ -157,8 +162,12 @@ def test_multimodal_transformers_layout_sharded_skips_vision(tiny_checkpoint, tm
     tensors = {name.replace("model.", "model.language_model.", 1): np.array(files.read(name)) for name in files}
     tensors["model.vision_tower.pre_layernorm.weight"] = np.ones(8, np.float32)
     write_sharded(tmp_path, tensors, num_shards=3)
-    config = {"model_type": "inkling2", "text_config": TINY, "image_token_id": 50,
-              "vision_config": {"hidden_size": 8, "num_attention_heads": 2, "text_hidden_size": 16}}  # fmt: skip
+    config = {
+        "model_type": "inkling2",
+        "text_config": TINY,
+        "image_token_id": 50,
+        "vision_config": {"hidden_size": 8, "num_attention_heads": 2, "text_hidden_size": 16},
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     ids = jnp.asarray([[5, 9, 1, 33, 2, 7, 40, 11]], jnp.int32)
     _, reference = load_causal_lm(tiny_checkpoint, jnp.float32)
@@ -169,20 +178,30 @@ def test_multimodal_transformers_layout_sharded_skips_vision(tiny_checkpoint, tm
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.self_attn.k_sconv.static_weight"},
-         "missing tensors for model.layers.1.self_attn.k_sconv.static_weight"),
-        (lambda t: {**t, "model.layers.0.self_attn.extra.weight": np.ones(2, np.float32)},
-         "unexpected tensor 'model.layers.0.self_attn.extra.weight'"),
-        (lambda t: {**t, "model.layers.0.mlp.gate.weight": np.ones((4, 17), np.float32)},
-         r"'model.layers.0.mlp.gate.weight' has shape \(4, 17\), the config needs \(4, 16\)"),
+        (
+            lambda t: {k: v for k, v in t.items() if k != "model.layers.1.self_attn.k_sconv.static_weight"},
+            "missing tensors for model.layers.1.self_attn.k_sconv.static_weight",
+        ),
+        (
+            lambda t: {**t, "model.layers.0.self_attn.extra.weight": np.ones(2, np.float32)},
+            "unexpected tensor 'model.layers.0.self_attn.extra.weight'",
+        ),
+        (
+            lambda t: {**t, "model.layers.0.mlp.gate.weight": np.ones((4, 17), np.float32)},
+            r"'model.layers.0.mlp.gate.weight' has shape \(4, 17\), the config needs \(4, 16\)",
+        ),
         (lambda t: {**t, "model.norm.weight": np.ones(16, np.int32)}, "'model.norm.weight' has dtype int32"),
         (
-            lambda t: {**t, "model.layers.0.mlp.experts.down_proj": t["model.layers.0.mlp.experts.down_proj"].astype(
-                ml_dtypes.float8_e4m3fn)},
+            lambda t: {
+                **t,
+                "model.layers.0.mlp.experts.down_proj": t["model.layers.0.mlp.experts.down_proj"].astype(
+                    ml_dtypes.float8_e4m3fn
+                ),
+            },
             "'model.layers.0.mlp.experts.down_proj' holds mxfp8 data but its block-scale sidecar is missing",
         ),
     ],
-)  # fmt: skip
+)
 def test_bad_checkpoints_name_the_tensor(tiny_checkpoint, tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message):
         load_causal_lm(edited_copy(tiny_checkpoint, tmp_path, edit), jnp.float32)

@@ -129,13 +129,18 @@ def test_the_hash_prng_draws_like_jax_random():
         ({"quant_method": "fp8", "weight_block_size": [1, 32]}, [MXFP8] * 4),
         ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, [NVFP4] * 4),
         (
-            {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
-                "model.llm.layers.0.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16},
-                "model.llm.layers.2.mlp.experts": {"quant_algo": "MXFP8"}}},
+            {
+                "quant_method": "modelopt",
+                "quant_algo": "MIXED_PRECISION",
+                "quantized_layers": {
+                    "model.llm.layers.0.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16},
+                    "model.llm.layers.2.mlp.experts": {"quant_algo": "MXFP8"},
+                },
+            },
             [NVFP4, None, MXFP8, None],
         ),
     ],
-)  # fmt: skip
+)
 def test_expert_formats_follow_the_quantization_config(quantization, formats):
     assert configured_expert_formats("c.json", quantization, 4) == formats
 
@@ -171,16 +176,36 @@ def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
     tp1 and tp4 gives the same tokens (the random weights do not depend on the shards), speculating or not."""
     config = json.loads(TINY.read_text())
     config["quantization_config"] = {
-        "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
-        "quantized_layers": {f"model.llm.layers.{i}.mlp.experts": {"quant_algo": "NVFP4" if i < 10 else "MXFP8"}
-                             for i in range(12)},
-    }  # fmt: skip
+        "quant_method": "modelopt",
+        "quant_algo": "MIXED_PRECISION",
+        "quantized_layers": {
+            f"model.llm.layers.{i}.mlp.experts": {"quant_algo": "NVFP4" if i < 10 else "MXFP8"} for i in range(12)
+        },
+    }
     (tmp_path / "mixed.json").write_text(json.dumps(config))
     rng = np.random.default_rng(7)
-    lines = [{"id": i, "prompt_token_ids": rng.integers(0, 500, int(rng.integers(2, 20))).tolist(), "max_tokens": 9,
-              "temperature": 0.8 * (i % 2), "seed": i} for i in range(5)]  # fmt: skip
-    common = ["--checkpoint", str(tmp_path / "mixed.json"), "--load-format", "dummy", "--dtype", "float32",
-              "--max-num-seqs", "2", "--chunk", "8"]  # fmt: skip
+    lines = [
+        {
+            "id": i,
+            "prompt_token_ids": rng.integers(0, 500, int(rng.integers(2, 20))).tolist(),
+            "max_tokens": 9,
+            "temperature": 0.8 * (i % 2),
+            "seed": i,
+        }
+        for i in range(5)
+    ]
+    common = [
+        "--checkpoint",
+        str(tmp_path / "mixed.json"),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "2",
+        "--chunk",
+        "8",
+    ]
     code, one = run_generate(tmp_path, lines, *common)
     assert code == 0 and [r["id"] for r in one] == list(range(5))
     assert all(len(r["token_ids"]) == 9 or r["finish_reason"] == "stop" for r in one)
@@ -203,8 +228,18 @@ def test_the_proxy_config_is_the_full_model_with_16_experts_in_native_formats():
     DSpark draft; its parameters fit one H200 with room for the decode state."""
     full, proxy = load_config(REPO / "configs" / "inkling2_small.json"), load_config(PROXY)
     assert (proxy.text.n_routed_experts, proxy.text.num_experts_per_tok) == (16, 8)
-    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "moe_intermediate_size", "vocab_size", "sliding_window_size", "layer_types", "d_rel"):  # fmt: skip
+    for field in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "moe_intermediate_size",
+        "vocab_size",
+        "sliding_window_size",
+        "layer_types",
+        "d_rel",
+    ):
         assert getattr(proxy.text, field) == getattr(full.text, field), field
     assert proxy.quantization["quant_algo"] == "MIXED_PRECISION"
     formats = configured_expert_formats(str(PROXY), proxy.quantization, proxy.text.num_hidden_layers)

@@ -147,8 +147,15 @@ def test_bad_directories_are_named(saved, tmp_path, how, message):
 
 
 def _convert(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "inkling_jax.checkpoint.orbax_io", "--checkpoint", str(checkpoint), "--out",
-               str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "inkling_jax.checkpoint.orbax_io",
+        "--checkpoint",
+        str(checkpoint),
+        "--out",
+        str(out),
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 

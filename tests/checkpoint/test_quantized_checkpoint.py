@@ -92,8 +92,17 @@ def test_device_bytes_match_the_checkpoint(mixed):
 @pytest.mark.slow
 def test_score_cli_runs_on_a_quantized_checkpoint(mixed, tmp_path):
     (tmp_path / "ids.json").write_text(json.dumps(np.asarray(IDS[0]).tolist()))
-    command = [sys.executable, "-m", "inkling_jax.score", "--checkpoint", str(mixed), "--input",
-               str(tmp_path / "ids.json"), "--output", str(tmp_path / "out.npy")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "inkling_jax.score",
+        "--checkpoint",
+        str(mixed),
+        "--input",
+        str(tmp_path / "ids.json"),
+        "--output",
+        str(tmp_path / "out.npy"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     _, model = load_causal_lm(mixed, jnp.float32)
@@ -131,7 +140,7 @@ def _zero_global(t):
         (_zero_global, f"global scale '{NV}_scale_2' must be finite and positive"),
         (lambda t: {**t, NV + ".scale": t[NV + "_scale"]}, "both fill"),
     ],
-)  # fmt: skip
+)
 def test_bad_quantized_tensors_are_named(mixed, tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message):
         load_causal_lm(edited_copy(mixed, tmp_path, edit), jnp.float32)

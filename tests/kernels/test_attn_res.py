@@ -28,15 +28,14 @@ def case(
     keys = jax.random.split(jax.random.key(seed), count + 4)
     hidden = shape[-1]
     scales = jnp.exp(jax.random.uniform(keys[0], (count + 1,), minval=-2.0, maxval=4.0))
-    sources = [
-        (jax.random.normal(keys[i + 1], shape) * scales[i]).astype(jnp.bfloat16) for i in range(count)
-    ]  # fmt: skip
+    sources = [(jax.random.normal(keys[i + 1], shape) * scales[i]).astype(jnp.bfloat16) for i in range(count)]
     partial = (jax.random.normal(keys[count + 1], shape) * scales[count]).astype(partial_dtype)
     return {
-        "sources": sources, "partial": partial,
+        "sources": sources,
+        "partial": partial,
         "queries": jax.random.normal(keys[count + 2], (queries, hidden)) * query_scale,
         "norm_weights": (1 + 0.2 * jax.random.normal(keys[count + 3], (queries, hidden))).astype(jnp.bfloat16),
-    }  # fmt: skip
+    }
 
 
 def loops(sources, partial, queries, norm_weights) -> np.ndarray:
@@ -206,8 +205,12 @@ def production_operands(tokens: int, queries: int) -> tuple:
     """Abstract operands at the production width: hidden 4608, 8 closed blocks (bf16) + the fp32 partial."""
     spec = jax.ShapeDtypeStruct
     sources = [spec((tokens, 4608), jnp.bfloat16)] * 8
-    return (sources, spec((tokens, 4608), jnp.float32), spec((queries, 4608), jnp.float32),
-            spec((queries, 4608), jnp.bfloat16))  # fmt: skip
+    return (
+        sources,
+        spec((tokens, 4608), jnp.float32),
+        spec((queries, 4608), jnp.float32),
+        spec((queries, 4608), jnp.bfloat16),
+    )
 
 
 @pytest.mark.parametrize(("tokens", "queries"), [(64, 3), (4096, 1)])

@@ -111,8 +111,12 @@ def test_rejects_what_it_does_not_take():
         gpu.attn_res_norm(**x, eps=EPS, out_dtype=jnp.bfloat16)
     x = case(0, 2, 1, (4, 512), jnp.float32)
     with pytest.raises(ValueError, match="must have the partial's shape"):
-        gpu.attn_res_norm(x["sources"] + [x["partial"][:2]], **{k: v for k, v in x.items() if k != "sources"},
-                          eps=EPS, out_dtype=jnp.bfloat16)  # fmt: skip
+        gpu.attn_res_norm(
+            x["sources"] + [x["partial"][:2]],
+            **{k: v for k, v in x.items() if k != "sources"},
+            eps=EPS,
+            out_dtype=jnp.bfloat16,
+        )
     rest = {k: v for k, v in x.items() if k != "sources"}
     with pytest.raises(ValueError, match="must have the partial's shape"):  # a stacked buffer of other rows
         gpu.check(jnp.zeros((2, 3, 512)), **rest)

@@ -64,8 +64,7 @@ def test_each_distinct_kernel_becomes_a_program_of_its_call():
             module = ir.Module.parse(program)
             (call,) = kernel_calls(module)
             original = originals[key]
-            for name in ("mhlo.backend_config", "call_target_name", "api_version", "operand_layouts",
-                         "result_layouts"):  # fmt: skip
+            for name in ("mhlo.backend_config", "call_target_name", "api_version", "operand_layouts", "result_layouts"):
                 assert str(call.attributes[name]) == str(original.attributes[name]), name
             main = module.body.operations[0]
             arguments = [str(argument.type) for argument in main.regions[0].blocks[0].arguments]

@@ -207,9 +207,16 @@ def test_own_windows_take_the_widths_their_groups_can_need():
     """The widths up to the narrowest that holds a group of the largest size."""
     assert gpu.OWN_TMS == (64, 80, 96, 112)
     assert [gpu.own_widths(n) for n in (1, 64, 65, 68, 80, 97, 112, 113, 4096)] == [
-        (64,), (64,), (64, 80), (64, 80), (64, 80), (64, 80, 96, 112), (64, 80, 96, 112), (64, 80, 96, 112),
+        (64,),
+        (64,),
+        (64, 80),
+        (64, 80),
+        (64, 80),
         (64, 80, 96, 112),
-    ]  # fmt: skip
+        (64, 80, 96, 112),
+        (64, 80, 96, 112),
+        (64, 80, 96, 112),
+    ]
 
 
 def test_windows_that_each_hold_a_group_bound_the_visits_by_the_experts(monkeypatch):
@@ -312,8 +319,17 @@ CASES = [  # (format, tokens, top_k, foreign ids + fp32 out, experts); each form
     (NVFP4, 32, 2, False, 2),  # prefill: each expert's copies in tiles of their own (>= 16 copies per expert)
     (NVFP4, 3, 4, True, EXPERTS),  # decode of few tokens: each chosen expert's visit; expert parallelism's drops
     (MXFP8, 12, 2, True, EXPERTS),  # decode: shared tiles; dropped ids
-] + ([] if CPU else [(MXFP8, 5, 2, False, EXPERTS), (PLAIN, 1, 2, False, EXPERTS), (MXFP8, 64, 8, False, EXPERTS),
-                     (NVFP4, 30, 8, False, EXPERTS), (PLAIN, 9, 8, True, EXPERTS)])  # fmt: skip
+] + (
+    []
+    if CPU
+    else [
+        (MXFP8, 5, 2, False, EXPERTS),
+        (PLAIN, 1, 2, False, EXPERTS),
+        (MXFP8, 64, 8, False, EXPERTS),
+        (NVFP4, 30, 8, False, EXPERTS),
+        (PLAIN, 9, 8, True, EXPERTS),
+    ]
+)
 
 
 @pytest.mark.slow
@@ -412,8 +428,15 @@ def test_bad_input_is_named():
         for_gpu(QuantizedArray(gate_up.data.at[1, 2, 3].set(nan), gate_up.scales, None, MXFP8))
     nv = quantize(jax.random.normal(jax.random.key(3), (2, 256, 256)), NVFP4)
     outside = r"block scale that is negative or NaN, or a block scale \* global scale nonzero outside \[2\^-125"
-    cases = [(jnp.nan, 1.0), (jnp.nan, 0.0), (-2.0, 1.0), (-0.0, 1.0), (2.0**-9, 2.0**-117), (448, 2.0**117),
-             (2.0**-9, 2.0**-120)]  # fmt: skip
+    cases = [
+        (jnp.nan, 1.0),
+        (jnp.nan, 0.0),
+        (-2.0, 1.0),
+        (-0.0, 1.0),
+        (2.0**-9, 2.0**-117),
+        (448, 2.0**117),
+        (2.0**-9, 2.0**-120),
+    ]
     for scale, global_scale in cases:
         with pytest.raises(ValueError, match=outside):
             scales = nv.scales.at[0, 1, 2].set(scale)
@@ -429,8 +452,10 @@ def test_bad_input_is_named():
     for_gpu(QuantizedArray(nv.data, nv.scales, jnp.broadcast_to(nv.global_scale, (2, 256, 1)), NVFP4))
     unchecked = jax.jit(for_gpu)(QuantizedArray(nv.data, nv.scales, per_row, NVFP4)).global_scale  # traced: no check
     assert np.isnan(unchecked[1]).all() and np.array_equal(unchecked[0, 0], jnp.full(256, nv.global_scale[0, 0, 0]))
-    narrow = (GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN, paired=True),
-              GpuWeight(jnp.zeros((2, 384, 128), jnp.bfloat16), None, None, PLAIN))  # fmt: skip
+    narrow = (
+        GpuWeight(jnp.zeros((2, 256, 384), jnp.bfloat16), None, None, PLAIN, paired=True),
+        GpuWeight(jnp.zeros((2, 384, 128), jnp.bfloat16), None, None, PLAIN),
+    )
     with pytest.raises(ValueError, match=r"H \(384\) and I \(128\) to be multiples of 256"):
         gpu.moe_experts(jnp.zeros((2, 384), jnp.bfloat16), *narrow, experts, weights, **CAPS)
 
@@ -447,8 +472,9 @@ def abstract_weight(fmt: str, experts: int, n: int, k: int, paired: bool = False
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, tokens, experts", [(PLAIN, 8, 384), (MXFP8, 1, 384), (MXFP8, 4096, 384),
-                                                  (NVFP4, 64, 384), (NVFP4, 8, 48)])  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt, tokens, experts", [(PLAIN, 8, 384), (MXFP8, 1, 384), (MXFP8, 4096, 384), (NVFP4, 64, 384), (NVFP4, 8, 48)]
+)
 def test_lowers_for_cuda_at_production_shapes(fmt, tokens, experts):
     hidden, inter = 4608, 2304
     args = (

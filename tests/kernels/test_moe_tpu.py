@@ -90,9 +90,11 @@ def test_every_mxfp8_value_dequantizes_exactly(dtype):
         out_ref[...] = tpu._chunk(MXFP8, (values_ref, scales_ref), scratch, 0, dtype)
 
     got = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(codes.shape, dtype), interpret=pltpu.InterpretParams(),
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(codes.shape, dtype),
+        interpret=pltpu.InterpretParams(),
         scratch_shapes=[pltpu.VMEM(scale_bytes.shape, jnp.float32)],
-    )(values, jnp.asarray(scale_bytes, jnp.uint8))  # fmt: skip
+    )(values, jnp.asarray(scale_bytes, jnp.uint8))
     scales = np.repeat(np.exp2(scale_bytes.astype(np.float64) - 127), block_formats.MX_BLOCK, axis=0)
     want = (np.asarray(values, np.float32) * scales.astype(np.float32)).astype(dtype)
     assert np.isnan(np.asarray(want, np.float32)).any()
@@ -110,8 +112,10 @@ def test_every_nvfp4_code_dequantizes_exactly(dtype):
     scales = rng.integers(0, 0x7F, (1, 128, tpu.CHUNK // block_formats.NV_BLOCK)).astype(np.uint8)  # subnormals too
     weight = QuantizedArray(
         jnp.asarray(codes[None, :, 0::2] | codes[None, :, 1::2] << 4, jnp.uint8),
-        jnp.asarray(scales).view(jnp.float8_e4m3fn), jnp.float32(rng.uniform(0.3, 3.0)), NVFP4,
-    )  # fmt: skip
+        jnp.asarray(scales).view(jnp.float8_e4m3fn),
+        jnp.float32(rng.uniform(0.3, 3.0)),
+        NVFP4,
+    )
     laid = for_tpu(weight)
     refs = (laid.data[0], laid.scales[0], laid.global_scale[0])
 
@@ -120,9 +124,11 @@ def test_every_nvfp4_code_dequantizes_exactly(dtype):
         out_ref[...] = tpu._chunk(NVFP4, (data_ref, scales_ref, global_ref), scratch, 0, dtype)
 
     got = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((tpu.CHUNK, 128), dtype), interpret=pltpu.InterpretParams(),
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((tpu.CHUNK, 128), dtype),
+        interpret=pltpu.InterpretParams(),
         scratch_shapes=[pltpu.VMEM(refs[1].shape, jnp.float32)],
-    )(*refs)  # fmt: skip
+    )(*refs)
     want = weight.dequantize(dtype)[0].T[nvfp4_order(tpu.CHUNK)]
     assert (np.asarray(want, np.float32) == 0).mean() < 0.2
     np.testing.assert_array_equal(
@@ -278,8 +284,12 @@ def test_expert_parallel_tiles_are_sized_for_the_kept_copies():
     got = interpreted(*args, **CAPS, routed_experts=4 * EXPERTS)
     want = reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS)
     assert np.abs(np.asarray(want, np.float32)).max() > 0.1
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-6,
-                               atol=2**-8 * np.abs(np.asarray(want, np.float32)).max())  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32),
+        np.asarray(want, np.float32),
+        rtol=2**-6,
+        atol=2**-8 * np.abs(np.asarray(want, np.float32)).max(),
+    )
 
 
 def laid_out_spec(fmt: str, experts: int, n: int, k: int) -> TpuWeight:
@@ -287,9 +297,11 @@ def laid_out_spec(fmt: str, experts: int, n: int, k: int) -> TpuWeight:
     if fmt == MXFP8:
         return TpuWeight(spec((experts, k, n), jnp.float8_e4m3fn), spec((experts, k // 32, n), jnp.uint8), None, MXFP8)
     return TpuWeight(
-        spec((experts, 2, k // 16, n), jnp.uint32), spec((experts, k // 16, n), jnp.float8_e4m3fn),
-        spec((experts, 1, n), jnp.float32), NVFP4,
-    )  # fmt: skip
+        spec((experts, 2, k // 16, n), jnp.uint32),
+        spec((experts, k // 16, n), jnp.float8_e4m3fn),
+        spec((experts, 1, n), jnp.float32),
+        NVFP4,
+    )
 
 
 @pytest.mark.parametrize(
@@ -299,9 +311,12 @@ def test_tpu_kernels_lower_at_production_shapes(fmt, tokens, experts):
     """Hidden 4608, intermediate 2304, top-8, for TPU v7x: all 384 experts, or a quarter (tp4's expert share)."""
     spec = jax.ShapeDtypeStruct
     args = (
-        spec((tokens, 4608), jnp.bfloat16), laid_out_spec(fmt, experts, 2 * 2304, 4608),
-        laid_out_spec(fmt, experts, 4608, 2304), spec((tokens, 8), jnp.int32), spec((tokens, 8), jnp.float32),
-    )  # fmt: skip
+        spec((tokens, 4608), jnp.bfloat16),
+        laid_out_spec(fmt, experts, 2 * 2304, 4608),
+        laid_out_spec(fmt, experts, 4608, 2304),
+        spec((tokens, 8), jnp.int32),
+        spec((tokens, 8), jnp.float32),
+    )
 
     def run(*args):
         return tpu.moe_experts(*args, **CAPS)

@@ -26,20 +26,35 @@ def random_case(seed: int, kv_lens: list[int], query_lens: list[int], extent: in
         return rng.normal(size=shape).astype(np.float32)
 
     return {
-        "q": normal(slots, longest, HEADS, DIM), "k": normal(slots, longest, KV_HEADS, DIM),
-        "v": normal(slots, longest, KV_HEADS, DIM), "rel": normal(slots, longest, HEADS, D_REL),
-        "sinks": normal(slots, longest, HEADS), "rel_proj": normal(D_REL, extent),
-        "kv_lens": np.asarray(kv_lens, np.int32), "query_lens": np.asarray(query_lens, np.int32), "rng": rng,
-    }  # fmt: skip
+        "q": normal(slots, longest, HEADS, DIM),
+        "k": normal(slots, longest, KV_HEADS, DIM),
+        "v": normal(slots, longest, KV_HEADS, DIM),
+        "rel": normal(slots, longest, HEADS, D_REL),
+        "sinks": normal(slots, longest, HEADS),
+        "rel_proj": normal(D_REL, extent),
+        "kv_lens": np.asarray(kv_lens, np.int32),
+        "query_lens": np.asarray(query_lens, np.int32),
+        "rng": rng,
+    }
 
 
 def whole_sequences(case: dict, window: int | None) -> np.ndarray:
     """[S, longest, Hq, D]: every position's output from a whole-sequence pass (the truth)."""
     positions = jnp.broadcast_to(jnp.arange(case["q"].shape[1], dtype=jnp.int32), case["q"].shape[:2])
-    return np.asarray(relative_attention(
-        case["q"], case["k"], case["v"], case["rel"], case["rel_proj"], case["sinks"], positions, positions,
-        scale=DIM**-0.5, window=window,
-    ))  # fmt: skip
+    return np.asarray(
+        relative_attention(
+            case["q"],
+            case["k"],
+            case["v"],
+            case["rel"],
+            case["rel_proj"],
+            case["sinks"],
+            positions,
+            positions,
+            scale=DIM**-0.5,
+            window=window,
+        )
+    )
 
 
 def step_inputs(case: dict, width: int = WIDTH) -> dict:
@@ -114,9 +129,18 @@ def test_paged_layout_equals_whole_sequences(extent, window):
     k_pages, v_pages, table = paged(case, num_pages=64, max_pages=8)
     step = step_inputs(case)
     got = jax.jit(ragged_paged_attention, static_argnames=("scale", "window"))(
-        step["q"], k_pages, v_pages, case["kv_lens"], case["query_lens"], step["rel"], case["rel_proj"],
-        step["sinks"], page_table=table, scale=DIM**-0.5, window=window,
-    )  # fmt: skip
+        step["q"],
+        k_pages,
+        v_pages,
+        case["kv_lens"],
+        case["query_lens"],
+        step["rel"],
+        case["rel_proj"],
+        step["sinks"],
+        page_table=table,
+        scale=DIM**-0.5,
+        window=window,
+    )
     check(case, got, window)
 
 
@@ -128,9 +152,19 @@ def test_ring_layout_equals_whole_sequences(extent):
     k_ring, v_ring, rows = among_other_layers(case["rng"], k_ring, v_ring)
     step = step_inputs(case)
     got = ragged_paged_attention(
-        step["q"], k_ring, v_ring, case["kv_lens"], case["query_lens"], step["rel"], case["rel_proj"],
-        step["sinks"], page_table=None, scale=DIM**-0.5, window=window, ring_rows=rows,
-    )  # fmt: skip
+        step["q"],
+        k_ring,
+        v_ring,
+        case["kv_lens"],
+        case["query_lens"],
+        step["rel"],
+        case["rel_proj"],
+        step["sinks"],
+        page_table=None,
+        scale=DIM**-0.5,
+        window=window,
+        ring_rows=rows,
+    )
     check(case, got, window)
 
 
@@ -176,9 +210,14 @@ def test_visible_blocks_cover_every_visible_key_and_no_more(window, ring):
     c_first = rng.integers(0, width, 400)
     c_last = np.minimum(c_first + rng.integers(0, 4, 400), width - 1)
     lo, hi = blocks.visible_blocks(
-        jnp.asarray(kv_lens), jnp.asarray(query_lens), jnp.asarray(c_first), jnp.asarray(c_last), block=block,
-        window=window, ring=ring,
-    )  # fmt: skip
+        jnp.asarray(kv_lens),
+        jnp.asarray(query_lens),
+        jnp.asarray(c_first),
+        jnp.asarray(c_last),
+        block=block,
+        window=window,
+        ring=ring,
+    )
     for kv, ql, c0, c1, a, b in zip(kv_lens, query_lens, c_first, c_last, np.asarray(lo), np.asarray(hi), strict=True):
         queries = [kv - ql + c for c in range(c0, min(c1, ql - 1) + 1)]
         seen = {p for q in queries for p in range(q + 1) if window is None or q - p < window}

@@ -58,10 +58,13 @@ def inputs(
         return jnp.asarray(rng.choice([-1, 1], size=shape) * rng.integers(1, 5, size=shape) / 4, jnp.bfloat16)
 
     case = {
-        "q": grid(slots, width, HEADS, DIM), "rel": normal(slots, width, HEADS, d_rel),
-        "rel_proj": normal(d_rel, extent), "sinks": normal(slots, width, HEADS),
-        "kv_lens": jnp.asarray(kv_lens, jnp.int32), "query_lens": jnp.asarray(query_lens, jnp.int32),
-    }  # fmt: skip
+        "q": grid(slots, width, HEADS, DIM),
+        "rel": normal(slots, width, HEADS, d_rel),
+        "rel_proj": normal(d_rel, extent),
+        "sinks": normal(slots, width, HEADS),
+        "kv_lens": jnp.asarray(kv_lens, jnp.int32),
+        "query_lens": jnp.asarray(query_lens, jnp.int32),
+    }
     if ring is None:
         max_pages = -(-max(kv_lens) // PAGE) + 1
         num_pages = slots * max_pages + 3
@@ -197,10 +200,15 @@ def test_lowers_for_cuda_at_production_shapes(width, ring, d_rel):
     kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
     spec = jax.ShapeDtypeStruct
     args = (
-        spec((slots, width, heads, dim), jnp.bfloat16), spec(kv_shape, jnp.bfloat16), spec(kv_shape, jnp.bfloat16),
-        spec((slots,), jnp.int32), spec((slots,), jnp.int32), spec((slots, width, heads, d_rel), jnp.bfloat16),
-        spec((d_rel, 1024), jnp.bfloat16), spec((slots, width, heads), jnp.bfloat16),
-    )  # fmt: skip
+        spec((slots, width, heads, dim), jnp.bfloat16),
+        spec(kv_shape, jnp.bfloat16),
+        spec(kv_shape, jnp.bfloat16),
+        spec((slots,), jnp.int32),
+        spec((slots,), jnp.int32),
+        spec((slots, width, heads, d_rel), jnp.bfloat16),
+        spec((d_rel, 1024), jnp.bfloat16),
+        spec((slots, width, heads), jnp.bfloat16),
+    )
     table = None if ring else spec((slots, 8), jnp.int32)
     kernel = functools.partial(
         gpu._attention, interpret=False, in_kernel=True if width in (1, 1024) else None, invariant=width < 1024
@@ -219,8 +227,11 @@ def test_decode_splits_do_not_depend_on_the_number_of_sequences():
     without invariance prefill's still fill the SMs."""
     for kv_heads, steps in [(8, 16), (2, 64), (8, 2), (1, 8192)]:
         # decode of 6 query heads a KV head; a verify pass of 8 positions; prefill chunks of 64 and 1024
-        found = {gpu._config(slots, kv_heads, rows, steps, None) for slots in (1, 8, 16, 64, 68, 196)
-                 for rows in (6, 48, 384, 6144)}  # fmt: skip
+        found = {
+            gpu._config(slots, kv_heads, rows, steps, None)
+            for slots in (1, 8, 16, 64, 68, 196)
+            for rows in (6, 48, 384, 6144)
+        }
         assert len(found) == 1 and next(iter(found))[0]  # one choice, the warpgroups sharing the KV blocks
     assert gpu._config(8, 8, 6, 16, None) == (True, 2)
     assert gpu._config(1, 8, 128, 16, None, invariant=False) != gpu._config(64, 8, 128, 16, None, invariant=False)
@@ -251,13 +262,15 @@ def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width
     the call 10 blocks of reach: two splits of five."""
     step = inputs(41 + width, kv_lens, query_lens, width, 1024, ring=None)
     rows = [(s, c) for s, length in enumerate(query_lens) for c in range(length)]
-    decode = step | {
-        name: jnp.stack([step[name][s, c] for s, c in rows])[:, None] for name in ("q", "rel", "sinks")
-    } | {
-        "kv_lens": jnp.asarray([kv_lens[s] - query_lens[s] + 1 + c for s, c in rows], jnp.int32),
-        "query_lens": jnp.ones(len(rows), jnp.int32),
-        "page_table": step["page_table"][jnp.asarray([s for s, _ in rows])],
-    }  # fmt: skip
+    decode = (
+        step
+        | {name: jnp.stack([step[name][s, c] for s, c in rows])[:, None] for name in ("q", "rel", "sinks")}
+        | {
+            "kv_lens": jnp.asarray([kv_lens[s] - query_lens[s] + 1 + c for s, c in rows], jnp.int32),
+            "query_lens": jnp.ones(len(rows), jnp.int32),
+            "page_table": step["page_table"][jnp.asarray([s for s, _ in rows])],
+        }
+    )
     assert gpu._config(len(rows), KV_HEADS, GROUPS * width, 10, None) == (True, 2)
     kernel = functools.partial(gpu._attention, interpret=CPU, in_kernel=False)  # both read the frame's bias
     call = jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window"))

@@ -34,14 +34,28 @@ def interpreted(**inputs) -> np.ndarray:
 
 
 def inputs(
-    case: dict, k: np.ndarray, v: np.ndarray, table: np.ndarray | None, window: int | None, width: int = WIDTH,
+    case: dict,
+    k: np.ndarray,
+    v: np.ndarray,
+    table: np.ndarray | None,
+    window: int | None,
+    width: int = WIDTH,
     ring_rows: jax.Array | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     step = step_inputs(case, width)
     return dict(
-        q=step["q"], k=k, v=v, kv_lens=case["kv_lens"], query_lens=case["query_lens"], rel=step["rel"],
-        rel_proj=case["rel_proj"], sinks=step["sinks"], page_table=table, window=window, ring_rows=ring_rows,
-    )  # fmt: skip
+        q=step["q"],
+        k=k,
+        v=v,
+        kv_lens=case["kv_lens"],
+        query_lens=case["query_lens"],
+        rel=step["rel"],
+        rel_proj=case["rel_proj"],
+        sinks=step["sinks"],
+        page_table=table,
+        window=window,
+        ring_rows=ring_rows,
+    )
 
 
 @pytest.mark.slow
@@ -108,10 +122,15 @@ def test_lowers_for_tpu_at_production_shapes(width, ring):
     kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
     spec = jax.ShapeDtypeStruct
     args = (
-        spec((slots, width, heads, dim), jnp.bfloat16), spec(kv_shape, jnp.bfloat16), spec(kv_shape, jnp.bfloat16),
-        spec((slots,), jnp.int32), spec((slots,), jnp.int32), spec((slots, width, heads, 16), jnp.bfloat16),
-        spec((16, 1024), jnp.bfloat16), spec((slots, width, heads), jnp.bfloat16),
-    )  # fmt: skip
+        spec((slots, width, heads, dim), jnp.bfloat16),
+        spec(kv_shape, jnp.bfloat16),
+        spec(kv_shape, jnp.bfloat16),
+        spec((slots,), jnp.int32),
+        spec((slots,), jnp.int32),
+        spec((slots, width, heads, 16), jnp.bfloat16),
+        spec((16, 1024), jnp.bfloat16),
+        spec((slots, width, heads), jnp.bfloat16),
+    )
     table = None if ring else spec((slots, 32), jnp.int32)
 
     def attention(*args, table):

@@ -21,8 +21,14 @@ from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.draft import NoDraftError, require_draft
 from inkling_jax.model.text import CausalLM
 
-DRAFT = {"num_hidden_layers": 2, "block_size": 4, "target_layer_ids": [0, 2], "mask_token_id": 5, "markov_rank": 6,
-         "intermediate_size": 24}  # fmt: skip
+DRAFT = {
+    "num_hidden_layers": 2,
+    "block_size": 4,
+    "target_layer_ids": [0, 2],
+    "mask_token_id": 5,
+    "markov_rank": 6,
+    "intermediate_size": 24,
+}
 GAMMA, LAYERS, KV_HEADS, HEAD_DIM, RANK, HIDDEN, VOCAB = 4, 2, 2, 8, 6, 16, 60
 
 
@@ -59,8 +65,13 @@ def test_config_defaults_and_aliases():
     assert (draft.hidden_size, draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim) == (16, 4, 2, 8)
     assert draft.intermediate_size == 64 and draft.rms_norm_eps == 1e-6 and draft.target_layer_ids == (1,)
     assert parse_config(TINY).draft is None
-    wrapped = {"model_type": "inkling2", "text_config": TINY, "vision_config": {"text_hidden_size": 16},
-               "image_token_id": 50, "dspark_config": DRAFT}  # fmt: skip
+    wrapped = {
+        "model_type": "inkling2",
+        "text_config": TINY,
+        "vision_config": {"text_hidden_size": 16},
+        "image_token_id": 50,
+        "dspark_config": DRAFT,
+    }
     assert parse_config(wrapped).draft == _config().draft
 
 
@@ -170,12 +181,15 @@ def test_context_kv_stored_per_committed_chunk_equals_one_pass(model):
     page_table = jnp.arange(2 * pages_per_seq, dtype=jnp.int32).reshape(2, pages_per_seq)[::-1]
     for start, stop in ((0, 5), (5, 7), (7, 9)):  # three commits of 5, 2 and 2 positions
         width = stop - start
-        chunk = Chunk.uniform(jnp.full((2,), start, jnp.int32), jnp.full((2,), width, jnp.int32), page_table, width,
-                              kernel_size=4)  # fmt: skip
+        chunk = Chunk.uniform(
+            jnp.full((2,), start, jnp.int32), jnp.full((2,), width, jnp.int32), page_table, width, kernel_size=4
+        )
         part_k, part_v = model.dspark.context_kv(c[:, start:stop], positions[:, start:stop])
         for layer in range(LAYERS):
-            pools = [write_pages(p, layer, part[layer].reshape(1, -1, *part.shape[3:]), chunk)
-                     for p, part in zip(pools, (part_k, part_v), strict=True)]  # fmt: skip
+            pools = [
+                write_pages(p, layer, part[layer].reshape(1, -1, *part.shape[3:]), chunk)
+                for p, part in zip(pools, (part_k, part_v), strict=True)
+            ]
     read = Chunk.uniform(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), page_table, 1, kernel_size=4)
     stored = [jnp.stack([read_pages(p, layer, read)[0] for layer in range(LAYERS)]) for p in pools]
     stored_positions = read_pages(pools[0], 0, read)[1]
@@ -190,9 +204,11 @@ def test_context_kv_stored_per_committed_chunk_equals_one_pass(model):
 def _numpy_params(model):
     head = model.dspark.markov_head
     return (
-        np.asarray(head.markov_w1.weight[...]), np.asarray(head.joint_proj.weight[...]),
-        np.asarray(head.joint_proj.bias[...]), np.asarray(head.markov_w2.weight[...]),
-    )  # fmt: skip
+        np.asarray(head.markov_w1.weight[...]),
+        np.asarray(head.joint_proj.weight[...]),
+        np.asarray(head.joint_proj.bias[...]),
+        np.asarray(head.markov_w2.weight[...]),
+    )
 
 
 def _sigmoid(x):
@@ -265,12 +281,14 @@ def test_synthetic_draft_round_trips_bit_exactly(draft_checkpoint):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda t: {n: a for n, a in t.items() if n != "dspark.layers.1.self_attn.k_norm.weight"},
-         "missing tensors for dspark.layers.1.self_attn.k_norm.weight"),
+        (
+            lambda t: {n: a for n, a in t.items() if n != "dspark.layers.1.self_attn.k_norm.weight"},
+            "missing tensors for dspark.layers.1.self_attn.k_norm.weight",
+        ),
         (lambda t: {**t, "dspark.fc.weight": t["dspark.fc.weight"][:, :16]}, "'dspark.fc.weight' has shape"),
         (lambda t: {**t, "dspark.extra.weight": t["dspark.norm.weight"]}, "unexpected tensor 'dspark.extra.weight'"),
     ],
-)  # fmt: skip
+)
 def test_broken_draft_tensors_are_named(draft_checkpoint, tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message):
         load_causal_lm(edited_copy(draft_checkpoint, tmp_path, edit), jnp.float32)

@@ -136,8 +136,15 @@ def test_bfloat16_moe_accumulates_in_float32():
     chosen = jnp.asarray(np.stack([rng.permutation(4)[:2] for _ in range(8)]), jnp.int32)
     weights = jnp.asarray(rng.uniform(0.5, 1.5, size=(8, 2)), jnp.float32)
     got = moe_experts(x, gate_up, down, chosen, weights, gate_cap=4.0, up_cap=25.0)
-    f32 = moe_experts(x.astype(jnp.float32), gate_up.astype(jnp.float32), down.astype(jnp.float32),
-                      chosen, weights, gate_cap=4.0, up_cap=25.0)  # fmt: skip
+    f32 = moe_experts(
+        x.astype(jnp.float32),
+        gate_up.astype(jnp.float32),
+        down.astype(jnp.float32),
+        chosen,
+        weights,
+        gate_cap=4.0,
+        up_cap=25.0,
+    )
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(f32), rtol=5e-2, atol=5e-2)
     assert jax.numpy.any(got != 0)

@@ -97,8 +97,14 @@ def test_the_record_renders_as_markdown(run, tmp_path, capsys):
     result, stdout, markdown = run
     text = markdown.read_text()
     assert text.startswith("# bench.e2e") and f"Commit: {result['setup']['commit']}" in text
-    for title in ("Cold compile", "Decode step", "Restart over the filled cache", "gRPC", "decoding streams",
-                  "Side by side"):  # fmt: skip
+    for title in (
+        "Cold compile",
+        "Decode step",
+        "Restart over the filled cache",
+        "gRPC",
+        "decoding streams",
+        "Side by side",
+    ):
         assert title in text and title in stdout
     main(["--render", str(markdown.with_suffix(".json")), "--markdown", str(tmp_path / "again.md")])
     assert (tmp_path / "again.md").read_text() == text

@@ -17,9 +17,15 @@ MiB = 2**20
 
 @pytest.mark.parametrize(
     ("context", "tp", "total_mib"),
-    [(8192, 1, 499.1), (131072, 1, 4339.1), (1048576, 1, 33011.1), (8192, 4, 126.7), (131072, 4, 1086.7),
-     (1048576, 4, 8254.7)],
-)  # fmt: skip
+    [
+        (8192, 1, 499.1),
+        (131072, 1, 4339.1),
+        (1048576, 1, 33011.1),
+        (8192, 4, 126.7),
+        (131072, 4, 1086.7),
+        (1048576, 4, 8254.7),
+    ],
+)
 def test_full_model_bytes_per_sequence(context, tp, total_mib):
     """bf16 state of the 594B model with 512-token prefill chunks, per device (docs/engine.md's table)."""
     parts = bytes_per_sequence(FULL, context, max_chunk=512, tp=tp)

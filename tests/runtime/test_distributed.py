@@ -28,10 +28,23 @@ def free_port() -> int:
 
 def requests() -> list[dict]:
     rng = np.random.default_rng(21)
-    sampled = [{"id": f"s{i}", "prompt_token_ids": rng.integers(0, 500, 5 + 4 * i).tolist(), "max_tokens": 6,
-                "temperature": 0.9, "top_k": 40, "seed": 100 + i} for i in range(3)]  # fmt: skip
-    greedy = {"id": "greedy", "prompt_token_ids": REFERENCE["greedy_prompt"].tolist(), "max_tokens": 16,
-              "temperature": 0}  # fmt: skip
+    sampled = [
+        {
+            "id": f"s{i}",
+            "prompt_token_ids": rng.integers(0, 500, 5 + 4 * i).tolist(),
+            "max_tokens": 6,
+            "temperature": 0.9,
+            "top_k": 40,
+            "seed": 100 + i,
+        }
+        for i in range(3)
+    ]
+    greedy = {
+        "id": "greedy",
+        "prompt_token_ids": REFERENCE["greedy_prompt"].tolist(),
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     return [greedy, *sampled]
 
 

@@ -28,16 +28,19 @@ def model():
 
 
 def make_engine(model, directory: Path | None, mesh: str = "tp1", num_top: int = MAX_LOGPROBS) -> Engine:
-    return Engine(model, CacheLayout(SLOTS, 3, 32, 8), make_mesh(mesh, model.config), num_top=num_top,
-                  executable_cache=directory)  # fmt: skip
+    return Engine(
+        model, CacheLayout(SLOTS, 3, 32, 8), make_mesh(mesh, model.config), num_top=num_top, executable_cache=directory
+    )
 
 
 def one_token_batch(engine: Engine, token: int, first: bool, prompt: bool, emit: bool):
     """Slot 0 takes one token; slot 1 idles."""
     tokens, counts = np.zeros((SLOTS, 1), np.int32), np.zeros(SLOTS, np.int32)
     tokens[0, 0], counts[0] = token, 1
-    flags = {name: np.asarray([value] + [False] * (SLOTS - 1)) for name, value in
-             (("reset", first), ("is_prompt", prompt), ("emit", emit))}  # fmt: skip
+    flags = {
+        name: np.asarray([value] + [False] * (SLOTS - 1))
+        for name, value in (("reset", first), ("is_prompt", prompt), ("emit", emit))
+    }
     return engine.host_batch(tokens, counts, [None] * SLOTS, np.zeros((SLOTS, engine.max_pages), np.int32), **flags)
 
 
@@ -104,8 +107,15 @@ def test_another_program_misses(model, first):
     stored = key(base)
     assert [path.name for path in directory.glob("*.exe")] == [stored]  # the first engine's key, recomputed
     fast_math = repr([("xla_cpu_enable_fast_math", True)])
-    others = [key(base, prefill=True), key(base, speculative=True), key(base, greedy_draft=True), key(other_top),
-              key(more_pages), key(tp2), key(base, compiler_options=fast_math)]  # fmt: skip
+    others = [
+        key(base, prefill=True),
+        key(base, speculative=True),
+        key(base, greedy_draft=True),
+        key(other_top),
+        key(more_pages),
+        key(tp2),
+        key(base, compiler_options=fast_math),
+    ]
     assert len({stored, *others}) == len(others) + 1
     assert repr(model.config) in repr(base.graphdef)  # the key hashes the graph: every config field is in it
     # an entry filed under another program's name is refused (and deleted), never run
@@ -164,11 +174,14 @@ def test_step_programs_get_their_platforms_options(model, monkeypatch):
     decode, prefill, verify = StepShape(8, 1, 0, False), StepShape(64, 1, 4, False), StepShape(16, 8, 0, True)
     assert shape_compiler_options("tpu", decode) == {"xla_tpu_offload_gather_to_sparsecore": False}
     gpu = {
-        "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
-        "xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+        "xla_gpu_dot_merger_threshold_mb": 0,
+        "xla_gpu_autotune_level": 0,
+        "xla_gpu_enable_triton_gemm": False,
+        "xla_gpu_enable_dynamic_slice_fusion": True,
+        "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
         "CONDITIONAL,WHILE",
-    }  # fmt: skip
+    }
     assert shape_compiler_options("gpu", decode) == shape_compiler_options("gpu", prefill) == gpu
     assert shape_compiler_options("gpu", verify) == gpu
     assert shape_compiler_options("tpu", prefill) == shape_compiler_options("tpu", verify) == {}
@@ -196,8 +209,10 @@ def test_few_decoding_slots_run_a_program_of_few_tokens(model):
         tokens, counts = np.zeros((slots, 6), np.int32), np.zeros(slots, np.int32)
         for slot, chunk in chunks.items():
             tokens[slot, : len(chunk)], counts[slot] = chunk, len(chunk)
-        flags = {name: np.isin(np.arange(slots), list(group)) for name, group in
-                 (("reset", reset), ("is_prompt", prompt), ("emit", emit))}  # fmt: skip
+        flags = {
+            name: np.isin(np.arange(slots), list(group))
+            for name, group in (("reset", reset), ("is_prompt", prompt), ("emit", emit))
+        }
         batch = engine.host_batch(tokens, counts, [None] * slots, table, **flags)
         return batch.token_ids.shape[0], engine.fetch(engine.step(batch))
 
@@ -225,8 +240,13 @@ def test_warm_up_lowers_one_shape_at_a_time_most_tokens_first(model, monkeypatch
     slots = engine_module.FEW_TOKENS + 4
 
     def engine_with_recorded_lowering() -> tuple[Engine, list]:
-        engine = Engine(model, CacheLayout(slots, slots, 32, 8), make_mesh("tp1", model.config),
-                        num_top=MAX_LOGPROBS, executable_cache=tmp_path)  # fmt: skip
+        engine = Engine(
+            model,
+            CacheLayout(slots, slots, 32, 8),
+            make_mesh("tp1", model.config),
+            num_top=MAX_LOGPROBS,
+            executable_cache=tmp_path,
+        )
         lowering, events = [0], []
         lower = engine._lower
 

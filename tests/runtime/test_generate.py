@@ -13,8 +13,9 @@ REFERENCE = dict(np.load(TINY_TEXT / "reference.npz"))
 
 
 def run(tmp_path: Path, lines: list, *options: str) -> tuple[int, list[dict]]:
-    (tmp_path / "in.jsonl").write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
-                                               for line in lines))  # fmt: skip
+    (tmp_path / "in.jsonl").write_text(
+        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    )
     code = main(["--checkpoint", str(TINY_TEXT / "hf"), "--input", str(tmp_path / "in.jsonl"), "--output",
                  str(tmp_path / "out.jsonl"), "--dtype", "float32", *options])  # fmt: skip
     out = tmp_path / "out.jsonl"
@@ -25,13 +26,22 @@ def run(tmp_path: Path, lines: list, *options: str) -> tuple[int, list[dict]]:
 def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path):
     prompt, greedy = REFERENCE["greedy_prompt"].tolist(), REFERENCE["greedy_ids"].tolist()
     rng = np.random.default_rng(0)
-    requests = [{"id": "greedy", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0},
-                {"id": "stop", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0,
-                 "stop_token_ids": [greedy[3]]}]  # fmt: skip
+    requests = [
+        {"id": "greedy", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0},
+        {"id": "stop", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0, "stop_token_ids": [greedy[3]]},
+    ]
     for i in range(4):
-        requests.append({"id": i, "prompt_token_ids": rng.integers(0, 500, int(rng.integers(1, 15))).tolist(),
-                         "max_tokens": int(rng.integers(1, 9)), "temperature": 0.8, "top_p": 0.9, "top_k": 50,
-                         "seed": 11 + i})  # fmt: skip
+        requests.append(
+            {
+                "id": i,
+                "prompt_token_ids": rng.integers(0, 500, int(rng.integers(1, 15))).tolist(),
+                "max_tokens": int(rng.integers(1, 9)),
+                "temperature": 0.8,
+                "top_p": 0.9,
+                "top_k": 50,
+                "seed": 11 + i,
+            }
+        )
     code, batched = run(tmp_path, requests, "--max-num-seqs", "2", "--chunk", "4")
     assert code == 0
     assert [r["id"] for r in batched] == [r["id"] for r in requests]
@@ -69,8 +79,9 @@ def test_malformed_lines_are_named(tmp_path, capsys, line, message):
 
 
 def test_a_step_budget_without_room_for_a_prompt_token_is_refused(tmp_path, capsys):
-    code, results = run(tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}], "--max-num-seqs", "4",
-                        "--max-num-batched-tokens", "4")  # fmt: skip
+    code, results = run(
+        tmp_path, [{"id": 0, "prompt_token_ids": [1, 2]}], "--max-num-seqs", "4", "--max-num-batched-tokens", "4"
+    )
     assert code == 2 and results == []
     assert "max_num_batched_tokens 4 leaves no prompt token beside the 4 decode tokens" in capsys.readouterr().err
 
@@ -94,9 +105,15 @@ def test_a_small_budget_makes_requests_wait_for_pages(tmp_path):
 
 
 MIXED_REQUESTS = [
-    {"id": i, "prompt_token_ids": np.random.default_rng(5 + i).integers(0, 500, 6 + 3 * i).tolist(), "max_tokens": 5,
-     "temperature": 0.6 * i, "seed": i} for i in range(3)
-]  # fmt: skip
+    {
+        "id": i,
+        "prompt_token_ids": np.random.default_rng(5 + i).integers(0, 500, 6 + 3 * i).tolist(),
+        "max_tokens": 5,
+        "temperature": 0.6 * i,
+        "seed": i,
+    }
+    for i in range(3)
+]
 
 
 @pytest.fixture(scope="module")

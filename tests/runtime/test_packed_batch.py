@@ -28,8 +28,16 @@ def random_batch(rng: np.random.Generator) -> StepBatch:
         values[:3] = [np.nan, -0.0, np.inf]
         return rng.permutation(values)
 
-    sampling = SamplingParams(floats(), ints(SLOTS), floats(), floats(), floats(), floats(), floats(),
-                              rng.integers(0, 2**32, SLOTS, dtype=np.uint32))  # fmt: skip
+    sampling = SamplingParams(
+        floats(),
+        ints(SLOTS),
+        floats(),
+        floats(),
+        floats(),
+        floats(),
+        floats(),
+        rng.integers(0, 2**32, SLOTS, dtype=np.uint32),
+    )
     return StepBatch(ints(TOKENS), ints(SLOTS), ints(SLOTS), ints(LANES), ints(LANES), ints(LANES), flags(), flags(),
                      flags(), flags(), flags(), flags(), ints(None, (SLOTS, PAGES)), sampling)  # fmt: skip
 
@@ -64,8 +72,12 @@ def test_a_batch_of_another_shape_is_refused():
     rng = np.random.default_rng()
     batch = random_batch(rng)
     layout = BatchLayout.of(batch, REPLICAS)
-    wider = StepBatch(*[np.zeros((SLOTS, PAGES + 1), np.int32) if name == "page_table" else getattr(batch, name)
-                        for name in StepBatch.__dataclass_fields__])  # fmt: skip
+    wider = StepBatch(
+        *[
+            np.zeros((SLOTS, PAGES + 1), np.int32) if name == "page_table" else getattr(batch, name)
+            for name in StepBatch.__dataclass_fields__
+        ]
+    )
     with pytest.raises(ValueError, match=r"shape \(6, 4\) where the layout has \(3, 3\)"):
         layout.pack(wider)
     with pytest.raises(ValueError, match="does not pack over 4 replicas"):

@@ -71,10 +71,17 @@ def test_a_seeded_request_ignores_its_slot_and_batch():
     assert len(set(results)) == 1
     zeros = jnp.zeros((1, VOCAB), jnp.int32)
     draws = [
-        int(step(jnp.asarray(ours[None]), params_for(1, temperature=1.0, seed=seed), zeros, zeros.astype(bool),
-                 jnp.asarray([17], jnp.int32)).tokens[0])
+        int(
+            step(
+                jnp.asarray(ours[None]),
+                params_for(1, temperature=1.0, seed=seed),
+                zeros,
+                zeros.astype(bool),
+                jnp.asarray([17], jnp.int32),
+            ).tokens[0]
+        )
         for seed in range(40)
-    ]  # fmt: skip
+    ]
     assert len(set(draws)) > 3  # different seeds, different streams
 
 
@@ -107,8 +114,14 @@ def test_greedy_and_logprobs():
     counts = np.zeros((4, VOCAB), np.int32)
     counts[1, logits[1].argmax()] = 2  # a repeated best token loses to the frequency penalty
     params = dataclasses.replace(SamplingParams.neutral(4), frequency_penalty=jnp.asarray([0.0, 50.0, 0.0, 0.0]))
-    out = sample(jnp.asarray(logits), params, jnp.asarray(counts), jnp.zeros((4, VOCAB), bool),
-                 jnp.zeros(4, jnp.int32), num_top=4)  # fmt: skip
+    out = sample(
+        jnp.asarray(logits),
+        params,
+        jnp.asarray(counts),
+        jnp.zeros((4, VOCAB), bool),
+        jnp.zeros(4, jnp.int32),
+        num_top=4,
+    )
     expected = logits.argmax(-1)
     expected[1] = np.argsort(-logits[1])[1]
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
@@ -199,10 +212,18 @@ def test_a_slot_gets_alone_what_it_gets_in_any_mixed_batch():
             for i, row in enumerate(rows):
                 column[i] = slots[row].get(field.name, column[i])
             params = dataclasses.replace(params, **{field.name: jnp.asarray(column)})
-        out = step(jnp.asarray(logits[rows]), params, jnp.asarray(counts[rows]), jnp.asarray(prompt[rows]),
-                   jnp.asarray(generated[rows]), num_top=3)  # fmt: skip
-        return {row: (int(out.tokens[i]), float(out.logprobs[i]), tuple(np.asarray(out.top_ids[i])))
-                for i, row in enumerate(rows)}  # fmt: skip
+        out = step(
+            jnp.asarray(logits[rows]),
+            params,
+            jnp.asarray(counts[rows]),
+            jnp.asarray(prompt[rows]),
+            jnp.asarray(generated[rows]),
+            num_top=3,
+        )
+        return {
+            row: (int(out.tokens[i]), float(out.logprobs[i]), tuple(np.asarray(out.top_ids[i])))
+            for i, row in enumerate(rows)
+        }
 
     alone = {row: run([row])[row] for row in range(len(slots))}
     for rows in ([0, 1], [0, 2], [1, 3], [4, 0, 2], list(range(len(slots)))):

@@ -73,11 +73,17 @@ class Collector:
 
 def random_requests(rng, count: int, prompt_range=(1, 20), max_tokens=(1, 12)) -> list[Request]:
     return [
-        Request(f"r{i}", rng.integers(0, 500, int(rng.integers(*prompt_range))).tolist(),
-                max_tokens=int(rng.integers(*max_tokens)), temperature=float(rng.choice([0.0, 0.7, 1.2])),
-                top_k=int(rng.choice([0, 20])), top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(0, 2**31)))
+        Request(
+            f"r{i}",
+            rng.integers(0, 500, int(rng.integers(*prompt_range))).tolist(),
+            max_tokens=int(rng.integers(*max_tokens)),
+            temperature=float(rng.choice([0.0, 0.7, 1.2])),
+            top_k=int(rng.choice([0, 20])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            seed=int(rng.integers(0, 2**31)),
+        )
         for i in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def run(scheduler: Scheduler, requests: list[Request], **options) -> Collector:
@@ -168,15 +174,30 @@ def test_cancelled_and_refused_requests(two_slots):
 # The tiny model at widths the H200's kernels take (attention heads of 128, d_rel 16, experts of 256 over a hidden
 # size of 512, a 128-token window; 4 query heads a KV head, so that two slots' decode rows are read in place): there
 # every operation runs as a Mosaic GPU kernel or a cuBLAS gemm.
-KERNEL_WIDTHS = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-                 "swa_num_attention_heads": 8, "swa_num_key_value_heads": 2, "swa_head_dim": 128,
-                 "sliding_window_size": 128, "d_rel": 16, "rel_extent": 256, "moe_intermediate_size": 256}  # fmt: skip
+KERNEL_WIDTHS = {
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "swa_num_attention_heads": 8,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 128,
+    "sliding_window_size": 128,
+    "d_rel": 16,
+    "rel_extent": 256,
+    "moe_intermediate_size": 256,
+}
 
 
 def assert_batch_invariant(
-    checkpoint: Path, compiler_options: dict | None, *, chunk: int = CHUNK, pages: int = 3,
-    prompts: tuple[int, int] = (100, 120), outputs: tuple[int, int] = (30, 45),
-) -> None:  # fmt: skip
+    checkpoint: Path,
+    compiler_options: dict | None,
+    *,
+    chunk: int = CHUNK,
+    pages: int = 3,
+    prompts: tuple[int, int] = (100, 120),
+    outputs: tuple[int, int] = (30, 45),
+) -> None:
     """Greedy and seeded requests over `checkpoint` in bfloat16 give the same tokens and log-probabilities, to the
     bit, alone (decode steps of one token), beside others (prompt chunks, other slots' decodes in the same step) and
     after a preemption (their tokens fed again as chunks): two slots share `pages` pages of 128 tokens, too few for
@@ -184,15 +205,27 @@ def assert_batch_invariant(
     model = load_causal_lm(checkpoint, jnp.bfloat16)[1]
     vocab = model.config.unpadded_vocab_size
     layout = CacheLayout(2, pages, 32, chunk)
-    engine = Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, checkpoint=str(checkpoint),
-                    compiler_options=compiler_options)  # fmt: skip
+    engine = Engine(
+        model,
+        layout,
+        make_mesh("tp1", model.config),
+        num_top=MAX_LOGPROBS,
+        checkpoint=str(checkpoint),
+        compiler_options=compiler_options,
+    )
     rng = np.random.default_rng()
     requests = [
-        Request(f"r{i}", rng.integers(0, vocab, int(rng.integers(*prompts))).tolist(),
-                max_tokens=int(rng.integers(*outputs)), temperature=float(temperature),
-                seed=int(rng.integers(0, 2**31)), ignore_eos=True, logprobs=MAX_LOGPROBS)
+        Request(
+            f"r{i}",
+            rng.integers(0, vocab, int(rng.integers(*prompts))).tolist(),
+            max_tokens=int(rng.integers(*outputs)),
+            temperature=float(temperature),
+            seed=int(rng.integers(0, 2**31)),
+            ignore_eos=True,
+            logprobs=MAX_LOGPROBS,
+        )
         for i, temperature in enumerate([0.0, 1.0, 0.0])
-    ]  # fmt: skip
+    ]
     scheduler = make_scheduler(engine)
     try:
         alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}

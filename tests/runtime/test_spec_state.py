@@ -123,8 +123,16 @@ def test_step_without_windows_is_unchanged(target):
         np.testing.assert_array_equal(want, got)
 
 
-DRAFT = {"num_hidden_layers": 2, "block_size": 4, "target_layer_ids": [0, 2], "mask_token_id": 5, "markov_rank": 6,
-         "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 24}  # fmt: skip
+DRAFT = {
+    "num_hidden_layers": 2,
+    "block_size": 4,
+    "target_layer_ids": [0, 2],
+    "mask_token_id": 5,
+    "markov_rank": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 24,
+}
 
 
 @pytest.fixture(scope="module")

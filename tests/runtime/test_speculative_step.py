@@ -35,8 +35,16 @@ CONFIG = {
     "eos_token_id": 3, "max_position_embeddings": 256,
 }  # fmt: skip
 GAMMA = 3
-DRAFT = {"num_hidden_layers": 1, "block_size": GAMMA, "target_layer_ids": [0, 1], "mask_token_id": 5,
-         "markov_rank": 6, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 24}  # fmt: skip
+DRAFT = {
+    "num_hidden_layers": 1,
+    "block_size": GAMMA,
+    "target_layer_ids": [0, 1],
+    "mask_token_id": 5,
+    "markov_rank": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 24,
+}
 SHARPEN = 15.0  # LM-head scale: random weights give near-uniform logits; this gives a peaked, varied law
 ANCHOR = 7  # every sampled sequence starts from this one token
 TEMPERATURES = (0.6, 1.0)
@@ -94,10 +102,16 @@ def first_two(engine: Engine, rounds: int, temperatures: tuple[float, ...]) -> d
         sampling = [Sampling(by_slot[s], round_ * SLOTS + s) for s in range(SLOTS)]
         tokens = np.zeros((SLOTS, GAMMA + 1), np.int32)
         tokens[:, 0] = ANCHOR
-        first = engine.step(engine.host_batch(tokens, one, sampling, table, reset=everyone, is_prompt=everyone,
-                                       emit=everyone, speculate=everyone))  # fmt: skip
-        second = engine.step(engine.host_batch(np.zeros_like(tokens), one, sampling, table, feedback=everyone,
-                                        emit=everyone, speculate=everyone))  # fmt: skip
+        first = engine.step(
+            engine.host_batch(
+                tokens, one, sampling, table, reset=everyone, is_prompt=everyone, emit=everyone, speculate=everyone
+            )
+        )
+        second = engine.step(
+            engine.host_batch(
+                np.zeros_like(tokens), one, sampling, table, feedback=everyone, emit=everyone, speculate=everyone
+            )
+        )
         first, second = engine.fetch(first), engine.fetch(second)
         assert np.all((first.count >= 1) & (first.count <= GAMMA + 1))
         # the first step emits at least one token: the second is its next one, or the second step's first
@@ -144,9 +158,11 @@ def wrong_q(sample_draft):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "patch"),
-    [("rejection samples p, not the residual", ("residual", lambda p, q: p)),
-     ("q is not what the draft sampled from", ("sample_draft", wrong_q(speculative.sample_draft)))],
-)  # fmt: skip
+    [
+        ("rejection samples p, not the residual", ("residual", lambda p, q: p)),
+        ("q is not what the draft sampled from", ("sample_draft", wrong_q(speculative.sample_draft))),
+    ],
+)
 def test_broken_steps_fail_the_test(model, monkeypatch, name, patch):
     monkeypatch.setattr(speculative, *patch)  # a new engine traces its step afresh and sees the patch
     samples = first_two(engine_for(model), 6, (1.0,))[1.0]
@@ -160,10 +176,16 @@ def requests() -> list[Request]:
     """Greedy requests, then sampled ones of which every other opts out of speculation."""
     rng = np.random.default_rng(2)
     return [
-        Request(i, rng.integers(4, VOCAB, rng.integers(2, 12)).tolist(), max_tokens=int(rng.integers(8, 40)),
-                temperature=0.0 if i < 4 else 0.8, seed=i, speculative=i < 4 or i % 2 == 0)
+        Request(
+            i,
+            rng.integers(4, VOCAB, rng.integers(2, 12)).tolist(),
+            max_tokens=int(rng.integers(8, 40)),
+            temperature=0.0 if i < 4 else 0.8,
+            seed=i,
+            speculative=i < 4 or i % 2 == 0,
+        )
         for i in range(10)
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +247,18 @@ def test_the_scheduler_speculates_through_preemption(model):
     requests = []
     for i in range(8):
         prompt = tuple(rng.integers(4, VOCAB, 12 if i == 0 else rng.integers(2, 12)).tolist())
-        requests.append(Request(f"r{i}", prompt, max_tokens=240 if i == 0 else int(rng.integers(60, 180)),
-                                ignore_eos=True, seed=i, temperature=0.0 if i % 3 == 0 else 0.9,
-                                speculative=i % 3 != 2, logprobs=2 if i % 2 else None))  # fmt: skip
+        requests.append(
+            Request(
+                f"r{i}",
+                prompt,
+                max_tokens=240 if i == 0 else int(rng.integers(60, 180)),
+                ignore_eos=True,
+                seed=i,
+                temperature=0.0 if i % 3 == 0 else 0.9,
+                speculative=i % 3 != 2,
+                logprobs=2 if i % 2 else None,
+            )
+        )
     plain, _, _, _ = scheduler_outputs(model, "none", requests)
     speculated, last, stats, compiled = scheduler_outputs(model, "dspark", requests)
     assert compiled == 0 and stats.preemptions > 0 and stats.speculative_rounds > 0
@@ -243,8 +274,18 @@ def test_the_scheduler_speculates_through_preemption(model):
 def test_generate_cli_names_a_checkpoint_without_draft(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt_token_ids": [1, 2]}\n')
     plain = TINY_TEXT / "hf"
-    code = generate_main(["--checkpoint", str(plain), "--input", str(tmp_path / "in.jsonl"),
-                          "--output", str(tmp_path / "out.jsonl"), "--speculative", "dspark"])  # fmt: skip
+    code = generate_main(
+        [
+            "--checkpoint",
+            str(plain),
+            "--input",
+            str(tmp_path / "in.jsonl"),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--speculative",
+            "dspark",
+        ]
+    )
     assert code == 2 and "has no DSpark draft" in capsys.readouterr().err
 
 

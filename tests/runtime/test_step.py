@@ -84,10 +84,18 @@ def _sampled_continuation(model, reference, slot, neighbours, seed, lanes=False)
         seed=jnp.asarray([seed if s == slot else 99 + s for s in range(SLOTS)], jnp.uint32),
     )
     others = {s: rng.integers(0, 500, 24).tolist() for s in neighbours}
-    driver.run({slot: ours[:8], **{s: t[:5] for s, t in others.items()}}, reset={slot, *others}, prompt={slot, *others},
-               sampling=params)  # fmt: skip
-    out = driver.run({slot: ours[8:], **{s: t[5:13] for s, t in others.items()}}, prompt={slot, *others},
-                     emit={slot}, sampling=params)  # fmt: skip
+    driver.run(
+        {slot: ours[:8], **{s: t[:5] for s, t in others.items()}},
+        reset={slot, *others},
+        prompt={slot, *others},
+        sampling=params,
+    )
+    out = driver.run(
+        {slot: ours[8:], **{s: t[5:13] for s, t in others.items()}},
+        prompt={slot, *others},
+        emit={slot},
+        sampling=params,
+    )
     tokens = [int(out.tokens[slot, 0])]
     for i in range(10):
         chunks = {slot: tokens[-1:], **{s: t[13 + i : 14 + i] for s, t in others.items()}}
@@ -110,8 +118,12 @@ def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
     steps emit with a row for every slot, whichever two slots bring the tokens."""
     rng = np.random.default_rng(11)
     prompts = rng.integers(0, 500, (SLOTS, 6)).tolist()
-    params = dataclasses.replace(SamplingParams.neutral(SLOTS), temperature=jnp.full(SLOTS, 0.8),
-                                 top_k=jnp.full(SLOTS, 40), seed=jnp.arange(SLOTS, dtype=jnp.uint32) + 21)  # fmt: skip
+    params = dataclasses.replace(
+        SamplingParams.neutral(SLOTS),
+        temperature=jnp.full(SLOTS, 0.8),
+        top_k=jnp.full(SLOTS, 40),
+        seed=jnp.arange(SLOTS, dtype=jnp.uint32) + 21,
+    )
     emitted = []
     for tokens in (SLOTS, 2):
         driver, fed, outs = Driver(model, width=1, tokens=tokens), [0] * SLOTS, []
@@ -132,8 +144,9 @@ def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("slots", "tokens", "width", "busy"), [(6, 4, 1, 4), (6, 4, 1, 2), (6, 6, 1, 0),
-                                                               (5, 9, 1, 0), (4, 12, 3, 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("slots", "tokens", "width", "busy"), [(6, 4, 1, 4), (6, 4, 1, 2), (6, 6, 1, 0), (5, 9, 1, 0), (4, 12, 3, 0)]
+)
 def test_lane_free_steps_read_their_rows_in_place(slots, tokens, width, busy):
     """pack_spans lays a lane-free step so that the narrow group's sequences read the flat rows as they lie (a slot
     at slot * width where every slot has room, else the busy slots in turn); attention over those rows as they lie
@@ -144,12 +157,27 @@ def test_lane_free_steps_read_their_rows_in_place(slots, tokens, width, busy):
     else:  # `busy` slots packed in turn, each bringing `width` tokens (sequence n at n * width), the rest padding
         counts = np.zeros(slots, np.int32)
         counts[rng.choice(slots, busy, replace=False)] = width
-    _, starts, *_ = pack_spans(np.zeros((slots, width), np.int32), counts, np.zeros(slots, bool), width=width,
-                               lane_width=1, tokens=tokens, lanes=0)  # fmt: skip
+    _, starts, *_ = pack_spans(
+        np.zeros((slots, width), np.int32),
+        counts,
+        np.zeros(slots, bool),
+        width=width,
+        lane_width=1,
+        tokens=tokens,
+        lanes=0,
+    )
     if tokens >= slots * width:
         assert starts.tolist() == (np.arange(slots) * width).tolist()
-        replicas = pack_spans(np.zeros((2 * slots, width), np.int32), np.tile(counts, 2), np.zeros(2 * slots, bool),
-                              width=width, lane_width=1, tokens=tokens, lanes=0, replicas=2)[1]  # fmt: skip
+        replicas = pack_spans(
+            np.zeros((2 * slots, width), np.int32),
+            np.tile(counts, 2),
+            np.zeros(2 * slots, bool),
+            width=width,
+            lane_width=1,
+            tokens=tokens,
+            lanes=0,
+            replicas=2,
+        )[1]
         assert replicas.tolist() == 2 * starts.tolist()  # replica-local
     lengths = jnp.asarray(rng.integers(0, 50, slots), jnp.int32)
     table = jnp.arange(slots, dtype=jnp.int32)[:, None]
@@ -176,8 +204,9 @@ def test_lanes_in_a_step_of_fewer_tokens_than_slots(model):
     for tokens in (None, 2):
         driver, outs = Driver(model, lanes=True, tokens=tokens), []
         for first in range(0, 8, 2):
-            out = driver.run({1: prompt[first : first + 2]}, reset={1} if first == 0 else (), prompt={1}, emit={1},
-                             num_top=5)  # fmt: skip
+            out = driver.run(
+                {1: prompt[first : first + 2]}, reset={1} if first == 0 else (), prompt={1}, emit={1}, num_top=5
+            )
             outs.append((np.asarray(out.top_ids[1]), np.asarray(out.top_logprobs[1]), np.asarray(out.last)))
         emitted.append(outs)
     for (ids, logprobs, _), (few_ids, few_logprobs, last) in zip(*emitted, strict=True):
@@ -215,9 +244,17 @@ def test_the_state_is_updated_in_place(model):
     state = init_state(model.config, CacheLayout(slots, 512, 8, width), jnp.float32)
     flags = (jnp.zeros(slots, bool) for _ in range(6))
     no_lanes = jnp.zeros(0, jnp.int32)
-    batch = StepBatch(jnp.zeros(slots * width, jnp.int32), jnp.ones(slots, jnp.int32), jnp.arange(slots) * width,
-                      no_lanes, no_lanes, no_lanes, *flags, jnp.zeros((slots, 8), jnp.int32),
-                      SamplingParams.neutral(slots))  # fmt: skip
+    batch = StepBatch(
+        jnp.zeros(slots * width, jnp.int32),
+        jnp.ones(slots, jnp.int32),
+        jnp.arange(slots) * width,
+        no_lanes,
+        no_lanes,
+        no_lanes,
+        *flags,
+        jnp.zeros((slots, 8), jnp.int32),
+        SamplingParams.neutral(slots),
+    )
     lowered = step.lower(graphdef, params, state, batch, jnp.zeros(slots, jnp.int32), width=width)
     memory = lowered.compile().memory_analysis()
     assert memory.alias_size_in_bytes >= state.nbytes - 1024

@@ -152,9 +152,16 @@ class FakeScheduler:
                 math.ceil((len(s.request.prompt_token_ids) + s.generated) / PAGE_SIZE) for s in self._running.values()
             )
             return Stats(
-                len(self._waiting), len(self._running), used, NUM_PAGES, self.preemptions,
-                self.generated_tokens, self.prompt_tokens, 0, 0,
-            )  # fmt: skip
+                len(self._waiting),
+                len(self._running),
+                used,
+                NUM_PAGES,
+                self.preemptions,
+                self.generated_tokens,
+                self.prompt_tokens,
+                0,
+                0,
+            )
 
     @property
     def in_flight(self) -> int:
@@ -217,8 +224,15 @@ class FakeScheduler:
                 tuple(TopLogprob((token + k) % 500, -float(k)) for k in range(options.logprobs)) for token in tokens
             )
         accepted = 1.5 if options.speculative else 0.0  # as if every round emitted 1.5 tokens
-        return Delta(tuple(tokens), logprobs, top, finish, completion_tokens=sequence.generated,
-                     acceptance_length=accepted, **usage)  # fmt: skip
+        return Delta(
+            tuple(tokens),
+            logprobs,
+            top,
+            finish,
+            completion_tokens=sequence.generated,
+            acceptance_length=accepted,
+            **usage,
+        )
 
 
 def echo(prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
@@ -629,8 +643,11 @@ def test_drain_timeout_aborts_streams(start):
 def test_model_info(start, checkpoint):
     info = start().stub.GetModelInfo(pb.GetModelInfoRequest())
     assert (info.model_type, info.vocab_size, info.unpadded_vocab_size, info.max_context) == (
-        "inkling2_text", 512, 500, 4096,
-    )  # fmt: skip
+        "inkling2_text",
+        512,
+        500,
+        4096,
+    )
     assert list(info.eos_token_ids) == [499] and info.has_tokenizer and info.max_logprobs == 20
     assert (info.mesh, info.max_num_seqs, info.page_size, info.num_pages) == ("tp1", 4, PAGE_SIZE, NUM_PAGES)
     assert (info.dtype, info.checkpoint) == ("float32", Path(checkpoint).name)  # no path of the server's
@@ -687,12 +704,21 @@ def test_metrics_endpoint(start):
     running.server.metrics.sample_throughput()
     page = urllib.request.urlopen(f"http://127.0.0.1:{running.server.metrics_port}/metrics").read().decode()
     for name in (
-        "inkling_time_to_first_token_seconds_bucket", "inkling_time_per_output_token_seconds_count",
-        "inkling_requests_waiting", "inkling_requests_running", "inkling_kv_pages_used", "inkling_kv_pages_total",
-        "inkling_kv_cache_usage_ratio", "inkling_preemptions_total", "inkling_prompt_tokens_total",
-        "inkling_generation_tokens_total", "inkling_generation_tokens_per_second", "inkling_speculative_rounds_total",
-        "inkling_speculative_tokens_total", "inkling_speculative_acceptance_length_bucket",
-    ):  # fmt: skip
+        "inkling_time_to_first_token_seconds_bucket",
+        "inkling_time_per_output_token_seconds_count",
+        "inkling_requests_waiting",
+        "inkling_requests_running",
+        "inkling_kv_pages_used",
+        "inkling_kv_pages_total",
+        "inkling_kv_cache_usage_ratio",
+        "inkling_preemptions_total",
+        "inkling_prompt_tokens_total",
+        "inkling_generation_tokens_total",
+        "inkling_generation_tokens_per_second",
+        "inkling_speculative_rounds_total",
+        "inkling_speculative_tokens_total",
+        "inkling_speculative_acceptance_length_bucket",
+    ):
         assert f"\n{name}" in page, name
     assert 'inkling_requests_finished_total{finish_reason="length"} 1.0' in page
     assert 'inkling_requests_refused_total{code="invalid_argument"} 1.0' in page
@@ -739,8 +765,11 @@ def node_client() -> Path:
         pytest.skip("Node.js (node and npm) is not installed")
     install = subprocess.run(
         ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"],
-        cwd=NODE_CLIENT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=NODE_CLIENT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if install.returncode != 0:
         pytest.skip(f"npm install of @grpc/grpc-js failed (no registry access?): {install.stderr.strip()[-300:]}")
     return NODE_CLIENT / "client.js"
@@ -760,8 +789,10 @@ def test_node_client_that_knows_only_the_proto(start, node_client, tokenizer, tm
     (tmp_path / "calls.json").write_text(json.dumps(calls))
     done = subprocess.run(
         ["node", str(node_client), f"127.0.0.1:{running.server.port}", str(tmp_path / "calls.json")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     info, stream, stopped, tokenized, bad_id, bad_param = json.loads(done.stdout)
     assert info["responses"][0]["unpadded_vocab_size"] == 500 and info["responses"][0]["has_tokenizer"]
@@ -812,8 +843,9 @@ def test_stop_matcher_never_leaks_any_part_of_a_stop_string():
             assert expected.startswith(emitted)  # never past the first stop string, never a part of it
             if matcher.matched is None:  # and it holds back only an end of the text that may start a stop string
                 assert [i for i in range(len(seen)) if any(s.startswith(seen[i:]) for s in stop)][:1] in (
-                    [len(emitted)], [],
-                )  # fmt: skip
+                    [len(emitted)],
+                    [],
+                )
                 assert len(emitted) == len(seen) or any(s.startswith(seen[len(emitted) :]) for s in stop)
         emitted += matcher.flush() if matcher.matched is None else ""
         assert emitted == expected

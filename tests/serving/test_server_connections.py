@@ -58,8 +58,11 @@ from serving.server import SERVICE_NAME, Server, serve
 StatusCode = grpc.StatusCode
 TOKEN = "s3cret-token_0123456789"
 # a client that pings every second, on idle connections too, and never stops for lack of data
-PINGING = (("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
-           ("grpc.http2.max_pings_without_data", 0))  # fmt: skip
+PINGING = (
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 QUIET_SECONDS = 5.0  # an idle connection, and a prefill that sends nothing, last this long: five pings
 STEP_SECONDS = 0.1  # the fake scheduler's step in a serving.main process: a 1000-token stream takes a minute or more
 
@@ -98,13 +101,17 @@ def _self_signed(directory: Path, name: str) -> tuple[Path, Path, ec.EllipticCur
     now = datetime.datetime.now(datetime.UTC)
     names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     certificate = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
     cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
@@ -400,8 +407,13 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "serving.main", "--port", "0", "--metrics-port", str(port)],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "serving.main", "--port", "0", "--metrics-port", str(port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use"]
 

@@ -47,10 +47,17 @@ def random_requests(rng, count: int) -> list[tuple]:
         else:
             text = " ".join(rng.choice(WORDS, int(rng.integers(1, 12))))
             prompt = None
-        options = Request("", (), max_tokens=int(rng.integers(1, 24)), temperature=float(rng.choice([0.0, 0.8, 1.5])),
-                          top_k=int(rng.choice([0, 40])), top_p=float(rng.choice([1.0, 0.85])),
-                          repetition_penalty=float(rng.choice([1.0, 1.2])), seed=int(rng.integers(0, 2**31)),
-                          stop=("e",) if i % 7 == 0 else ())  # fmt: skip
+        options = Request(
+            "",
+            (),
+            max_tokens=int(rng.integers(1, 24)),
+            temperature=float(rng.choice([0.0, 0.8, 1.5])),
+            top_k=int(rng.choice([0, 40])),
+            top_p=float(rng.choice([1.0, 0.85])),
+            repetition_penalty=float(rng.choice([1.0, 1.2])),
+            seed=int(rng.integers(0, 2**31)),
+            stop=("e",) if i % 7 == 0 else (),
+        )
         requests.append((f"q{i}", text, prompt, options))
     return requests
 
@@ -63,13 +70,15 @@ def as_engine_request(request, tokenizer) -> Request:
 
 def as_grpc_request(request) -> pb.GenerateRequest:
     request_id, text, prompt, o = request
-    sampling = pb.SamplingParams(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
-                                 repetition_penalty=o.repetition_penalty, seed=o.seed)  # fmt: skip
+    sampling = pb.SamplingParams(
+        temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, repetition_penalty=o.repetition_penalty, seed=o.seed
+    )
     stop = pb.StopConditions(max_tokens=o.max_tokens, stop=list(o.stop), ignore_eos=o.ignore_eos)
     if text is not None:
         return pb.GenerateRequest(request_id=request_id, text=text, sampling=sampling, stop=stop)
-    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=sampling,
-                              stop=stop)  # fmt: skip
+    return pb.GenerateRequest(
+        request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=sampling, stop=stop
+    )
 
 
 def stream(stub, request) -> dict:
@@ -119,10 +128,11 @@ def test_64_concurrent_streams_equal_the_batch_runner(engine):
 
 
 def test_offline_cli_text_prompts_stop_strings_and_bad_lines(checkpoint, tmp_path, capsys):
-    lines = [{"id": "a", "prompt": "the model runs", "max_tokens": 12, "temperature": 0},
-             {"id": "b", "prompt_token_ids": [5, 6, 7], "max_tokens": 6, "temperature": 0.7, "seed": 3},
-             {"id": "c", "prompt": "café 数据", "max_tokens": 20, "temperature": 1.0, "seed": 9,
-              "stop": ["a", "e"]}]  # fmt: skip
+    lines = [
+        {"id": "a", "prompt": "the model runs", "max_tokens": 12, "temperature": 0},
+        {"id": "b", "prompt_token_ids": [5, 6, 7], "max_tokens": 6, "temperature": 0.7, "seed": 3},
+        {"id": "c", "prompt": "café 数据", "max_tokens": 20, "temperature": 1.0, "seed": 9, "stop": ["a", "e"]},
+    ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     args = ["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.jsonl"), "--output",
             str(tmp_path / "out.jsonl"), "--dtype", "float32", "--chunk", "8", "--max-num-seqs", "8"]  # fmt: skip
@@ -132,8 +142,11 @@ def test_offline_cli_text_prompts_stop_strings_and_bad_lines(checkpoint, tmp_pat
     assert results[0]["finish_reason"] in ("length", "stop") and len(results[1]["token_ids"]) <= 6
     assert "a" not in results[2]["text"] and "e" not in results[2]["text"]
     assert "requests in" in capsys.readouterr().err  # the throughput summary
-    for bad, message in [({"id": 1}, "exactly one of 'prompt'"), ({"id": 1, "prompt": "x", "top_k": 1.5}, "integer"),
-                         ({"id": 1, "prompt": "x", "temperature": -1}, "temperature must be within")]:  # fmt: skip
+    for bad, message in [
+        ({"id": 1}, "exactly one of 'prompt'"),
+        ({"id": 1, "prompt": "x", "top_k": 1.5}, "integer"),
+        ({"id": 1, "prompt": "x", "temperature": -1}, "temperature must be within"),
+    ]:
         (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
         assert offline.main([*args[:2], "--input", str(tmp_path / "bad.jsonl"), *args[4:]]) == 2
         assert message in capsys.readouterr().err

@@ -20,17 +20,29 @@ def test_a_minute_of_mixed_load_passes_every_check(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", optimized_environment()["XLA_FLAGS"])  # the server's time goes to running steps
     checkpoint = write_checkpoint(TINY_CONFIG, tmp_path / "checkpoint", experts="mixed")
     settings = soak.Settings(
-        minutes=1.0, reference_minutes=0.25, round_seconds=(5.0, 12.0), rss_every_s=1.0,
-        checkpoint=str(checkpoint), log=str(tmp_path / "server.log"),
-    )  # fmt: skip
+        minutes=1.0,
+        reference_minutes=0.25,
+        round_seconds=(5.0, 12.0),
+        rss_every_s=1.0,
+        checkpoint=str(checkpoint),
+        log=str(tmp_path / "server.log"),
+    )
     report = soak.run(settings)
     assert report.failures == [], report.text
     assert report.preemptions > 0 and report.references > 0 and report.mismatches == []
     kinds = {
-        "Generate: text", "Generate: token ids", "Generate: long-prompt burst", "Generate: cancelled after some tokens",
-        "Generate: cancelled at a random time", "Generate: tight deadline", "Generate: duplicate id, the first call",
-        "Generate: duplicate id, the second call", "Tokenize, then Detokenize", "Detokenize", "GetModelInfo",
-    }  # the first round sends every kind, every bad request included  # fmt: skip
+        "Generate: text",
+        "Generate: token ids",
+        "Generate: long-prompt burst",
+        "Generate: cancelled after some tokens",
+        "Generate: cancelled at a random time",
+        "Generate: tight deadline",
+        "Generate: duplicate id, the first call",
+        "Generate: duplicate id, the second call",
+        "Tokenize, then Detokenize",
+        "Detokenize",
+        "GetModelInfo",
+    }  # the first round sends every kind, every bad request included
     assert kinds <= set(report.counts), report.text
     info = pb.ModelInfo(vocab_size=512, unpadded_vocab_size=500, max_context=4096)
     bad = {f"bad: {name}" for name, _, _ in soak.Load(None, info, random.Random(0), settings).bad_requests()}
