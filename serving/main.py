@@ -51,6 +51,7 @@ from inkling_jax.runtime.engine import (
     BatchedTokensError,
     add_batched_tokens_argument,
     add_load_format_argument,
+    engine_options,
     load_engine,
 )
 from inkling_jax.runtime.scheduler import Scheduler
@@ -215,15 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("loading %s on mesh %s (%s)", checkpoint, args.mesh, args.dtype)
         engine = load_engine(
             checkpoint,
-            mesh=args.mesh,
-            dtype=args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            chunk=args.chunk,
-            kv_cache_mib=args.kv_cache_mib,
-            speculative=args.speculative,
+            **engine_options(args),
             load_format=args.load_format,
             executable_cache=compilation_cache.executables(cache),
-            max_num_batched_tokens=args.max_num_batched_tokens,
         )
         scheduler = Scheduler(engine)
         log.info("warming up: compiling every step shape")

@@ -42,6 +42,7 @@ from inkling_jax.runtime.engine import (
     Engine,
     add_batched_tokens_argument,
     add_load_format_argument,
+    engine_options,
     load_engine,
     open_checkpoint,
 )
@@ -286,15 +287,9 @@ def main(argv: list[str] | None, module: str) -> int:
         room = draft.block_size if args.speculative != "none" and draft is not None else 0
         engine = load_engine(
             checkpoint,
-            mesh=args.mesh,
-            dtype=args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            chunk=args.chunk,
-            kv_cache_mib=args.kv_cache_mib,
-            speculative=args.speculative,
+            **engine_options(args),
             max_context=_longest(requests) + room,
             executable_cache=compilation_cache.executables(cache),
-            max_num_batched_tokens=args.max_num_batched_tokens,
         )
         progress = not args.quiet and jax.process_index() == 0
         results = run_requests(engine, requests, prefill_budget=args.prefill_budget, progress=progress)

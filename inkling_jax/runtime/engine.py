@@ -626,6 +626,13 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
     return Checkpoint(str(path), config, tokenizer, load_format)
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """`load_engine`'s options from the flags the command-line front ends share (mesh, dtype, slots, chunk, page
+    budget, speculation, token budget)."""
+    names = ("mesh", "dtype", "max_num_seqs", "chunk", "kv_cache_mib", "speculative", "max_num_batched_tokens")
+    return {name: getattr(args, name) for name in names}
+
+
 def load_engine(
     checkpoint: str | Path | Checkpoint,
     *,
