@@ -145,6 +145,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def default_checkpoint() -> Path:
     """The embedded synthetic checkpoint, written (atomically) as `make run` writes it when it is missing or
     predates synthetic tokenizers or the current configs/tiny.json (e.g. its DSpark draft)."""
+    if not DEFAULT_CONFIG.is_file():
+        raise CheckpointError(
+            f"no --checkpoint given, and the embedded checkpoint's config {DEFAULT_CONFIG} is missing: it comes with"
+            " a clone of the repository, not with an installed package; pass --checkpoint DIR"
+        )
     if not _default_is_current():
         log.info("writing the synthetic checkpoint %s from %s", DEFAULT_CHECKPOINT, DEFAULT_CONFIG)
         DEFAULT_CHECKPOINT.parent.mkdir(parents=True, exist_ok=True)

@@ -979,7 +979,7 @@ def test_main_serves_then_drains_on_sigterm(monkeypatch, checkpoint, text_config
     assert schedulers[0].in_flight == 0
 
 
-def test_main_refuses_bad_input_with_exit_2(tmp_path, capsys):
+def test_main_refuses_bad_input_with_exit_2(tmp_path, capsys, monkeypatch):
     assert server_main.main(["--checkpoint", str(tmp_path), "--port", "0"]) == 2
     assert "no config.json" in capsys.readouterr().err.splitlines()[-1]
     config = json.loads(CONFIG.read_text())
@@ -987,6 +987,9 @@ def test_main_refuses_bad_input_with_exit_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert server_main.main(["--checkpoint", str(tmp_path), "--port", "0", "--speculative", "dspark"]) == 2
     assert "has no DSpark draft" in capsys.readouterr().err.splitlines()[-1]
+    monkeypatch.setattr(server_main, "DEFAULT_CONFIG", tmp_path / "configs" / "tiny.json")  # an installed package's
+    assert server_main.main(["--port", "0"]) == 2
+    assert "pass --checkpoint DIR" in capsys.readouterr().err.splitlines()[-1]
     with pytest.raises(SystemExit) as exited:
         server_main.main(["--port", "70000"])
     assert exited.value.code == 2
