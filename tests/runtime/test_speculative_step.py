@@ -48,7 +48,7 @@ DRAFT = {
 SHARPEN = 15.0  # LM-head scale: random weights give near-uniform logits; this gives a peaked, varied law
 ANCHOR = 7  # every sampled sequence starts from this one token
 TEMPERATURES = (0.6, 1.0)
-SLOTS, ROUNDS = 4096, 49  # 49 x 4096 / 2 = 100,352 samples per temperature
+SLOTS, ROUNDS = 4096, 25  # 25 x 4096 / 2 = 51,200 samples per temperature (a broken step fails at 6 rounds)
 ALPHA = 1e-3  # the correct step passes at this level (fixed seeds: the test is deterministic)
 
 
@@ -139,7 +139,7 @@ def test_the_step_samples_the_targets_joint_law(model):
     samples = first_two(engine_for(model), ROUNDS, TEMPERATURES)
     for temperature in TEMPERATURES:
         joint = exact_joint(model, temperature)
-        assert len(samples[temperature]) >= 100_000
+        assert len(samples[temperature]) >= 50_000
         statistic, p_value, dof = chi_square(samples[temperature], joint)
         print(f"T {temperature}: chi2 = {statistic:.1f}, dof {dof}, p = {p_value:.3g}")
         assert p_value > ALPHA
