@@ -94,6 +94,28 @@ def rings(case: dict, size: int) -> tuple[np.ndarray, np.ndarray]:
     return k_ring, v_ring
 
 
+PRODUCTION_HEADS, PRODUCTION_KV_HEADS, PRODUCTION_DIM = 48, 8, 128
+
+
+def production_operands(slots: int, width: int, ring: bool, d_rel: int = 16) -> tuple:
+    """Abstract (q, k, v, kv_lens, query_lens, rel, rel_proj, sinks) at Inkling 2 Small's attention shapes, for the
+    lowering tests: 48 query / 8 KV heads of 128, bf16, relative extent 1024; K/V as a pool of 64 pages of 128
+    tokens, or (`ring`) each slot's ring of a 1024 window and a 512-token step."""
+    heads, kv_heads, dim = PRODUCTION_HEADS, PRODUCTION_KV_HEADS, PRODUCTION_DIM
+    kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, 128, dim)
+    spec = jax.ShapeDtypeStruct
+    return (
+        spec((slots, width, heads, dim), jnp.bfloat16),
+        spec(kv_shape, jnp.bfloat16),
+        spec(kv_shape, jnp.bfloat16),
+        spec((slots,), jnp.int32),
+        spec((slots,), jnp.int32),
+        spec((slots, width, heads, d_rel), jnp.bfloat16),
+        spec((d_rel, 1024), jnp.bfloat16),
+        spec((slots, width, heads), jnp.bfloat16),
+    )
+
+
 def among_other_layers(rng: np.random.Generator, *rings: np.ndarray, before: int = 2) -> tuple:
     """Each of `rings` [S, ...] scattered over a stack of rings [(before + 2) * S, ...] (the other rows noise: other
     layers' and slots'), sequence s's at a random row, and those rows [S]: the kernels read each sequence's ring in

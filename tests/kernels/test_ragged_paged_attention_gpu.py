@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-from test_ragged_paged_attention import among_other_layers
+from test_ragged_paged_attention import PRODUCTION_DIM, among_other_layers, production_operands
 
 from pallas_kernels.ragged_paged_attention import gpu
 from pallas_kernels.ragged_paged_attention.blocks import attend
@@ -196,26 +196,15 @@ def test_lowers_for_cuda_at_production_shapes(width, ring, d_rel):
     8 KV heads of 128, 128-token pages, extent 1024, bf16; decode over the pool and the rings (its rows in place
     with d_rel 16, from padded copies with 8) and prefill build their bias in the kernel, verify reads the frame.
     (What the interpreter does not check: layouts, TMA boxes.)"""
-    slots, heads, kv_heads, dim, page = 8, 48, 8, 128, 128
-    kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
-    spec = jax.ShapeDtypeStruct
-    args = (
-        spec((slots, width, heads, dim), jnp.bfloat16),
-        spec(kv_shape, jnp.bfloat16),
-        spec(kv_shape, jnp.bfloat16),
-        spec((slots,), jnp.int32),
-        spec((slots,), jnp.int32),
-        spec((slots, width, heads, d_rel), jnp.bfloat16),
-        spec((d_rel, 1024), jnp.bfloat16),
-        spec((slots, width, heads), jnp.bfloat16),
-    )
-    table = None if ring else spec((slots, 8), jnp.int32)
+    slots = 8
+    args = production_operands(slots, width, ring, d_rel)
+    table = None if ring else jax.ShapeDtypeStruct((slots, 8), jnp.int32)
     kernel = functools.partial(
         gpu._attention, interpret=False, in_kernel=True if width in (1, 1024) else None, invariant=width < 1024
     )  # the prefill tiles build the bias in the kernel
 
     def attention(*args, table):
-        return attend(kernel, *args, page_table=table, scale=dim**-0.5, window=1024 if ring else None)
+        return attend(kernel, *args, page_table=table, scale=PRODUCTION_DIM**-0.5, window=1024 if ring else None)
 
     lowered = export.export(jax.jit(attention), platforms=["cuda"])(*args, table=table)
     assert "mosaic_gpu" in lowered.mlir_module()

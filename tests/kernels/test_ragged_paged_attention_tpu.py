@@ -14,10 +14,12 @@ from jax.experimental.pallas import tpu as pltpu
 from test_ragged_paged_attention import (
     DIM,
     MIXED,
+    PRODUCTION_DIM,
     WIDTH,
     among_other_layers,
     check,
     paged,
+    production_operands,
     random_case,
     rings,
     step_inputs,
@@ -118,24 +120,13 @@ def test_bf16_matches_the_reference():
 @pytest.mark.parametrize(("width", "ring"), [(1, False), (8, False), (512, False), (1, True), (512, True)])
 def test_lowers_for_tpu_at_production_shapes(width, ring):
     """48 query / 8 KV heads of 128, 128-token pages, extent and window 1024, bf16, for TPU v7x."""
-    slots, heads, kv_heads, dim, page = 4, 48, 8, 128, 128
-    kv_shape = (slots, kv_heads, 1024 + 512, dim) if ring else (64, kv_heads, page, dim)
-    spec = jax.ShapeDtypeStruct
-    args = (
-        spec((slots, width, heads, dim), jnp.bfloat16),
-        spec(kv_shape, jnp.bfloat16),
-        spec(kv_shape, jnp.bfloat16),
-        spec((slots,), jnp.int32),
-        spec((slots,), jnp.int32),
-        spec((slots, width, heads, 16), jnp.bfloat16),
-        spec((16, 1024), jnp.bfloat16),
-        spec((slots, width, heads), jnp.bfloat16),
-    )
-    table = None if ring else spec((slots, 32), jnp.int32)
+    slots = 4
+    args = production_operands(slots, width, ring)
+    table = None if ring else jax.ShapeDtypeStruct((slots, 32), jnp.int32)
 
     def attention(*args, table):
         window = 1024 if ring else None
-        return tpu.ragged_paged_attention(*args, page_table=table, scale=dim**-0.5, window=window)
+        return tpu.ragged_paged_attention(*args, page_table=table, scale=PRODUCTION_DIM**-0.5, window=window)
 
     v7x = jax.sharding.AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=v7x)):
