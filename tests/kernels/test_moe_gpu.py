@@ -350,7 +350,7 @@ def test_a_token_gets_the_same_bits_at_every_token_count(fmt):
     """The first tokens' outputs alone (chosen experts' visits), among more in shared tiles and among many in windows
     of their own: bit for bit the same (each work item sums its whole K in one order, whatever the plan; K of 6 steps,
     which a few tokens' visits once split over the CTAs)."""
-    counts, top_k = ((3, 12, 40), 2) if CPU else ((8, 16, 64, 196), 8)
+    counts, top_k = ((3, 12), 2) if CPU else ((8, 16, 64, 196), 8)  # on CPU: a few tokens' visits, shared tiles
     x, gate_up, down, experts, weights = routed_case(13, max(counts), top_k, fmt, hidden=1536)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     run = jax.jit(lambda *a: moe_experts(*a, **CAPS, distinct_ids=True, backend="gpu"))
