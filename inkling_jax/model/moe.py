@@ -16,7 +16,6 @@ from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from inkling_jax.sharding import MODEL
 from pallas_kernels.moe import GpuWeight, TpuWeight, kernel_layout, moe_experts
-from pallas_kernels.moe import kernel_platform as kernel_platform  # what the engine lays the experts out for
 from pallas_kernels.numerics import round_to, total
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 

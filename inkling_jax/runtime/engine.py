@@ -42,7 +42,7 @@ from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import ModelConfig, load_config
 from inkling_jax.model.attention import fuse_attention_projections
 from inkling_jax.model.draft import require_draft
-from inkling_jax.model.moe import kernel_platform, lay_out_experts
+from inkling_jax.model.moe import lay_out_experts
 from inkling_jax.model.text import CausalLM
 from inkling_jax.runtime.executable_cache import ExecutableCache
 from inkling_jax.runtime.kernel_builds import KernelBuilder
@@ -55,6 +55,7 @@ from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.step import Emitted, StepBatch, pack_spans, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 from pallas_kernels import import_kernel_runtimes
+from pallas_kernels.moe import kernel_platform
 
 logger = logging.getLogger(__name__)
 
