@@ -1,5 +1,6 @@
 """Shared test setup: CPU JAX with 8 host devices (multi-device tests), compiled without LLVM's optimisations
-(the tests' programs are tiny and compile-bound: a quarter off the suite; IEEE semantics are the same).
+(the tests' programs are tiny and compile-bound: a quarter off the suite; IEEE semantics are the same) and without
+XLA's verifier between its passes.
 
 A test still running after HANG_SECONDS (set-up included) writes every thread's stack and ends its process: a hang
 fails the suite in minutes and says where, instead of holding CI to its limit. Under xdist, whose workers' own output
@@ -19,10 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
-from xla_flags import DEVICES, UNOPTIMIZED
+from xla_flags import DEVICES, UNOPTIMIZED, UNVERIFIED
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICES, UNOPTIMIZED]).strip()
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICES, UNOPTIMIZED, UNVERIFIED]).strip()
 
 import jax
 

@@ -5,6 +5,7 @@ import os
 
 DEVICES = "--xla_force_host_platform_device_count=8"  # multi-device tests on one CPU
 UNOPTIMIZED = "--xla_backend_optimization_level=0"  # the tests' programs are tiny and compile-bound
+UNVERIFIED = "--xla_disable_hlo_passes=hlo-verifier"  # XLA's checks of its own passes: a tenth of each compile
 
 
 def optimized_environment() -> dict[str, str]:
