@@ -105,6 +105,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_batched_tokens_argument(parser)
     parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP(S) on this port")
+    parser.add_argument(
+        "--served-model-name",
+        help="the model's name to OpenAI-style clients through the SMG gateway (default: the checkpoint "
+        "directory's name)",
+    )
     speculative_help = (
         "DSpark speculative decoding with the checkpoint's draft (dspark-greedy: the draft proposes its argmax); "
         "requests may opt out; outputs follow the model's distribution either way"
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        server = serve(None, None, args.host, args.port, args.metrics_port, tls, token)
+        server = serve(None, None, args.host, args.port, args.metrics_port, tls, token, args.served_model_name)
     except ServeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""The gRPC server: the `inkling.v1.Inkling` service, grpc.health.v1, server reflection and metrics.
+"""The gRPC server: the `inkling.v1.Inkling` service, SMG's vLLM engine protocol (`serving.vllm_engine`),
+grpc.health.v1, server reflection and metrics.
 
 `serve(scheduler, engine, host, port)` starts it on a thread of its own (a `grpc.aio` server on its
 own event loop, so hundreds of concurrent streams cost a coroutine each) and returns a `Server` handle
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -42,7 +42,6 @@ from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.requests import (
     MAX_LOGPROBS,
     NO_TOKENIZER,
-    Code,
     Delta,
     Rejected,
     Request,
@@ -53,10 +52,13 @@ from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from serving.calls import STATUS_OF_CODE, CallError, Unparsable, add_service
 from serving.connection import KEEPALIVE_OPTIONS, Tls, TokenInterceptor
 from serving.metrics import Metrics
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
+from serving.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
+from serving.vllm_engine import VllmEngineServicer, common_pb2, vpb
 
 log = logging.getLogger("serving")
 
@@ -77,57 +79,11 @@ SERVER_OPTIONS = (
     ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
 )
 PREPARE_THREADS = 4  # tokenizing and checking requests, off the event loop
-STATUS_OF_CODE = {
-    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    Code.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
-    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-}
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
-
-
-class Unparsable:
-    """A request whose bytes are not a valid message of its type (a handler refuses it as INVALID_ARGUMENT)."""
-
-    def __init__(self, message_type: str, error: DecodeError):
-        self.message = f"the request is not a valid {message_type}: {error}"
-
-
-def _parser(message_type: Any) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return message_type.FromString(data)
-        except DecodeError as error:  # malformed bytes, or a string field that is not UTF-8
-            return Unparsable(message_type.DESCRIPTOR.full_name, error)
-
-    return parse
-
-
-def add_inkling_service(servicer: InklingServicer, server: grpc.aio.Server) -> None:
-    """Register the Inkling service as the generated `add_InklingServicer_to_server` does, with request parsers
-    that hand an unparsable message to the handler (gRPC would answer UNKNOWN with a Python traceback's text)."""
-    handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name["Inkling"].methods:
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=_parser(getattr(pb, method.input_type.name)),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
-class CallError(Exception):
-    """Ends a call with a gRPC status; the message says what is wrong."""
-
-    def __init__(self, status: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 def request_from_message(request: pb.GenerateRequest, request_id: str, prompt: tuple[int, ...], seed: int) -> Request:
@@ -493,10 +449,17 @@ class Server:
     """
 
     def __init__(
-        self, host: str, port: int, metrics_port: int | None, tls: Tls | None = None, auth_token: str | None = None
+        self,
+        host: str,
+        port: int,
+        metrics_port: int | None,
+        tls: Tls | None = None,
+        auth_token: str | None = None,
+        served_model_name: str | None = None,
     ):
         self.metrics = Metrics()
         self.servicer = InklingServicer(self.metrics)
+        self.vllm = VllmEngineServicer(self.servicer, served_model_name)
         self._health = health_async.HealthServicer()
         self._draining = False
         self._grpc: grpc.aio.Server | None = None
@@ -526,10 +489,16 @@ class Server:
     async def _start(self, host: str, port: int, tls: Tls | None, auth_token: str | None) -> int:
         interceptors = [TokenInterceptor(auth_token)] if auth_token is not None else None
         self._grpc = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS + KEEPALIVE_OPTIONS)
-        add_inkling_service(self.servicer, self._grpc)
+        add_service(self.servicer, self._grpc, pb.DESCRIPTOR.services_by_name["Inkling"], pb)
+        add_service(self.vllm, self._grpc, vpb.DESCRIPTOR.services_by_name["VllmEngine"], vpb, common_pb2)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                SERVICE_NAME,
+                VLLM_SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self._grpc,
         )
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -548,7 +517,7 @@ class Server:
         return bound
 
     async def _set_health(self, status: int) -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", SERVICE_NAME, VLLM_SERVICE_NAME):
             await self._health.set(service, status)
 
     async def _watch_health(self) -> None:
@@ -614,13 +583,15 @@ def serve(
     metrics_port: int | None = None,
     tls: Tls | None = None,
     auth_token: str | None = None,
+    served_model_name: str | None = None,
 ) -> Server:
     """Start serving on host:port (port 0: a free one, see `Server.port`); metrics on `metrics_port`; over TLS
-    with `tls`, to callers bearing `auth_token` when one is given (see `Server`).
+    with `tls`, to callers bearing `auth_token` when one is given (see `Server`); the vLLM engine protocol names
+    the model `served_model_name` (default: the checkpoint directory's name).
 
     With no scheduler and engine yet (the model still loading) calls get UNAVAILABLE until `attach`.
     """
-    server = Server(host, port, metrics_port, tls, auth_token)
+    server = Server(host, port, metrics_port, tls, auth_token, served_model_name)
     if scheduler is not None and engine is not None:
         server.attach(engine, scheduler)
     return server
