@@ -11,11 +11,13 @@ sit at their real ids when the vocabulary holds them (>= 200058 ids), else in a 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
+from inkling_jax.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE
 from inkling_jax.checkpoint.tokenizer_corpus import CORPUS
 from inkling_jax.config import TextConfig
 from inkling_jax.tokenizer import (
@@ -123,8 +125,10 @@ def build_tokenizer(text: TextConfig) -> tokenizers.Tokenizer:
 
 
 def write_tokenizer(out: Path, tokenizer: tokenizers.Tokenizer) -> None:
-    """Write tokenizer.json and a tokenizer_config.json naming the BOS / EOS / pad tokens into `out`."""
+    """Write tokenizer.json, a tokenizer_config.json naming the BOS / EOS / pad tokens, and Inkling 2's chat
+    template (`chat_template.jinja`, which the SMG gateway renders chats with) into `out`."""
     (out / TOKENIZER_FILE).write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    shutil.copy(DEFAULT_TEMPLATE, out / TEMPLATE_FILE)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
