@@ -201,6 +201,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 validate(engine_request, engine.text)
         except Rejected as rejected:
             raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
+        room = scheduler.max_sequence_tokens
+        if len(prompt) + requests[0].max_tokens > room:
+            raise CallError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({requests[0].max_tokens}) exceeds the {room} tokens one "
+                "sequence can hold in this server",
+            )
         return requests
 
     async def Generate(

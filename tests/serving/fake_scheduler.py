@@ -48,13 +48,14 @@ class FakeScheduler:
 
     Each step every running sequence makes one or two tokens (alternately), so deltas differ in size.
     `fail_submit` makes the next submit raise it; prompts in `fail_midway` end in an error delta after
-    their first delta.
+    their first delta; with a `script`, the continuation repeats the script instead of the prompt.
     """
 
     def __init__(self, engine: FakeEngine, *, ready: bool = True, step_seconds: float = 0.001, capacity: int = 4096):
         self.engine, self.ready, self.draining, self.step_seconds = engine, ready, False, step_seconds
         self.capacity = capacity
         self.fail_submit: Exception | None = None
+        self.script: list[int] | None = None  # when set, every continuation is these tokens, repeated
         self.fail_midway: set[tuple[int, ...]] = set()
         self.cancelled: list[str] = []
         self.submitted: list[Request] = []
@@ -175,7 +176,8 @@ class FakeScheduler:
             return Delta((), finish_reason="error", error="the device fell over", **usage)
         tokens, finish = [], None
         for _ in range(1 + self._step % 2):
-            token = prompt[sequence.generated % len(prompt)]
+            source = prompt if self.script is None else self.script
+            token = source[sequence.generated % len(source)]
             tokens.append(token)
             sequence.generated += 1
             if token in options.stop_token_ids or (token == self.engine.text.eos_token_id and not options.ignore_eos):

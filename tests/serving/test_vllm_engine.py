@@ -195,6 +195,7 @@ def test_eos_stop_tokens_and_stop_strings_say_what_matched(start, tokenizer):
         ({"n": MAX_CHOICES + 1}, {}, StatusCode.INVALID_ARGUMENT, f"at most {MAX_CHOICES} choices"),
         ({"temperature": -1.0}, {}, StatusCode.INVALID_ARGUMENT, "temperature"),
         ({"max_tokens": 5000}, {}, StatusCode.OUT_OF_RANGE, "4096"),
+        ({"max_tokens": 1020}, {}, StatusCode.OUT_OF_RANGE, "the 1024 tokens one sequence can hold"),
         ({}, {"data_parallel_rank": 1}, StatusCode.INVALID_ARGUMENT, "data_parallel_rank 1"),
         ({}, {"media_refs": vpb.MediaRefs(items=[vpb.MediaRef(url="data:,x")])}, StatusCode.INVALID_ARGUMENT, "image"),
     ],
