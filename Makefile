@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CHECKPOINT := out/tiny-checkpoint
 
-.PHONY: setup run test test-fast lint fixtures proto
+.PHONY: setup run serve-openai test test-fast lint fixtures proto
 
 $(VENV)/.installed: pyproject.toml
 	PYENV_VERSION=3.12.1 python3.12 -m venv $(VENV)
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-$(CHECKPOINT)/tokenizer.json: configs/tiny.json | $(VENV)/.installed
+$(CHECKPOINT)/tokenizer.json: configs/tiny.json inkling_jax/chat_template.jinja | $(VENV)/.installed
 	rm -rf $(CHECKPOINT)
 	$(PY) -m inkling_jax.checkpoint.synthetic --config configs/tiny.json --out $(CHECKPOINT) --experts mixed
 
@@ -22,6 +22,12 @@ $(CHECKPOINT)/tokenizer.json: configs/tiny.json | $(VENV)/.installed
 #   .venv/bin/python -m serving.client "Hello, Inkling"
 run: $(CHECKPOINT)/tokenizer.json
 	$(PY) -m serving.main --checkpoint $(CHECKPOINT) --port 50051 --metrics-port 9090
+
+# The same with the SMG gateway in front (OpenAI and Anthropic HTTP APIs on :8000). In another shell:
+#   curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \
+#       -d '{"model": "tiny-checkpoint", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}'
+serve-openai: $(CHECKPOINT)/tokenizer.json
+	$(PY) -m serving.main --checkpoint $(CHECKPOINT) --port 50051 --metrics-port 9090 --gateway-port 8000
 
 lint: setup
 	$(VENV)/bin/ruff check .

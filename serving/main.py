@@ -2,7 +2,7 @@
 
     python -m serving.main [--checkpoint DIR] [--mesh tp1] [--host 127.0.0.1] [--port 50051]
         [--dtype bfloat16] [--max-num-seqs 8] [--chunk 64] [--max-num-batched-tokens N] [--kv-cache-mib M]
-        [--metrics-port P]
+        [--metrics-port P] [--gateway-port P] [--served-model-name NAME]
         [--speculative none|dspark|dspark-greedy] [--load-format auto|dummy] [--compilation-cache DIR|none]
         [--drain-timeout 30] [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
         [--tls-cert FILE --tls-key FILE] [--auth-token-file FILE]
@@ -21,6 +21,11 @@ loopback (e.g. --host 0.0.0.0) without both logs a warning. Keepalive: `serving.
 Without --checkpoint the embedded synthetic checkpoint (configs/tiny.json, random weights) is served,
 written to out/tiny-checkpoint first if it is not there. With --load-format dummy, --checkpoint may be a
 config JSON file: random weights are built on the devices from it (no tokenizer: token-id prompts only).
+
+The same port serves SMG's vLLM engine protocol (`serving.vllm_engine`), so the Shepherd Model Gateway finds the
+server by itself; --gateway-port also runs the gateway (`serving.gateway`): OpenAI and Anthropic HTTP APIs on
+that port, once the model serves. Clients name the model --served-model-name (default: the checkpoint
+directory's name).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import jax
 
 from inkling_jax import distributed
 from inkling_jax.cache import CacheBudgetError
+from inkling_jax.chat import TEMPLATE_FILE
 from inkling_jax.checkpoint import CheckpointError
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.cli import argument_parser
@@ -59,6 +65,7 @@ from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
 from inkling_jax.tokenizer import TokenizerError
+from serving import gateway
 from serving.connection import ConnectionSetupError, exposure_warning, load_tls, read_token
 from serving.server import ServeError, serve
 
@@ -106,6 +113,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP(S) on this port")
     parser.add_argument(
+        "--gateway-port",
+        type=int,
+        help="also run the SMG gateway (the gateway extra) on this port: OpenAI and Anthropic HTTP APIs with "
+        "Inkling's reasoning and tool-call parsers, in front of this server",
+    )
+    parser.add_argument(
         "--served-model-name",
         help="the model's name to OpenAI-style clients through the SMG gateway (default: the checkpoint "
         "directory's name)",
@@ -136,7 +149,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together: give both or neither")
-    for name in ("port", "metrics_port"):
+    if args.gateway_port is not None:
+        if args.tls_cert is not None or args.auth_token_file is not None:
+            parser.error(
+                "--gateway-port runs the gateway over plain loopback gRPC: drop --tls-cert and "
+                "--auth-token-file, or run smg yourself"
+            )
+        if args.load_format == "dummy":
+            parser.error(
+                "--gateway-port needs the checkpoint's tokenizer and chat template; --load-format dummy has none"
+            )
+        try:
+            gateway.check_available()
+        except gateway.GatewayError as error:
+            parser.error(str(error))
+    for name in ("port", "metrics_port", "gateway_port"):
         value = getattr(args, name)
         if value is not None and not 0 <= value < 65536:
             parser.error(f"--{name.replace('_', '-')} must be within 0 .. 65535, got {value}")
@@ -149,7 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def default_checkpoint() -> Path:
     """The embedded synthetic checkpoint, written (atomically) as `make run` writes it when it is missing or
-    predates synthetic tokenizers or the current configs/tiny.json (e.g. its DSpark draft)."""
+    predates synthetic tokenizers, chat templates or the current configs/tiny.json (e.g. its DSpark draft)."""
     if not DEFAULT_CONFIG.is_file():
         raise CheckpointError(
             f"no --checkpoint given, and the embedded checkpoint's config {DEFAULT_CONFIG} is missing: it comes with"
@@ -169,7 +196,7 @@ def default_checkpoint() -> Path:
 
 
 def _default_is_current() -> bool:
-    if not all((DEFAULT_CHECKPOINT / name).is_file() for name in ("config.json", "tokenizer.json")):
+    if not all((DEFAULT_CHECKPOINT / name).is_file() for name in ("config.json", "tokenizer.json", TEMPLATE_FILE)):
         return False
     written, wanted = (
         json.loads(Path(path).read_text()) for path in (DEFAULT_CHECKPOINT / "config.json", DEFAULT_CONFIG)
@@ -245,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     log.info("SERVING %s on %s:%d", checkpoint, args.host, server.port)
+    front = None
+    if args.gateway_port is not None:
+        command = gateway.gateway_command(args.host, server.port, checkpoint, args.host, args.gateway_port)
+        front = gateway.Gateway(command)
+        log.info("gateway: OpenAI and Anthropic APIs on http://%s:%d/v1", args.host, args.gateway_port)
     while not stopping.wait(SIGNAL_POLL_SECONDS):
         pass
     log.info("draining: up to %g s for in-flight requests (a second signal aborts them)", args.drain_timeout)
@@ -261,8 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         scheduler.stop()  # every request still in flight ends with finish reason ABORT
         drain.join()  # returns as the scheduler is empty now; the server's loop stays open until it has
+        if front is not None:
+            front.stop()
         server.stop()
         return 128 + second
+    if front is not None:
+        front.stop()
     scheduler.stop()
     server.stop()
     log.info("stopped")

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +26,8 @@ from inkling_jax.chat import ChatTemplate, load_template
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
 from inkling_jax.config import load_config
 from inkling_jax.tokenizer import Tokenizer
+from serving import gateway as gateway_process
+from serving import main as server_main
 from serving.server import serve
 
 TEXT = load_config(CONFIG).text
@@ -293,3 +297,73 @@ def test_loading_and_draining_are_503_and_a_loaded_engine_is_registered(checkpoi
         assert status == 503 and "draining" in body["error"]["message"], body
     finally:
         loading.close()
+
+
+def test_serving_main_runs_the_gateway_in_front_of_the_engine(monkeypatch, checkpoint):
+    """`serving.main --gateway-port P` over the fake engine: once it serves, OpenAI clients chat through P; SIGTERM
+    stops the gateway with the server."""
+    tokenizer = Tokenizer.from_checkpoint(checkpoint)
+    monkeypatch.setattr(server_main, "load_engine", lambda path, **_: FakeEngine(TEXT, tokenizer, path))
+    schedulers: list[FakeScheduler] = []
+
+    def scheduler(engine: FakeEngine) -> FakeScheduler:
+        schedulers.append(FakeScheduler(engine, ready=False, step_seconds=0.002))
+        schedulers[-1].script = tokenizer.encode(ANSWER, special_tokens=True)
+        return schedulers[-1]
+
+    monkeypatch.setattr(server_main, "Scheduler", scheduler)
+    port, seen, returned = free_port(), {}, threading.Event()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+    def chat_then_stop() -> None:
+        try:
+            deadline = time.monotonic() + START_SECONDS
+            while time.monotonic() < deadline and "reply" not in seen:
+                try:
+                    messages = [{"role": "user", "content": "hi"}]
+                    seen["reply"] = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30)
+                except openai.APIError:
+                    time.sleep(0.2)
+        finally:
+            if not returned.is_set():
+                signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    thread = threading.Thread(target=chat_then_stop)
+    thread.start()
+    try:
+        argv = ["--checkpoint", checkpoint, "--port", "0", "--gateway-port", str(port), "--served-model-name", MODEL]
+        code = server_main.main(argv)
+    finally:
+        returned.set()
+        thread.join(60)
+    assert code == 0 and seen["reply"].choices[0].message.content == "The sky is clear."
+    with pytest.raises(openai.APIConnectionError):  # the gateway stopped with the server
+        client.models.list()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--tls-cert", "c.pem", "--tls-key", "k.pem"], "drop --tls-cert"),
+        (["--load-format", "dummy"], "needs the checkpoint's tokenizer"),
+        (["--gateway-port", "70000"], "--gateway-port must be within"),
+    ],
+)
+def test_serving_main_refuses_a_gateway_it_cannot_run(capsys, options, message):
+    with pytest.raises(SystemExit) as exited:
+        server_main.main(["--gateway-port", "8000", *options])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_gateway_that_keeps_exiting_is_restarted_then_given_up(monkeypatch):
+    monkeypatch.setattr(gateway_process, "RESTART_DELAY_SECONDS", 0.05)
+    front = gateway_process.Gateway([sys.executable, "-c", "import sys; sys.exit(3)"])
+    deadline = time.monotonic() + 30
+    while front.restarts < gateway_process.RESTARTS or front.running:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    front.stop()
+    lasting = gateway_process.Gateway([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert lasting.running
+    lasting.stop()
+    assert not lasting.running and lasting.restarts == 0
