@@ -61,9 +61,13 @@ class Gateway:
         self.command = command
         self.restarts = 0
         self._stopping = threading.Event()
-        self._process = subprocess.Popen(command)
+        self._process = self._start()
         self._watcher = threading.Thread(target=self._watch, name="gateway", daemon=True)
         self._watcher.start()
+
+    def _start(self) -> subprocess.Popen:
+        # a session of its own: a terminal's Ctrl-C reaches the server, which drains, then stops the gateway
+        return subprocess.Popen(self.command, start_new_session=True)
 
     @property
     def running(self) -> bool:
@@ -81,7 +85,7 @@ class Gateway:
             log.warning("the gateway exited (status %d): restarting it (%d of %d)", code, self.restarts, RESTARTS)
             if self._stopping.wait(RESTART_DELAY_SECONDS):
                 return
-            self._process = subprocess.Popen(self.command)
+            self._process = self._start()
 
     def stop(self) -> None:
         """Stop the gateway (SIGTERM, then SIGKILL after STOP_SECONDS). Idempotent."""
