@@ -50,6 +50,16 @@ def load_template(checkpoint: str | Path) -> str:
     )
 
 
+def checkpoint_template(checkpoint: str | Path) -> ChatTemplate | None:
+    """The chat template of a checkpoint directory, or None when it ships none (or is a config file)."""
+    try:
+        return ChatTemplate(load_template(checkpoint)) if Path(checkpoint).is_dir() else None
+    except ChatTemplateError as error:
+        if "has no chat template" in str(error):
+            return None
+        raise
+
+
 class ChatTemplate:
     """A compiled chat template: `render(messages, tools=None, add_generation_prompt=True, **variables)`."""
 

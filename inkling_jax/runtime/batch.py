@@ -1,10 +1,13 @@
-"""Batch generation through the scheduler: JSONL requests in, one result line per request out, in input order.
+"""Batch generation through the scheduler: JSONL requests in, one result line per request out, each written as
+it finishes and all in input order once the run ends (`--resume` keeps an interrupted run's results).
 
 `python -m inkling_jax.generate` and `python -m inkling_jax.offline` are this runner (`main`); `generate` and
 `run_requests` are its library form. Input lines are `Request`s as JSON ({"id", "prompt_token_ids" | "prompt"
-(text, with the checkpoint's tokenizer), and optionally "max_tokens", "temperature", "top_p", "top_k", "min_p",
-"repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop" (strings),
-"ignore_eos", "logprobs", "speculative"}), every line checked (`requests.validate`) before the model loads.
+(text, with the checkpoint's tokenizer) | "messages" (with optional "tools", rendered by the checkpoint's chat
+template as the SMG gateway renders them: `inkling_jax.chat`), and optionally "max_tokens", "temperature",
+"top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+"stop_token_ids", "stop" (strings), "ignore_eos", "logprobs", "speculative"}), every line checked
+(`requests.validate`) before the model loads.
 Output lines: {"id", "token_ids", "finish_reason": "stop" | "length"} plus "text" (with a tokenizer; special
 tokens left out, cut before the first stop string), "logprobs" and "top_logprobs" (when asked for) and
 "acceptance_length" (tokens emitted per speculative round, when the request ran any).
@@ -18,17 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from inkling_jax import distributed
 from inkling_jax.cache import CacheBudgetError
+from inkling_jax.chat import ChatTemplateError, checkpoint_template
 from inkling_jax.checkpoint import CheckpointError
 from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError
@@ -84,8 +91,10 @@ class _Result:
 class _Run:
     """Queues every request, then counts them off as they finish."""
 
-    def __init__(self, scheduler: Scheduler, requests: Sequence[Request]):
-        self.scheduler = scheduler
+    def __init__(
+        self, scheduler: Scheduler, requests: Sequence[Request], on_result: Callable[[dict], None] | None = None
+    ):
+        self.scheduler, self.on_result = scheduler, on_result
         tokenizer = scheduler.engine.tokenizer
         self.results = [
             _Result(r, tokenizer and TextStream(IncrementalDecoder(tokenizer, skip_special_tokens=True), r.stop))
@@ -128,19 +137,27 @@ class _Run:
                 result.text.append(result.stream.finish())
         if result.finish_reason is not None:
             self.finished += 1
+            if self.on_result is not None:
+                self.on_result(result.line())
             if self.finished == len(self.results):
                 self.done.set()
 
 
 def run_requests(
-    engine: Engine, requests: Sequence[Request], *, prefill_budget: int | None = None, progress: bool = False
+    engine: Engine,
+    requests: Sequence[Request],
+    *,
+    prefill_budget: int | None = None,
+    progress: bool = False,
+    on_result: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Every request through a scheduler over `engine` (warmed up first); result lines in input order. With
-    `progress`, a progress line and a throughput summary go to stderr. RequestError names a request that can
-    never be served (e.g. larger than the page pool)."""
+    """Every request through a scheduler over `engine` (warmed up first); result lines in input order, each also
+    handed to `on_result` as its request finishes (on the scheduler's thread). With `progress`, a progress line
+    and a throughput summary go to stderr. RequestError names a request that can never be served (e.g. larger
+    than the page pool)."""
     scheduler = Scheduler(engine, prefill_budget=prefill_budget, max_waiting=max(len(requests), 1))
     scheduler.warm_up()
-    run = _Run(scheduler, requests)
+    run = _Run(scheduler, requests, on_result)
     start = time.perf_counter()
     try:
         run.submit_all()
@@ -210,11 +227,15 @@ def read_requests(path: str | Path, checkpoint: Checkpoint) -> list[Request]:
     except (OSError, UnicodeDecodeError) as error:
         raise RequestError(f"cannot read {path}: {error}") from error
     requests, lines_of = [], {}
+    try:
+        chat = checkpoint_template(checkpoint.path) if checkpoint.tokenizer is not None else None
+    except ChatTemplateError as error:
+        raise RequestError(f"{checkpoint.path}: {error}") from error
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            request = request_from_json(line, checkpoint.tokenizer, checkpoint.config.text)
+            request = request_from_json(line, checkpoint.tokenizer, checkpoint.config.text, chat)
         except Rejected as error:
             raise RequestError(f"line {number}: {error}") from error
         if request.id in lines_of:
@@ -224,6 +245,74 @@ def read_requests(path: str | Path, checkpoint: Checkpoint) -> list[Request]:
     if not requests:
         raise RequestError(f"{path} holds no requests")
     return requests
+
+
+class Output:
+    """The output file of a run: process 0 appends each result as its request finishes (so an interrupted run
+    keeps what it finished) and, at the end, rewrites the file with every result in input order. With `resume`
+    the results the file already holds are kept and their requests skipped; every process skips the same ones
+    (process 0 reads the file and tells the others)."""
+
+    def __init__(self, path: str | Path, requests: Sequence[Request], resume: bool):
+        self.path, self.requests = Path(path), list(requests)
+        self.writer = jax.process_index() == 0
+        kept = self._kept() if resume and self.writer else {}
+        done = [_key(r.id) in kept for r in self.requests]
+        if jax.process_count() > 1:
+            done = [bool(d) for d in multihost_utils.broadcast_one_to_all(np.asarray(done, bool))]
+        self.done, self.lines = done, kept
+        self._file = None
+        self._lock = threading.Lock()
+
+    def _kept(self) -> dict[str, dict]:
+        """The finished results the file holds, by id (a line cut short by the interruption is dropped)."""
+        if not self.path.is_file():
+            return {}
+        ids = {_key(r.id) for r in self.requests}
+        kept = {}
+        for number, line in enumerate(self.path.read_text().splitlines(), 1):
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(result, dict) or _key(result.get("id")) not in ids:
+                raise RequestError(f"--resume: line {number} of {self.path} is no result of a request in the input")
+            if result.get("finish_reason") in ("stop", "length"):
+                kept[_key(result["id"])] = result
+        return kept
+
+    def remaining(self) -> list[Request]:
+        return [r for r, done in zip(self.requests, self.done, strict=True) if not done]
+
+    def __enter__(self) -> Output:
+        return self
+
+    def write(self, result: dict) -> None:
+        """Append a finished request's result (the file is rewritten with the kept ones at the first)."""
+        if not self.writer:
+            return
+        with self._lock:
+            if self._file is None:
+                self._file = self.path.open("w")
+                self._file.writelines(json.dumps(kept) + "\n" for kept in self.lines.values())
+            self.lines[_key(result["id"])] = result
+            self._file.write(json.dumps(result) + "\n")
+            self._file.flush()
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: object) -> None:
+        if not self.writer:
+            return
+        if self._file is not None:
+            self._file.close()
+        if kind is None:  # every request finished: the results in input order
+            ordered = "".join(json.dumps(self.lines[_key(r.id)]) + "\n" for r in self.requests)
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text(ordered)
+            os.replace(partial, self.path)
+
+
+def _key(request_id: object) -> str:
+    return json.dumps(request_id)
 
 
 # Bad input of any kind: one line naming it, exit status 2.
@@ -249,7 +338,14 @@ def main(argv: list[str] | None, module: str) -> int:
         "--checkpoint", required=True, help="checkpoint directory (with --load-format dummy: or a config JSON file)"
     )
     parser.add_argument("--input", required=True, help="JSONL requests")
-    parser.add_argument("--output", required=True, help="JSONL results, in input order")
+    parser.add_argument(
+        "--output", required=True, help="JSONL results: each written as it finishes, in input order at the end"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the results --output already holds (an interrupted run's) and run only the other requests",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter and activation dtype")
     parser.add_argument(
         "--mesh", default="tp1", help="tpN (tensor and expert parallel over N devices) or dpMtpN (M replicas of tpN)"
@@ -283,18 +379,22 @@ def main(argv: list[str] | None, module: str) -> int:
             raise RequestError("--max-num-seqs and --chunk must be at least 1")
         checkpoint = open_checkpoint(args.checkpoint, args.load_format)
         requests = read_requests(args.input, checkpoint)  # every line checked before the model loads
-        draft = checkpoint.config.draft
-        room = draft.block_size if args.speculative != "none" and draft is not None else 0
-        engine = load_engine(
-            checkpoint,
-            **engine_options(args),
-            max_context=_longest(requests) + room,
-            executable_cache=compilation_cache.executables(cache),
-        )
-        progress = not args.quiet and jax.process_index() == 0
-        results = run_requests(engine, requests, prefill_budget=args.prefill_budget, progress=progress)
-        if jax.process_index() == 0:
-            Path(args.output).write_text("".join(json.dumps(result) + "\n" for result in results))
+        output = Output(args.output, requests, args.resume)
+        remaining = output.remaining()
+        with output:
+            if remaining:
+                draft = checkpoint.config.draft
+                room = draft.block_size if args.speculative != "none" and draft is not None else 0
+                engine = load_engine(
+                    checkpoint,
+                    **engine_options(args),
+                    max_context=_longest(remaining) + room,
+                    executable_cache=compilation_cache.executables(cache),
+                )
+                progress = not args.quiet and jax.process_index() == 0
+                run_requests(
+                    engine, remaining, prefill_budget=args.prefill_budget, progress=progress, on_result=output.write
+                )
     except _USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

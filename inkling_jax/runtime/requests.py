@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Sequence
 
+from inkling_jax.chat import ChatTemplate, ChatTemplateError
 from inkling_jax.config import TextConfig
 from inkling_jax.tokenizer import Tokenizer
 
@@ -155,35 +156,63 @@ def _bounds(low: float, high: float, low_open: bool) -> str:
     return f"within {'(' if low_open else '['}{low}, {high}]"
 
 
-def request_from_json(line: str, tokenizer: Tokenizer | None, text: TextConfig) -> Request:
+PROMPTS = ("prompt", "prompt_token_ids", "messages")
+
+
+def request_from_json(
+    line: str, tokenizer: Tokenizer | None, text: TextConfig, chat: ChatTemplate | None = None
+) -> Request:
     """One JSON object -> a validated Request: {"id", "prompt_token_ids" | "prompt" (text, encoded with
-    `tokenizer`), and any other `Request` field}. Rejected names what is wrong."""
+    `tokenizer`) | "messages" (OpenAI-style, with optional "tools", rendered by the checkpoint's chat template
+    `chat` as the SMG gateway renders them), and any other `Request` field}. Rejected names what is wrong."""
     try:
         raw = json.loads(line)
     except json.JSONDecodeError as error:
         raise Rejected(Code.INVALID_ARGUMENT, f"not JSON ({error})") from error
     if not isinstance(raw, dict):
         raise Rejected(Code.INVALID_ARGUMENT, "a request must be a JSON object")
-    unknown = sorted(set(raw) - FIELDS - {"prompt"})
+    unknown = sorted(set(raw) - FIELDS - {"prompt", "messages", "tools"})
     if unknown:
         raise Rejected(Code.INVALID_ARGUMENT, f"unknown field(s) {', '.join(unknown)}")
     if "id" not in raw:
         raise Rejected(Code.INVALID_ARGUMENT, "missing 'id'")
-    if ("prompt" in raw) == ("prompt_token_ids" in raw):
-        raise Rejected(Code.INVALID_ARGUMENT, "give exactly one of 'prompt' (text) and 'prompt_token_ids'")
-    if tokenizer is None and ("prompt" in raw or raw.get("stop")):
-        field = "'prompt' (text)" if "prompt" in raw else "'stop' strings"
+    if sum(name in raw for name in PROMPTS) != 1:
+        raise Rejected(Code.INVALID_ARGUMENT, "give exactly one of 'prompt' (text), 'prompt_token_ids' and 'messages'")
+    if "tools" in raw and "messages" not in raw:
+        raise Rejected(Code.INVALID_ARGUMENT, "'tools' go with 'messages'")
+    if tokenizer is None and ("prompt" in raw or "messages" in raw or raw.get("stop")):
+        field = "'prompt' (text)" if "prompt" in raw else "'messages'" if "messages" in raw else "'stop' strings"
         raise Rejected(Code.INVALID_ARGUMENT, f"{field} needs a tokenizer ({NO_TOKENIZER}); send token ids")
     if "prompt" in raw:
         if not isinstance(raw["prompt"], str):
             raise Rejected(Code.INVALID_ARGUMENT, "'prompt' must be a string")
         raw["prompt_token_ids"] = tokenizer.encode(raw.pop("prompt"))
+    if "messages" in raw:
+        raw["prompt_token_ids"] = _chat_prompt(raw.pop("messages"), raw.pop("tools", None), tokenizer, chat)
     for name in ("prompt_token_ids", "stop_token_ids", "stop"):
         if isinstance(raw.get(name), list):
             raw[name] = tuple(raw[name])
     request = Request(**raw)
     validate(request, text)
     return request
+
+
+def _chat_prompt(messages: object, tools: object, tokenizer: Tokenizer, chat: ChatTemplate | None) -> list[int]:
+    """The ids of a conversation rendered by the chat template (its framing tokens as special tokens)."""
+    if chat is None:
+        raise Rejected(
+            Code.INVALID_ARGUMENT,
+            "'messages' needs the checkpoint's chat template (chat_template.jinja, or 'chat_template' in "
+            "tokenizer_config.json), and it has none; send 'prompt' or 'prompt_token_ids'",
+        )
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise Rejected(Code.INVALID_ARGUMENT, "'messages' must be a list of objects with a 'role'")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise Rejected(Code.INVALID_ARGUMENT, "'tools' must be a list of objects")
+    try:
+        return tokenizer.encode(chat.render(messages, tools=tools), special_tokens=True)
+    except ChatTemplateError as error:
+        raise Rejected(Code.INVALID_ARGUMENT, f"'messages': {error}") from None
 
 
 @dataclasses.dataclass(frozen=True)

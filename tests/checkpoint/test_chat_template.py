@@ -10,6 +10,7 @@ from paths import TINY_CONFIG
 from inkling_jax.chat import ChatTemplate, ChatTemplateError, load_template
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
 from inkling_jax.config import load_config
+from inkling_jax.runtime.requests import Rejected, request_from_json
 from inkling_jax.tokenizer import Tokenizer
 
 SYSTEM, USER, MODEL, TOOL = "<|message_system|>", "<|message_user|>", "<|message_model|>", "<|message_tool|>"
@@ -100,3 +101,21 @@ def test_the_template_is_found_in_tokenizer_config_or_named_missing(tmp_path):
         ChatTemplate("{{ raise_exception('no tools here') }}").render([])
     with pytest.raises(ChatTemplateError, match="cannot render"):
         ChatTemplate("{{ messages.pop() }}").render([{"role": "user"}])
+
+
+def test_a_request_line_with_messages_needs_a_template_and_well_formed_messages(checkpoint):
+    tokenizer, text = Tokenizer.from_checkpoint(checkpoint), load_config(TINY_CONFIG).text
+    template = ChatTemplate(load_template(checkpoint))
+    messages = [{"role": "user", "content": "the weather"}]
+    line = json.dumps({"id": 1, "messages": messages, "tools": [], "max_tokens": 4})
+    request = request_from_json(line, tokenizer, text, template)
+    assert list(request.prompt_token_ids) == tokenizer.encode(template.render(messages, tools=[]), special_tokens=True)
+    with pytest.raises(Rejected, match="needs the checkpoint's chat template"):
+        request_from_json(line, tokenizer, text, None)
+    for bad, message in [
+        ({"messages": [{"content": "no role"}]}, "with a 'role'"),
+        ({"messages": messages, "tools": "all"}, "'tools' must be a list"),
+        ({"messages": messages, "prompt": "x"}, "exactly one of"),
+    ]:
+        with pytest.raises(Rejected, match=message):
+            request_from_json(json.dumps({"id": 1, **bad}), tokenizer, text, template)

@@ -70,6 +70,7 @@ def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path)
         ({"id": 1, "prompt_token_ids": [1], "max_tokens": 5000}, "line 2: prompt (1 tokens) + max_tokens (5000)"),
         ({"id": 0, "prompt_token_ids": [1]}, "line 2: id 0 is already used on line 1"),
         ({"id": 1, "prompt": "hello"}, "line 2: 'prompt' (text) needs a tokenizer"),
+        ({"id": 1, "messages": [{"role": "user", "content": "hi"}]}, "line 2: 'messages' needs a tokenizer"),
     ],
 )
 def test_malformed_lines_are_named(tmp_path, capsys, line, message):

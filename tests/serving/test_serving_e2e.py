@@ -14,11 +14,13 @@ import pytest
 from paths import TINY_CONFIG
 
 from inkling_jax import offline
+from inkling_jax.chat import ChatTemplate, load_template
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.runtime.batch import run_requests
 from inkling_jax.runtime.engine import load_engine
 from inkling_jax.runtime.requests import Request
 from inkling_jax.runtime.scheduler import Scheduler
+from inkling_jax.tokenizer import Tokenizer
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 from serving.server import serve
@@ -127,23 +129,43 @@ def test_64_concurrent_streams_equal_the_batch_runner(engine):
         scheduler.stop()
 
 
-def test_offline_cli_text_prompts_stop_strings_and_bad_lines(checkpoint, tmp_path, capsys):
+def test_offline_cli_text_prompts_chats_stop_strings_resume_and_bad_lines(checkpoint, tmp_path, capsys):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the model runs"}]
+    tokenizer = Tokenizer.from_checkpoint(checkpoint)
+    rendered = tokenizer.encode(ChatTemplate(load_template(checkpoint)).render(messages), special_tokens=True)
     lines = [
         {"id": "a", "prompt": "the model runs", "max_tokens": 12, "temperature": 0},
-        {"id": "b", "prompt_token_ids": [5, 6, 7], "max_tokens": 6, "temperature": 0.7, "seed": 3},
+        {"id": "b", "prompt_token_ids": [5, 6, 7], "max_tokens": 6, "temperature": 0.7, "seed": 3, "logprobs": 2},
         {"id": "c", "prompt": "café 数据", "max_tokens": 20, "temperature": 1.0, "seed": 9, "stop": ["a", "e"]},
+        {"id": "d", "messages": messages, "max_tokens": 8, "temperature": 0.9, "seed": 4},
+        {"id": "e", "prompt_token_ids": rendered, "max_tokens": 8, "temperature": 0.9, "seed": 4},
     ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     args = ["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.jsonl"), "--output",
             str(tmp_path / "out.jsonl"), "--dtype", "float32", "--chunk", "8", "--max-num-seqs", "8"]  # fmt: skip
     assert offline.main(args) == 0
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in results] == ["a", "b", "c"]
+    assert [r["id"] for r in results] == ["a", "b", "c", "d", "e"]
     assert results[0]["finish_reason"] in ("length", "stop") and len(results[1]["token_ids"]) <= 6
+    assert len(results[1]["logprobs"]) == len(results[1]["token_ids"]) == len(results[1]["top_logprobs"])
+    assert all(len(top) == 2 for top in results[1]["top_logprobs"])
     assert "a" not in results[2]["text"] and "e" not in results[2]["text"]
+    assert results[3]["token_ids"] == results[4]["token_ids"]  # the chat is the template's rendering
     assert "requests in" in capsys.readouterr().err  # the throughput summary
+
+    # an interrupted run: b finished (its line marked to tell it from a rerun), d's line cut short
+    kept = {**results[1], "token_ids": [1, 2, 3]}
+    (tmp_path / "out.jsonl").write_text(json.dumps(kept) + "\n" + json.dumps(results[3])[:20])
+    assert offline.main([*args, "--resume"]) == 0
+    resumed = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert resumed == [results[0], kept, results[2], results[3], results[4]]
+    (tmp_path / "out.jsonl").write_text(json.dumps({**kept, "id": "zz"}) + "\n")
+    assert offline.main([*args, "--resume"]) == 2
+    assert "line 1 of" in capsys.readouterr().err
     for bad, message in [
         ({"id": 1}, "exactly one of 'prompt'"),
+        ({"id": 1, "messages": "hi"}, "'messages' must be a list"),
+        ({"id": 1, "prompt": "x", "tools": []}, "'tools' go with 'messages'"),
         ({"id": 1, "prompt": "x", "top_k": 1.5}, "integer"),
         ({"id": 1, "prompt": "x", "temperature": -1}, "temperature must be within"),
     ]:
