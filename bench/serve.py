@@ -3,6 +3,12 @@
     python -m bench.serve [--address HOST:PORT | --checkpoint DIR [--mesh tp1 --dtype bfloat16 ...]
         [--load-format auto|dummy] [--compilation-cache DIR|none]]
         [--concurrency 1 4 16 64] [--requests-per-level 64] [--prompt-tokens 64] [--max-tokens 32] [--out FILE]
+        [--gateway]
+
+With --gateway (the gateway extra; an in-process server with a tokenizer) the SMG gateway runs in front of the
+server and every level runs twice, over gRPC and through the gateway's OpenAI completions API, with the same
+prompts as text (the gateway tokenizes it, the server does over gRPC) and the same seeds; the gateway's level
+reports what it adds to TTFT and TPOT.
 
 Without --address it starts the server in-process on the checkpoint (default: the tiny synthetic one,
 written to a temporary directory; with --load-format dummy, --checkpoint may be a config file, default
@@ -16,8 +22,10 @@ and requests/s over the level.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import socket
 import statistics
 import tempfile
 import threading
@@ -35,6 +43,7 @@ from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
+WORDS = "the model runs on many chips and every token counts when a request waits for its turn".split()
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -44,13 +53,16 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {name: round(float(q), 2) for name, q in zip(("p50", "p90", "p99"), qs, strict=True)}
 
 
-def one_request(stub, prompt: list[int], max_tokens: int, seed: int) -> tuple[float, float | None, int]:
-    """(TTFT, TPOT or None, output tokens) of one streamed call, in seconds."""
+def one_request(stub, prompt: list[int] | str, max_tokens: int, seed: int) -> tuple[float, float | None, int]:
+    """(TTFT, TPOT or None, output tokens) of one streamed call (token ids or text), in seconds."""
     request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt),
         sampling=pb.SamplingParams(temperature=1.0, seed=seed),
         stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=True),
     )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
     start = time.perf_counter()
     first = last = None
     tokens = 0
@@ -63,13 +75,41 @@ def one_request(stub, prompt: list[int], max_tokens: int, seed: int) -> tuple[fl
     return first - start, tpot, tokens
 
 
-def level(stub, concurrency: int, count: int, prompt_tokens: int, max_tokens: int, vocab: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(count)]
+def one_completion(client, model: str, prompt: str, max_tokens: int, seed: int) -> tuple[float, float | None, int]:
+    """(TTFT, TPOT or None, output tokens) of one streamed OpenAI completion through the gateway, in seconds."""
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            last = time.perf_counter()
+            first = first or last
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    tpot = (last - first) / (tokens - 1) if tokens > 1 and first is not None else None
+    return (first or time.perf_counter()) - start, tpot, tokens
+
+
+def random_text(rng: np.random.Generator, words: int) -> str:
+    return " ".join(rng.choice(WORDS, words))
+
+
+def level(call, concurrency: int, count: int, prompts: list, max_tokens: int, seed: int) -> dict:
+    """`count` calls of `call(prompt, max_tokens, seed)`, `concurrency` at a time."""
     results, lock = [], threading.Lock()
 
     def run(index: int) -> None:
-        result = one_request(stub, prompts[index], max_tokens, seed + index)
+        result = call(prompts[index], max_tokens, seed + index)
         with lock:
             results.append(result)
 
@@ -118,6 +158,43 @@ def start_server(args: argparse.Namespace):
     return serve(scheduler, engine), scheduler, str(checkpoint)
 
 
+def start_gateway(grpc_port: int, checkpoint: str):
+    """SMG in front of the server on `grpc_port`, serving (its process, an OpenAI client of it)."""
+    import openai
+
+    from serving.gateway import Gateway, gateway_command
+
+    port = _free_port()
+    front = Gateway(gateway_command("127.0.0.1", grpc_port, checkpoint, "127.0.0.1", port))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            client.completions.create(model=Path(checkpoint).name, prompt="warm", max_tokens=1)
+            return front, client
+        except openai.APIError:
+            time.sleep(0.5)
+    front.stop()
+    raise SystemExit("the gateway did not serve the model within 120 s")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def added(direct: dict, gateway: dict) -> dict:
+    """What the gateway adds: TTFT and TPOT percentiles (ms), and TPOT's p50 as a share of the direct one."""
+    out = {}
+    for metric in ("ttft_ms", "tpot_ms"):
+        for q in direct[metric]:
+            out[f"{metric.removesuffix('_ms')}_{q}"] = round(gateway[metric][q] - direct[metric][q], 2)
+    if direct["tpot_ms"]:
+        out["tpot_p50_share"] = round(out["tpot_p50"] / direct["tpot_ms"]["p50"], 4)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="a running server; default: start one in-process")
@@ -133,32 +210,42 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--gateway", action="store_true", help="also through the SMG gateway (see above)")
     args = parser.parse_args()
-    server = scheduler = None
+    if args.gateway and args.address is not None:
+        parser.error("--gateway runs the gateway in front of an in-process server: drop --address")
+    server = scheduler = front = None
     address, checkpoint = args.address, args.checkpoint
     if address is None:
         server, scheduler, checkpoint = start_server(args)
         address = f"127.0.0.1:{server.port}"
     try:
+        if args.gateway:
+            front, client = start_gateway(server.port, checkpoint)
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.InklingStub(channel)
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
-            levels = [
-                level(
-                    stub,
-                    c,
-                    max(args.requests_per_level, c),
-                    args.prompt_tokens,
-                    args.max_tokens,
-                    info.unpadded_vocab_size,
-                    seed=1000 * c,
-                )
-                for c in args.concurrency
-            ]
+            levels = []
+            for c in args.concurrency:
+                count, rng = max(args.requests_per_level, c), np.random.default_rng(1000 * c)
+                if args.gateway:  # text: the gateway tokenizes it (its words are about a token each)
+                    prompts = [random_text(rng, args.prompt_tokens) for _ in range(count)]
+                else:
+                    prompts = [
+                        rng.integers(0, info.unpadded_vocab_size, args.prompt_tokens).tolist() for _ in range(count)
+                    ]
+                direct = functools.partial(one_request, stub)
+                levels.append(level(direct, c, count, prompts, args.max_tokens, seed=1000 * c))
+                if args.gateway:
+                    through = functools.partial(one_completion, client, Path(checkpoint).name)
+                    gateway = level(through, c, count, prompts, args.max_tokens, seed=1000 * c)
+                    levels[-1]["gateway"] = gateway | {"added_ms": added(levels[-1], gateway)}
         devices = math.prod(parse_mesh(info.mesh))
         for each in levels:
             each["output_tokens_per_s_per_device"] = round(each["output_tokens_per_s"] / devices, 1)
     finally:
+        if front is not None:
+            front.stop()
         if server is not None:
             server.stop()
             scheduler.stop()

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 import pytest
 from paths import TINY_CONFIG
+from test_gateway import free_port
 
 from inkling_jax import offline
 from inkling_jax.chat import ChatTemplate, load_template
@@ -21,6 +23,7 @@ from inkling_jax.runtime.engine import load_engine
 from inkling_jax.runtime.requests import Request
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.tokenizer import Tokenizer
+from serving.gateway import Gateway, gateway_command
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 from serving.server import serve
@@ -172,3 +175,53 @@ def test_offline_cli_text_prompts_chats_stop_strings_resume_and_bad_lines(checkp
         (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
         assert offline.main([*args[:2], "--input", str(tmp_path / "bad.jsonl"), *args[4:]]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_chats_through_the_smg_gateway_are_the_batch_runners(engine, checkpoint):
+    """The real engine behind the SMG gateway and the openai client: a greedy chat and a seeded sampled one
+    generate, every time, the tokens the batch runner generates from the chat template's rendering."""
+    messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "the model runs on TPU"}]
+    tokenizer = Tokenizer.from_checkpoint(checkpoint)
+    prompt = tuple(tokenizer.encode(ChatTemplate(load_template(checkpoint)).render(messages), special_tokens=True))
+    options = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.8, "seed": 5}}
+    want = run_requests(engine, [Request(name, prompt, max_tokens=12, **o) for name, o in options.items()])
+    scheduler = Scheduler(engine)
+    generated: dict[str, list[int]] = {}
+    submit = scheduler.submit
+
+    def recording(request: Request, on_delta) -> None:
+        generated[request.id] = []
+
+        def record(delta) -> None:
+            generated[request.id].extend(delta.token_ids)
+            on_delta(delta)
+
+        submit(request, record)
+
+    scheduler.submit = recording
+    scheduler.warm_up()
+    scheduler.start()
+    server = serve(scheduler, engine, served_model_name="tiny")
+    port = free_port()
+    front = Gateway(gateway_command("127.0.0.1", server.port, str(checkpoint), "127.0.0.1", port))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+                break
+            except openai.APIError:
+                assert time.monotonic() < deadline, "the gateway did not serve the model"
+                time.sleep(0.2)
+        for _ in range(2):
+            for (name, o), expected in zip(options.items(), want, strict=True):
+                generated.clear()
+                reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, **o)
+                [tokens] = generated.values()
+                assert tokens == expected["token_ids"], name
+                assert reply.usage.completion_tokens == len(tokens) and reply.usage.prompt_tokens == len(prompt)
+    finally:
+        front.stop()
+        server.stop()
+        scheduler.stop()
