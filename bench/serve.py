@@ -249,9 +249,10 @@ def main() -> None:
         if server is not None:
             server.stop()
             scheduler.stop()
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "out"}
+    given = {k: v for k, v in vars(args).items() if v not in (None, False) and k != "out"}
     flags = " ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in given.items()
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(map(str, v)) if isinstance(v, list) else v}")
+        for k, v in given.items()
     )
     result = {
         "command": f"python -m bench.serve {flags}",
