@@ -7,7 +7,6 @@ repository's own rendering of the checkpoint's chat template."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,10 +19,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from fake_scheduler import CONFIG, FakeEngine, FakeScheduler
+from fake_scheduler import CONFIG, FakeEngine, FakeScheduler, weightless_checkpoint
 
 from inkling_jax.chat import ChatTemplate, load_template
-from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
 from inkling_jax.config import load_config
 from inkling_jax.tokenizer import Tokenizer
 from serving import gateway as gateway_process
@@ -102,10 +100,7 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = tmp_path_factory.mktemp("checkpoint")
-    shutil.copy(CONFIG, directory / "config.json")
-    write_tokenizer(directory, build_tokenizer(TEXT))
-    return str(directory)
+    return weightless_checkpoint(tmp_path_factory.mktemp("checkpoint"))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import hashlib
 import io
 import json
 import random
-import shutil
 import threading
 import time
 import zipfile
@@ -15,12 +14,11 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from fake_scheduler import CONFIG, NUM_PAGES, PAGE_SIZE, FakeEngine, FakeScheduler, echo
+from fake_scheduler import CONFIG, NUM_PAGES, PAGE_SIZE, FakeEngine, FakeScheduler, echo, weightless_checkpoint
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
 from inkling_jax.config import load_config
 from inkling_jax.tokenizer import Tokenizer
 from serving.server import Server, serve
@@ -33,10 +31,7 @@ EOS = 499
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = tmp_path_factory.mktemp("inkling-tiny")
-    shutil.copy(CONFIG, directory / "config.json")
-    write_tokenizer(directory, build_tokenizer(TEXT))
-    return str(directory)
+    return weightless_checkpoint(tmp_path_factory.mktemp("inkling-tiny"))
 
 
 @pytest.fixture(scope="module")
