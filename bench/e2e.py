@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import itertools
 import json
 import math
@@ -842,7 +843,7 @@ def server_phases(args: argparse.Namespace, result: dict, save: Callable[[], Non
             return
         import grpc
 
-        from bench.serve import level
+        from bench.serve import level, one_request, token_prompts
         from serving.proto import inkling_pb2 as pb
         from serving.proto import inkling_pb2_grpc as pb_grpc
 
@@ -851,7 +852,9 @@ def server_phases(args: argparse.Namespace, result: dict, save: Callable[[], Non
             vocab = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).unpadded_vocab_size
             for concurrency in args.concurrency:
                 count = max(args.requests_per_level, concurrency)
-                served = level(stub, concurrency, count, args.prompt_tokens, args.max_tokens, vocab, 1000 * concurrency)
+                prompts = token_prompts(1000 * concurrency, count, args.prompt_tokens, vocab)
+                call = functools.partial(one_request, stub)
+                served = level(call, concurrency, count, prompts, args.max_tokens, 1000 * concurrency)
                 result.setdefault("grpc", []).append(served)
                 save()
                 say(

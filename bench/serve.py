@@ -100,6 +100,12 @@ def one_completion(client, model: str, prompt: str, max_tokens: int, seed: int) 
     return (first or time.perf_counter()) - start, tpot, tokens
 
 
+def token_prompts(seed: int, count: int, tokens: int, vocab: int) -> list[list[int]]:
+    """`count` random prompts of `tokens` ids below `vocab`."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, tokens).tolist() for _ in range(count)]
+
+
 def random_text(rng: np.random.Generator, words: int) -> str:
     return " ".join(rng.choice(WORDS, words))
 
@@ -227,13 +233,12 @@ def main() -> None:
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
             levels = []
             for c in args.concurrency:
-                count, rng = max(args.requests_per_level, c), np.random.default_rng(1000 * c)
+                count = max(args.requests_per_level, c)
                 if args.gateway:  # text: the gateway tokenizes it (its words are about a token each)
+                    rng = np.random.default_rng(1000 * c)
                     prompts = [random_text(rng, args.prompt_tokens) for _ in range(count)]
                 else:
-                    prompts = [
-                        rng.integers(0, info.unpadded_vocab_size, args.prompt_tokens).tolist() for _ in range(count)
-                    ]
+                    prompts = token_prompts(1000 * c, count, args.prompt_tokens, info.unpadded_vocab_size)
                 direct = functools.partial(one_request, stub)
                 levels.append(level(direct, c, count, prompts, args.max_tokens, seed=1000 * c))
                 if args.gateway:

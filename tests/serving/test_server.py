@@ -8,7 +8,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import logging
 import math
 import random
 import shutil
@@ -701,19 +700,6 @@ def test_text_stream_cuts_at_the_token_that_completes_a_stop_string(tokenizer):
 
 
 # --- the server entry point
-
-
-@pytest.fixture(autouse=True)
-def restore_process_state() -> Iterator[None]:
-    """main() installs signal handlers and stderr log handlers (bound to pytest's captured stderr): undo both."""
-    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
-    loggers = [logging.getLogger(name) for name in ("serving", "inkling_jax")]
-    saved = [(logger, list(logger.handlers), logger.level, logger.propagate) for logger in loggers]
-    yield
-    for number, handler in handlers.items():
-        signal.signal(number, handler)
-    for logger, logger_handlers, level, propagate in saved:
-        logger.handlers[:], logger.level, logger.propagate = logger_handlers, level, propagate
 
 
 def test_main_serves_then_drains_on_sigterm(monkeypatch, checkpoint, text_config, tokenizer):

@@ -38,7 +38,6 @@ from test_server import (
     FakeScheduler,
     echo,
     request,
-    restore_process_state,  # noqa: F401  (autouse: main() installs signal and log handlers, this undoes them)
     status_of,
     token_ids_of,
     wait_until,
