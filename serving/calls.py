@@ -11,7 +11,8 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
-from inkling_jax.runtime.requests import Code
+from inkling_jax.runtime.requests import Code, Delta
+from inkling_jax.runtime.text_stream import TextStream
 
 STATUS_OF_CODE = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -64,3 +65,16 @@ def add_service(servicer: Any, server: grpc.aio.Server, service: ServiceDescript
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def cut_at_stop_strings(text: TextStream | None, delta: Delta) -> tuple[int, str, bool]:
+    """(how many of the delta's tokens to send, the text they add, whether a stop string ended the stream) for a
+    call whose text is `text` (None: no stop strings to match)."""
+    if text is None:
+        return len(delta.token_ids), "", False
+    pushed = text.push(delta.token_ids)
+    kept, piece, stopped = pushed.tokens, pushed.text, pushed.stopped
+    if not stopped and delta.finish_reason is not None:
+        piece += text.finish()
+        stopped = text.matched is not None
+    return kept, piece, stopped

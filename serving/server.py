@@ -52,7 +52,7 @@ from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
-from serving.calls import STATUS_OF_CODE, CallError, Unparsable, add_service
+from serving.calls import STATUS_OF_CODE, CallError, Unparsable, add_service, cut_at_stop_strings
 from serving.connection import KEEPALIVE_OPTIONS, Tls, TokenInterceptor
 from serving.metrics import Metrics
 from serving.proto import inkling_pb2 as pb
@@ -370,13 +370,7 @@ class InklingServicer(pb_grpc.InklingServicer):
             delta = await deltas.get()
             if delta.finish_reason == "error":
                 raise CallError(grpc.StatusCode.INTERNAL, f"generation failed: {delta.error}")
-            kept, piece, stopped = len(delta.token_ids), "", False
-            if text is not None:
-                pushed = text.push(delta.token_ids)
-                kept, piece, stopped = pushed.tokens, pushed.text, pushed.stopped
-                if not stopped and delta.finish_reason is not None:
-                    piece += text.finish()
-                    stopped = text.matched is not None
+            kept, piece, stopped = cut_at_stop_strings(text, delta)
             if stopped and delta.finish_reason is None:
                 scheduler.cancel(request.id)
             finish = pb.FINISH_REASON_STOP if stopped else FINISH_REASONS.get(delta.finish_reason, 0)

@@ -39,7 +39,7 @@ from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request, validate, validate_sizes
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
-from serving.calls import STATUS_OF_CODE, CallError, Unparsable
+from serving.calls import STATUS_OF_CODE, CallError, Unparsable, cut_at_stop_strings
 
 if TYPE_CHECKING:
     from serving.server import InklingServicer
@@ -60,12 +60,6 @@ TOKENIZER_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
-UNSUPPORTED = {  # request fields the engine cannot honour yet: refused, never ignored
-    "constraint": "structured outputs (json_schema, regex, grammar, structural_tag, json_object, choice)",
-    "mm_inputs": "image input",
-    "media_refs": "image input",
-    "kv_transfer_params": "KV transfer (disaggregated prefill)",
-}
 
 
 @dataclass
@@ -89,11 +83,14 @@ def checked_fields(request: vpb.GenerateRequest) -> None:
     params = request.sampling_params
     constraint = params.WhichOneof("constraint")
     if constraint is not None:
-        _refuse(f"sampling_params.{constraint}: {UNSUPPORTED['constraint']} are not supported by this engine yet")
+        _refuse(
+            f"sampling_params.{constraint}: structured outputs (json_schema, regex, grammar, structural_tag, "
+            "json_object, choice) are not supported by this engine yet"
+        )
     if request.HasField("mm_inputs") or len(request.extra_mm_inputs) or request.media_refs.items:
         _refuse("image input is not supported by this engine yet (send text only)")
     if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
-        _refuse(f"kv_transfer_params: {UNSUPPORTED['kv_transfer_params']} is not supported by this engine")
+        _refuse("kv_transfer_params: KV transfer (disaggregated prefill) is not supported by this engine")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         _refuse(f"data_parallel_rank {request.data_parallel_rank}: this engine has one rank (0)")
     if params.min_tokens:
@@ -171,7 +168,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.served_model_name = served_model_name
         self.started = time.time()
         self._calls: dict[str, list[str]] = {}  # call's request id -> its choices' engine ids; on the loop only
-        self._bundle: bytes | None = None
+        self._bundle: tuple[bytes, str] | None = None  # the tokenizer ZIP and its sha256, made once
 
     def _name(self, engine: Engine) -> str:
         return self.served_model_name or Path(engine.checkpoint).name
@@ -298,18 +295,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
         tasks = [asyncio.create_task(forward(choice)) for choice in choices]
         try:
-            running, reasons = len(choices), []
+            running = len(choices)
             while running:
                 choice, delta = await merged.get()
                 if delta.finish_reason == "error":
                     raise CallError(grpc.StatusCode.INTERNAL, f"generation failed: {delta.error}")
-                kept, stopped = len(delta.token_ids), False
-                if choice.text is not None:
-                    pushed = choice.text.push(delta.token_ids)
-                    kept, stopped = pushed.tokens, pushed.stopped
-                    if not stopped and delta.finish_reason is not None:
-                        choice.text.finish()
-                        stopped = choice.text.matched is not None
+                kept, _, stopped = cut_at_stop_strings(choice.text, delta)
                 if stopped and delta.finish_reason is None:
                     scheduler.cancel(choice.request.id)
                 new = delta.token_ids[:kept]
@@ -328,7 +319,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if stopped or delta.finish_reason is not None:
                     running -= 1
                     reason = "stop" if stopped else delta.finish_reason
-                    reasons.append(reason)
                     complete = self._complete(choice, new if stream else choice.emitted, reason, prompt, stream)
                     yield vpb.GenerateResponse(complete=complete), reason if not running else None
                     if not running:
@@ -448,10 +438,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{Path(engine.checkpoint).name} has no tokenizer")
         if self._bundle is None:
             directory = Path(engine.checkpoint)
-            self._bundle = await asyncio.get_running_loop().run_in_executor(
+            bundle = await asyncio.get_running_loop().run_in_executor(
                 self.inkling.prepare, tokenizer_bundle, directory if directory.is_dir() else directory.parent
             )
-        bundle, digest = self._bundle, hashlib.sha256(self._bundle).hexdigest()
+            self._bundle = bundle, hashlib.sha256(bundle).hexdigest()
+        bundle, digest = self._bundle
         starts = range(0, len(bundle), TOKENIZER_CHUNK_BYTES)
         for start in starts:
             last = start == starts[-1]
