@@ -20,7 +20,8 @@ TLS; --auth-token-file makes both ask for the token the file holds (clients send
 loopback (e.g. --host 0.0.0.0) without both logs a warning. Keepalive: `serving.connection`.
 Without --checkpoint the embedded synthetic checkpoint (configs/tiny.json, random weights) is served,
 written to out/tiny-checkpoint first if it is not there. With --load-format dummy, --checkpoint may be a
-config JSON file: random weights are built on the devices from it (no tokenizer: token-id prompts only).
+config JSON file: random weights are built on the devices from it (no tokenizer: token-id prompts only), or a
+directory whose tokenizer then serves text too.
 
 The same port serves SMG's vLLM engine protocol (`serving.vllm_engine`), so the Shepherd Model Gateway finds the
 server by itself; --gateway-port also runs the gateway (`serving.gateway`): OpenAI and Anthropic HTTP APIs on
@@ -64,7 +65,7 @@ from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
-from inkling_jax.tokenizer import TokenizerError
+from inkling_jax.tokenizer import TOKENIZER_FILE, TokenizerError
 from serving import gateway
 from serving.connection import ConnectionSetupError, exposure_warning, load_tls, read_token
 from serving.server import ServeError, serve
@@ -155,9 +156,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "--gateway-port runs the gateway over plain loopback gRPC: drop --tls-cert and "
                 "--auth-token-file, or run smg yourself"
             )
-        if args.load_format == "dummy":
+        if args.checkpoint is not None and not (Path(args.checkpoint) / TOKENIZER_FILE).is_file():
             parser.error(
-                "--gateway-port needs the checkpoint's tokenizer and chat template; --load-format dummy has none"
+                f"--gateway-port needs the checkpoint's tokenizer and chat template; {args.checkpoint} has no "
+                f"{TOKENIZER_FILE} (for dummy weights: inkling-synthetic --no-weights writes a config's tokenizer)"
             )
         try:
             gateway.check_available()

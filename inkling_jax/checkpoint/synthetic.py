@@ -142,9 +142,11 @@ def write_checkpoint(
     layout: str = "original",
     shard_bytes: int = 2 << 30,
     draft: Mapping | None = None,
+    weights: bool = True,
 ) -> Path:
     """Write config.json, the synthetic tokenizer and random weights for the config at `config_path` to
-    directory `out`; `draft`: a `dspark_config` to add (replacing the file's), for a random DSpark draft."""
+    directory `out`; `draft`: a `dspark_config` to add (replacing the file's), for a random DSpark draft.
+    `weights=False` writes no weights: a directory `--load-format dummy` serves text from, at any size."""
     if experts not in EXPERT_CHOICES:
         raise ValueError(f"--experts must be one of {EXPERT_CHOICES}, got {experts!r}")
     raw = json.loads(Path(config_path).read_text())
@@ -160,7 +162,8 @@ def write_checkpoint(
         raw["quantization_config"] = _quantization_config(formats, layout)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     _write_tokenizer(out, config)
-    write_sharded_streamed(out, split_by_bytes(writer.specs, shard_bytes), writer.chunks)
+    if weights:
+        write_sharded_streamed(out, split_by_bytes(writer.specs, shard_bytes), writer.chunks)
     return out
 
 
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed of every tensor")
     parser.add_argument("--shard-gib", type=float, default=2.0, help="approximate shard size")
     parser.add_argument("--draft-config", type=Path, help="a dspark_config JSON object: add a random DSpark draft")
+    no_weights_help = "config and tokenizer only: a directory --load-format dummy serves text from"
+    parser.add_argument("--no-weights", dest="weights", action="store_false", help=no_weights_help)
     args = parser.parse_args(argv)
     draft = json.loads(args.draft_config.read_text()) if args.draft_config else None
     out = write_checkpoint(
@@ -217,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         layout=args.layout,
         shard_bytes=int(args.shard_gib * 2**30),
         draft=draft,
+        weights=args.weights,
     )
     print(out)
 

@@ -68,7 +68,7 @@ def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
         "--load-format",
         choices=LOAD_FORMATS,
         default="auto",
-        help="dummy: random weights built on the devices from the config alone (no tokenizer)",
+        help="dummy: random weights built on the devices from the config alone (a directory's tokenizer is used)",
     )
 
 
@@ -608,8 +608,9 @@ class Checkpoint:
 
 def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
     """Read the config (and tokenizer) of `path`: a checkpoint directory, or for `load_format="dummy"` also a
-    config JSON file. A dummy model has no tokenizer. CheckpointError / ConfigError / TokenizerError name what
-    is wrong."""
+    config JSON file. A dummy model takes the directory's tokenizer when it has one (vLLM's dummy loading does the
+    same), so a directory of config and tokenizer alone serves text. CheckpointError / ConfigError /
+    TokenizerError name what is wrong."""
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"load format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     path = Path(path)
@@ -618,7 +619,7 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
         raise CheckpointError(f"{path} is not {wanted}" + (" nor a config file" if load_format == "dummy" else ""))
     config = load_config(path)
     tokenizer = None
-    if load_format == "auto" and (path / TOKENIZER_FILE).is_file():
+    if (path / TOKENIZER_FILE).is_file():
         tokenizer = Tokenizer.from_checkpoint(path)
         try:
             tokenizer.check_against(config.text)

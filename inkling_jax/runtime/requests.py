@@ -81,7 +81,7 @@ RANGES = {
     "logprobs": (True, 0, MAX_LOGPROBS, False),
 }
 FIELDS = frozenset(field.name for field in dataclasses.fields(Request))
-NO_TOKENIZER = "the checkpoint has no tokenizer.json, or the model was loaded with --load-format dummy"
+NO_TOKENIZER = "the checkpoint has no tokenizer.json (a dummy model from a config file has none)"
 
 
 def validate(request: Request, text: TextConfig) -> None:

@@ -16,6 +16,7 @@ from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.checkpoint.dummy import HASH_PRNG, dummy_model, random_model
 from inkling_jax.checkpoint.loader import abstract_causal_lm
 from inkling_jax.checkpoint.quantized import configured_expert_formats
+from inkling_jax.checkpoint.synthetic import main as synthetic_main
 from inkling_jax.config import load_config
 from inkling_jax.generate import main as generate_main
 from inkling_jax.model.attn_res import BlockAttentionResidual
@@ -209,7 +210,7 @@ def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
     code, one = run_generate(tmp_path, lines, *common, "--mesh", "tp2")
     assert code == 0 and [r["id"] for r in one] == list(range(5))
     assert all(len(r["token_ids"]) == 9 or r["finish_reason"] == "stop" for r in one)
-    assert all("text" not in r for r in one)  # a dummy model has no tokenizer
+    assert all("text" not in r for r in one)  # a dummy model from a config file has no tokenizer
     code, speculating = run_generate(tmp_path, lines, *common, "--speculative", "dspark")
     assert code == 0
     for plain, speculated in zip(one, speculating, strict=True):
@@ -218,6 +219,18 @@ def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
         assert speculated["acceptance_length"] >= 1.0
     code, _ = run_generate(tmp_path, [{"id": 0, "prompt": "hello"}], *common)
     assert code == 2 and "'prompt' (text) needs a tokenizer" in capsys.readouterr().err
+    # config and tokenizer alone: the same random weights, and text served
+    synthetic_main(["--config", str(tmp_path / "mixed.json"), "--out", str(tmp_path / "text"), "--no-weights"])
+    assert sorted(p.name for p in (tmp_path / "text").iterdir()) == [
+        "chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"
+    ]  # fmt: skip
+    capsys.readouterr()
+    with_text = [*lines, {"id": 5, "prompt": "hello there", "max_tokens": 4}]
+    code, texts = run_generate(
+        tmp_path, with_text, "--checkpoint", str(tmp_path / "text"), *common[2:], "--speculative", "dspark"
+    )
+    assert code == 0 and [r["token_ids"] for r in texts[:5]] == [r["token_ids"] for r in speculating]
+    assert all(isinstance(r["text"], str) for r in texts) and len(texts[5]["token_ids"]) >= 1
     code, _ = run_generate(tmp_path, lines, *common[:2], "--dtype", "float32")  # the default format reads weights
     assert code == 2 and "is not a checkpoint directory" in capsys.readouterr().err
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -16,8 +15,8 @@ from pathlib import Path
 
 from paths import REPO
 
-from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
-from inkling_jax.config import TextConfig, load_config
+from inkling_jax.checkpoint.synthetic import write_checkpoint
+from inkling_jax.config import TextConfig
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob
 from inkling_jax.runtime.scheduler import Stats
 from inkling_jax.tokenizer import Tokenizer
@@ -221,6 +220,4 @@ def echo(prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int
 def weightless_checkpoint(directory: Path) -> str:
     """`directory` as a checkpoint of the tiny config with its tokenizer and chat template, and no weights (the
     fake engine reads none)."""
-    shutil.copy(CONFIG, directory / "config.json")
-    write_tokenizer(directory, build_tokenizer(load_config(CONFIG).text))
-    return str(directory)
+    return str(write_checkpoint(CONFIG, directory, weights=False))

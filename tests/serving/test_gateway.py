@@ -337,7 +337,7 @@ def test_serving_main_runs_the_gateway_in_front_of_the_engine(monkeypatch, check
     ("options", "message"),
     [
         (["--tls-cert", "c.pem", "--tls-key", "k.pem"], "drop --tls-cert"),
-        (["--load-format", "dummy"], "needs the checkpoint's tokenizer"),
+        (["--checkpoint", str(CONFIG), "--load-format", "dummy"], "has no tokenizer.json"),
         (["--gateway-port", "70000"], "--gateway-port must be within"),
     ],
 )
