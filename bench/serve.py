@@ -1,7 +1,7 @@
 """Load generator over gRPC: a concurrency sweep of streamed Generate calls; TTFT, TPOT, tokens/s.
 
     python -m bench.serve [--address HOST:PORT | --checkpoint DIR [--mesh tp1 --dtype bfloat16 ...]
-        [--load-format auto|dummy] [--compilation-cache DIR|none]]
+        [--kv-cache-mib M] [--load-format auto|dummy] [--compilation-cache DIR|none]]
         [--concurrency 1 4 16 64] [--requests-per-level 64] [--prompt-tokens 64] [--max-tokens 32] [--out FILE]
         [--gateway]
 
@@ -12,10 +12,11 @@ reports what it adds to TTFT and TPOT.
 
 Without --address it starts the server in-process on the checkpoint (default: the tiny synthetic one,
 written to a temporary directory; with --load-format dummy, --checkpoint may be a config file, default
-configs/tiny.json, and random weights are built on the devices). Each level keeps `concurrency` streams open until
-`requests-per-level` have finished; every request has a fresh random prompt of `prompt-tokens` token
-ids and runs to `max-tokens` (ignore_eos), sampled at temperature 1. Reported per level: time to first
-token and time per output token (p50 / p90 / p99, ms), output tokens/s (also per device of the server's mesh)
+configs/tiny.json, and random weights are built on the devices; --gateway then needs a directory with a
+tokenizer, e.g. `inkling-synthetic --config configs/proxy_h200.json --out DIR --no-weights`). Each level keeps
+`concurrency` streams open until `requests-per-level` have finished; every request has a fresh random prompt of
+`prompt-tokens` token ids and runs to `max-tokens` (ignore_eos), sampled at temperature 1. Reported per level: time
+to first token and time per output token (p50 / p90 / p99, ms), output tokens/s (also per device of the server's mesh)
 and requests/s over the level.
 """
 
@@ -155,6 +156,7 @@ def start_server(args: argparse.Namespace):
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         chunk=args.chunk,
+        kv_cache_mib=args.kv_cache_mib,
         load_format=args.load_format,
         executable_cache=compilation_cache.executables(cache),
     )
@@ -211,6 +213,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=64)
+    kv_help = "decode state per device (default: every slot's whole context)"
+    parser.add_argument("--kv-cache-mib", type=float, help=kv_help)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests-per-level", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
