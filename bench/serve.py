@@ -3,12 +3,14 @@
     python -m bench.serve [--address HOST:PORT | --checkpoint DIR [--mesh tp1 --dtype bfloat16 ...]
         [--kv-cache-mib M] [--load-format auto|dummy] [--compilation-cache DIR|none]]
         [--concurrency 1 4 16 64] [--requests-per-level 64] [--prompt-tokens 64] [--max-tokens 32] [--out FILE]
-        [--gateway]
+        [--gateway] [--prefill-tiles]
 
 With --gateway (the gateway extra; an in-process server with a tokenizer) the SMG gateway runs in front of the
 server and every level runs twice, over gRPC and through the gateway's OpenAI completions API, with the same
 prompts as text (the gateway tokenizes it, the server does over gRPC) and the same seeds; the gateway's level
-reports what it adds to TTFT and TPOT.
+reports what it adds to TTFT and TPOT. With --prefill-tiles the in-process engine's GPU attention runs prefill
+chunks on the kernel's prefill tiles (`invariant=False`), whose rows do not get their decode bits: beside a run
+without it, what batch invariance costs.
 
 Without --address it starts the server in-process on the checkpoint (default: the tiny synthetic one,
 written to a temporary directory; with --load-format dummy, --checkpoint may be a config file, default
@@ -144,6 +146,10 @@ def start_server(args: argparse.Namespace):
     from serving.server import serve
 
     cache = compilation_cache.enable(args.compilation_cache)
+    if args.prefill_tiles:
+        from inkling_jax.model import attention
+
+        attention.ragged_paged_attention = functools.partial(attention.ragged_paged_attention, invariant=False)
     if args.checkpoint:
         checkpoint = args.checkpoint
     elif args.load_format == "dummy":
@@ -221,9 +227,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--gateway", action="store_true", help="also through the SMG gateway (see above)")
+    parser.add_argument("--prefill-tiles", action="store_true", help="the GPU attention's prefill tiles (see above)")
     args = parser.parse_args()
-    if args.gateway and args.address is not None:
-        parser.error("--gateway runs the gateway in front of an in-process server: drop --address")
+    for flag in ("gateway", "prefill_tiles"):
+        if getattr(args, flag) and args.address is not None:
+            parser.error(f"--{flag.replace('_', '-')} needs the in-process server: drop --address")
     server = scheduler = front = None
     address, checkpoint = args.address, args.checkpoint
     if address is None:
