@@ -236,34 +236,43 @@ def test_supports():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kv_lens", "query_lens", "width"),
+    ("kv_lens", "query_lens", "width", "extent", "ring", "in_kernel"),
     [
-        # verify passes at positions 252 ... 259 and 636 ... 643 (straddling blocks 2 and 5)
-        ([260, 644, 1100], [8, 8, 0], 8),
-        # a prefill chunk at positions 244 ... 267: three decode tiles, one straddling block 2
-        ([268, 1100], [24, 0], 24),
+        # verify passes at positions 252 ... 259 and 636 ... 643 (straddling blocks 2 and 5); the frame's bias
+        ([260, 644, 1100], [8, 8, 0], 8, 1024, None, False),
+        # a prefill chunk at positions 244 ... 267: three decode tiles, one straddling block 2; the frame's bias
+        ([268, 1100], [24, 0], 24, 1024, None, False),
+        # the bias as the engine takes it (decode rows build it in the kernel, chunks read the frame), rows past a
+        # short extent: a chunk at positions 256 ... 279 over the pool; one row at 256 in a 64-wide lane over 256-slot
+        # rings of a 128-key window, where they first lap
+        ([280, 600], [24, 0], 24, 256, None, None),
+        ([257, 600], [1, 0], 64, 256, 256, None),
     ],
 )
-def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width):
-    """Each row of a verify pass or a prefill chunk equals the same position decoded alone, bit for bit (batch
-    invariance), also where the step straddles a KV block boundary, which moves where a tile's blocks would split:
-    each tile runs as reach groups that split their own blocks as their rows' decodes do. The idle sequence gives
-    the call 10 blocks of reach: two splits of five."""
-    step = inputs(41 + width, kv_lens, query_lens, width, 1024, ring=None)
+def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width, extent, ring, in_kernel):
+    """Each row of a verify pass or a prefill chunk equals the same position decoded beside another sequence, bit
+    for bit (batch invariance), also where the step straddles a KV block boundary, which moves where a tile's blocks
+    would split: each tile runs as reach groups that split their own blocks as their rows' decodes do."""
+    step = inputs(41 + width, kv_lens, query_lens, width, extent, ring=ring)
     rows = [(s, c) for s, length in enumerate(query_lens) for c in range(length)]
+    rows += rows[-1:] * (len(rows) % 2)  # an even count of decoding sequences, as the engine's decode steps hold
     decode = (
         step
         | {name: jnp.stack([step[name][s, c] for s, c in rows])[:, None] for name in ("q", "rel", "sinks")}
         | {
             "kv_lens": jnp.asarray([kv_lens[s] - query_lens[s] + 1 + c for s, c in rows], jnp.int32),
             "query_lens": jnp.ones(len(rows), jnp.int32),
-            "page_table": step["page_table"][jnp.asarray([s for s, _ in rows])],
         }
     )
-    assert gpu._config(len(rows), KV_HEADS, GROUPS * width, 10, None) == (True, 2)
-    kernel = functools.partial(gpu._attention, interpret=CPU, in_kernel=False)  # both read the frame's bias
+    if ring is None:
+        decode["page_table"] = step["page_table"][jnp.asarray([s for s, _ in rows])]
+        on_rings = ({}, {})
+    else:
+        on_rings = ({"ring_rows": jnp.arange(len(kv_lens), dtype=jnp.int32)}, {"ring_rows": jnp.asarray(rows)[:, 0]})
+    window = None if ring is None else 128
+    kernel = functools.partial(gpu._attention, interpret=CPU, in_kernel=in_kernel)
     call = jax.jit(functools.partial(attend, kernel), static_argnames=("scale", "window"))
-    got_step, got_decode = run(call, step, None), run(call, decode, None)
+    got_step, got_decode = run(call, step, window, **on_rings[0]), run(call, decode, window, **on_rings[1])
     np.testing.assert_array_equal(got_decode[:, 0], np.stack([got_step[s, c] for s, c in rows]))
 
 
