@@ -174,7 +174,8 @@ def run_generate(tmp_path: Path, lines: list[dict], *options: str) -> tuple[int,
 @pytest.mark.slow
 def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
     """The tiny config with mixed experts and its draft, as a config file: generation through the scheduler at
-    tp2, and at tp1 speculating, gives the same greedy tokens (the random weights do not depend on the shards)."""
+    tp2, and at tp1 speculating from a directory of the config and its tokenizer alone, gives the same greedy tokens
+    (the random weights depend on neither the shards nor the source) and serves text there."""
     config = json.loads(TINY.read_text())
     config["quantization_config"] = {
         "quant_method": "modelopt",
@@ -211,26 +212,22 @@ def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
     assert code == 0 and [r["id"] for r in one] == list(range(5))
     assert all(len(r["token_ids"]) == 9 or r["finish_reason"] == "stop" for r in one)
     assert all("text" not in r for r in one)  # a dummy model from a config file has no tokenizer
-    code, speculating = run_generate(tmp_path, lines, *common, "--speculative", "dspark")
-    assert code == 0
-    for plain, speculated in zip(one, speculating, strict=True):
-        if plain["id"] % 2 == 0:  # greedy: speculation changes nothing
-            assert speculated["token_ids"] == plain["token_ids"]
-        assert speculated["acceptance_length"] >= 1.0
     code, _ = run_generate(tmp_path, [{"id": 0, "prompt": "hello"}], *common)
     assert code == 2 and "'prompt' (text) needs a tokenizer" in capsys.readouterr().err
-    # config and tokenizer alone: the same random weights, and text served
+    # a directory of config and tokenizer alone: the same random weights, and text served
     synthetic_main(["--config", str(tmp_path / "mixed.json"), "--out", str(tmp_path / "text"), "--no-weights"])
     assert sorted(p.name for p in (tmp_path / "text").iterdir()) == [
         "chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"
     ]  # fmt: skip
     capsys.readouterr()
     with_text = [*lines, {"id": 5, "prompt": "hello there", "max_tokens": 4}]
-    code, texts = run_generate(
-        tmp_path, with_text, "--checkpoint", str(tmp_path / "text"), *common[2:], "--speculative", "dspark"
-    )
-    assert code == 0 and [r["token_ids"] for r in texts[:5]] == [r["token_ids"] for r in speculating]
-    assert all(isinstance(r["text"], str) for r in texts) and len(texts[5]["token_ids"]) >= 1
+    on_text = ["--checkpoint", str(tmp_path / "text"), *common[2:]]
+    code, speculating = run_generate(tmp_path, with_text, *on_text, "--speculative", "dspark")
+    assert code == 0 and all(isinstance(r["text"], str) for r in speculating) and speculating[5]["token_ids"]
+    for plain, speculated in zip(one, speculating[:5], strict=True):
+        if plain["id"] % 2 == 0:  # greedy: speculation changes nothing
+            assert speculated["token_ids"] == plain["token_ids"]
+        assert speculated["acceptance_length"] >= 1.0
     code, _ = run_generate(tmp_path, lines, *common[:2], "--dtype", "float32")  # the default format reads weights
     assert code == 2 and "is not a checkpoint directory" in capsys.readouterr().err
 
