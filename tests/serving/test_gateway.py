@@ -53,6 +53,7 @@ class Gateway:
         command += ["--model-path", directory, "--reasoning-parser", "inkling", "--tool-call-parser", "inkling"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
         command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        command += ["--worker-startup-check-interval", "1"]  # a loading worker is asked again each second, not 30
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
 
