@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import math
-import socket
 import statistics
 import tempfile
 import threading
@@ -176,9 +175,9 @@ def start_gateway(grpc_port: int, checkpoint: str):
     """SMG in front of the server on `grpc_port`, serving (its process, an OpenAI client of it)."""
     import openai
 
-    from serving.gateway import Gateway, gateway_command
+    from serving.gateway import Gateway, free_port, gateway_command
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     front = Gateway(gateway_command("127.0.0.1", grpc_port, checkpoint, "127.0.0.1", port))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     deadline = time.monotonic() + 120
@@ -190,12 +189,6 @@ def start_gateway(grpc_port: int, checkpoint: str):
             time.sleep(0.5)
     front.stop()
     raise SystemExit("the gateway did not serve the model within 120 s")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def added(direct: dict, gateway: dict) -> dict:

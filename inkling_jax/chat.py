@@ -34,9 +34,8 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(f"the chat template refuses these messages: {message}")
 
 
-def load_template(checkpoint: str | Path) -> str:
-    """The chat template a checkpoint directory ships; ChatTemplateError naming the files looked for if none."""
-    directory = Path(checkpoint)
+def _template_text(directory: Path) -> str | None:
+    """The chat template a checkpoint directory ships, None if it ships none."""
     if (directory / TEMPLATE_FILE).is_file():
         return (directory / TEMPLATE_FILE).read_text(encoding="utf-8")
     config = directory / "tokenizer_config.json"
@@ -44,20 +43,24 @@ def load_template(checkpoint: str | Path) -> str:
         template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
         if isinstance(template, str):
             return template
-    raise ChatTemplateError(
-        f"{directory} has no chat template ({TEMPLATE_FILE}, or 'chat_template' in tokenizer_config.json): "
-        "send prompts or token ids instead of messages"
-    )
+    return None
+
+
+def load_template(checkpoint: str | Path) -> str:
+    """The chat template a checkpoint directory ships; ChatTemplateError naming the files looked for if none."""
+    template = _template_text(Path(checkpoint))
+    if template is None:
+        raise ChatTemplateError(
+            f"{checkpoint} has no chat template ({TEMPLATE_FILE}, or 'chat_template' in tokenizer_config.json): "
+            "send prompts or token ids instead of messages"
+        )
+    return template
 
 
 def checkpoint_template(checkpoint: str | Path) -> ChatTemplate | None:
     """The chat template of a checkpoint directory, or None when it ships none (or is a config file)."""
-    try:
-        return ChatTemplate(load_template(checkpoint)) if Path(checkpoint).is_dir() else None
-    except ChatTemplateError as error:
-        if "has no chat template" in str(error):
-            return None
-        raise
+    template = _template_text(Path(checkpoint)) if Path(checkpoint).is_dir() else None
+    return None if template is None else ChatTemplate(template)
 
 
 class ChatTemplate:

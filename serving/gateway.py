@@ -29,7 +29,8 @@ def check_available() -> None:
         raise GatewayError("--gateway-port needs the SMG gateway: pip install -e '.[gateway]'")
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
@@ -49,7 +50,7 @@ def gateway_command(grpc_host: str, grpc_port: int, checkpoint: str, host: str, 
         "--host", host,
         "--port", str(port),
         "--prometheus-host", host,
-        "--prometheus-port", str(_free_port(host)),
+        "--prometheus-port", str(free_port(host)),
         "--log-level", "warn",
     ]  # fmt: skip
 
