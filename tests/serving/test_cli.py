@@ -24,6 +24,7 @@ COMMANDS = {
     "inkling-synthetic": ("inkling_jax.checkpoint.synthetic", "bf16"),
     "inkling-convert": ("inkling_jax.checkpoint.orbax_io", "bfloat16"),
     "inkling-param-count": ("inkling_jax.param_count", "bfloat16"),
+    "inkling-image-processor": ("inkling_jax.image_processor", "67108864"),
 }
 
 
