@@ -6,3 +6,4 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny.json"
 PARITY = REPO / "tests" / "fixtures" / "parity"
 TINY_TEXT = PARITY / "tiny_text"  # a tiny random checkpoint: original/ and hf/ (transformers') layouts
+IMAGES = REPO / "tests" / "fixtures" / "images"  # encoded images and transformers' pixel values for each
