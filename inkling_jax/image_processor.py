@@ -18,7 +18,8 @@ first frame. (transformers' loader for image URLs and paths in chat messages, `l
 orientation, and converts to RGB, dropping alpha, before the processor sees the image.) SMG's Rust Inkling processor
 (`crates/multimodal/src/vision/processors/inkling.rs`) is not this one: it drops alpha without compositing, adds a
 tile column to every row (W // 40 + 1 columns), repeats each tile twice in time, defaults to CLIP's mean and std and
-pads with -1 / 255: its pixel values and token counts do not fit this model as transformers runs it.
+normalises in a fused form that rounds differently: its pixel values and token counts do not fit this model as
+transformers runs it.
 
 The settings are the checkpoint's, found where transformers looks for them: the `image_processor` object of
 `processor_config.json`, else `preprocessor_config.json`, else transformers' defaults. `max_pixels` is ours: the
@@ -248,12 +249,12 @@ def _open(data: bytes, media_type: str | None) -> Image.Image:
             raise ImageError(f"image is too large for the decoder: {error}") from error
         except _DECODE_ERRORS as error:
             raise ImageError(f"not a valid {_display(name)} image: {error}") from error
-    other = [name for name, (_, accept) in Image.OPEN.items() if accept and _is_true(accept(prefix))]
+    other = [name for name, (_, accept) in Image.OPEN.items() if accept and _accepts(accept(prefix))]
     found = f"a {other[0]} image" if other else "not an image format we know"
     raise ImageError(f"unsupported image format ({found}); images are {_FORMAT_LIST}")
 
 
-def _is_true(known: bool | str) -> bool:
+def _accepts(known: bool | str) -> bool:
     """Whether a Pillow format's `accept` says yes (a string says yes, but that the decoder is missing)."""
     return bool(known) and not isinstance(known, str)
 
