@@ -128,9 +128,10 @@ class ImageProcessorSettings:
             source = path / PREPROCESSOR_CONFIG
             fields = _read_json(source)
         try:
-            return cls.from_dict(fields, max_pixels)
+            settings = cls.from_dict(fields)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from error
+        return dataclasses.replace(settings, max_pixels=max_pixels)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -277,6 +277,8 @@ def test_cli_refuses_bad_settings_and_unwritable_output(tmp_path):
     image = str(IMAGES / "png_rgb_1x1.png")
     code, lines = _cli("--checkpoint", str(tmp_path), "--image", image, "--output", str(tmp_path / "o.npz"))
     assert code == 2 and len(lines) == 1 and f"{tmp_path / PREPROCESSOR_CONFIG}: image_std must be finite" in lines[0]
+    code, lines = _cli("--checkpoint", str(IMAGES), "--image", image, "--output", "o.npz", "--max-pixels", "0")
+    assert code == 2 and lines == ["error: max_pixels must be a positive number of pixels, got 0"]
     output = str(Path(tmp_path / "no" / "dir" / "o.npz"))
     code, lines = _cli("--checkpoint", str(IMAGES), "--image", image, "--output", output)
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: cannot write")
