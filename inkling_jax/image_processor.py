@@ -94,7 +94,8 @@ class ImageProcessorSettings:
 
     @classmethod
     def from_dict(cls, fields: Mapping[str, Any], max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageProcessorSettings:
-        """Settings from a transformers image processor config; ConfigError names a field holding a bad value."""
+        """Settings from a transformers image processor config; ConfigError names a field holding a bad value (null
+        included: transformers reads it as false or fails, never as the default)."""
         unused = sorted(set(fields) - set(_FIELDS))
         if unused:
             logger.debug("image processor fields not used: %s", ", ".join(unused))
@@ -344,15 +345,18 @@ def _per_channel(value: Any, name: str) -> tuple[float, float, float]:
 
 
 def _tile_size(value: Any) -> tuple[int, int]:
-    """(height, width) from transformers' `size`: {"height": h, "width": w}, or one integer for a square."""
+    """(height, width) from transformers' `size`: {"height": h, "width": w}, [h, w], or one integer for a square."""
     if isinstance(value, dict):
-        height, width = value.get("height"), value.get("width")
+        sides = value.get("height"), value.get("width")
+    elif isinstance(value, list | tuple) and len(value) == 2:
+        sides = tuple(value)
     else:
-        height = width = value
-    for side in (height, width):
-        if isinstance(side, bool) or not isinstance(side, int) or side < 1:
-            raise ConfigError(f"size must be a positive integer or {{'height': h, 'width': w}} of them, got {value!r}")
-    return height, width
+        sides = value, value
+    if not all(isinstance(side, int) and not isinstance(side, bool) and side > 0 for side in sides):
+        raise ConfigError(
+            f"size must be {{'height': h, 'width': w}}, [h, w] or one integer, all positive, got {value!r}"
+        )
+    return sides
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,12 +129,14 @@ def test_one_number_serves_all_channels():
     settings = ImageProcessorSettings.from_dict({"image_mean": 0.25, "image_std": [2]})
     assert settings.image_mean == (0.25,) * 3 and settings.image_std == (2.0,) * 3
     assert ImageProcessorSettings.from_dict({"size": 32}).tile_width == 32
+    assert ImageProcessorSettings.from_dict({"size": [32, 48]}).tile_width == 48
 
 
 @pytest.mark.parametrize(
     ("fields", "fragment"),
     [
         ({"do_rescale": "yes"}, "do_rescale must be true or false, got 'yes'"),
+        ({"do_normalize": None}, "do_normalize must be true or false, got None"),
         ({"do_convert_rgb": False}, "do_convert_rgb: false is not supported"),
         ({"rescale_factor": 0}, "rescale_factor must be positive and finite, got 0.0"),
         ({"rescale_factor": "1/255"}, "rescale_factor must be a number"),
@@ -142,8 +144,9 @@ def test_one_number_serves_all_channels():
         ({"image_std": [0.5, 0, 0.5]}, "image_std must be finite and nonzero, got [0.5, 0.0, 0.5]"),
         ({"image_mean": [0.5, float("nan"), 0.5]}, "image_mean must be finite"),
         ({"image_std": [0.5, None, 0.5]}, "image_std must be a number, got None"),
-        ({"size": {"height": 0, "width": 40}}, "size must be a positive integer"),
-        ({"size": {"shortest_edge": 40}}, "size must be a positive integer"),
+        ({"size": {"height": 0, "width": 40}}, "size must be {'height': h, 'width': w}, [h, w] or one integer"),
+        ({"size": {"shortest_edge": 40}}, "all positive, got {'shortest_edge': 40}"),
+        ({"size": [40, 40, 3]}, "all positive, got [40, 40, 3]"),
     ],
 )
 def test_bad_settings_name_the_field(fields, fragment):
