@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from paths import IMAGES, REPO
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, WebPImagePlugin
 
 from inkling_jax.config import ConfigError
 from inkling_jax.image_processor import (
@@ -70,7 +70,8 @@ def no_decoding(monkeypatch):
     def refuse(self):
         raise AssertionError("pixels were decoded")
 
-    monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
+    for decoder in (ImageFile.ImageFile, WebPImagePlugin.WebPImageFile):  # WebP decodes in a load of its own
+        monkeypatch.setattr(decoder, "load", refuse)
 
 
 @pytest.mark.parametrize("name", sorted(META["files"]))
