@@ -86,15 +86,14 @@ def alpha(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     return values
 
 
-def encoded(image: Image.Image, fmt: str, **options) -> bytes:
+def encoded(image: Image.Image, fmt: str, **options: object) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, fmt, **options)
     return buffer.getvalue()
 
 
-def palette_image(
-    rng: np.random.Generator, height: int, width: int, colours: int
-) -> Callable[[np.random.Generator], Image.Image]:
+def palette_image(rng: np.random.Generator, height: int, width: int, colours: int) -> Image.Image:
+    """A P-mode image of `colours` random palette entries laid out smoothly."""
     indices = (smooth(rng, height, width, 1)[..., 0].astype(np.int32) * colours // 256).astype(np.uint8)
     image = Image.fromarray(indices, "P")
     image.putpalette(rng.integers(0, 256, colours * 3, dtype=np.uint8).tobytes())
