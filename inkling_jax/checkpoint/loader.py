@@ -90,13 +90,19 @@ def checkpoint_parameters(
     formats = expert_formats if expert_formats is not None else [None] * config.text.num_hidden_layers
     _, state = nnx.split(abstract_causal_lm(config, dtype, formats))
     variables = parameter_paths(state)
-    return layer_parameters(variables, stacked_rows(config.text, formats, list(variables)))
+    return layer_parameters(variables, stacked_rows(config.text, formats, list(variables), tower_layers(config)))
+
+
+def tower_layers(config: ModelConfig) -> int:
+    """The image tower's depth (0: no tower), for `stacked_rows`."""
+    return 0 if config.vision is None else config.vision.num_hidden_layers
 
 
 def named_parameters(model: CausalLM) -> dict[str, jax.Array]:
     """A model's parameters as checkpoints name them (rows of stacked layers under their layers' names)."""
     variables = parameter_paths(nnx.state(model))
-    rows = stacked_rows(model.config, model.model.expert_formats(), list(variables))
+    depth = 0 if model.vision_tower is None else model.vision_tower.config.num_hidden_layers
+    rows = stacked_rows(model.config, model.model.expert_formats(), list(variables), depth)
     named = {path: variable[...] for path, variable in variables.items() if path not in rows}
     for path, by_row in rows.items():
         named |= {name: variables[path][...][row] for row, name in by_row.items() if name is not None}
@@ -289,7 +295,7 @@ def load_causal_lm(
     abstract = abstract_causal_lm(config, dtype, formats)
     graphdef, state = nnx.split(abstract)
     variables = parameter_paths(state)
-    rows = stacked_rows(config.text, formats, list(variables))
+    rows = stacked_rows(config.text, formats, list(variables), tower_layers(config))
     named = layer_parameters(variables, rows)
     shardings = parameter_paths(parameter_shardings(abstract, mesh)) if mesh is not None else {}
     plan = _plan(checkpoint, files, layout, groups, formats, named)

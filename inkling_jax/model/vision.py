@@ -15,7 +15,9 @@ Input: `pixel_values` [tiles, M*P, M*P, C] (M = spatial_merge_size, P = patch_si
 - no final norm: the class token is dropped and each tile's M*M patch states (row-major) are concatenated and
   projected to the text width by linear_1 -> GELU -> linear_2.
 
-Parameter names follow transformers' `Inkling2VisionModel` (`inkling_jax.checkpoint.names` maps both layouts).
+Parameter names follow transformers' `Inkling2VisionModel` (`inkling_jax.checkpoint.names` maps both layouts); the
+layers' are stacked (`layers.*` [layers, ...], rows named `layers.{i}.*` in checkpoints: `stack.stacked_rows`) and
+run as one `lax.scan`, so compile time does not grow with depth.
 Matmuls accumulate in fp32 and round to the activation dtype (the parameters'); LayerNorm, RoPE, the softmax and
 the position table's resampling compute in fp32, as the reference does.
 
@@ -26,6 +28,7 @@ features skip `embed_norm`) of the placeholder tokens, which take ordinary posit
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -35,6 +38,7 @@ from flax import nnx
 
 from inkling_jax.config import VisionConfig
 from inkling_jax.model.params import normal, ones, param, zeros
+from inkling_jax.model.stack import stacked
 from pallas_kernels.numerics import einsum, round_to, softmax, total
 
 
@@ -266,7 +270,10 @@ class VisionModel(nnx.Module):
         self.config = dataclasses.replace(config, rope_parameters=None)  # hashable, as static attributes must be
         self.embeddings = VisionEmbeddings(rngs, config, dtype)
         self.pre_layernorm = LayerNorm(rngs, config.hidden_size, config.layer_norm_eps, dtype)
-        self.layers = nnx.List([VisionLayer(rngs, config, dtype) for _ in range(config.num_hidden_layers)])
+        # the layers' parameters stacked on a leading [layers] axis, stepped through by one scan
+        self.layers = stacked(
+            functools.partial(VisionLayer, config=config, dtype=dtype), rngs, config.num_hidden_layers
+        )
         self.merger = VisionMerger(rngs, config, dtype)
 
     def __call__(self, pixel_values: jax.Array, image_grid_thw: jax.Array) -> jax.Array:
@@ -283,8 +290,12 @@ class VisionModel(nnx.Module):
         layout = image_layout(image_grid_thw, patches.shape[0], merge, config.posemb_grid_size)
         x = self.pre_layernorm(self.embeddings(patches, layout))
         cos, sin = axial_rope(layout.positions, config.hidden_size // config.num_attention_heads, self.rope_theta)
-        for layer in self.layers:
-            x = layer(x, layout, cos, sin)
+        graphdef, params = nnx.split(self.layers)
+
+        def layer(x: jax.Array, params: nnx.State) -> tuple[jax.Array, None]:
+            return nnx.merge(graphdef, params)(x, layout, cos, sin), None
+
+        x, _ = jax.lax.scan(layer, x, params)
         merged = x[layout.patch_index].reshape(tiles, merge * merge * config.hidden_size)
         return self.merger(merged)
 

@@ -14,7 +14,7 @@ from paths import PARITY, TINY_CONFIG
 
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
 from inkling_jax.checkpoint.dummy import dummy_model
-from inkling_jax.checkpoint.loader import parameter_paths
+from inkling_jax.checkpoint.loader import named_parameters
 from inkling_jax.checkpoint.safetensors_io import CheckpointFiles, write_safetensors
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import load_config
@@ -207,8 +207,9 @@ def synthetic(tmp_path_factory) -> dict[str, Path]:
     return {layout: write_checkpoint(config, root / layout, layout=layout, experts="fp32") for layout in layouts}
 
 
-def _vision_params(model: nnx.Module) -> dict[str, nnx.Variable]:
-    return {k: v for k, v in parameter_paths(nnx.state(model)).items() if k.startswith("vision_tower.")}
+def _vision_params(model: nnx.Module) -> dict[str, jax.Array]:
+    """The tower's parameters as checkpoints name them (a layer's rows by `vision_tower.layers.{i}.…`)."""
+    return {name: value for name, value in named_parameters(model).items() if name.startswith("vision_tower.")}
 
 
 def test_synthetic_tower_loads_alike_from_both_layouts(synthetic):
@@ -220,8 +221,8 @@ def test_synthetic_tower_loads_alike_from_both_layouts(synthetic):
     assert len(got) == 4 + 2 + 2 * 18 + 2  # embeddings, pre-LN, 2 layers, merger
     assert got.keys() == want.keys()
     for path, variable in got.items():
-        np.testing.assert_array_equal(np.asarray(variable[...]), np.asarray(want[path][...]), err_msg=path)
-    scales = np.asarray(got["vision_tower.layers.0.lambda_1"][...])
+        np.testing.assert_array_equal(np.asarray(variable), np.asarray(want[path]), err_msg=path)
+    scales = np.asarray(got["vision_tower.layers.0.lambda_1"])
     assert ((scales > 0.05) & (scales < 0.3)).all()
 
 
@@ -244,10 +245,10 @@ def test_sharded_tower_matches_unsharded(mesh_spec, synthetic):
     _, whole = load_causal_lm(checkpoint, jnp.float32)
     mesh = make_mesh(mesh_spec, load_config(checkpoint).text)
     _, sharded = load_causal_lm(checkpoint, jnp.float32, mesh)
-    layer = sharded.vision_tower.layers[0]
-    assert layer.self_attn.q_proj.weight[...].sharding.spec[0] == (MODEL if mesh_spec == "tp2" else None)
-    assert layer.mlp.fc1.weight[...].sharding.spec[0] == MODEL
-    assert layer.mlp.fc2.weight[...].sharding.spec[1] == MODEL
+    layers = sharded.vision_tower.layers  # stacked: [layers, out, in]
+    assert layers.self_attn.q_proj.weight[...].sharding.spec[1] == (MODEL if mesh_spec == "tp2" else None)
+    assert layers.mlp.fc1.weight[...].sharding.spec[1] == MODEL
+    assert layers.mlp.fc2.weight[...].sharding.spec[2] == MODEL
     ids, pixels, grid = _random_images(whole)
     want_features = np.asarray(image_features_fn(whole)(pixels, grid))
     with jax.set_mesh(mesh):
@@ -267,8 +268,8 @@ def test_dummy_model_builds_the_tower_in_its_shards(synthetic):
     assert built.keys() == expected.keys()
     for path, variable in built.items():
         assert (variable.shape, variable.dtype) == (expected[path].shape, expected[path].dtype), path
-    fc1 = built["vision_tower.layers.1.mlp.fc1.weight"][...]
-    assert fc1.sharding.spec[0] == MODEL
+    assert len(built) == 44
+    assert model.vision_tower.layers.mlp.fc1.weight[...].sharding.spec[1] == MODEL
     ids, pixels, grid = _random_images(model)
     with jax.set_mesh(mesh):
         assert np.isfinite(np.asarray(multimodal_logits(model, ids, pixels, grid))).all()
@@ -284,4 +285,4 @@ def test_orbax_round_trips_the_tower(synthetic, tmp_path):
     got, want = _vision_params(restored), _vision_params(model)
     assert got.keys() == want.keys()
     for path, variable in got.items():
-        np.testing.assert_array_equal(np.asarray(variable[...]), np.asarray(want[path][...]), err_msg=path)
+        np.testing.assert_array_equal(np.asarray(variable), np.asarray(want[path]), err_msg=path)
