@@ -5,7 +5,9 @@ conv; the residual restarts at block boundaries (the layer input becomes a block
 attention residual -> norm -> MoE -> static short conv. After the last layer a final block attention
 residual, RMSNorm, the unembedding, a logit softcap and the slice to the real vocabulary. A checkpoint
 with a DSpark draft adds it as `CausalLM.dspark` (`inkling_jax.model.draft`); it reads the target's
-layer outputs (`TextModel(..., capture=...)`) and shares its embedding and LM head.
+layer outputs (`TextModel(..., capture=...)`) and shares its embedding and LM head. An `inkling2` checkpoint's image
+tower is `CausalLM.vision_tower` (`inkling_jax.model.vision`); its features enter in place of the image
+placeholders' embeddings (`CausalLM.embed`).
 
 The layers run as scans over attention-residual blocks (`inkling_jax.model.stack`): consecutive blocks whose
 layers match place by place (attention kind, expert format) form a segment, whose parameters are stacked on a

@@ -17,7 +17,7 @@ from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.checkpoint.loader import named_parameters
 from inkling_jax.checkpoint.safetensors_io import CheckpointFiles, write_safetensors
 from inkling_jax.checkpoint.synthetic import write_checkpoint
-from inkling_jax.config import load_config
+from inkling_jax.config import ConfigError, load_config, parse_config
 from inkling_jax.forward import image_features_fn, multimodal_logits
 from inkling_jax.model.vision import ImageInputError
 from inkling_jax.sharding import MODEL, make_mesh
@@ -136,6 +136,15 @@ def test_images_that_do_not_fit_are_refused(change, message, images, models):
     pixels, grid = change(pixels, grid)
     with pytest.raises(ImageInputError, match=message):
         multimodal_logits(models["hf"], ids, pixels, grid)
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [({"rope_type": "default"}, "rope_type must be 'axial'"), ({"rope_theta": -1.0}, "rope_theta must be positive")],
+)
+def test_rope_other_than_axial_is_refused(rope, message):
+    with pytest.raises(ConfigError, match=f"vision_config.rope_parameters.{message}"):
+        parse_config({"model_type": "inkling2", "vision_config": {"rope_parameters": rope}})
 
 
 def test_a_text_only_model_refuses_images(images):
