@@ -316,6 +316,16 @@ def _validate_vision(vision: VisionConfig, section: str) -> VisionConfig:
             f"config field {_field(section, 'num_attention_heads')} ({vision.num_attention_heads}) must divide "
             f"{_field(section, 'hidden_size')} ({vision.hidden_size})"
         )
+    rope = vision.rope_parameters or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(
+            f"config field {_field(section, 'rope_parameters')}.rope_type must be 'axial', got {rope['rope_type']!r}"
+        )
+    theta = rope.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+        raise ConfigError(
+            f"config field {_field(section, 'rope_parameters')}.rope_theta must be positive, got {theta!r}"
+        )
     if vision.intermediate_size is None:
         vision = dataclasses.replace(vision, intermediate_size=int(vision.hidden_size * vision.mlp_ratio))
     return vision

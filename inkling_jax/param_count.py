@@ -1,9 +1,8 @@
 """Parameter counts of an Inkling 2 config, from shapes alone (nothing is allocated).
 
-The text stack (with the DSpark draft when the config has one) is counted from `jax.eval_shape` of
-`CausalLM`; the image tower (not modelled in JAX yet) from the tensor shapes transformers'
-`Inkling2VisionModel` declares for the config. `parameter_bytes` is what the text stack and draft hold on a
-device in bf16, the routed experts in the formats the config's `quantization_config` states.
+The text stack (with the DSpark draft when the config has one) and the image tower are counted from
+`jax.eval_shape` of `CausalLM`. `parameter_bytes` is what the whole model holds on a device in bf16, the routed
+experts in the formats the config's `quantization_config` states.
 """
 
 from __future__ import annotations
@@ -15,9 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.checkpoint.loader import abstract_causal_lm, checkpoint_parameters, parameter_paths
+from inkling_jax.checkpoint.names import is_vision_path
 from inkling_jax.checkpoint.quantized import configured_expert_formats
 from inkling_jax.cli import argument_parser
-from inkling_jax.config import ModelConfig, VisionConfig, load_config
+from inkling_jax.config import ModelConfig, load_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,23 +43,14 @@ class ParameterCounts:
         return self.active_per_token - self.embedding
 
 
-def vision_parameters(vision: VisionConfig) -> int:
-    """Parameters of the ViT tower and its projector, from its config."""
-    width, inner, merged = vision.hidden_size, vision.intermediate_size, vision.spatial_merge_size**2
-    bias = vision.projection_hidden_dim + vision.text_hidden_size if vision.projector_bias else 0
-    embeddings = vision.num_channels * vision.patch_size**2 * width + vision.posemb_grid_size**2 * width + 2 * width
-    layer = 4 * (width * width + width) + 2 * width * inner + inner + width + 4 * width + 2 * width
-    projector = merged * width * vision.projection_hidden_dim + vision.projection_hidden_dim * vision.text_hidden_size
-    return embeddings + 2 * width + vision.num_hidden_layers * layer + projector + bias
-
-
 def count_parameters(config: ModelConfig) -> ParameterCounts:
     sizes = {path: math.prod(var.shape) for path, var in checkpoint_parameters(config, jnp.bfloat16).items()}
     routed = sum(size for path, size in sizes.items() if ".mlp.experts." in path)
+    vision = sum(size for path, size in sizes.items() if is_vision_path(path))
     text = config.text
     return ParameterCounts(
-        text=sum(sizes.values()),
-        vision=vision_parameters(config.vision) if config.vision is not None else 0,
+        text=sum(sizes.values()) - vision,
+        vision=vision,
         routed_experts=routed,
         active_experts=routed * text.num_experts_per_tok // text.n_routed_experts,
         embedding=sizes["model.embed_tokens.weight"],
@@ -67,7 +58,8 @@ def count_parameters(config: ModelConfig) -> ParameterCounts:
 
 
 def parameter_bytes(config: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) -> int:
-    """Bytes of the text stack's and draft's parameters in `dtype`, experts as the config stores them."""
+    """Bytes of the model's parameters (text stack, draft, image tower) in `dtype`, experts as the config stores
+    them."""
     formats = configured_expert_formats("config", config.quantization, config.text.num_hidden_layers)
     _, state = nnx.split(abstract_causal_lm(config, dtype, formats))
     return sum(math.prod(var.shape) * var.dtype.itemsize for var in parameter_paths(state).values())

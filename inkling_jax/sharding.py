@@ -3,7 +3,9 @@
 Tensor and expert parallelism share the `model` axis: query heads, experts and the vocabulary split
 across it; KV heads split too while tp divides them; beyond, the K/V projections are replicated and
 each device's cache keeps only the KV head its query heads read; norms, block-residual queries, the
-router and the residual stream are replicated. Data-parallel replicas on `data` each own a share of the
+router and the residual stream are replicated. The image tower splits like the text model where tp divides its
+sizes: attention heads, MLP width and the projector's hidden width on `model` (each replicated otherwise),
+the rest replicated. Data-parallel replicas on `data` each own a share of the
 decode state's slots and pages. Parameters say which logical axes they have (`inkling_jax.model.params`); these rules
 map them onto the mesh.
 """
@@ -20,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.cache import DecodeState, KVCache, kv_split
-from inkling_jax.config import TextConfig
+from inkling_jax.config import TextConfig, VisionConfig
 from inkling_jax.model.params import logical_axes
 
 DATA, MODEL = "data", "model"
@@ -63,9 +65,9 @@ def make_mesh(spec: str, text: TextConfig, devices: Sequence[jax.Device] | None 
     return Mesh(np.asarray(devices[: dp * tp]).reshape(dp, tp), (DATA, MODEL))
 
 
-def logical_rules(text: TextConfig, tp: int) -> dict[str, str | None]:
-    """Logical axis -> mesh axis."""
-    return {
+def logical_rules(text: TextConfig, tp: int, vision: VisionConfig | None = None) -> dict[str, str | None]:
+    """Logical axis -> mesh axis (with `vision`, the image tower's axes too)."""
+    rules = {
         "heads": MODEL,
         "kv_heads": MODEL if kv_split(text, tp) else None,
         "experts": MODEL,
@@ -73,12 +75,20 @@ def logical_rules(text: TextConfig, tp: int) -> dict[str, str | None]:
         "embed": None,
         "expert_mlp": None,
     }
+    if vision is not None:
+        sizes = {
+            "vision_heads": vision.num_attention_heads,
+            "vision_mlp": vision.intermediate_size,
+            "vision_proj": vision.projection_hidden_dim,
+        }
+        rules |= {axis: MODEL if size % tp == 0 else None for axis, size in sizes.items()}
+    return rules
 
 
 def parameter_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
     """A NamedSharding for every parameter of `model`, from its logical axes."""
-    text = model.config
-    rules = logical_rules(text, mesh.shape[MODEL])
+    vision = None if getattr(model, "vision_tower", None) is None else model.vision_tower.config
+    rules = logical_rules(model.config, mesh.shape[MODEL], vision)
 
     def sharding(variable: nnx.Variable) -> NamedSharding:
         spec = PartitionSpec(*(rules.get(axis) if axis else None for axis in logical_axes(variable)))

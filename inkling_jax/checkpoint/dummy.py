@@ -3,8 +3,9 @@
 Nothing is read but the config: every parameter is initialised under `jax.jit` straight into the shards
 `inkling_jax.sharding.parameter_shardings` gives it, so a model of any size builds at device speed with no
 host copy. The routed experts take the formats the config's `quantization_config` states (plain, MXFP8,
-NVFP4, or mixed per layer, as the checkpoint would hold them), and the DSpark draft is built when the config
-has a `dspark_config`. For measuring and testing the serving paths at full size: the output is noise.
+NVFP4, or mixed per layer, as the checkpoint would hold them), the DSpark draft is built when the config
+has a `dspark_config` and the image tower when it has a `vision_config`. For measuring and testing the serving
+paths at full size: the output is noise.
 
 A build is compile-bound, so it runs as small programs that repeat (`plan_build`): one per layer signature
 (`inkling_jax.model.stack.layer_signature`: every layer of a signature, in any segment, is made by the same
@@ -164,9 +165,11 @@ def plan_build(config: ModelConfig, dtype: jnp.dtype, mesh: Mesh, expert_formats
     A layer program makes one layer of a signature (`layer_signature`) with a leading block axis of one, from the
     seed and the layer's id; a stacked position of several blocks concatenates its layers' with a stack program
     (one per signature and depth). The draft's layers (ids past the layers') share a program, and a model of no
-    layers with a draft of no layers holds the other parameters (id: the layer count)."""
+    layers with a draft of no layers holds the other parameters, the image tower's included (id: the layer
+    count)."""
     text, draft = config.text, config.draft
-    abstract = nnx.eval_shape(lambda: CausalLM(text, dtype, nnx.Rngs(0), expert_formats, draft))
+    vision, image_token_id = config.vision, config.image_token_id
+    abstract = nnx.eval_shape(lambda: CausalLM(text, dtype, nnx.Rngs(0), expert_formats, draft, vision, image_token_id))
     graphdef, state = nnx.split(abstract)
     shardings = parameter_shardings(abstract, mesh)
     programs: dict[tuple, jax.stages.Lowered] = {}
@@ -189,7 +192,7 @@ def plan_build(config: ModelConfig, dtype: jnp.dtype, mesh: Mesh, expert_formats
     outside_draft = None if draft is None else dataclasses.replace(draft, num_hidden_layers=0)
 
     def make_outside(rngs: nnx.Rngs) -> CausalLM:
-        return CausalLM(outside, dtype, rngs, [], outside_draft)
+        return CausalLM(outside, dtype, rngs, [], outside_draft, vision, image_token_id)
 
     add(("outside",), make_outside, parameter_shardings(nnx.eval_shape(make_outside, nnx.Rngs(0)), mesh))
     parts.append(Part((), ("outside",), (text.num_hidden_layers,)))

@@ -6,7 +6,9 @@ tensor data is read; global scales are checked as they are read, and every other
 placed (`finite`: NaN or Inf in any weight or scale is refused, naming each tensor that holds one), before
 the model is returned. Given a mesh, each parameter is built straight into its shards from the slices this
 process's devices own. A checkpoint whose config has a `dspark_config` loads its DSpark draft (`dspark.*`
-tensors) the same way, into `CausalLM.dspark`; `dspark.*` tensors without the config are an error. A load
+tensors) the same way, into `CausalLM.dspark`; `dspark.*` tensors without the config are an error. An `inkling2`
+config's image tower (`model.visual.*` or `model.vision_tower.*`, never quantized) loads into `CausalLM.vision_tower`
+in the model's dtype and sharded like the rest; a missing tower tensor is named as the layout would store it. A load
 reports its progress (`progress`): tensors and bytes placed, the rate and the time left.
 """
 
@@ -37,7 +39,9 @@ from inkling_jax.checkpoint.names import (
     is_draft,
     is_ignored,
     is_vision,
+    is_vision_path,
     text_parameter,
+    vision_checkpoint_name,
 )
 from inkling_jax.checkpoint.progress import Progress
 from inkling_jax.checkpoint.quantized import (
@@ -72,7 +76,11 @@ def abstract_causal_lm(
 ) -> CausalLM:
     """The model's structure (with the draft when the config has one), shapes and dtypes only; nothing
     allocated."""
-    return nnx.eval_shape(lambda: CausalLM(config.text, dtype, nnx.Rngs(0), expert_formats, config.draft))
+    return nnx.eval_shape(
+        lambda: CausalLM(
+            config.text, dtype, nnx.Rngs(0), expert_formats, config.draft, config.vision, config.image_token_id
+        )
+    )
 
 
 def checkpoint_parameters(
@@ -82,13 +90,19 @@ def checkpoint_parameters(
     formats = expert_formats if expert_formats is not None else [None] * config.text.num_hidden_layers
     _, state = nnx.split(abstract_causal_lm(config, dtype, formats))
     variables = parameter_paths(state)
-    return layer_parameters(variables, stacked_rows(config.text, formats, list(variables)))
+    return layer_parameters(variables, stacked_rows(config.text, formats, list(variables), tower_layers(config)))
+
+
+def tower_layers(config: ModelConfig) -> int:
+    """The image tower's depth (0: no tower), for `stacked_rows`."""
+    return 0 if config.vision is None else config.vision.num_hidden_layers
 
 
 def named_parameters(model: CausalLM) -> dict[str, jax.Array]:
     """A model's parameters as checkpoints name them (rows of stacked layers under their layers' names)."""
     variables = parameter_paths(nnx.state(model))
-    rows = stacked_rows(model.config, model.model.expert_formats(), list(variables))
+    depth = 0 if model.vision_tower is None else model.vision_tower.config.num_hidden_layers
+    rows = stacked_rows(model.config, model.model.expert_formats(), list(variables), depth)
     named = {path: variable[...] for path, variable in variables.items() if path not in rows}
     for path, by_row in rows.items():
         named |= {name: variables[path][...][row] for row, name in by_row.items() if name is not None}
@@ -113,9 +127,13 @@ def _group(checkpoint: Path, files: CheckpointFiles, config: ModelConfig) -> tup
     groups: dict[str, dict] = {}
     skipped = []
     for name in files.names():
-        if (config.vision is not None and is_vision(name)) or is_ignored(name):
+        if is_ignored(name):
             skipped.append(name)
             continue
+        if is_vision(name) and config.vision is None:
+            raise CheckpointError(
+                f"{checkpoint}: tensor {name!r} belongs to an image tower, but config.json has no vision_config"
+            )
         if is_draft(name) and config.draft is None:
             raise CheckpointError(
                 f"{checkpoint}: tensor {name!r} belongs to a DSpark draft, but config.json has no dspark_config"
@@ -132,7 +150,7 @@ def _group(checkpoint: Path, files: CheckpointFiles, config: ModelConfig) -> tup
             )
         group[mapped.role] = (name, mapped.transform)
     if skipped:
-        logger.info("not loaded by the text model: %s", ", ".join(skipped[:4]) + ("..." if len(skipped) > 4 else ""))
+        logger.info("not loaded: %s", ", ".join(skipped[:4]) + ("..." if len(skipped) > 4 else ""))
     return layout, groups
 
 
@@ -183,7 +201,9 @@ def _plan(
                         f"{checkpoint}: tensor {name!r} has dtype {entry.dtype}, expected float32/bfloat16/float16"
                     )
             plan[path] = Tensor(name, role, format, transform)
-    missing = sorted(set(expected) - set(plan))
+    missing = sorted(
+        vision_checkpoint_name(path, layout) if is_vision_path(path) else path for path in set(expected) - set(plan)
+    )
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"{checkpoint}: missing tensors for {shown} ({layout} layout)")
@@ -275,7 +295,7 @@ def load_causal_lm(
     abstract = abstract_causal_lm(config, dtype, formats)
     graphdef, state = nnx.split(abstract)
     variables = parameter_paths(state)
-    rows = stacked_rows(config.text, formats, list(variables))
+    rows = stacked_rows(config.text, formats, list(variables), tower_layers(config))
     named = layer_parameters(variables, rows)
     shardings = parameter_paths(parameter_shardings(abstract, mesh)) if mesh is not None else {}
     plan = _plan(checkpoint, files, layout, groups, formats, named)

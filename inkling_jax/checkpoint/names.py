@@ -5,8 +5,9 @@ Our parameter paths are transformers' `Inkling2ForCausalLM` names. Layouts:
   and up rows interleaved, `attn_res.attn_queries.{i}` belonging to layer i + 1, ...
 - "transformers": `model.*` + `lm_head.weight` (Inkling2ForCausalLM) or `model.language_model.*` +
   `model.vision_tower.*` + `lm_head.weight` (Inkling2ForConditionalGeneration).
-Vision-tower tensors are recognised and left to the image tower; `k_l2_clip` tensors are ignored, as
-transformers ignores them.
+The image tower's tensors (`model.visual.*` in the original layout, `model.vision_tower.*` in transformers')
+fill `vision_tower.*`, named as transformers' `Inkling2VisionModel` names them; `k_l2_clip` tensors are ignored,
+as transformers ignores them.
 
 The DSpark draft's tensors are `dspark.*` in every layout, named after DeepSpec's DSpark modules; each is
 the parameter of the same path (`CausalLM.dspark`). With m = len(target_layer_ids), d the hidden size,
@@ -47,6 +48,7 @@ import numpy as np
 ORIGINAL = "original"
 TRANSFORMERS = "transformers"
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.")
+VISION_PATH = "vision_tower."  # where the tower's parameters sit in `CausalLM`
 DRAFT_PREFIX = "dspark."
 
 Index = tuple[slice, ...]
@@ -154,6 +156,66 @@ def _original_to_transformers(name: str) -> str | None:
     return None
 
 
+# The image tower: original name -> transformers name inside `model.vision_tower.` (regex, template), and back.
+_ORIGINAL_VISION = (
+    (r"backbone\.embeddings\.position_embedding", "embeddings.position_embedding.weight"),
+    (r"backbone\.embeddings\.(patch_embedding\.weight|class_embedding|cls_position_embedding)", r"embeddings.\1"),
+    (r"backbone\.ln_pre\.(weight|bias)", r"pre_layernorm.\1"),
+    (r"backbone\.layers\.(\d+)\.ln_1\.(weight|bias)", r"layers.\1.layernorm_before.\2"),
+    (r"backbone\.layers\.(\d+)\.ln_2\.(weight|bias)", r"layers.\1.layernorm_after.\2"),
+    (r"backbone\.layers\.(\d+)\.mlp\.c_fc\.(weight|bias)", r"layers.\1.mlp.fc1.\2"),
+    (r"backbone\.layers\.(\d+)\.mlp\.c_proj\.(weight|bias)", r"layers.\1.mlp.fc2.\2"),
+    (r"backbone\.layers\.(\d+)\.ls_1\.gamma", r"layers.\1.lambda_1"),
+    (r"backbone\.layers\.(\d+)\.ls_2\.gamma", r"layers.\1.lambda_2"),
+    (r"backbone\.layers\.(\d+)\.self_attn\.((?:q|k|v|out)_proj\.(?:weight|bias))", r"layers.\1.self_attn.\2"),
+    (r"proj_in\.(weight|bias)", r"merger.linear_1.\1"),
+    (r"proj_out\.(weight|bias)", r"merger.linear_2.\1"),
+)
+_TRANSFORMERS_VISION = (
+    (r"embeddings\.position_embedding\.weight", "backbone.embeddings.position_embedding"),
+    (r"embeddings\.(patch_embedding\.weight|class_embedding|cls_position_embedding)", r"backbone.embeddings.\1"),
+    (r"pre_layernorm\.(weight|bias)", r"backbone.ln_pre.\1"),
+    (r"layers\.(\d+)\.layernorm_before\.(weight|bias)", r"backbone.layers.\1.ln_1.\2"),
+    (r"layers\.(\d+)\.layernorm_after\.(weight|bias)", r"backbone.layers.\1.ln_2.\2"),
+    (r"layers\.(\d+)\.mlp\.fc1\.(weight|bias)", r"backbone.layers.\1.mlp.c_fc.\2"),
+    (r"layers\.(\d+)\.mlp\.fc2\.(weight|bias)", r"backbone.layers.\1.mlp.c_proj.\2"),
+    (r"layers\.(\d+)\.lambda_1", r"backbone.layers.\1.ls_1.gamma"),
+    (r"layers\.(\d+)\.lambda_2", r"backbone.layers.\1.ls_2.gamma"),
+    (r"layers\.(\d+)\.self_attn\.((?:q|k|v|out)_proj\.(?:weight|bias))", r"backbone.layers.\1.self_attn.\2"),
+    (r"merger\.linear_1\.(weight|bias)", r"proj_in.\1"),
+    (r"merger\.linear_2\.(weight|bias)", r"proj_out.\1"),
+)
+
+
+def _renamed(rules: tuple[tuple[str, str], ...], name: str) -> str | None:
+    for pattern, template in rules:
+        if m := re.fullmatch(pattern, name):
+            return m.expand(template)
+    return None
+
+
+def vision_path(name: str, layout: str) -> str | None:
+    """Our parameter path (`vision_tower.*`) of an image-tower tensor, or None if the name is no tower tensor."""
+    if layout == ORIGINAL and name.startswith("model.visual."):
+        inner = _renamed(_ORIGINAL_VISION, name.removeprefix("model.visual."))
+    elif layout == TRANSFORMERS and name.startswith("model.vision_tower."):
+        inner = name.removeprefix("model.vision_tower.")
+    else:
+        inner = None
+    return None if inner is None else VISION_PATH + inner
+
+
+def vision_checkpoint_name(path: str, layout: str) -> str:
+    """The checkpoint name, in `layout`, of one of the tower's parameter paths (`vision_tower.*`)."""
+    inner = path.removeprefix(VISION_PATH)
+    if layout == TRANSFORMERS:
+        return "model.vision_tower." + inner
+    original = _renamed(_TRANSFORMERS_VISION, inner)
+    if original is None:
+        raise KeyError(path)
+    return "model.visual." + original
+
+
 _TRANSFORMERS_LAYER = {target: source for source, target in _ORIGINAL_LAYER.items()}
 _TRANSFORMERS_TOP = {target: source for source, target in _ORIGINAL_TOP.items()}
 
@@ -162,6 +224,8 @@ def original_name(path: str) -> str:
     """The original-layout checkpoint name of one of our parameter paths (plain weights)."""
     if is_draft(path):
         return path
+    if path.startswith(VISION_PATH):
+        return vision_checkpoint_name(path, ORIGINAL)
     if path in _TRANSFORMERS_TOP:
         return _TRANSFORMERS_TOP[path]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", path)
@@ -190,6 +254,11 @@ def is_vision(name: str) -> bool:
     return name.startswith(VISION_PREFIXES)
 
 
+def is_vision_path(path: str) -> bool:
+    """One of our parameter paths in the image tower."""
+    return path.startswith(VISION_PATH)
+
+
 def is_draft(name: str) -> bool:
     """A DSpark draft tensor (the same name in every layout)."""
     return name.startswith(DRAFT_PREFIX)
@@ -210,13 +279,16 @@ class Mapped(NamedTuple):
 
 
 def text_parameter(name: str, layout: str) -> Mapped | None:
-    """Where a checkpoint tensor goes, or None if it is no text-model (or draft) tensor.
+    """Where a checkpoint tensor goes, or None if it is no text-model, draft or image-tower tensor.
 
     Plain weights have role DATA and target our parameter path; a quantized expert weight's tensors
     (data, scales, global scale) share the target of the weight they make up.
     """
     if is_draft(name):
         return Mapped(name, DATA, IDENTITY)
+    if is_vision(name):
+        path = vision_path(name, layout)
+        return None if path is None else Mapped(path, DATA, IDENTITY)
     if _ACTIVATION_SCALE.fullmatch(name):
         return Mapped(name, IGNORED, IDENTITY)
     base, role = name, DATA

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from inkling_jax.checkpoint.errors import CheckpointError
 from inkling_jax.checkpoint.finite import FiniteCheck, value_kind
-from inkling_jax.checkpoint.loader import abstract_causal_lm, load_causal_lm, parameter_paths
+from inkling_jax.checkpoint.loader import abstract_causal_lm, load_causal_lm, parameter_paths, tower_layers
 from inkling_jax.checkpoint.progress import Progress
 from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError, ModelConfig, load_config
@@ -213,7 +213,7 @@ def restore(directory: str | Path, mesh: Mesh | None = None) -> tuple[ModelConfi
         is_leaf=_is_variable,
     )
     variables = parameter_paths(state)
-    rows = stacked_rows(config.text, formats, list(variables))
+    rows = stacked_rows(config.text, formats, list(variables), tower_layers(config))
     check = FiniteCheck()
     nbytes = sum(_nbytes(variable) for variable in variables.values())
     with Progress(logger, f"restoring {directory}", len(variables), nbytes) as progress:

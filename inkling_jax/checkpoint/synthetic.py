@@ -11,7 +11,8 @@ Tensors are generated and written one at a time (experts one expert at a time), 
 at one expert's weight whatever the model size. Quantized experts follow the released checkpoints:
 original layout, interleaved gate/up rows, ModelOpt sidecar names, NVFP4 with one global scale per expert.
 A config with a `dspark_config` (in the file, or added with `draft` / `--draft-config`) gets a random DSpark
-draft too (`dspark.*` tensors, the same names in both layouts).
+draft too (`dspark.*` tensors, the same names in both layouts), and one with a `vision_config` a random image tower
+(`model.visual.*` in the original layout, `model.vision_tower.*` in transformers'), never quantized.
 A tokenizer (tokenizer.json, tokenizer_config.json; see `synthetic_tokenizer`) comes with every config whose
 vocabulary can hold one; smaller ones (like the unit tests' 60-token models) get none, with a logged warning.
 """
@@ -30,7 +31,13 @@ import ml_dtypes
 import numpy as np
 
 from inkling_jax.checkpoint.loader import checkpoint_parameters
-from inkling_jax.checkpoint.names import interleave_rows, original_name
+from inkling_jax.checkpoint.names import (
+    TRANSFORMERS,
+    interleave_rows,
+    is_vision_path,
+    original_name,
+    vision_checkpoint_name,
+)
 from inkling_jax.checkpoint.safetensors_io import TensorSpec, split_by_bytes, write_sharded_streamed
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
 from inkling_jax.cli import argument_parser
@@ -63,7 +70,10 @@ def _values(path: str, shape: tuple[int, ...], seed: int, std: float) -> np.ndar
     rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
     if path.endswith((".query", ".static_weight", ".e_score_correction_bias")):
         return rng.normal(0.0, 0.5, shape).astype(F32)
-    if path.endswith(("norm.weight", "layernorm.weight", "l2_clip.scale")):
+    if path.endswith(("norm.weight", "l2_clip.scale", "layernorm_before.weight", "layernorm_after.weight")):
+        return rng.uniform(0.5, 1.5, shape).astype(F32)
+    if path.endswith((".lambda_1", ".lambda_2")):  # the image tower's layer scales
+        return rng.uniform(0.05, 0.3, shape).astype(F32)
         return rng.uniform(0.5, 1.5, shape).astype(F32)
     if path.endswith(".conv1d.weight"):
         return rng.normal(0.0, 0.3, shape).astype(F32)
@@ -103,7 +113,9 @@ class _Writer:
         return self.formats[int(path.split(".")[2])]
 
     def _name(self, path: str) -> str:
-        return original_name(path) if self.layout == "original" else path
+        if self.layout == "original":
+            return original_name(path)
+        return vision_checkpoint_name(path, TRANSFORMERS) if is_vision_path(path) else path
 
     def _add(self, name: str, path: str, role: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         self.sources[name] = (path, role)

@@ -8,7 +8,8 @@ whose logical sharding axis is None (layers are never split across devices).
 Checkpoints name parameters by layer (`model.layers.{i}.self_attn.q_proj.weight`); `layer_parameters` maps
 each such name to the stacked parameter and row that hold it. The model's first layer has no attention-residual
 input (no block is closed before it): its row of the stacked `attention_input.query` is a hole that no
-checkpoint fills and the model never reads.
+checkpoint fills and the model never reads. The image tower's layers are one stack (`vision_tower.layers.*`,
+checkpoints' `vision_tower.layers.{i}.*`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from inkling_jax.config import TextConfig
 
 STACKED = re.compile(r"(?P<prefix>.*)segments\.(?P<segment>\d+)\.positions\.(?P<position>\d+)\.(?P<rest>.+)")
 HOLE = "attention_input."  # layer 0's: never stored, never read
+TOWER_LAYERS = "vision_tower.layers."  # the image tower's layers, stacked as one [layers] axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +93,18 @@ def unstacked(module: nnx.Module, row: int) -> nnx.Module:
     return nnx.merge(graphdef, state)
 
 
-def stacked_rows(text: TextConfig, expert_formats: Sequence[str | None], paths: Sequence[str]) -> dict[str, dict]:
-    """For each stacked parameter path among `paths`: {row: the per-layer path it holds (`model.layers.{i}.…`),
-    or None for a hole}."""
+def stacked_rows(
+    text: TextConfig, expert_formats: Sequence[str | None], paths: Sequence[str], tower_layers: int = 0
+) -> dict[str, dict]:
+    """For each stacked parameter path among `paths`: {row: the per-layer path it holds (`model.layers.{i}.…`,
+    `vision_tower.layers.{i}.…`), or None for a hole}. tower_layers: the image tower's depth (0: no tower)."""
     segments = plan_segments(text, expert_formats)
     rows: dict[str, dict] = {}
     for path in paths:
+        if tower_layers and path.startswith(TOWER_LAYERS):
+            rest = path.removeprefix(TOWER_LAYERS)
+            rows[path] = {row: f"{TOWER_LAYERS}{row}.{rest}" for row in range(tower_layers)}
+            continue
         m = STACKED.fullmatch(path)
         if m is None:
             continue

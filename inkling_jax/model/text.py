@@ -5,7 +5,9 @@ conv; the residual restarts at block boundaries (the layer input becomes a block
 attention residual -> norm -> MoE -> static short conv. After the last layer a final block attention
 residual, RMSNorm, the unembedding, a logit softcap and the slice to the real vocabulary. A checkpoint
 with a DSpark draft adds it as `CausalLM.dspark` (`inkling_jax.model.draft`); it reads the target's
-layer outputs (`TextModel(..., capture=...)`) and shares its embedding and LM head.
+layer outputs (`TextModel(..., capture=...)`) and shares its embedding and LM head. An `inkling2` checkpoint's image
+tower is `CausalLM.vision_tower` (`inkling_jax.model.vision`); its features enter in place of the image
+placeholders' embeddings (`CausalLM.embed`).
 
 The layers run as scans over attention-residual blocks (`inkling_jax.model.stack`): consecutive blocks whose
 layers match place by place (attention kind, expert format) form a segment, whose parameters are stacked on a
@@ -33,7 +35,7 @@ from inkling_jax.cache import (
     put_conv_rows,
     record_windows,
 )
-from inkling_jax.config import DraftConfig, TextConfig
+from inkling_jax.config import DraftConfig, TextConfig, VisionConfig
 from inkling_jax.model.attention import Attention, LayerIndex, write_draft_context
 from inkling_jax.model.attn_res import BlockAttentionResidual
 from inkling_jax.model.chunk import Chunk
@@ -43,6 +45,7 @@ from inkling_jax.model.norms import RMSNorm, softcap
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import ShortConvolution
 from inkling_jax.model.stack import Segment, plan_segments, stacked, unstacked
+from inkling_jax.model.vision import VisionModel, merge_image_features
 from pallas_kernels.attn_res import attn_res_norm
 from pallas_kernels.numerics import round_to
 
@@ -265,9 +268,11 @@ class TextModel(nnx.Module):
         kv: KVCache | None = None,
         chunk: Chunk | None = None,
         capture: Sequence[int] = (),
+        embeddings: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, jax.Array]:
         """token_ids, positions [B, T] int32 -> final hidden states [B, T, H] (activation dtype), and
-        the updated cache when the tokens continue one.
+        the updated cache when the tokens continue one. `embeddings` [B, T, H]: the layers' input instead of
+        the tokens' normed embeddings (image features merged in: `CausalLM.embed`).
 
         With `capture` (layer ids, e.g. the draft's `target_layer_ids`) also the outputs of those layers,
         stacked in that order: [B, T, len(capture), H]. A layer's output is the residual stream it hands
@@ -275,7 +280,7 @@ class TextModel(nnx.Module):
         (the closed blocks reach later layers only as sources) -- what a forward hook on the decoder layer
         sees, as DeepSpec taps its targets. It is not normalised.
         """
-        x = self.embed_tokens(token_ids)
+        x = self.embed_tokens(token_ids) if embeddings is None else embeddings
         dtype = x.dtype
         sources = jnp.broadcast_to(jnp.zeros_like(x), (self.config.num_blocks, *x.shape))  # varies where x does
         captured: dict[int, jax.Array] = {}
@@ -317,6 +322,9 @@ class CausalLM(nnx.Module):
     expert_formats: per layer, None (experts in `dtype`) or "mxfp8" / "nvfp4" (kept quantized).
     draft: the DSpark draft's config; the model then holds the draft's own parameters as `dspark`
     (else `dspark` is None). Its embedding and LM head are this model's.
+    vision: the image tower's config (`inkling2` checkpoints); the model then holds it as `vision_tower`
+    (transformers' `model.vision_tower`), else `vision_tower` is None. Its features replace the embeddings of
+    the `image_token_id` placeholders (`embed`).
     """
 
     def __init__(
@@ -326,6 +334,8 @@ class CausalLM(nnx.Module):
         rngs: nnx.Rngs | None = None,
         expert_formats: Sequence[str | None] | None = None,
         draft: DraftConfig | None = None,
+        vision: VisionConfig | None = None,
+        image_token_id: int | None = None,
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         expert_formats = expert_formats if expert_formats is not None else [None] * config.num_hidden_layers
@@ -337,17 +347,31 @@ class CausalLM(nnx.Module):
             rngs, config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype, config.initializer_range
         )
         self.dspark = Draft(rngs, draft, config, dtype) if draft is not None else None
+        self.vision_tower = VisionModel(rngs, vision, dtype) if vision is not None else None
+        self.image_token_id = image_token_id
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, token_ids: jax.Array, positions: jax.Array | None = None, image_features: jax.Array | None = None
+    ) -> jax.Array:
         """token_ids [B, T] -> float32 logits [B, T, unpadded_vocab_size].
 
         positions [B, T]: each row's absolute positions, consecutive and increasing (default 0..T-1);
         they set causality, relative distances and tau. A row holds one sequence (no packing).
+        image_features [N, H]: the tower's output (`vision_tower`) for the prompt's N image placeholders (`embed`).
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1], dtype=jnp.int32), token_ids.shape)
-        hidden, _ = self.model(token_ids, positions)
+        embeddings = None if image_features is None else self.embed(token_ids, image_features)
+        hidden, _ = self.model(token_ids, positions, embeddings=embeddings)
         return self.logits(hidden)
+
+    def embed(self, token_ids: jax.Array, image_features: jax.Array) -> jax.Array:
+        """The layers' input [B, T, H]: the tokens' normed embeddings, the image placeholders' rows (row-major
+        order) replaced by `image_features` [N, H] (which skip the embedding norm)."""
+        if self.vision_tower is None or self.image_token_id is None:
+            raise ValueError("image features given to a model without an image tower")
+        embeddings = self.model.embed_tokens(token_ids)
+        return merge_image_features(embeddings, token_ids, image_features, self.image_token_id)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states [..., H] -> float32 logits [..., unpadded_vocab_size]."""

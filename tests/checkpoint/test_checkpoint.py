@@ -10,7 +10,7 @@ import pytest
 from checkpoint_edits import edited_copy
 
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
-from inkling_jax.checkpoint.loader import named_parameters
+from inkling_jax.checkpoint.loader import checkpoint_parameters, named_parameters
 from inkling_jax.checkpoint.names import deinterleave_rows
 from inkling_jax.checkpoint.safetensors_io import (
     CheckpointFiles,
@@ -19,6 +19,7 @@ from inkling_jax.checkpoint.safetensors_io import (
     write_sharded,
 )
 from inkling_jax.checkpoint.synthetic import write_checkpoint
+from inkling_jax.config import parse_config
 
 TINY = {
     "model_type": "inkling2_text", "vocab_size": 64, "unpadded_vocab_size": 60, "hidden_size": 16,
@@ -157,22 +158,33 @@ def test_bfloat16_load_keeps_fp32_parameters(tiny_checkpoint):
 
 
 @pytest.mark.slow
-def test_multimodal_transformers_layout_sharded_skips_vision(tiny_checkpoint, tmp_path):
-    files = CheckpointFiles(tiny_checkpoint)
-    tensors = {name.replace("model.", "model.language_model.", 1): np.array(files.read(name)) for name in files}
-    tensors["model.vision_tower.pre_layernorm.weight"] = np.ones(8, np.float32)
-    write_sharded(tmp_path, tensors, num_shards=3)
+def test_multimodal_transformers_layout_sharded_loads_text_and_tower(tiny_checkpoint, tmp_path):
+    """`model.language_model.*` and `model.vision_tower.*` over three shards: the text model is the text-only
+    checkpoint's, and every tower tensor fills its `vision_tower.*` parameter."""
     config = {
         "model_type": "inkling2",
         "text_config": TINY,
         "image_token_id": 50,
-        "vision_config": {"hidden_size": 8, "num_attention_heads": 2, "text_hidden_size": 16},
+        "vision_config": {"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "text_hidden_size": 16},
     }
+    files = CheckpointFiles(tiny_checkpoint)
+    tensors = {name.replace("model.", "model.language_model.", 1): np.array(files.read(name)) for name in files}
+    rng = np.random.default_rng(0)
+    tower = {
+        "model." + path: rng.normal(size=spec.shape).astype(np.float32)
+        for path, spec in checkpoint_parameters(parse_config(config), jnp.float32).items()
+        if path.startswith("vision_tower.")
+    }
+    write_sharded(tmp_path, tensors | tower, num_shards=3)
     (tmp_path / "config.json").write_text(json.dumps(config))
     ids = jnp.asarray([[5, 9, 1, 33, 2, 7, 40, 11]], jnp.int32)
     _, reference = load_causal_lm(tiny_checkpoint, jnp.float32)
     _, wrapped = load_causal_lm(tmp_path, jnp.float32)
     np.testing.assert_array_equal(np.asarray(wrapped(ids)), np.asarray(reference(ids)))
+    loaded = named_parameters(wrapped)
+    assert len(tower) == 4 + 2 + 18 + 2
+    for name, values in tower.items():
+        np.testing.assert_array_equal(np.asarray(loaded[name.removeprefix("model.")]), values, err_msg=name)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,8 @@ never import ``inkling_jax``. For every tiny configuration it writes
                     ``model.visual.*``), i.e. the inverse of transformers' conversion mapping.
                     The script proves the layout by loading it back through ``from_pretrained``.
 * ``reference.npz`` input ids, float32 / bfloat16 logits and a greedy continuation.
+* ``images.npz``    (multimodal configs) prompts with one and with two images: placeholder-expanded ids,
+                    pixel values, grids, the image tower's features and the logits (float32 and bfloat16).
 * ``meta.json``     versions, seeds, init scales and the activation statistics printed below.
 
 The quantized fixtures (``QUANT_FIXTURES``: ``tiny_text_mxfp8``, ``tiny_text_mixed``) reuse
@@ -182,6 +184,11 @@ FIXTURES = {
         "stds": TINY_MM_STDS,
         "sharded": True,
         "image_token_id": 300,
+        # image cases: (height, width) of each image, text tokens before / between / after the images
+        "image_cases": {
+            "one": {"images": [(20, 28)], "text": [5, 6]},
+            "two": {"images": [(20, 28), (7, 17)], "text": [4, 5, 4]},
+        },
     },
 }
 
@@ -249,6 +256,32 @@ def _text_rule(name: str, owner_cls: str, stds: dict[str, float]):
     if m:
         return ("normal", stds[m.group(1)])
     return None
+
+
+# Multipliers on the vision tower's default-initialised (std 0.02) weights, applied after the random draws (so the
+# text weights and every draw stay as they were): sharp attention (RoPE and the per-image masks matter), position
+# embeddings comparable to the patch embeddings, and image features of order one.
+VISION_SCALES = {
+    r"embeddings\.(patch_embedding\.weight|position_embedding\.weight)": 5.0,
+    r"self_attn\.(q_proj|k_proj)\.weight": 10.0,
+    r"self_attn\.(v_proj|out_proj)\.weight": 5.0,
+    r"mlp\.(fc1|fc2)\.weight": 5.0,
+    r"merger\.(linear_1|linear_2)\.weight": 10.0,
+}
+
+
+def scale_vision_(model, init_plan: dict[str, str]) -> None:
+    """Multiply the tower's weights by VISION_SCALES, in place, noting it in the init plan."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if ".vision_tower." not in f".{name}":
+                continue
+            for pattern, factor in VISION_SCALES.items():
+                if re.search(pattern, name):
+                    tensor.mul_(factor)
+                    key = re.sub(r"\.\d+\.", ".*.", name)
+                    if not init_plan[key].endswith(f" x {factor}"):  # once per name pattern, not per layer
+                        init_plan[key] = f"{init_plan[key]} x {factor}"
 
 
 def _vision_rule(name: str, owner_cls: str):
@@ -672,6 +705,80 @@ class StatsCollector:
 def causal_logits(model, ids: np.ndarray) -> np.ndarray:
     out = model(torch.from_numpy(ids.astype(np.int64))[None], use_cache=False)
     return out.logits[0].float().numpy()
+
+
+def image_tiles(image: np.ndarray, tile: int) -> tuple[np.ndarray, list[int]]:
+    """`Inkling2ImageProcessor`'s output for one RGB uint8 image [H, W, 3] (no alpha): padded right and bottom
+    to whole tiles with -1 on the 0-255 scale, normalised (x - 127.5) / 127.5 in float32, cut into tiles in raster
+    order, channels last -> pixel values [rows * cols, tile, tile, 3] and the grid (1, rows, cols). Written out here
+    (tensor ops only) so that the fixtures need no torchvision."""
+    height, width, channels = image.shape
+    rows, cols = -(-height // tile), -(-width // tile)
+    padded = np.full((rows * tile, cols * tile, channels), -1.0, np.float32)
+    padded[:height, :width] = image
+    normalised = (padded - np.float32(127.5)) / np.float32(127.5)
+    tiles = normalised.reshape(rows, tile, cols, tile, channels).transpose(0, 2, 1, 3, 4)
+    return tiles.reshape(rows * cols, tile, tile, channels), [1, rows, cols]
+
+
+def image_prompt(rng: np.random.Generator, grids: list[list[int]], text: list[int], vocab: int, image_id: int):
+    """Random text ids around the images' placeholder runs (one placeholder per tile, contiguous, as
+    `Inkling2Processor` expands them): text[0] ids, image 0, text[1] ids, image 1, ..."""
+    choices = np.array([i for i in range(vocab) if i != image_id])
+    parts = [rng.choice(choices, size=text[0])]
+    for grid, count in zip(grids, text[1:], strict=True):
+        parts += [np.full(int(np.prod(grid)), image_id), rng.choice(choices, size=count)]
+    return np.concatenate(parts).astype(np.int64)
+
+
+@torch.no_grad()
+def image_outputs(model, ids: np.ndarray, pixel_values: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tower's features [tiles, text hidden] (after the merge and projection) and the logits of one causal
+    forward with the images."""
+    dtype = next(model.parameters()).dtype
+    pixels, grid_t = torch.from_numpy(pixel_values).to(dtype), torch.from_numpy(grid)
+    features = torch.cat(model.model.get_image_features(pixels, grid_t).pooler_output)
+    out = model(torch.from_numpy(ids)[None], pixel_values=pixels, image_grid_thw=grid_t, use_cache=False)
+    return features.float().numpy(), out.logits[0].float().numpy()
+
+
+def write_image_cases(spec: dict[str, Any], model, model_bf16, out_dir: Path) -> dict[str, Any]:
+    """images.npz: for each image case `<case>_{input_ids, pixel_values, image_grid_thw, features_f32,
+    logits_f32, features_bf16, logits_bf16}`, random pixels; returns facts for meta.json."""
+    vision, tcfg = model.config.vision_config, text_config_of(model)
+    tile = vision.patch_size * vision.spatial_merge_size
+    rng = np.random.default_rng(spec["seed"] + 7)
+    arrays: dict[str, np.ndarray] = {}
+    facts: dict[str, Any] = {"tile": tile}
+    for case, plan in spec["image_cases"].items():
+        images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in plan["images"]]
+        tiled = [image_tiles(image, tile) for image in images]
+        pixel_values = np.concatenate([tiles for tiles, _ in tiled])
+        grid = np.array([g for _, g in tiled], np.int64)
+        ids = image_prompt(rng, grid.tolist(), plan["text"], tcfg.unpadded_vocab_size, model.config.image_token_id)
+        features, logits = image_outputs(model, ids, pixel_values, grid)
+        features_bf16, logits_bf16 = image_outputs(model_bf16, ids, pixel_values, grid)
+        assert features.shape == (pixel_values.shape[0], tcfg.hidden_size)
+        assert logits.shape == (len(ids), tcfg.unpadded_vocab_size)
+        arrays |= {
+            f"{case}_input_ids": ids.astype(np.int32),
+            f"{case}_pixel_values": pixel_values,
+            f"{case}_image_grid_thw": grid.astype(np.int32),
+            f"{case}_features_f32": features,
+            f"{case}_logits_f32": logits,
+            f"{case}_features_bf16": features_bf16,
+            f"{case}_logits_bf16": logits_bf16,
+        }
+        facts[case] = {
+            "image_sizes": [list(size) for size in plan["images"]],
+            "image_grid_thw": grid.tolist(),
+            "tokens": len(ids),
+            "max_abs_feature_bf16_vs_f32": round(float(np.abs(features_bf16 - features).max()), 6),
+            "max_abs_logit_bf16_vs_f32": round(float(np.abs(logits_bf16 - logits).max()), 6),
+        }
+        print(f"  image case {case}: grids {grid.tolist()}, {len(ids)} tokens, max |feature| {abs(features).max():.2f}")
+    np.savez(out_dir / "images.npz", **arrays)
+    return facts
 
 
 @torch.no_grad()
@@ -1268,6 +1375,8 @@ def build_model(spec: dict[str, Any]):
     model = model_class(spec)(config)
     model.eval()
     init_plan = randomize_(model, spec["seed"], spec["stds"])
+    if "image_cases" in spec:
+        scale_vision_(model, init_plan)
     check_nontrivial(model.state_dict())
     tcfg = text_config_of(model)
 
@@ -1326,6 +1435,7 @@ def make_fixture(name: str, spec: dict[str, Any], out_root: Path) -> dict[str, A
 
     vocab = tcfg.unpadded_vocab_size
     assert logits_f32.shape == (spec["seq_len"], vocab) and logits_bf16.shape == logits_f32.shape
+    image_facts = write_image_cases(spec, model, model_bf16, out_dir) if "image_cases" in spec else None
     np.savez(
         out_dir / "reference.npz",
         input_ids=input_ids.astype(np.int32),
@@ -1365,6 +1475,8 @@ def make_fixture(name: str, spec: dict[str, Any], out_root: Path) -> dict[str, A
         },
         **facts,
     }
+    if image_facts is not None:
+        meta["images"] = image_facts
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     for path in out_dir.rglob("*"):
         if path.is_file():
