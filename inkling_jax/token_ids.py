@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from inkling_jax.config import TextConfig
 
 
@@ -22,14 +19,3 @@ def validate_token_ids(ids: object, text: TextConfig) -> list[int]:
         if not 0 <= token < text.unpadded_vocab_size:
             raise TokenIdError(f"token id #{i} is {token}, outside the vocabulary [0, {text.unpadded_vocab_size})")
     return ids
-
-
-def read_token_ids(path: str | Path, text: TextConfig) -> list[int]:
-    """Read a JSON list of token ids from `path` and validate it."""
-    try:
-        ids = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise TokenIdError(f"cannot read {path}: {error}") from error
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise TokenIdError(f"{path} is not JSON: {error}") from error
-    return validate_token_ids(ids, text)

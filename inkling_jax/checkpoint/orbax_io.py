@@ -38,6 +38,7 @@ from inkling_jax.checkpoint.loader import abstract_causal_lm, load_causal_lm, pa
 from inkling_jax.checkpoint.progress import Progress
 from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError, ModelConfig, load_config
+from inkling_jax.image_processor import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
 from inkling_jax.model.stack import stacked_rows
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sharding import parameter_shardings
@@ -96,13 +97,13 @@ def _reporting(work: Callable[[], None], progress: Progress, written: Callable[[
 
 def save(model: CausalLM, config_json: Path, out: str | Path) -> Path:
     """Write `model`'s parameters (as placed on device) to a new Orbax directory `out`, with the source's
-    config and tokenizer files. While Orbax writes, the progress is the bytes in `out` so far (compressed by
-    Orbax, so a little under the parameters' bytes until the end, and the time left an estimate)."""
+    config, tokenizer and image processor files. While Orbax writes, the progress is the bytes in `out` so far
+    (compressed by Orbax, so a little under the parameters' bytes until the end, and the time left an estimate)."""
     out = Path(out).absolute()
     _check_new_directory(out)
     try:
         out.mkdir(parents=True)
-        for name in ("config.json", TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+        for name in ("config.json", TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, PROCESSOR_CONFIG, PREPROCESSOR_CONFIG):
             source = Path(config_json).parent / name
             if source.is_file():
                 shutil.copyfile(source, out / name)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -316,6 +317,13 @@ def check_image_inputs(pixel_values: np.ndarray, image_grid_thw: np.ndarray, con
     counted = int(np.prod(grid, axis=1).sum())
     if counted != pixels.shape[0]:
         raise ImageInputError(f"image_grid_thw counts {counted} tiles, pixel_values holds {pixels.shape[0]}")
+
+
+def placeholder_runs(token_ids: Sequence[int] | np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of the image placeholder in `token_ids`, in order: one image each."""
+    placeholder = np.concatenate([[False], np.asarray(token_ids) == image_token_id, [False]])
+    edges = np.flatnonzero(placeholder[1:] != placeholder[:-1])  # starts and ends alternate
+    return [(int(start), int(end - start)) for start, end in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def check_placeholders(token_ids: np.ndarray, features: int, image_token_id: int) -> None:

@@ -156,7 +156,8 @@ def test_score_cli_bfloat16_rounds_where_reference_rounds(case, reference, tmp_p
         ([1, 500], "token id #1 is 500, outside the vocabulary"),
         ([], "non-empty"),
         ([1, "2"], "token id #1 is '2', not an integer"),
-        ({"ids": [1]}, "JSON list"),
+        ({"ids": [1]}, "a list of token ids or an object with 'prompt_token_ids'"),
+        ({"prompt_token_ids": 7}, "JSON list"),
     ],
 )
 def test_score_cli_rejects_bad_ids(ids, message, tmp_path):

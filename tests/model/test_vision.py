@@ -3,6 +3,8 @@
 sharding, and refusals of inputs and checkpoints that do not fit."""
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -12,6 +14,7 @@ import pytest
 from flax import nnx
 from paths import PARITY, TINY_CONFIG
 
+from inkling_jax import score
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.checkpoint.loader import named_parameters
@@ -153,6 +156,60 @@ def test_a_text_only_model_refuses_images(images):
     ids, pixels, grid = _case(images, "one")
     with pytest.raises(ImageInputError, match="no image tower"):
         multimodal_logits(text_only, ids, pixels, grid)
+
+
+def _score_request(tmp_path: Path, ids: np.ndarray, pictures: list[str]) -> Path:
+    """REQ.json for `score`, its images copied into a folder beside it and named relative to it."""
+    (tmp_path / "pictures").mkdir(exist_ok=True)
+    for name in pictures:
+        shutil.copyfile(MM / "images" / name, tmp_path / "pictures" / name)
+    request = {"prompt_token_ids": ids.tolist(), "images": [f"pictures/{name}" for name in pictures]}
+    (tmp_path / "req.json").write_text(json.dumps(request))
+    return tmp_path / "req.json"
+
+
+def _run_score(checkpoint: Path, request: Path, capsys) -> tuple[int, str]:
+    code = score.main(["--checkpoint", str(checkpoint), "--input", str(request), "--output", str(request) + ".npy"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_score_cli_reads_images_named_beside_the_request(images, tmp_path, capsys):
+    """The image files (PNG) go through the image processor with the checkpoint's settings (8-pixel tiles) into the
+    logits transformers gave for their pixel values."""
+    ids = images["two_input_ids"]
+    request = _score_request(tmp_path, ids, ["two_0.png", "two_1.png"])
+    code, err = _run_score(MM / "original", request, capsys)
+    assert code == 0, err
+    got = np.load(str(request) + ".npy")
+    assert got.dtype == np.float32 and relative_error(got, images["two_logits_f32"]) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("pictures", "edit", "message"),
+    [
+        (["two_0.png"], None, "holds 2 runs of the image placeholder .token 300. and the request names 1 images"),
+        (["two_1.png", "two_0.png"], None, "image #0 .two_1.png. has 3 tiles, its placeholder run at token 4 has 12"),
+        (["two_0.png", "gone.png"], None, "cannot read image file .*gone.png"),
+        (["two_0.png", "two_1.png"], lambda r: {**r, "images": "two_0.png"}, "'images' must be a list of file paths"),
+        (["two_0.png", "two_1.png"], lambda r: {**r, "pixels": []}, r"unknown fields \['pixels'\]"),
+        (["two_0.png", "two_1.png"], lambda r: {"ids": r["prompt_token_ids"]}, "an object with 'prompt_token_ids'"),
+    ],
+)
+def test_score_cli_names_what_is_wrong_with_a_request(pictures, edit, message, images, tmp_path, capsys):
+    request = _score_request(tmp_path, images["two_input_ids"], [p for p in pictures if p != "gone.png"])
+    body = json.loads(request.read_text())
+    body["images"] = [f"pictures/{name}" for name in pictures]
+    request.write_text(json.dumps(edit(body) if edit else body))
+    code, err = _run_score(MM / "hf", request, capsys)
+    assert code == 2 and re.search(message, err), err
+    assert not Path(str(request) + ".npy").exists()
+
+
+def test_score_cli_refuses_images_for_a_text_only_model(images, tmp_path, capsys):
+    ids = np.arange(1, 30)  # no placeholder run of tiny_text's vocabulary either
+    code, err = _run_score(PARITY / "tiny_text" / "hf", _score_request(tmp_path, ids, ["one_0.png"]), capsys)
+    assert code == 2 and "takes no images" in err
 
 
 def _copy_without(source: Path, out: Path, dropped: str) -> Path:

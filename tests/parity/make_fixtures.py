@@ -13,6 +13,8 @@ never import ``inkling_jax``. For every tiny configuration it writes
 * ``reference.npz`` input ids, float32 / bfloat16 logits and a greedy continuation.
 * ``images.npz``    (multimodal configs) prompts with one and with two images: placeholder-expanded ids,
                     pixel values, grids, the image tower's features and the logits (float32 and bfloat16).
+* ``images/``       those images as PNG files (``<case>_<i>.png``), and ``preprocessor_config.json`` (the
+                    image processor's settings: the config's tile size) beside both layouts' config.json.
 * ``meta.json``     versions, seeds, init scales and the activation statistics printed below.
 
 The quantized fixtures (``QUANT_FIXTURES``: ``tiny_text_mxfp8``, ``tiny_text_mixed``) reuse
@@ -40,6 +42,7 @@ import numpy as np
 import safetensors
 import torch
 import transformers
+from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers import (
     Inkling2Config,
@@ -742,6 +745,16 @@ def image_outputs(model, ids: np.ndarray, pixel_values: np.ndarray, grid: np.nda
     return features.float().numpy(), out.logits[0].float().numpy()
 
 
+def write_processor_config(directory: Path, tile: int) -> None:
+    """preprocessor_config.json as transformers saves `Inkling2ImageProcessor`'s, with a tile of `tile` pixels."""
+    settings = {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "Inkling2ImageProcessor", "image_std": [0.5, 0.5, 0.5],
+        "rescale_factor": 1 / 255, "size": {"height": tile, "width": tile},
+    }  # fmt: skip
+    (directory / "preprocessor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
 def write_image_cases(spec: dict[str, Any], model, model_bf16, out_dir: Path) -> dict[str, Any]:
     """images.npz: for each image case `<case>_{input_ids, pixel_values, image_grid_thw, features_f32,
     logits_f32, features_bf16, logits_bf16}`, random pixels; returns facts for meta.json."""
@@ -750,8 +763,13 @@ def write_image_cases(spec: dict[str, Any], model, model_bf16, out_dir: Path) ->
     rng = np.random.default_rng(spec["seed"] + 7)
     arrays: dict[str, np.ndarray] = {}
     facts: dict[str, Any] = {"tile": tile}
+    (out_dir / "images").mkdir(exist_ok=True)
+    for layout in ("hf", "original"):
+        write_processor_config(out_dir / layout, tile)
     for case, plan in spec["image_cases"].items():
         images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in plan["images"]]
+        for i, image in enumerate(images):
+            Image.fromarray(image).save(out_dir / "images" / f"{case}_{i}.png")
         tiled = [image_tiles(image, tile) for image in images]
         pixel_values = np.concatenate([tiles for tiles, _ in tiled])
         grid = np.array([g for _, g in tiled], np.int64)

@@ -13,9 +13,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 REFVENV="${REFVENV:-$ROOT/.refvenv}"
 PYTHON="${PYTHON:-python3.11}"
-PINS=(torch==2.13.0 transformers==5.23.0 safetensors "ml_dtypes>=0.5")
+PINS=(torch==2.13.0 transformers==5.23.0 safetensors "ml_dtypes>=0.5" pillow==13.0.0)
 SCRIPT=make_fixtures.py
-export REQUIRED="ml_dtypes safetensors"  # beside torch and transformers
+export REQUIRED="ml_dtypes safetensors PIL"  # beside torch and transformers
 if [[ "${1:-}" == "--images" ]]; then
     shift
     PINS=(torch==2.13.0 transformers==5.23.0 torchvision==0.28.0 pillow==13.0.0)
