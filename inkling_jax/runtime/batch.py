@@ -394,7 +394,10 @@ def main(argv: list[str] | None, module: str) -> int:
         if args.max_num_seqs < 1 or args.chunk < 1:
             raise RequestError("--max-num-seqs and --chunk must be at least 1")
         checkpoint = open_checkpoint(args.checkpoint, args.load_format)
-        limits = image_limits(checkpoint.config, args.max_images, args.max_image_tiles, args.image_feature_tokens)
+        config = checkpoint.config
+        limits = image_limits(
+            config.vision, config.image_token_id, args.max_images, args.max_image_tiles, args.image_feature_tokens
+        )
         requests = read_requests(args.input, checkpoint, limits)  # every line checked before the model loads
         output = Output(args.output, requests, args.resume)
         remaining = output.remaining()

@@ -253,8 +253,10 @@ class Engine:
         """The image feature pool (replicated on the mesh) and, for a model with a tower, its limits and the
         encode programs' function."""
         tower = model.vision_tower
-        config = ModelConfig("inkling2", self.text, None if tower is None else tower.config, model.image_token_id)
-        self.image_limits = image_limits(config, max_images, max_image_tiles, image_feature_tokens)
+        vision = None if tower is None else tower.config
+        self.image_limits = image_limits(
+            vision, model.image_token_id, max_images, max_image_tiles, image_feature_tokens
+        )
         self._encoders: dict[int, jax.stages.Compiled] = {}
         if tower is not None:
             self._tower = nnx.state(nnx.merge(self.graphdef, self.params).vision_tower)
@@ -599,13 +601,12 @@ class Engine:
         )
 
     def warm_up(self) -> None:
-        """Compile or load (and run once) every step shape, and compile the encode program of every tile bucket, so
-        serving never compiles. The executable cache is read
-        for every shape at once (a thread each); lowering is Python (one at a time under the GIL), XLA's compile is
-        not: the shapes not in the cache are lowered one after the other, most tokens first (the longest XLA
-        compile starts first), each handed to a thread of its own for XLA as soon as it is lowered; then a first
-        run of each, one after the other. Logs each shape's time to ready: its program (logged by itself) and a
-        first run."""
+        """Compile or load (and run once) every step shape, and compile the encode program of every tile bucket,
+        so serving never compiles. The executable cache is read for every shape at once (a thread each); lowering
+        is Python (one at a time under the GIL), XLA's compile is not: the shapes not in the cache are lowered one after
+        the other, most tokens first (the longest XLA compile starts first), each handed to a thread of its own
+        for XLA as soon as it is lowered; then a first run of each, one after the other. Logs each shape's time
+        to ready: its program (logged by itself) and a first run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
         if missing:
             arguments = {shape: self.arguments(self.idle_batch(shape))[1] for shape in missing}

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from inkling_jax.config import ModelConfig
+from inkling_jax.config import VisionConfig
 from inkling_jax.image_processor import ImageError, ImageProcessorSettings, process_image_file
 
 DEFAULT_MAX_IMAGES = 16  # images per request
@@ -60,19 +60,19 @@ class ImageLimits:
 
 
 def image_limits(
-    config: ModelConfig, max_images: int, max_tiles: int, pool_rows: int | None = None
+    vision: VisionConfig | None, image_token_id: int, max_images: int, max_tiles: int, pool_rows: int | None = None
 ) -> ImageLimits | None:
-    """The limits of an engine over a model of `config` (None without an image tower); `pool_rows` default: four
-    images of `max_tiles`. ImageOptionsError for limits below one or a pool that cannot hold one image."""
-    if config.vision is None:
+    """The limits of an engine over a model with the image tower `vision` (None without one); `pool_rows` default:
+    four images of `max_tiles`. ImageOptionsError for limits below one or a pool that cannot hold one image."""
+    if vision is None:
         return None
     if min(max_images, max_tiles) < 1:
         raise ImageOptionsError(f"max_images ({max_images}) and max_image_tiles ({max_tiles}) must be at least 1")
     rows = 4 * max_tiles if pool_rows is None else pool_rows
     if rows < max_tiles:
         raise ImageOptionsError(f"image_feature_tokens {rows} cannot hold one image of max_image_tiles {max_tiles}")
-    side = config.vision.spatial_merge_size * config.vision.patch_size
-    return ImageLimits(config.image_token_id, (side, side, config.vision.num_channels), max_images, max_tiles, rows)
+    side = vision.spatial_merge_size * vision.patch_size
+    return ImageLimits(image_token_id, (side, side, vision.num_channels), max_images, max_tiles, rows)
 
 
 def image_buckets(max_tiles: int) -> tuple[int, ...]:
