@@ -281,15 +281,19 @@ class Engine:
         inputs = padded_image(image, bucket, rows, self.image_limits.pool_rows)
         replicated = NamedSharding(self.mesh, P())  # on every device of every process, as the pool is
         on_mesh = [jax.make_array_from_callback(x.shape, replicated, lambda index, x=x: x[index]) for x in inputs]
-        program = self._encoders.get(bucket) or self._encoder(bucket)
+        program = self._encoders.get(bucket) or self._encoder(bucket, self._lowered_encoder(bucket))
         self.image_pool = program(self._tower, self.image_pool, *on_mesh)
 
-    def _encoder(self, bucket: int) -> jax.stages.Compiled:
-        """The encode program of a bucket, compiled (once: `warm_up` makes them all)."""
-        start = time.perf_counter()
+    def _lowered_encoder(self, bucket: int) -> jax.stages.Lowered:
+        """The encode program of a bucket, lowered."""
         pixels, grid, rows = padded_image(self._blank_image(), bucket, np.zeros(1, np.int32), 0)
         with jax.set_mesh(self.mesh):
-            program = self._encode.lower(self._tower, self.image_pool, pixels, grid, rows).compile()
+            return self._encode.lower(self._tower, self.image_pool, pixels, grid, rows)
+
+    def _encoder(self, bucket: int, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """A bucket's lowered encode program compiled and kept (once: `warm_up` makes them all)."""
+        start = time.perf_counter()
+        program = lowered.compile()
         logger.info("encode [%d tiles]: compiled in %.1f s", bucket, time.perf_counter() - start)
         self._encoders[bucket] = program
         return program
@@ -603,14 +607,15 @@ class Engine:
     def warm_up(self) -> None:
         """Compile or load (and run once) every step shape, and compile the encode program of every tile bucket,
         so serving never compiles. The executable cache is read for every shape at once (a thread each); lowering
-        is Python (one at a time under the GIL), XLA's compile is not: the shapes not in the cache are lowered one after
-        the other, most tokens first (the longest XLA compile starts first), each handed to a thread of its own
-        for XLA as soon as it is lowered; then a first run of each, one after the other. Logs each shape's time
-        to ready: its program (logged by itself) and a first run."""
+        is Python (one at a time under the GIL), XLA's compile is not: the shapes not in the cache are lowered one
+        after the other, most tokens first (the longest XLA compile starts first), then the encode programs, each
+        handed to a thread of its own for XLA as soon as it is lowered; then a first run of each step, one after the
+        other. Logs each program's time to ready: its compilation and a step's first run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
-        if missing:
+        buckets = [bucket for bucket in self.image_buckets if bucket not in self._encoders]
+        if missing or buckets:
             arguments = {shape: self.arguments(self.idle_batch(shape))[1] for shape in missing}
-            with ThreadPoolExecutor(len(missing), thread_name_prefix="step-compile") as pool:
+            with ThreadPoolExecutor(len(missing) + len(buckets), thread_name_prefix="step-compile") as pool:
                 loads = pool.map(lambda shape: self._loaded(shape, arguments[shape]), missing)
                 keys = dict(zip(missing, loads, strict=True))
                 compiling = [
@@ -618,11 +623,9 @@ class Engine:
                     for shape in missing
                     if shape not in self._programs
                 ]
+                compiling += [pool.submit(self._encoder, bucket, self._lowered_encoder(bucket)) for bucket in buckets]
                 for program in compiling:
                     program.result()
-        for bucket in self.image_buckets:
-            if bucket not in self._encoders:
-                self._encoder(bucket)
         for shape in self.shapes:
             start = time.perf_counter()
             self.fetch(self.step(self.idle_batch(shape)))
