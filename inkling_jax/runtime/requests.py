@@ -241,6 +241,9 @@ def request_from_json(
         raw["prompt_token_ids"] = _text_prompt(raw.pop("prompt"), tokenizer, bool(raw.get("images")))
     if "messages" in raw:
         raw["prompt_token_ids"] = _chat_prompt(raw.pop("messages"), raw.pop("tools", None), tokenizer, chat)
+        marked = raw["prompt_token_ids"].count(tokenizer.special_tokens.get(IMAGE_MARKER))
+        if marked and not raw.get("images"):
+            raise Rejected(Code.INVALID_ARGUMENT, f"'messages' hold {marked} image parts and no 'images' to fill them")
     if raw.get("images") and not given_ids:
         raw["prompt_token_ids"] = _expand(raw["prompt_token_ids"], raw["images"], tokenizer, images.limits)
     for name in ("prompt_token_ids", "stop_token_ids", "stop"):

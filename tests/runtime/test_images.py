@@ -221,6 +221,8 @@ def test_the_front_end_places_each_image_after_its_marker(tmp_path, fixture):
     ((start, length),) = placeholder_runs(request.prompt_token_ids, IMAGE_TOKEN)
     assert length == 3 and request.prompt_token_ids[start - 1] == marker
     assert tokenizer.decode(request.prompt_token_ids[start + 3 :]).startswith("<|end_message|>")
+    with pytest.raises(Rejected, match="'messages' hold 1 image parts and no 'images' to fill them"):
+        read({"id": 5, "messages": [{"role": "user", "content": content}]})
     with pytest.raises(Rejected, match="the prompt marks 1 images"):
         read({"id": 3, "prompt": f"{IMAGE_MARKER}", "images": ["a.png", "b.png"]})
     with pytest.raises(Rejected, match="hold \\[3\\] tokens, the images have \\[12\\] tiles"):
@@ -295,6 +297,12 @@ def test_bad_image_lines_are_named(tmp_path, capsys, checkpoint, line, message):
     )
     assert code == 2 and results == []
     assert message in capsys.readouterr().err
+
+
+def test_a_feature_pool_smaller_than_an_image_is_refused(tmp_path, capsys, checkpoint):
+    code, _ = generate(checkpoint, tmp_path, [{"id": 0, "prompt_token_ids": [1]}], "--image-feature-tokens", "8")
+    assert code == 2
+    assert "image_feature_tokens 8 cannot hold one image of max_image_tiles 16" in capsys.readouterr().err
 
 
 def test_a_text_only_model_refuses_images(tmp_path, capsys):
