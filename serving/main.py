@@ -62,6 +62,7 @@ from inkling_jax.runtime.engine import (
     engine_options,
     load_engine,
 )
+from inkling_jax.runtime.images import ImageOptionsError
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
@@ -86,6 +87,7 @@ LOAD_ERRORS = (
     NoDraftError,
     SpeculationError,
     BatchedTokensError,
+    ImageOptionsError,
     OSError,
 )
 # A process-directed signal may land on any thread; its Python handler then runs only when the main thread next

@@ -6,8 +6,11 @@ it finishes and all in input order once the run ends (`--resume` keeps an interr
 (text, with the checkpoint's tokenizer) | "messages" (with optional "tools", rendered by the checkpoint's chat
 template as the SMG gateway renders them: `inkling_jax.chat`), and optionally "max_tokens", "temperature",
 "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-"stop_token_ids", "stop" (strings), "ignore_eos", "logprobs", "speculative"}), every line checked
-(`requests.validate`) before the model loads.
+"stop_token_ids", "stop" (strings), "ignore_eos", "logprobs", "speculative", "images"}), every line checked
+(`requests.validate`) before the model loads. "images" (image models) are file paths, relative to the JSONL file's
+directory or absolute, one per image: with "prompt" each goes at an `<|content_image|>` marker in the text, with
+"messages" at a content part of type "image", and its run of placeholders (one per tile) follows the marker; with
+"prompt_token_ids" the runs must be there already (`requests.request_from_json`).
 Output lines: {"id", "token_ids", "finish_reason": "stop" | "length"} plus "text" (with a tokenizer; special
 tokens left out, cut before the first stop string), "logprobs" and "top_logprobs" (when asked for) and
 "acceptance_length" (tokens emitted per speculative round, when the request ran any).
