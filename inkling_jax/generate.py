@@ -3,6 +3,7 @@
     python -m inkling_jax.generate --checkpoint DIR --input IN.jsonl --output OUT.jsonl
         [--dtype float32|bfloat16] [--max-num-seqs N] [--chunk C] [--kv-cache-mib M] [--mesh tpN|dpMtpN]
         [--max-num-batched-tokens N] [--prefill-budget T] [--speculative none|dspark|dspark-greedy]
+        [--max-images 16] [--max-image-tiles 4096] [--image-feature-tokens N]
         [--load-format auto|dummy]
         [--compilation-cache DIR|none] [--quiet]
         [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]

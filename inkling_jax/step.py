@@ -63,6 +63,9 @@ class StepBatch:
     speculate: jax.Array  # [S] bool: a decoding slot runs a speculative round from its token (speculative steps)
     page_table: jax.Array  # [S, max pages] int32, host-owned page assignments
     sampling: SamplingParams
+    # [T] int32: each flat token's row in the image-feature pool (its image tile's features), -1 for a token that
+    # takes its own embedding (None: no token does)
+    image_rows: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -169,6 +172,7 @@ def step_fn(
     state: DecodeState,
     batch: StepBatch,
     previous: jax.Array,
+    image_pool: jax.Array | None = None,
     num_top: int = 0,
     speculative: bool = False,
     greedy_draft: bool = False,
@@ -176,7 +180,8 @@ def step_fn(
     lane_width: int = 1,
 ) -> tuple[Emitted, DecodeState]:
     """One engine step; previous [S]: each slot's `last` token of the previous step (read where
-    `batch.feedback` is set). Outputs are meaningful for slots with counts > 0. speculative (static):
+    `batch.feedback` is set); image_pool [R, H]: the image features `batch.image_rows` point at (read only; a model
+    without an image tower ignores it). Outputs are meaningful for slots with counts > 0. speculative (static):
     run DSpark rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1); greedy_draft
     (static): the draft proposes its argmax instead of sampling; width, lane_width (static): the narrow group's
     queries per slot and the lanes'. `step` is it jitted with the state donated; `inkling_jax.runtime.engine`
@@ -195,11 +200,11 @@ def step_fn(
         slots = P(DATA)
         replica_step = jax.shard_map(
             replica_step,
-            in_specs=(P(), replica_specs(state), slots, slots),
+            in_specs=(P(), replica_specs(state), slots, slots, P()),
             out_specs=(slots, replica_specs(state)),
             axis_names={DATA},
         )
-    emitted, state = replica_step(params, state, batch, previous)
+    emitted, state = replica_step(params, state, batch, previous, image_pool)
     if not mesh.empty:
         emitted = jax.lax.with_sharding_constraint(emitted, P())
     return emitted, state
@@ -218,6 +223,7 @@ def _step(
     state: DecodeState,
     batch: StepBatch,
     previous: jax.Array,
+    image_pool: jax.Array | None,
     num_top: int,
     speculative: bool,
     greedy_draft: bool,
@@ -246,6 +252,10 @@ def _step(
         ordered=lanes is None and width == 1,
     )
 
+    images = None
+    if model.vision_tower is not None and image_pool is not None and batch.image_rows is not None:
+        images = (image_pool, batch.image_rows)
+
     vocab = state.prompt_mask.shape[1]
     slot, real = chunk.token_slot, chunk.valid[0]  # the host's tokens: a speculating slot's one is not a prompt's
     prompt_tokens = jnp.where(real & batch.is_prompt[jnp.minimum(slot, batch.counts.shape[0] - 1)], token_ids, vocab)
@@ -261,7 +271,8 @@ def _step(
         after = starts[:, None] + 1 + jnp.arange(gamma)[None, :]
         token_ids = token_ids.at[jnp.where(spec[:, None], after, tokens)].set(drafts, mode="drop")
         at = jnp.where(spec[:, None], starts[:, None] + jnp.arange(gamma + 1), chunk.last[:, None])  # [S, γ + 1]
-        logits, kv, windows = model.step(token_ids, state.kv, chunk, windows=True, at=jnp.minimum(at, tokens - 1))
+        at = jnp.minimum(at, tokens - 1)
+        logits, kv, windows = model.step(token_ids, state.kv, chunk, windows=True, at=at, images=images)
         plain = _one_token(sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top), emit)
         num_drafts = jnp.where(spec, gamma, 0)
         rounds = verify(logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top)
@@ -277,7 +288,7 @@ def _step(
         lengths = state.lengths + committed
     elif chunk.busy.shape[0] < chunk.slots:  # fewer tokens than slots: the busy slots' rows alone are sampled
         rows, slots = chunk.busy_index, chunk.slots
-        logits, kv = model.step(token_ids, state.kv, chunk, at=chunk.last[rows][:, None])
+        logits, kv = model.step(token_ids, state.kv, chunk, at=chunk.last[rows][:, None], images=images)
         sampling = jax.tree.map(lambda column: column[rows], batch.sampling)
         sampled = sample(logits[:, 0], sampling, output_counts[rows], prompt_mask[rows], generated[rows], num_top)
         busy = _one_token(sampled, emit[rows] & (chunk.busy < slots))
@@ -287,7 +298,7 @@ def _step(
         emitted = dataclasses.replace(emitted, last=previous.at[chunk.busy].set(busy.last, mode="drop"))
         lengths = state.lengths + batch.counts
     else:
-        logits, kv = model.step(token_ids, state.kv, chunk)
+        logits, kv = model.step(token_ids, state.kv, chunk, images=images)
         emitted = _one_token(sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top), emit)
         lengths = state.lengths + batch.counts
 

@@ -57,10 +57,12 @@ from inkling_jax.runtime import compilation_cache
 from inkling_jax.runtime.engine import (
     BatchedTokensError,
     add_batched_tokens_argument,
+    add_image_arguments,
     add_load_format_argument,
     engine_options,
     load_engine,
 )
+from inkling_jax.runtime.images import ImageOptionsError
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.score import DTYPES, log_to_stderr
 from inkling_jax.sharding import MeshError
@@ -85,6 +87,7 @@ LOAD_ERRORS = (
     NoDraftError,
     SpeculationError,
     BatchedTokensError,
+    ImageOptionsError,
     OSError,
 )
 # A process-directed signal may land on any thread; its Python handler then runs only when the main thread next
@@ -111,6 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     add_batched_tokens_argument(parser)
+    add_image_arguments(parser)
     parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP(S) on this port")
     parser.add_argument(

@@ -45,7 +45,7 @@ from inkling_jax.model.norms import RMSNorm, softcap
 from inkling_jax.model.params import Linear, normal, param
 from inkling_jax.model.short_conv import ShortConvolution
 from inkling_jax.model.stack import Segment, plan_segments, stacked, unstacked
-from inkling_jax.model.vision import VisionModel, merge_image_features
+from inkling_jax.model.vision import VisionModel, merge_image_features, place_image_features
 from pallas_kernels.attn_res import attn_res_norm
 from pallas_kernels.numerics import round_to
 
@@ -379,7 +379,13 @@ class CausalLM(nnx.Module):
         return logits[..., : self.config.unpadded_vocab_size]
 
     def step(
-        self, token_ids: jax.Array, kv: KVCache, chunk: Chunk, windows: bool = False, at: jax.Array | None = None
+        self,
+        token_ids: jax.Array,
+        kv: KVCache,
+        chunk: Chunk,
+        windows: bool = False,
+        at: jax.Array | None = None,
+        images: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, ConvWindows]:
         """Continue every slot's sequence by its span of the step's flat tokens: token_ids [T] (laid out as `chunk`
         says) -> float32 logits [S, vocab] at each slot's last token, and the updated cache.
@@ -387,10 +393,16 @@ class CausalLM(nnx.Module):
         at [S, K]: flat indices to read logits at instead ([S, K, vocab]; a speculative verify pass reads all of
         its positions). With `windows`, also every layer's convolution windows of the narrow group (`ConvWindows`),
         from which `inkling_jax.cache.commit_conv` keeps the states of any prefix. With a draft and a draft pool
-        in the cache, the step's positions also enter the draft's context."""
+        in the cache, the step's positions also enter the draft's context. images: (pool [R, H], rows [T]): the
+        tokens with a row >= 0 take that pool row (an image tile's features) as their embedding
+        (`place_image_features`)."""
         if windows:
             kv = record_windows(kv, chunk.width)
-        hidden, kv = self._continue(token_ids[None], kv, chunk)
+        embeddings = None
+        if images is not None:
+            pool, rows = images
+            embeddings = place_image_features(self.model.embed_tokens(token_ids[None]), pool, rows[None])
+        hidden, kv = self._continue(token_ids[None], kv, chunk, embeddings)
         index = chunk.last[:, None] if at is None else at  # [S, K]
         logits = self.logits(hidden[0][index])
         logits = logits[:, 0] if at is None else logits
@@ -398,13 +410,16 @@ class CausalLM(nnx.Module):
             return logits, kv
         return logits, dataclasses.replace(kv, windows=None), kv.windows
 
-    def _continue(self, token_ids: jax.Array, kv: KVCache, chunk: Chunk) -> tuple[jax.Array, KVCache]:
-        """The target over a step's tokens [1, T]; with a draft pool, every real position's draft context K/V is
-        stored too, so the draft can start from any step (prefill, plain decoding or speculation)."""
+    def _continue(
+        self, token_ids: jax.Array, kv: KVCache, chunk: Chunk, embeddings: jax.Array | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """The target over a step's tokens [1, T] (or their `embeddings` [1, T, H]); with a draft pool, every real
+        position's draft context K/V is stored too, so the draft can start from any step (prefill, plain decoding
+        or speculation)."""
         if self.dspark is None or kv.draft_k is None:
-            return self.model(token_ids, chunk.positions, kv, chunk)
+            return self.model(token_ids, chunk.positions, kv, chunk, embeddings=embeddings)
         hidden, kv, features = self.model(
-            token_ids, chunk.positions, kv, chunk, capture=self.dspark.config.target_layer_ids
+            token_ids, chunk.positions, kv, chunk, capture=self.dspark.config.target_layer_ids, embeddings=embeddings
         )
         k, v = self.dspark.context_kv(self.dspark.context_features(features), chunk.positions)
         return hidden, write_draft_context(kv, k, v, chunk)

@@ -22,7 +22,8 @@ Matmuls accumulate in fp32 and round to the activation dtype (the parameters'); 
 the position table's resampling compute in fp32, as the reference does.
 
 The merge (`merge_image_features`): the features, in order, replace the text embeddings (already RMS-normed:
-features skip `embed_norm`) of the placeholder tokens, which take ordinary positions and causal attention.
+features skip `embed_norm`) of the placeholder tokens, which take ordinary positions and causal attention. The
+engine's step reads them from a pool of feature rows instead (`place_image_features`), by a row per token.
 """
 
 from __future__ import annotations
@@ -348,3 +349,11 @@ def merge_image_features(
     index = jnp.clip(jnp.cumsum(placeholder) - 1, 0, features.shape[0] - 1)
     rows = features.astype(embeddings.dtype)[index].reshape(embeddings.shape)
     return jnp.where(placeholder.reshape(*token_ids.shape, 1), rows, embeddings)
+
+
+def place_image_features(embeddings: jax.Array, pool: jax.Array, rows: jax.Array) -> jax.Array:
+    """embeddings [..., H] with each token whose `rows` [...] entry is a row of `pool` [R, H] (image features
+    written there ahead of the step) taking that row instead (cast to the embeddings' dtype); -1: the token's own
+    embedding. The engine's form of `merge_image_features`: features skip `embed_norm` there too."""
+    features = pool.astype(embeddings.dtype)[jnp.clip(rows, 0, pool.shape[0] - 1)]
+    return jnp.where((rows >= 0)[..., None], features, embeddings)

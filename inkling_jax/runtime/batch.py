@@ -6,8 +6,11 @@ it finishes and all in input order once the run ends (`--resume` keeps an interr
 (text, with the checkpoint's tokenizer) | "messages" (with optional "tools", rendered by the checkpoint's chat
 template as the SMG gateway renders them: `inkling_jax.chat`), and optionally "max_tokens", "temperature",
 "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-"stop_token_ids", "stop" (strings), "ignore_eos", "logprobs", "speculative"}), every line checked
-(`requests.validate`) before the model loads.
+"stop_token_ids", "stop" (strings), "ignore_eos", "logprobs", "speculative", "images"}), every line checked
+(`requests.validate`) before the model loads. "images" (image models) are file paths, relative to the JSONL file's
+directory or absolute, one per image: with "prompt" each goes at an `<|content_image|>` marker in the text, with
+"messages" at a content part of type "image", and its run of placeholders (one per tile) follows the marker; with
+"prompt_token_ids" the runs must be there already (`requests.request_from_json`).
 Output lines: {"id", "token_ids", "finish_reason": "stop" | "length"} plus "text" (with a tokenizer; special
 tokens left out, cut before the first stop string), "logprobs" and "top_logprobs" (when asked for) and
 "acceptance_length" (tokens emitted per speculative round, when the request ran any).
@@ -40,6 +43,7 @@ from inkling_jax.checkpoint import CheckpointError
 from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError
 from inkling_jax.distributed import DistributedError
+from inkling_jax.image_processor import ImageProcessorSettings
 from inkling_jax.model.draft import NoDraftError, require_draft
 from inkling_jax.model.text import CausalLM
 from inkling_jax.runtime import compilation_cache
@@ -48,12 +52,14 @@ from inkling_jax.runtime.engine import (
     Checkpoint,
     Engine,
     add_batched_tokens_argument,
+    add_image_arguments,
     add_load_format_argument,
     engine_options,
     load_engine,
     open_checkpoint,
 )
-from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request, request_from_json
+from inkling_jax.runtime.images import ImageLimits, ImageOptionsError, image_limits
+from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, ImageSource, Rejected, Request, request_from_json
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
 from inkling_jax.score import DTYPES, log_to_stderr
@@ -219,9 +225,11 @@ def _longest(requests: Sequence[Request]) -> int:
     return max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
 
 
-def read_requests(path: str | Path, checkpoint: Checkpoint) -> list[Request]:
-    """The JSONL file's requests, each validated against the checkpoint's config (RequestError names the line
-    and the field); ids must be unique."""
+def read_requests(path: str | Path, checkpoint: Checkpoint, limits: ImageLimits | None = None) -> list[Request]:
+    """The JSONL file's requests, each validated against the checkpoint's config and the engine's image `limits`
+    (None: the model takes no images), its images read (relative paths from the file's directory) and processed
+    with the checkpoint's image processor settings (RequestError names the line and the field); ids must be
+    unique."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as error:
@@ -231,11 +239,20 @@ def read_requests(path: str | Path, checkpoint: Checkpoint) -> list[Request]:
         chat = checkpoint_template(checkpoint.path) if checkpoint.tokenizer is not None else None
     except ChatTemplateError as error:
         raise RequestError(f"{checkpoint.path}: {error}") from error
+    images = None
+    if limits is not None:
+        settings = ImageProcessorSettings.from_checkpoint(checkpoint.path)
+        if (settings.tile_height, settings.tile_width) != limits.tile_shape[:2]:
+            raise RequestError(
+                f"{checkpoint.path}: the image processor's {settings.tile_height}x{settings.tile_width} tiles are not "
+                f"the image tower's {limits.tile_shape[0]}x{limits.tile_shape[1]}"
+            )
+        images = ImageSource(Path(path).parent, settings, limits)
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            request = request_from_json(line, checkpoint.tokenizer, checkpoint.config.text, chat)
+            request = request_from_json(line, checkpoint.tokenizer, checkpoint.config.text, chat, images)
         except Rejected as error:
             raise RequestError(f"line {number}: {error}") from error
         if request.id in lines_of:
@@ -327,6 +344,7 @@ _USER_ERRORS = (
     NoDraftError,
     SpeculationError,
     BatchedTokensError,
+    ImageOptionsError,
     OSError,
 )
 
@@ -353,6 +371,7 @@ def main(argv: list[str] | None, module: str) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="slots per data-parallel replica")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     add_batched_tokens_argument(parser)
+    add_image_arguments(parser)
     parser.add_argument(
         "--kv-cache-mib",
         type=float,
@@ -378,7 +397,11 @@ def main(argv: list[str] | None, module: str) -> int:
         if args.max_num_seqs < 1 or args.chunk < 1:
             raise RequestError("--max-num-seqs and --chunk must be at least 1")
         checkpoint = open_checkpoint(args.checkpoint, args.load_format)
-        requests = read_requests(args.input, checkpoint)  # every line checked before the model loads
+        config = checkpoint.config
+        limits = image_limits(
+            config.vision, config.image_token_id, args.max_images, args.max_image_tiles, args.image_feature_tokens
+        )
+        requests = read_requests(args.input, checkpoint, limits)  # every line checked before the model loads
         output = Output(args.output, requests, args.resume)
         remaining = output.remaining()
         with output:

@@ -17,6 +17,11 @@ a step in which some slot speculates leaves γ + 1 tokens to each speculating sl
 and compiled explicitly and kept as its executable; with an executable cache directory
 (`inkling_jax.runtime.executable_cache`) each is read from there when a program of the same key was stored,
 and stored there when compiled.
+
+Images (a model with an image tower): the engine keeps a pool of `image_feature_tokens` feature rows on the
+device (one row for a text-only model), which the steps read (`StepBatch.image_rows`), and one encode program per
+tile bucket (`inkling_jax.runtime.images`), compiled at warm-up with the steps: `encode` writes one image's
+features into the rows the scheduler gave it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,15 @@ from inkling_jax.model.draft import require_draft
 from inkling_jax.model.moe import lay_out_experts
 from inkling_jax.model.text import CausalLM
 from inkling_jax.runtime.executable_cache import ExecutableCache
+from inkling_jax.runtime.images import (
+    DEFAULT_MAX_IMAGE_TILES,
+    DEFAULT_MAX_IMAGES,
+    RequestImage,
+    encode_fn,
+    image_buckets,
+    image_limits,
+    padded_image,
+)
 from inkling_jax.runtime.kernel_builds import KernelBuilder
 from inkling_jax.runtime.packed_batch import BatchLayout
 from inkling_jax.runtime.requests import MAX_LOGPROBS
@@ -145,6 +159,9 @@ class Engine:
         checkpoint: str = "",
         executable_cache: str | Path | None = None,
         max_num_batched_tokens: int | None = None,
+        max_images: int = DEFAULT_MAX_IMAGES,
+        max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
+        image_feature_tokens: int | None = None,
     ):
         """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
         (NoDraftError) and a chunk of at least γ + 1 tokens (SpeculationError). compiler_options: XLA's, for
@@ -153,7 +170,10 @@ class Engine:
         what the front doors report and encode text with. executable_cache: a directory for the compiled step
         programs (`inkling_jax.runtime.executable_cache`; None: compile every one). max_num_batched_tokens: a
         replica's tokens in a step with prompt chunks (decoding, verifying and prompt tokens; default: every
-        slot's decode tokens and two chunks); at least every slot's decode tokens and one more (BatchedTokensError)."""
+        slot's decode tokens and two chunks); at least every slot's decode tokens and one more (BatchedTokensError).
+        max_images, max_image_tiles: what one request may carry (images) and one image (tiles);
+        image_feature_tokens: the feature pool's rows (default: four images of max_image_tiles), at least
+        max_image_tiles (ImageOptionsError); a model without an image tower ignores them."""
         if speculative not in SPECULATIVE_MODES:
             raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         self.speculative = speculative != "none"
@@ -225,6 +245,62 @@ class Engine:
         self._kernels = KernelBuilder(local) if local.platform == "gpu" else None
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
+        self._set_up_images(model, max_images, max_image_tiles, image_feature_tokens)
+
+    def _set_up_images(
+        self, model: CausalLM, max_images: int, max_image_tiles: int, image_feature_tokens: int | None
+    ) -> None:
+        """The image feature pool (replicated on the mesh) and, for a model with a tower, its limits and the
+        encode programs' function."""
+        tower = model.vision_tower
+        vision = None if tower is None else tower.config
+        self.image_limits = image_limits(
+            vision, model.image_token_id, max_images, max_image_tiles, image_feature_tokens
+        )
+        self._encoders: dict[int, jax.stages.Compiled] = {}
+        if tower is not None:
+            self._tower = nnx.state(nnx.merge(self.graphdef, self.params).vision_tower)
+            self._encode = jax.jit(
+                functools.partial(encode_fn, nnx.graphdef(tower)),
+                donate_argnames="pool",
+                out_shardings=NamedSharding(self.mesh, P()),
+            )
+        rows = 1 if self.image_limits is None else self.image_limits.pool_rows
+        pool = np.zeros((rows, self.text.hidden_size), self.dtype)
+        self.image_pool = jax.device_put(pool, NamedSharding(self.mesh, P()))
+
+    @property
+    def image_buckets(self) -> tuple[int, ...]:
+        """The tile counts of the encode programs (none without an image tower)."""
+        return () if self.image_limits is None else image_buckets(self.image_limits.max_tiles)
+
+    def encode(self, image: RequestImage, rows: np.ndarray) -> None:
+        """Dispatch the encoding of one image into pool rows `rows` [tiles] (returns at once; the next step reads
+        them). The image is checked already (`requests.validate`)."""
+        bucket = next(b for b in self.image_buckets if b >= image.tiles)
+        inputs = padded_image(image, bucket, rows, self.image_limits.pool_rows)
+        replicated = NamedSharding(self.mesh, P())  # on every device of every process, as the pool is
+        on_mesh = [jax.make_array_from_callback(x.shape, replicated, lambda index, x=x: x[index]) for x in inputs]
+        program = self._encoders.get(bucket) or self._encoder(bucket, self._lowered_encoder(bucket))
+        self.image_pool = program(self._tower, self.image_pool, *on_mesh)
+
+    def _lowered_encoder(self, bucket: int) -> jax.stages.Lowered:
+        """The encode program of a bucket, lowered."""
+        pixels, grid, rows = padded_image(self._blank_image(), bucket, np.zeros(1, np.int32), 0)
+        with jax.set_mesh(self.mesh):
+            return self._encode.lower(self._tower, self.image_pool, pixels, grid, rows)
+
+    def _encoder(self, bucket: int, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """A bucket's lowered encode program compiled and kept (once: `warm_up` makes them all)."""
+        start = time.perf_counter()
+        program = lowered.compile()
+        logger.info("encode [%d tiles]: compiled in %.1f s", bucket, time.perf_counter() - start)
+        self._encoders[bucket] = program
+        return program
+
+    def _blank_image(self) -> RequestImage:
+        """A one-tile image of zeros (what compiling an encode program runs on)."""
+        return RequestImage(np.zeros((1, *self.image_limits.tile_shape), np.float32), np.ones((1, 3), np.int32))
 
     @classmethod
     def create(
@@ -242,6 +318,9 @@ class Engine:
         checkpoint: str = "",
         executable_cache: str | Path | None = None,
         max_num_batched_tokens: int | None = None,
+        max_images: int = DEFAULT_MAX_IMAGES,
+        max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
+        image_feature_tokens: int | None = None,
     ) -> Engine:
         """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
         after the slots' fixed state (CacheBudgetError if not even one `max_context` sequence fits);
@@ -270,6 +349,9 @@ class Engine:
             checkpoint=checkpoint,
             executable_cache=executable_cache,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_images=max_images,
+            max_image_tiles=max_image_tiles,
+            image_feature_tokens=image_feature_tokens,
         )
 
     @property
@@ -284,8 +366,9 @@ class Engine:
 
     @property
     def compilations(self) -> int:
-        """Step programs compiled or loaded so far (warm-up makes one per shape; serving must add none)."""
-        return len(self._programs)
+        """Step and encode programs compiled or loaded so far (warm-up makes one per step shape and tile bucket;
+        serving must add none)."""
+        return len(self._programs) + len(self._encoders)
 
     @property
     def max_num_seqs(self) -> int:
@@ -343,11 +426,13 @@ class Engine:
         feedback: np.ndarray | None = None,
         replay: np.ndarray | None = None,
         speculate: np.ndarray | None = None,
+        image_rows: np.ndarray | None = None,
     ) -> StepBatch:
         """A host StepBatch of each slot's tokens[s, :counts[s]] (tokens: [S, any width] on the host), laid out
         flat in the smallest shape that holds them: a slot that brings more than the narrow width goes through
         lanes, a speculating slot gets γ + 1 tokens. `sampling[s]`: any object with the sampling fields (or None:
-        idle values). ValueError when a replica's tokens or lanes do not fit a step."""
+        idle values). image_rows [S, tokens' width]: each token's image-feature pool row, -1 for text (None: all
+        text). ValueError when a replica's tokens or lanes do not fit a step."""
         slots = self.slots
         flags = [
             np.zeros(slots, bool) if flag is None else flag
@@ -367,8 +452,20 @@ class Engine:
             lanes=shape.lanes,
             replicas=self.replicas,
         )
+        flat_rows = np.full(spans[0].shape[0], -1, np.int32)
+        if image_rows is not None:
+            offsets = np.arange(self.slots) // self.slots_per_replica * shape.tokens + spans[1]
+            for slot in np.flatnonzero((np.asarray(image_rows) >= 0).any(axis=1)):  # the slots bringing image tokens
+                count = int(counts[slot])
+                flat_rows[offsets[slot] : offsets[slot] + count] = image_rows[slot, :count]
         return StepBatch(
-            spans[0], np.asarray(counts, np.int32), *spans[1:], *flags, page_table.copy(), sampling_columns(sampling)
+            spans[0],
+            np.asarray(counts, np.int32),
+            *spans[1:],
+            *flags,
+            page_table.copy(),
+            sampling_columns(sampling),
+            flat_rows,
         )
 
     def step(self, batch: StepBatch) -> Emitted:
@@ -399,7 +496,7 @@ class Engine:
         )
         packed = self._layout(shape).pack(batch)
         on_mesh = jax.make_array_from_callback(packed.shape, self.by_slot, lambda index: packed[index])
-        return shape, (self._param_leaves, self.state, on_mesh, self.previous)
+        return shape, (self._param_leaves, self.state, on_mesh, self.previous, self.image_pool)
 
     def _layout(self, shape: StepShape) -> BatchLayout:
         """Where a host batch of `shape`'s arrays lie in its packed buffer (the same for every batch of it)."""
@@ -504,19 +601,21 @@ class Engine:
             speculate,
             np.zeros((slots, self.max_pages), np.int32),
             sampling_columns([None] * slots),
+            np.full(replicas * shape.tokens, -1, np.int32),
         )
 
     def warm_up(self) -> None:
-        """Compile or load (and run once) every step shape, so serving never compiles. The executable cache is read
-        for every shape at once (a thread each); lowering is Python (one at a time under the GIL), XLA's compile is
-        not: the shapes not in the cache are lowered one after the other, most tokens first (the longest XLA
-        compile starts first), each handed to a thread of its own for XLA as soon as it is lowered; then a first
-        run of each, one after the other. Logs each shape's time to ready: its program (logged by itself) and a
-        first run."""
+        """Compile or load (and run once) every step shape, and compile the encode program of every tile bucket,
+        so serving never compiles. The executable cache is read for every shape at once (a thread each); lowering
+        is Python (one at a time under the GIL), XLA's compile is not: the shapes not in the cache are lowered one
+        after the other, most tokens first (the longest XLA compile starts first), then the encode programs, each
+        handed to a thread of its own for XLA as soon as it is lowered; then a first run of each step, one after the
+        other. Logs each program's time to ready: its compilation and a step's first run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
-        if missing:
+        buckets = [bucket for bucket in self.image_buckets if bucket not in self._encoders]
+        if missing or buckets:
             arguments = {shape: self.arguments(self.idle_batch(shape))[1] for shape in missing}
-            with ThreadPoolExecutor(len(missing), thread_name_prefix="step-compile") as pool:
+            with ThreadPoolExecutor(len(missing) + len(buckets), thread_name_prefix="step-compile") as pool:
                 loads = pool.map(lambda shape: self._loaded(shape, arguments[shape]), missing)
                 keys = dict(zip(missing, loads, strict=True))
                 compiling = [
@@ -524,6 +623,7 @@ class Engine:
                     for shape in missing
                     if shape not in self._programs
                 ]
+                compiling += [pool.submit(self._encoder, bucket, self._lowered_encoder(bucket)) for bucket in buckets]
                 for program in compiling:
                     program.result()
         for shape in self.shapes:
@@ -549,6 +649,25 @@ def batched_tokens(asked: int | None, slots: int, gamma: int, chunk: int) -> int
             f"{slots} slots{' speculating' * bool(gamma)}: it must be at least {decode_tokens + 1}"
         )
     return asked
+
+
+def add_image_arguments(parser: argparse.ArgumentParser) -> None:
+    """The image limits and feature pool, as every command that runs the engine takes them."""
+    parser.add_argument(
+        "--max-images", type=int, default=DEFAULT_MAX_IMAGES, help="images one request may carry (image models)"
+    )
+    parser.add_argument(
+        "--max-image-tiles",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_TILES,
+        help="tiles (image tokens) one image may have; the encode programs are compiled for powers of two up to it",
+    )
+    parser.add_argument(
+        "--image-feature-tokens",
+        type=int,
+        help="rows of the device pool holding the admitted requests' image features (default: four images of "
+        "--max-image-tiles); a request waits until its images' tiles fit",
+    )
 
 
 def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
@@ -630,8 +749,9 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """`load_engine`'s options from the flags the command-line front ends share (mesh, dtype, slots, chunk, page
-    budget, speculation, token budget)."""
+    budget, speculation, token budget, image limits and pool)."""
     names = ("mesh", "dtype", "max_num_seqs", "chunk", "kv_cache_mib", "speculative", "max_num_batched_tokens")
+    names += ("max_images", "max_image_tiles", "image_feature_tokens")
     return {name: getattr(args, name) for name in names}
 
 
@@ -648,6 +768,9 @@ def load_engine(
     max_context: int | None = None,
     executable_cache: str | Path | None = None,
     max_num_batched_tokens: int | None = None,
+    max_images: int = DEFAULT_MAX_IMAGES,
+    max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
+    image_feature_tokens: int | None = None,
 ) -> Engine:
     """The model of `checkpoint` on the mesh `mesh` (read straight into its shards, or with `load_format`
     "dummy" random weights built there from the config alone) and its decode state: `max_num_seqs` slots per
@@ -655,7 +778,7 @@ def load_engine(
     the page pool that fits that many MiB per device. Errors are ValueErrors naming what is wrong (config,
     checkpoint, tokenizer, mesh, cache budget, speculation without a draft), raised before any weight is read
     where they can be. speculative: one of SPECULATIVE_MODES. executable_cache: a directory for the compiled step
-    programs (None: compile every one). max_num_batched_tokens: see `Engine`."""
+    programs (None: compile every one). max_num_batched_tokens and the image options: see `Engine`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
     if max_num_seqs < 1 or chunk < 1:
@@ -685,6 +808,9 @@ def load_engine(
         checkpoint=source.path,
         executable_cache=executable_cache,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_images=max_images,
+        max_image_tiles=max_image_tiles,
+        image_feature_tokens=image_feature_tokens,
     )
 
 
@@ -695,10 +821,11 @@ def _flat_step(
     state: DecodeState,
     packed: jax.Array,
     previous: jax.Array,
+    image_pool: jax.Array,
     *,
     layout: BatchLayout,
     **static: object,
 ) -> tuple[Emitted, DecodeState]:
     """`step_fn` over the parameters' arrays (in `param_tree`'s order) and a packed host batch (`layout`)."""
     params = jax.tree.unflatten(param_tree, param_leaves)
-    return step_fn(graphdef, params, state, layout.unpack(packed), previous, **static)
+    return step_fn(graphdef, params, state, layout.unpack(packed), previous, image_pool, **static)

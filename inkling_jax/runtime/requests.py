@@ -12,9 +12,19 @@ import enum
 import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from inkling_jax.chat import ChatTemplate, ChatTemplateError
 from inkling_jax.config import TextConfig
+from inkling_jax.image_processor import ImageProcessorSettings
+from inkling_jax.runtime.images import (
+    IMAGE_MARKER,
+    ImageLimits,
+    RequestImage,
+    check_images,
+    expand_after_markers,
+    load_images,
+)
 from inkling_jax.tokenizer import Tokenizer
 
 # How many top log-probabilities a request may ask for per token (the step computes this many always).
@@ -65,6 +75,7 @@ class Request:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the top n
     speculative: bool = True  # speculate when the engine does (--speculative); False: plain decoding
+    images: Sequence[RequestImage] = ()  # one per run of image placeholders in the prompt, in order
 
 
 # name: (integral, low, high, low open); every number field's one range
@@ -84,17 +95,24 @@ FIELDS = frozenset(field.name for field in dataclasses.fields(Request))
 NO_TOKENIZER = "the checkpoint has no tokenizer.json (a dummy model from a config file has none)"
 
 
-def validate(request: Request, text: TextConfig) -> None:
+def validate(request: Request, text: TextConfig, images: ImageLimits | None = None) -> None:
     """Raise Rejected naming the first field of the wrong type or out of range, a token id outside the
     vocabulary, or stop conditions past their limits; OUT_OF_RANGE when prompt + max_tokens runs past the model's
-    context. Sizes are checked before contents, so an oversized request costs no step per entry."""
+    context. Sizes are checked before contents, so an oversized request costs no step per entry. `images`: what
+    the engine's image tower takes (None: no images), against which the request's images and the prompt's
+    placeholder runs are checked (`images.check_images`)."""
 
     def refuse(message: str) -> Rejected:
         return Rejected(Code.INVALID_ARGUMENT, message)
 
     if isinstance(request.id, bool) or not isinstance(request.id, str | int):
         raise refuse(f"id must be a string or an integer, got {request.id!r}")
-    for name, entries in (("prompt_token_ids", "integers"), ("stop_token_ids", "integers"), ("stop", "strings")):
+    for name, entries in (
+        ("prompt_token_ids", "integers"),
+        ("stop_token_ids", "integers"),
+        ("stop", "strings"),
+        ("images", "images"),
+    ):
         if not isinstance(getattr(request, name), list | tuple):
             raise refuse(f"{name} must be a list of {entries}")
     prompt, context = len(request.prompt_token_ids), text.max_position_embeddings
@@ -125,6 +143,12 @@ def validate(request: Request, text: TextConfig) -> None:
             Code.OUT_OF_RANGE,
             f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) exceeds the model's {context} positions",
         )
+    if request.images and images is None:
+        raise refuse("this model takes no images")
+    if images is not None:
+        problem = check_images(request.images, request.prompt_token_ids, images)
+        if problem is not None:
+            raise refuse(problem)
 
 
 def validate_sizes(prompt: int, stop_token_ids: int, stop: int, text: TextConfig) -> None:
@@ -159,12 +183,29 @@ def _bounds(low: float, high: float, low_open: bool) -> str:
 PROMPTS = ("prompt", "prompt_token_ids", "messages")
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageSource:
+    """How a JSONL line's "images" become a request's: paths resolve against `directory` and are processed with
+    `settings`; the engine's `limits` check them."""
+
+    directory: Path
+    settings: ImageProcessorSettings
+    limits: ImageLimits
+
+
 def request_from_json(
-    line: str, tokenizer: Tokenizer | None, text: TextConfig, chat: ChatTemplate | None = None
+    line: str,
+    tokenizer: Tokenizer | None,
+    text: TextConfig,
+    chat: ChatTemplate | None = None,
+    images: ImageSource | None = None,
 ) -> Request:
     """One JSON object -> a validated Request: {"id", "prompt_token_ids" | "prompt" (text, encoded with
     `tokenizer`) | "messages" (OpenAI-style, with optional "tools", rendered by the checkpoint's chat template
-    `chat` as the SMG gateway renders them), and any other `Request` field}. Rejected names what is wrong."""
+    `chat` as the SMG gateway renders them), optionally "images" (paths, read through `images`; None: the model
+    takes none), and any other `Request` field}. With "prompt" or "messages", each image's place is an
+    `<|content_image|>` marker (in the text, or rendered for a message's image part), which its run of placeholders
+    follows; with "prompt_token_ids" the runs are there already. Rejected names what is wrong."""
     try:
         raw = json.loads(line)
     except json.JSONDecodeError as error:
@@ -183,18 +224,58 @@ def request_from_json(
     if tokenizer is None and ("prompt" in raw or "messages" in raw or raw.get("stop")):
         field = "'prompt' (text)" if "prompt" in raw else "'messages'" if "messages" in raw else "'stop' strings"
         raise Rejected(Code.INVALID_ARGUMENT, f"{field} needs a tokenizer ({NO_TOKENIZER}); send token ids")
+    given_ids = "prompt_token_ids" in raw  # already expanded: the runs are checked, not made
+    if "images" in raw:
+        if images is None:
+            raise Rejected(Code.INVALID_ARGUMENT, "this model takes no images")
+        if isinstance(raw["images"], list) and len(raw["images"]) > images.limits.max_images:
+            count, most = len(raw["images"]), images.limits.max_images
+            raise Rejected(Code.INVALID_ARGUMENT, f"{count} images, more than the {most} a request may carry")
+        try:
+            raw["images"] = load_images(raw["images"], images.directory, images.settings)
+        except ValueError as error:
+            raise Rejected(Code.INVALID_ARGUMENT, str(error)) from None
     if "prompt" in raw:
         if not isinstance(raw["prompt"], str):
             raise Rejected(Code.INVALID_ARGUMENT, "'prompt' must be a string")
-        raw["prompt_token_ids"] = tokenizer.encode(raw.pop("prompt"))
+        raw["prompt_token_ids"] = _text_prompt(raw.pop("prompt"), tokenizer, bool(raw.get("images")))
     if "messages" in raw:
         raw["prompt_token_ids"] = _chat_prompt(raw.pop("messages"), raw.pop("tools", None), tokenizer, chat)
+        marked = raw["prompt_token_ids"].count(tokenizer.special_tokens.get(IMAGE_MARKER))
+        if marked and not raw.get("images"):
+            raise Rejected(Code.INVALID_ARGUMENT, f"'messages' hold {marked} image parts and no 'images' to fill them")
+    if raw.get("images") and not given_ids:
+        raw["prompt_token_ids"] = _expand(raw["prompt_token_ids"], raw["images"], tokenizer, images.limits)
     for name in ("prompt_token_ids", "stop_token_ids", "stop"):
         if isinstance(raw.get(name), list):
             raw[name] = tuple(raw[name])
     request = Request(**raw)
-    validate(request, text)
+    validate(request, text, None if images is None else images.limits)
     return request
+
+
+def _text_prompt(prompt: str, tokenizer: Tokenizer, with_images: bool) -> list[int]:
+    """The ids of a text prompt (special-token strings stay text), each image marker (`<|content_image|>`) its
+    token where the request carries images."""
+    if not with_images:
+        return tokenizer.encode(prompt)
+    marker = _marker_id(tokenizer)
+    pieces = [tokenizer.encode(piece) for piece in prompt.split(IMAGE_MARKER)]
+    return [token for i, piece in enumerate(pieces) for token in ([marker] if i else []) + piece]
+
+
+def _expand(ids: list[int], images: tuple[RequestImage, ...], tokenizer: Tokenizer, limits: ImageLimits) -> list[int]:
+    """The prompt with each image marker followed by its image's run of placeholders."""
+    try:
+        return expand_after_markers(ids, _marker_id(tokenizer), images, limits.image_token_id)
+    except ValueError as error:
+        raise Rejected(Code.INVALID_ARGUMENT, str(error)) from None
+
+
+def _marker_id(tokenizer: Tokenizer) -> int:
+    if IMAGE_MARKER not in tokenizer.special_tokens:
+        raise Rejected(Code.INVALID_ARGUMENT, f"the tokenizer has no {IMAGE_MARKER} token to place images with")
+    return tokenizer.special_tokens[IMAGE_MARKER]
 
 
 def _chat_prompt(messages: object, tools: object, tokenizer: Tokenizer, chat: ChatTemplate | None) -> list[int]:

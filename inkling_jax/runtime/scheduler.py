@@ -8,6 +8,11 @@ pages freed) and later recomputed: its prompt and the tokens it had produced are
 latter counted as its output, so penalties and its seeded random stream continue exactly) and
 generation resumes where it stopped.
 
+A request with images gets rows of the engine's image-feature pool for all its tiles when it is first admitted
+(it waits, first come first served, until they are free), and its images are encoded into them then, one by one,
+before the step that prefills their placeholders; it keeps them until it finishes, so a preempted request's
+recomputed prompt reads the same features, however its chunks cut the placeholder runs.
+
 With speculation (`--speculative dspark`), a decoding sequence whose request allows it runs a DSpark
 round each step (up to γ + 1 tokens at once, the same distribution as plain decoding); it decodes
 plainly when one token is all it still needs, or when a verify pass would run past the pages one
@@ -35,6 +40,7 @@ from collections.abc import Callable
 import numpy as np
 
 from inkling_jax.runtime.engine import Engine, pages_for
+from inkling_jax.runtime.images import placeholder_runs
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
 from inkling_jax.step import Emitted, StepBatch
 
@@ -71,6 +77,11 @@ class _Sequence:
     rounds: int = 0  # speculative rounds read, and the tokens they emitted
     round_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()  # the tokens that end it: its stop ids, and EOS unless ignored
+    prompt_rows: np.ndarray | None = None  # [prompt] each prompt token's image-feature pool row, -1 for text
+
+    @property
+    def tiles(self) -> int:
+        return sum(image.tiles for image in self.request.images)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -113,6 +124,8 @@ class Scheduler:
         self._waiting: list[_Sequence] = []
         self._slots: list[_Sequence | None] = [None] * self.engine.slots
         self._free_pages = [list(range(self.engine.pages_per_replica)) for _ in range(self.engine.replicas)]
+        limits = engine.image_limits
+        self._free_rows = list(range(limits.pool_rows)) if limits is not None else []  # of the image-feature pool
         self._ids: dict[str, _Sequence] = {}  # every unfinished request
         self._arrivals = itertools.count()
         self._counters = collections.Counter()
@@ -141,7 +154,14 @@ class Scheduler:
         accepting."""
         if not self.ready or self.draining:
             raise Rejected(Code.UNAVAILABLE, "the server is warming up" if not self.ready else "the server is draining")
-        validate(request, self.text)
+        validate(request, self.text, self.engine.image_limits)
+        tiles = sum(image.tiles for image in request.images)
+        if request.images and tiles > self.engine.image_limits.pool_rows:
+            raise Rejected(
+                Code.RESOURCE_EXHAUSTED,
+                f"the images' {tiles} tiles can never fit this server's image feature pool of "
+                f"{self.engine.image_limits.pool_rows} rows",
+            )
         needed = pages_for(len(request.prompt_token_ids) + request.max_tokens)
         if needed > min(self.engine.pages_per_replica, self.engine.max_pages):
             capacity = min(self.engine.pages_per_replica, self.engine.max_pages) * self.engine.page_size
@@ -297,6 +317,7 @@ class Scheduler:
             return None
         slots = engine.slots
         tokens = np.zeros((slots, max(len(piece) for _, piece, *_ in pieces.values()) or 1), np.int32)
+        image_rows = np.full(tokens.shape, -1, np.int32)
         counts = np.zeros(slots, np.int32)
         reset, is_prompt, emit, feedback, replay, speculate = (np.zeros(slots, bool) for _ in range(6))
         table = np.zeros((slots, engine.max_pages), np.int32)
@@ -312,6 +333,8 @@ class Scheduler:
             else:
                 counts[slot], reset[slot] = len(piece), sequence.fed == 0
                 is_prompt[slot] = sequence.fed < len(sequence.prompt)
+                if is_prompt[slot] and sequence.prompt_rows is not None:
+                    image_rows[slot, : len(piece)] = sequence.prompt_rows[sequence.fed : sequence.fed + len(piece)]
                 replay[slot] = not is_prompt[slot] and sequence.fed < sequence.replay_until
                 sequence.fed += len(piece)
                 sequence.decoding = sequence.fed == sequence.known  # caught up: the sample is its next token
@@ -331,6 +354,7 @@ class Scheduler:
             feedback=feedback,
             replay=replay,
             speculate=speculate,
+            image_rows=image_rows if (image_rows >= 0).any() else None,
         )
         return _Plan(batch, kept, bounds)
 
@@ -350,12 +374,28 @@ class Scheduler:
             if head.in_flight:  # preempted with a token still to read: re-admit once it is read
                 return
             pool = self._free_pages[self.engine.replica_of(slot)]
+            if head.request.images and head.prompt_rows is None and head.tiles > len(self._free_rows):
+                return  # its images wait for feature rows
             if self._slots[slot] is None and pages_for(head.known + 1) <= len(pool):
                 self._waiting.pop(0)
+                if head.request.images and head.prompt_rows is None:
+                    self._encode_images(head)
                 if head.replay_until == 0:  # first admission
                     self._counters["prompt"] += len(head.prompt)
                 head.slot, head.fed, head.replay_until = slot, 0, head.known
                 self._slots[slot] = head
+
+    def _encode_images(self, sequence: _Sequence) -> None:
+        """Give a sequence's tiles rows of the image-feature pool and dispatch its images' encoding into them."""
+        rows = np.asarray(self._free_rows[-sequence.tiles :], np.int32)
+        del self._free_rows[-sequence.tiles :]
+        sequence.prompt_rows = np.full(len(sequence.prompt), -1, np.int32)
+        runs = placeholder_runs(sequence.prompt, self.engine.image_limits.image_token_id)
+        first = 0
+        for image, (start, length) in zip(sequence.request.images, runs, strict=True):
+            sequence.prompt_rows[start : start + length] = rows[first : first + length]
+            self.engine.encode(image, rows[first : first + length])
+            first += length
 
     def _grow(self, sequence: _Sequence, tokens: int) -> None:
         """Give `sequence` pages for `tokens` tokens, preempting the latest-admitted sequences of its
@@ -443,6 +483,9 @@ class Scheduler:
         if sequence in self._waiting:
             self._waiting.remove(sequence)
         self._release(sequence)
+        if sequence.prompt_rows is not None:  # its image features' rows
+            self._free_rows.extend(sequence.prompt_rows[sequence.prompt_rows >= 0].tolist())
+            sequence.prompt_rows = None
         with self._lock:
             self._ids.pop(sequence.request.id, None)
             self._lock.notify_all()

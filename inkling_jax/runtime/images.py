@@ -1,0 +1,173 @@
+"""Images in requests: what a request carries, the limits it is checked against, where its placeholders go, and
+the device program that encodes one image into the engine's feature pool.
+
+A request carries its images processed on the host (`RequestImage`: pixel values and grid, as
+`inkling_jax.image_processor` makes them); its prompt holds one run of `image_token_id` placeholders per image,
+in order, one placeholder per tile. The engine keeps a pool of feature rows [R, text hidden] on the device; the
+scheduler gives a request rows for all its tiles when it is first admitted and keeps them until it finishes (a
+preempted request's recomputed prompt reads the same rows), and each image is encoded into its rows by itself,
+padded to the smallest of a few fixed tile counts (`image_buckets`), so no image compiles a program and no image's
+features depend on the others'. The step reads each placeholder's features from its row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from inkling_jax.config import VisionConfig
+from inkling_jax.image_processor import ImageError, ImageProcessorSettings, process_image_file
+
+DEFAULT_MAX_IMAGES = 16  # images per request
+DEFAULT_MAX_IMAGE_TILES = 4096  # tiles (image tokens) per image: 2560 x 2560 pixels of 40-pixel tiles
+SMALLEST_BUCKET = 16  # tiles of the smallest encode program
+IMAGE_MARKER = "<|content_image|>"  # the chat framing's image marker: the placeholder run follows it
+
+
+class ImageOptionsError(ValueError):
+    """Image limits or a feature pool that cannot work (`--max-images`, `--max-image-tiles`,
+    `--image-feature-tokens`)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RequestImage:
+    """One image of a request: pixel_values float32 [tiles, side, side, channels] and image_grid_thw [1, 3] =
+    (1, rows, columns) of tiles, as `inkling_jax.image_processor` makes them."""
+
+    pixel_values: np.ndarray
+    image_grid_thw: np.ndarray
+
+    @property
+    def tiles(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageLimits:
+    """What an engine with an image tower takes: tiles of `tile_shape` (side, side, channels), at most `max_images`
+    per request and `max_tiles` per image, `pool_rows` feature rows in all (a request's tiles must fit them)."""
+
+    image_token_id: int
+    tile_shape: tuple[int, int, int]
+    max_images: int
+    max_tiles: int
+    pool_rows: int
+
+
+def image_limits(
+    vision: VisionConfig | None, image_token_id: int, max_images: int, max_tiles: int, pool_rows: int | None = None
+) -> ImageLimits | None:
+    """The limits of an engine over a model with the image tower `vision` (None without one); `pool_rows` default:
+    four images of `max_tiles`. ImageOptionsError for limits below one or a pool that cannot hold one image."""
+    if vision is None:
+        return None
+    if min(max_images, max_tiles) < 1:
+        raise ImageOptionsError(f"max_images ({max_images}) and max_image_tiles ({max_tiles}) must be at least 1")
+    rows = 4 * max_tiles if pool_rows is None else pool_rows
+    if rows < max_tiles:
+        raise ImageOptionsError(f"image_feature_tokens {rows} cannot hold one image of max_image_tiles {max_tiles}")
+    side = vision.spatial_merge_size * vision.patch_size
+    return ImageLimits(image_token_id, (side, side, vision.num_channels), max_images, max_tiles, rows)
+
+
+def image_buckets(max_tiles: int) -> tuple[int, ...]:
+    """The tile counts of the encode programs: powers of two from SMALLEST_BUCKET, the last `max_tiles` itself."""
+    buckets, size = [], SMALLEST_BUCKET
+    while size < max_tiles:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, max_tiles)
+
+
+def placeholder_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each contiguous run of `image_token_id` in `token_ids`, in order."""
+    ids = np.asarray(token_ids, np.int64)
+    placeholder = np.concatenate([[False], ids == image_token_id, [False]])
+    edges = np.flatnonzero(placeholder[1:] != placeholder[:-1])
+    return [(int(start), int(end - start)) for start, end in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def check_images(images: Sequence[object], token_ids: Sequence[int], limits: ImageLimits) -> str | None:
+    """What is wrong with a request's images against `limits` and its prompt's placeholder runs, or None: the count,
+    each image's shapes, grid and tiles, then one run per image of exactly its tiles, in order."""
+    if len(images) > limits.max_images:
+        return f"{len(images)} images, more than the {limits.max_images} a request may carry"
+    for i, image in enumerate(images):
+        if not isinstance(image, RequestImage):
+            return f"images[{i}] is not a processed image"
+        pixels, grid = np.asarray(image.pixel_values), np.asarray(image.image_grid_thw)
+        if pixels.dtype != np.float32 or pixels.ndim != 4 or pixels.shape[1:] != limits.tile_shape:
+            return f"images[{i}]: pixel values must be float32 [tiles, {', '.join(map(str, limits.tile_shape))}]"
+        if grid.shape != (1, 3) or not np.issubdtype(grid.dtype, np.integer) or grid[0, 0] != 1 or (grid < 1).any():
+            return f"images[{i}]: image_grid_thw must be [[1, rows, columns]], got {grid.tolist()}"
+        if int(np.prod(grid)) != pixels.shape[0] or pixels.shape[0] == 0:
+            return f"images[{i}]: image_grid_thw counts {int(np.prod(grid))} tiles, the pixel values hold {len(pixels)}"
+        if pixels.shape[0] > limits.max_tiles:
+            return f"images[{i}] has {pixels.shape[0]} tiles, more than the {limits.max_tiles} an image may have"
+    runs = [length for _, length in placeholder_runs(token_ids, limits.image_token_id)]
+    tiles = [image.tiles for image in images]
+    if runs != tiles:
+        return (
+            f"the prompt's runs of image placeholders (token {limits.image_token_id}) hold {runs} tokens, the "
+            f"images have {tiles} tiles: each image needs one contiguous run of one placeholder per tile, in order"
+        )
+    return None
+
+
+def load_images(paths: object, directory: Path, settings: ImageProcessorSettings) -> tuple[RequestImage, ...]:
+    """The images of a JSONL line's "images" (paths, relative to `directory` or absolute), processed; ValueError
+    naming the entry and what is wrong with it."""
+    if not isinstance(paths, list) or not all(isinstance(path, str) and path for path in paths):
+        raise ValueError("'images' must be a list of image file paths")
+    images = []
+    for i, path in enumerate(paths):
+        try:
+            pixels, grid = process_image_file(directory / path, settings)
+        except ImageError as error:
+            raise ValueError(f"images[{i}] ({path}): {error}") from None
+        images.append(RequestImage(pixels, grid))
+    return tuple(images)
+
+
+def expand_after_markers(
+    token_ids: Sequence[int], marker_id: int, images: Sequence[RequestImage], image_token_id: int
+) -> list[int]:
+    """`token_ids` with each `marker_id` followed by its image's run of placeholders (one per tile), in order, as
+    the chat framing places images (`<|content_image|>` then the run, as SMG's Inkling processor expands it);
+    ValueError when the markers and the images do not pair up."""
+    markers = sum(token == marker_id for token in token_ids)
+    if markers != len(images):
+        raise ValueError(f"the prompt marks {markers} images ({IMAGE_MARKER}), the request has {len(images)}")
+    expanded, next_image = [], iter(images)
+    for token in token_ids:
+        expanded.append(token)
+        if token == marker_id:
+            expanded.extend([image_token_id] * next(next_image).tiles)
+    return expanded
+
+
+def encode_fn(
+    graphdef: nnx.GraphDef, params: nnx.State, pool: jax.Array, pixels: jax.Array, grid: jax.Array, rows: jax.Array
+) -> jax.Array:
+    """The pool [R, H] with one image's features written at `rows` [B] (R, past the pool, for padding tiles):
+    pixels [B, side, side, C] hold the image's tiles then padding, grid [2, 3] the image's (1, rows, columns) and
+    the padding's own image (1, 1, B - tiles), which the tower's per-image attention keeps apart from it (on the
+    CPU the real tiles' features are those of the image alone, to the bit)."""
+    features = nnx.merge(graphdef, params)(pixels, grid)
+    return pool.at[rows].set(features.astype(pool.dtype), mode="drop")
+
+
+def padded_image(image: RequestImage, bucket: int, rows: np.ndarray, pool_rows: int) -> tuple[np.ndarray, ...]:
+    """An image's encode inputs in a bucket of `bucket` tiles: (pixels, grid [2, 3], rows [bucket])."""
+    tiles = image.tiles
+    pixels = np.zeros((bucket, *image.pixel_values.shape[1:]), np.float32)
+    pixels[:tiles] = image.pixel_values
+    grid = np.array([np.asarray(image.image_grid_thw)[0], [1, 1, bucket - tiles]], np.int32)
+    padded_rows = np.full(bucket, pool_rows, np.int32)
+    padded_rows[:tiles] = rows
+    return pixels, grid, padded_rows
