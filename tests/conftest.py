@@ -6,16 +6,12 @@ A test still running after HANG_SECONDS (set-up included) writes every thread's 
 fails the suite in minutes and says where, instead of holding CI to its limit. Under xdist, whose workers' own output
 is dropped, the stacks go to .pytest-hangs/ and the controller prints them after the run.
 
-Compiled programs also go to a compilation cache of the run's own (removed when it ends), shared by `make test`'s
-two xdist workers: each engine jits its step afresh, so tests that build engines of the same shapes would otherwise
-compile the same program again (a cache hit skips only XLA's compilation; tracing, lowering and every run are the
-test's own)."""
+No persistent compilation cache: few programs repeat across test files, and writing each one to a cache (which
+serializes the executable, re-running part of XLA's pipeline) cost more than the repeats it saved."""
 
-import atexit
 import faulthandler
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,15 +21,6 @@ from xla_flags import DEVICES, UNOPTIMIZED, UNVERIFIED
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICES, UNOPTIMIZED, UNVERIFIED]).strip()
 
-import jax
-
-# one cache for the run: xdist's workers, started after the controller loaded this file, inherit its directory
-CACHE = os.environ.get("INKLING_JAX_TESTS_CACHE")
-if CACHE is None:
-    CACHE = os.environ["INKLING_JAX_TESTS_CACHE"] = tempfile.mkdtemp(prefix="inkling-jax-tests-")
-    atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the engines' steps, not every small jit
 # the command-line entry points tests run (in this process or as subprocesses) leave JAX's cache settings alone
 # and never write into the home directory (`inkling_jax.runtime.compilation_cache`)
 os.environ["INKLING_JAX_COMPILATION_CACHE"] = "none"
