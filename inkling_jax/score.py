@@ -22,8 +22,9 @@ from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.cli import argument_parser
 from inkling_jax.config import ConfigError, ModelConfig
 from inkling_jax.forward import logits_fn, multimodal_logits
-from inkling_jax.image_processor import ImageError, ImageProcessorSettings, process_image_file
+from inkling_jax.image_processor import ImageError, ImageProcessorSettings
 from inkling_jax.model.vision import ImageInputError, placeholder_runs
+from inkling_jax.runtime.images import load_images
 from inkling_jax.token_ids import TokenIdError, validate_token_ids
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -43,8 +44,8 @@ def log_to_stderr() -> None:
     logger.propagate = False
 
 
-def read_request(path: str | Path) -> tuple[object, list[Path]]:
-    """(the prompt's ids as written, the image paths resolved against REQ.json's directory)."""
+def read_request(path: str | Path) -> tuple[object, object]:
+    """(the prompt's ids, the image paths) as REQ.json writes them."""
     path = Path(path)
     try:
         request = json.loads(path.read_text())
@@ -59,35 +60,34 @@ def read_request(path: str | Path) -> tuple[object, list[Path]]:
     unknown = sorted(set(request) - {"prompt_token_ids", "images"})
     if unknown:
         raise ScoreRequestError(f"{path}: unknown fields {unknown}; expected 'prompt_token_ids' and 'images'")
-    images = request.get("images", [])
-    if not isinstance(images, list) or not all(isinstance(image, str) for image in images):
-        raise ScoreRequestError(f"{path}: 'images' must be a list of file paths")
-    return request["prompt_token_ids"], [path.parent / image for image in images]
+    return request["prompt_token_ids"], request.get("images", [])
 
 
-def load_images(
-    ids: list[int], images: list[Path], config: ModelConfig, settings: ImageProcessorSettings
+def request_images(
+    ids: list[int], paths: object, directory: Path, config: ModelConfig, settings: ImageProcessorSettings
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(pixel_values, image_grid_thw) of `images`, each checked against its placeholder run in `ids`."""
+    """(pixel_values, image_grid_thw) of the images at `paths` (relative to `directory`), each checked against its
+    placeholder run in `ids`."""
     if config.vision is None:
         raise ScoreRequestError("the checkpoint's model takes no images (its config has no vision_config)")
+    try:
+        images = load_images(paths, directory, settings)
+    except ValueError as error:
+        raise ScoreRequestError(str(error)) from None
     runs = placeholder_runs(ids, config.image_token_id)
     if len(runs) != len(images):
         raise ScoreRequestError(
             f"the prompt holds {len(runs)} runs of the image placeholder (token {config.image_token_id}) and the "
             f"request names {len(images)} images: one image per run"
         )
-    pixels, grids = [], []
     for number, (image, (start, length)) in enumerate(zip(images, runs, strict=True)):
-        values, grid = process_image_file(image, settings)
-        if values.shape[0] != length:
+        if image.tiles != length:
             raise ScoreRequestError(
-                f"image #{number} ({image.name}) has {values.shape[0]} tiles, its placeholder run at token {start} "
+                f"images[{number}] ({paths[number]}) has {image.tiles} tiles, its placeholder run at token {start} "
                 f"has {length}"
             )
-        pixels.append(values)
-        grids.append(grid)
-    return np.concatenate(pixels), np.concatenate(grids)
+    pixel_values = np.concatenate([image.pixel_values for image in images])
+    return pixel_values, np.concatenate([image.image_grid_thw for image in images])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log_to_stderr()
     try:
-        ids, images = read_request(args.input)
+        ids, paths = read_request(args.input)
         config, model = load_model(args.checkpoint, DTYPES[args.dtype])
         ids = validate_token_ids(ids, config.text)
-        if images or (config.vision is not None and placeholder_runs(ids, config.image_token_id)):
+        if paths or (config.vision is not None and placeholder_runs(ids, config.image_token_id)):
             settings = ImageProcessorSettings.from_checkpoint(args.checkpoint)
-            pixel_values, grids = load_images(ids, images, config, settings)
+            pixel_values, grids = request_images(ids, paths, Path(args.input).parent, config, settings)
             logits = multimodal_logits(model, ids, pixel_values, grids)
         else:
             logits = logits_fn(model)(jnp.asarray([ids], jnp.int32))[0]

@@ -22,6 +22,7 @@ from flax import nnx
 
 from inkling_jax.config import VisionConfig
 from inkling_jax.image_processor import ImageError, ImageProcessorSettings, process_image_file
+from inkling_jax.model.vision import placeholder_runs
 
 DEFAULT_MAX_IMAGES = 16  # images per request
 DEFAULT_MAX_IMAGE_TILES = 4096  # tiles (image tokens) per image: 2560 x 2560 pixels of 40-pixel tiles
@@ -82,14 +83,6 @@ def image_buckets(max_tiles: int) -> tuple[int, ...]:
         buckets.append(size)
         size *= 2
     return (*buckets, max_tiles)
-
-
-def placeholder_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(start, length) of each contiguous run of `image_token_id` in `token_ids`, in order."""
-    ids = np.asarray(token_ids, np.int64)
-    placeholder = np.concatenate([[False], ids == image_token_id, [False]])
-    edges = np.flatnonzero(placeholder[1:] != placeholder[:-1])
-    return [(int(start), int(end - start)) for start, end in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def check_images(images: Sequence[object], token_ids: Sequence[int], limits: ImageLimits) -> str | None:

@@ -189,9 +189,17 @@ def test_score_cli_reads_images_named_beside_the_request(images, tmp_path, capsy
     ("pictures", "edit", "message"),
     [
         (["two_0.png"], None, "holds 2 runs of the image placeholder .token 300. and the request names 1 images"),
-        (["two_1.png", "two_0.png"], None, "image #0 .two_1.png. has 3 tiles, its placeholder run at token 4 has 12"),
-        (["two_0.png", "gone.png"], None, "cannot read image file .*gone.png"),
-        (["two_0.png", "two_1.png"], lambda r: {**r, "images": "two_0.png"}, "'images' must be a list of file paths"),
+        (
+            ["two_1.png", "two_0.png"],
+            None,
+            r"images\[0\] .pictures/two_1.png. has 3 tiles, its placeholder run at token 4 has 12",
+        ),
+        (["two_0.png", "gone.png"], None, "images\\[1\\] .pictures/gone.png.: cannot read image file"),
+        (
+            ["two_0.png", "two_1.png"],
+            lambda r: {**r, "images": "two_0.png"},
+            "'images' must be a list of image file paths",
+        ),
         (["two_0.png", "two_1.png"], lambda r: {**r, "pixels": []}, r"unknown fields \['pixels'\]"),
         (["two_0.png", "two_1.png"], lambda r: {"ids": r["prompt_token_ids"]}, "an object with 'prompt_token_ids'"),
     ],
@@ -305,8 +313,8 @@ def _random_images(model: nnx.Module) -> tuple[np.ndarray, np.ndarray, np.ndarra
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_spec", ["tp2", "tp4"])
 def test_sharded_tower_matches_unsharded(mesh_spec, synthetic):
-    """Read into the mesh's shards (heads, MLP and projector widths split where tp divides them), the model gives
-    the unsharded features and logits."""
+    """Read into the mesh's shards (heads, MLP and projector widths split where tp divides them), the tower gives
+    the unsharded features, and (tp2) the model the unsharded logits."""
     checkpoint = synthetic["original"]
     _, whole = load_causal_lm(checkpoint, jnp.float32)
     mesh = make_mesh(mesh_spec, load_config(checkpoint).text)
@@ -319,9 +327,10 @@ def test_sharded_tower_matches_unsharded(mesh_spec, synthetic):
     want_features = np.asarray(image_features_fn(whole)(pixels, grid))
     with jax.set_mesh(mesh):
         got_features = np.asarray(image_features_fn(sharded)(pixels, grid))
-        got_logits = np.asarray(multimodal_logits(sharded, ids, pixels, grid))
+        got_logits = np.asarray(multimodal_logits(sharded, ids, pixels, grid)) if mesh_spec == "tp2" else None
     assert relative_error(got_features, want_features) < 1e-5
-    assert relative_error(got_logits, np.asarray(multimodal_logits(whole, ids, pixels, grid))) < 1e-4
+    if got_logits is not None:  # the text model's sharding is test_sharding.py's; here the merge under a mesh
+        assert relative_error(got_logits, np.asarray(multimodal_logits(whole, ids, pixels, grid))) < 1e-4
 
 
 @pytest.mark.slow
@@ -336,9 +345,10 @@ def test_dummy_model_builds_the_tower_in_its_shards(synthetic):
         assert (variable.shape, variable.dtype) == (expected[path].shape, expected[path].dtype), path
     assert len(built) == 44
     assert model.vision_tower.layers.mlp.fc1.weight[...].sharding.spec[1] == MODEL
-    ids, pixels, grid = _random_images(model)
+    _, pixels, grid = _random_images(model)
     with jax.set_mesh(mesh):
-        assert np.isfinite(np.asarray(multimodal_logits(model, ids, pixels, grid))).all()
+        features = np.asarray(image_features_fn(model)(pixels, grid).astype(jnp.float32))
+    assert features.shape == (10, 64) and np.isfinite(features).all() and features.std() > 0
 
 
 @pytest.mark.slow
