@@ -153,7 +153,10 @@ def _ragged_sum_of_products(
             "rhs groups along dim 0, no batch dimensions)"
         )
     groups = rhs.shape[0]
-    group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(lhs.shape[0]), side="right")
+    # each row's group: how many groups end at or before it (searchsorted's count, spelled as a comparison: jax's
+    # searchsorted fails to trace under shard_map when the sizes vary over a mesh axis and the rows do not)
+    ends = jnp.cumsum(group_sizes)
+    group = jnp.sum(ends[None, :] <= jnp.arange(lhs.shape[0], dtype=ends.dtype)[:, None], axis=1)
     rows_rhs = rhs[jnp.minimum(group, groups - 1)]  # [M, rhs dims 1..]
     names = iter("abcdefghijklmnopqrstuvwxyz")
     lhs_letters = "".join(next(names) for _ in range(lhs.ndim))

@@ -125,10 +125,11 @@ def one_device(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["tp4", "dp2tp2"])
+@pytest.mark.parametrize("spec", ["tp4", "dp2tp2", "dp2tp1"])
 def test_sharded_generation_matches_one_device(tmp_path, one_device, spec):
     """8 simulated CPU devices (tests/conftest.py): the same tokens as tp1 (tp4 keeps a copy of one of
-    the 2 KV heads per device); dp2 splits the requests over two replicas of max-num-seqs slots each."""
+    the 2 KV heads per device); dp2 splits the requests over two replicas of max-num-seqs slots each (with tp1,
+    each replica runs the experts whole)."""
     code, sharded = run(tmp_path, MIXED_REQUESTS, "--max-num-seqs", "2", "--chunk", "4", "--mesh", spec)
     assert code == 0
     assert sharded == one_device
