@@ -30,11 +30,12 @@ HIDDEN, INTER, EXPERTS = 512, 256, 8
 
 
 def expert_weights(seed: int, fmt: str, experts: int = EXPERTS) -> tuple[jax.Array | QuantizedArray, ...]:
-    """Random gate_up [E, 2I, H] and down [E, H, I] with per-expert scales, plain bf16 or quantized."""
-    keys = jax.random.split(jax.random.key(seed), 3)
-    scale = jnp.exp(jax.random.uniform(keys[0], (experts, 1, 1), minval=-1.0, maxval=1.0)) * 0.05
-    gate_up = jax.random.normal(keys[1], (experts, 2 * INTER, HIDDEN)) * scale
-    down = jax.random.normal(keys[2], (experts, HIDDEN, INTER)) * scale
+    """Random gate_up [E, 2I, H] and down [E, H, I] with per-expert scales, plain bf16 or quantized (drawn on the
+    host: no program per shape)."""
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.uniform(-1.0, 1.0, (experts, 1, 1))).astype(np.float32) * np.float32(0.05)
+    gate_up = jnp.asarray(rng.standard_normal((experts, 2 * INTER, HIDDEN), np.float32) * scale)
+    down = jnp.asarray(rng.standard_normal((experts, HIDDEN, INTER), np.float32) * scale)
     if fmt == PLAIN:
         return gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16)
     return quantize(gate_up, fmt), quantize(down, fmt)
@@ -42,13 +43,11 @@ def expert_weights(seed: int, fmt: str, experts: int = EXPERTS) -> tuple[jax.Arr
 
 def routed(seed: int, tokens: int, top_k: int, ids: tuple[int, int]) -> tuple[jax.Array, ...]:
     """x [T, H] bf16, experts [T, k] distinct per token from range(*ids), weights [T, k]."""
-    keys = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(keys[0], (tokens, HIDDEN)).astype(jnp.bfloat16)
-    choices = jax.vmap(lambda key: jax.random.permutation(key, ids[1] - ids[0])[:top_k])(
-        jax.random.split(keys[1], tokens)
-    )
-    weights = jax.random.uniform(keys[2], (tokens, top_k), minval=0.05, maxval=1.0)
-    return x, (choices + ids[0]).astype(jnp.int32), weights
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((tokens, HIDDEN), np.float32), jnp.bfloat16)
+    choices = np.stack([rng.permutation(ids[1] - ids[0])[:top_k] for _ in range(tokens)])
+    weights = jnp.asarray(rng.uniform(0.05, 1.0, (tokens, top_k)), jnp.float32)
+    return x, jnp.asarray(choices + ids[0], jnp.int32), weights
 
 
 @pytest.mark.slow
