@@ -135,6 +135,14 @@ def banded(profiles: jax.Array, start: jax.Array, frame: int, *, most: int) -> j
     return jax.vmap(lambda x, o: jax.lax.dynamic_slice_in_dim(x, o, frame, axis=-1))(sheared, offset)
 
 
+def reversed_profiles(rel: jax.Array, rel_proj: jax.Array) -> jax.Array:
+    """Every query row's bias at every distance, [S, Hq, C, extent] in rel's dtype with distances reversed
+    (column t: distance extent - 1 - t): the reference's contraction, so that the rounded profiles are its own.
+    rel [S, C, Hq, d_rel]; rel_proj [d_rel, extent]."""
+    # reversed on the product (which XLA fuses into the band's padding), not on rel_proj (a kernel of its own)
+    return einsum("bthr,re->bhte", rel, round_to(rel_proj, rel.dtype))[..., ::-1]
+
+
 def frame_bias(
     rel: jax.Array,
     rel_proj: jax.Array,
@@ -144,18 +152,18 @@ def frame_bias(
     *,
     kv_heads: int,
     ring: bool,
+    profiles: Callable[[jax.Array, jax.Array], jax.Array] = reversed_profiles,
 ) -> jax.Array:
     """The bias [S, Hkv, R, frame] of every grouped query row at every key slot of its frame, in the
     activation dtype (as the reference rounds it; see `relative_attention.reference.relative_bias`), for
-    kernels that read it as an operand. rel [S, C, Hq, d_rel]; rel_proj [d_rel, extent].
+    kernels that read it as an operand. rel [S, C, Hq, d_rel]; rel_proj [d_rel, extent]; `profiles`: the
+    products as `reversed_profiles` gives them (a kernel passes its own to sum them as its in-kernel bias does).
     Pool frames are positions bias_first * block onward; a ring's frame is its slots, which hold the last
     `ring` positions rotated (slot p % ring), so its band is built over those positions in order and
     rotated the same way."""
     slots, width, heads, _ = rel.shape
     extent, frame = rel_proj.shape[1], plan.frame_blocks * plan.block
-    # the reference's contraction, so that the rounded profiles are its own: [S, Hq, C, extent], distances
-    # reversed on the product (which XLA fuses into the band's padding), not on rel_proj (a kernel of its own)
-    profiles = einsum("bthr,re->bhte", rel, round_to(rel_proj, rel.dtype))[..., ::-1]
+    profiles = profiles(rel, rel_proj)  # [S, Hq, C, extent]
     first_query = kv_lens - query_lens
     if ring:
         oldest = kv_lens - frame  # the position the ring's oldest slot holds once full

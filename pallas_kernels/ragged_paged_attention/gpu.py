@@ -20,7 +20,9 @@ that need neither bias nor mask (behind the causal edge and past the profile) in
 the per-step conditionals.
 
 The bias: decode tiles over several positions (verify, and prefill under batch invariance) and prefill tiles
-over the rings or of other widths copy tiles of `blocks.frame_bias`, built in XLA. Decode tiles at one position
+over the rings or of other widths copy tiles of `blocks.frame_bias`, built in XLA around profiles that a small
+kernel sums on the tensor cores as the in-kernel bias does (`_frame_profiles`: one wgmma of the relative states
+with the profile table), so that a position's bias has the same bits in every tile. Decode tiles at one position
 (over the pool, or over a ring that holds a window and a step of keys) and prefill tiles over the pool build
 theirs in the kernel: for prefill tiles (C a multiple of 64) the frame
 would cost Hq * C * (extent + C) values written through several XLA passes, twice the kernel; for decode it is
@@ -128,6 +130,52 @@ def _profile_tables(rel_proj: jax.Array, dtype: jnp.dtype, keys: int, width: int
     proj = round_to(rel_proj, dtype)[:, ::-1].T  # [extent, d_rel], row i: distance extent - 1 - i
     table = jnp.pad(proj, ((z - extent + 1, rows + ALIGN - z - 1), (0, width - d_rel)))
     return jnp.stack([table[d : d + rows] for d in range(ALIGN)]), z
+
+
+def _frame_profiles(rel: jax.Array, rel_proj: jax.Array, *, interpret: bool) -> jax.Array:
+    """`blocks.reversed_profiles` with each product summed as the in-kernel bias sums it: the d_rel terms (padded
+    with zeros to the bias wgmma's contraction) in one wgmma into fp32, rounded once. The frame's rows (verify,
+    chunks, rings) then carry the bias bits a decode tile builds for the same position; XLA's own sum of the
+    terms rounds differently now and then, which breaks batch invariance. rel [S, C, Hq, d_rel] (d_rel at most 64),
+    rel_proj [d_rel, extent] -> [S, Hq, C, extent]."""
+    slots, width, heads, d_rel = rel.shape
+    extent, dtype, contraction = rel_proj.shape[1], rel.dtype, _rel_width(d_rel)
+    rows = slots * heads * width
+    m, n = -(-rows // LANES) * LANES, -(-extent // LANES) * LANES
+    cols = next(c for c in (256, 128, LANES) if n % c == 0)  # the wgmma's N
+    states = jnp.pad(rel.transpose(0, 2, 1, 3).reshape(rows, d_rel), ((0, m - rows), (0, contraction - d_rel)))
+    table = round_to(rel_proj, dtype)[:, ::-1].T  # [extent, d_rel], row t: distance extent - 1 - t
+    table = jnp.pad(table, ((0, n - extent), (0, contraction - d_rel)))
+
+    def body(states_ref, table_ref, out_ref, states_smem, table_smem, out_smem, landed):
+        i, j = lax.axis_index("m"), lax.axis_index("n")
+        plgpu.copy_gmem_to_smem(states_ref.at[pl.ds(i * LANES, LANES)], states_smem, landed)
+        plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(j * cols, cols)], table_smem, landed)
+        plgpu.barrier_wait(landed)
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, states_smem, table_smem.transpose((1, 0)))
+            return acc_ref[...]
+
+        out_smem[...] = pl.run_scoped(product, plgpu.ACC((LANES, cols), jnp.float32)).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(i * LANES, LANES), pl.ds(j * cols, cols)])
+        plgpu.wait_smem_to_gmem(0)
+
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), dtype),
+        scratch_types=(
+            plgpu.SMEM((LANES, contraction), dtype, transforms=_transforms(contraction)),
+            plgpu.SMEM((cols, contraction), dtype, transforms=_transforms(contraction)),
+            plgpu.SMEM((LANES, cols), dtype, transforms=TRANSFORMS_16BIT),
+            plgpu.Barrier(num_arrivals=2),
+        ),
+        grid=(m // LANES, n // cols),
+        grid_names=("m", "n"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(states, table)
+    return out[:rows, :extent].reshape(slots, heads, width, extent)
 
 
 def _lap_position(slot: jax.Array, last: jax.Array, ring: int) -> jax.Array:
@@ -371,7 +419,10 @@ def _attention(
         bias_operands = [tables, rel]
         bias_rows = 0
     else:
-        bias = frame_bias(rel, rel_proj, kv_lens, query_lens, plan, kv_heads=kv_heads, ring=ring)  # [S, Hkv, R, F]
+        bias = frame_bias(  # [S, Hkv, R, F]
+            rel, rel_proj, kv_lens, query_lens, plan, kv_heads=kv_heads, ring=ring,
+            profiles=functools.partial(_frame_profiles, interpret=interpret),
+        )  # fmt: skip
         # Bias rows copied per tile: a single tile (at most 64 rows) copies only its real rows, rounded up to
         # the 8-row SMEM tiling; the rest of its SMEM slot is never written and feeds only padding rows.
         bias_rows = -(-rows // 8) * 8 if tiles == 1 else tile

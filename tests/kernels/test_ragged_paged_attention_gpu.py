@@ -23,7 +23,7 @@ from jax import export
 from test_ragged_paged_attention import PRODUCTION_DIM, among_other_layers, production_operands
 
 from pallas_kernels.ragged_paged_attention import gpu
-from pallas_kernels.ragged_paged_attention.blocks import attend
+from pallas_kernels.ragged_paged_attention.blocks import attend, reversed_profiles
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention as reference
 
 CPU = jax.default_backend() == "cpu"
@@ -284,3 +284,21 @@ def test_invariance_takes_tiles_within_two_blocks():
         compare(case, None, None)
     if not CPU:
         compare(case, None, None, invariant=False)
+
+
+@pytest.mark.parametrize(("slots", "width", "heads", "d_rel", "extent"), [(2, 3, 4, 16, 200), (3, 1, 6, 8, 1024)])
+def test_frame_profiles_are_the_reference_products(slots, width, heads, d_rel, extent):
+    """The frame's profiles from the bias wgmma (the sum the decode tiles' in-kernel bias takes) are the reference's
+    rounded products, in its layout: to the bit in the interpreter (which sums as XLA does), within one rounding of
+    the activation dtype on the GPU's tensor cores. d_rel 8 pads the wgmma's contraction with zeros; an extent that
+    is no multiple of 64 pads the table."""
+    rng = np.random.default_rng(slots * 100 + d_rel)
+    rel = jnp.asarray(rng.normal(size=(slots, width, heads, d_rel)), jnp.bfloat16)
+    rel_proj = jnp.asarray(rng.normal(size=(d_rel, extent)), jnp.float32)
+    got = np.asarray(jax.jit(functools.partial(gpu._frame_profiles, interpret=CPU))(rel, rel_proj), np.float32)
+    want = np.asarray(jax.jit(reversed_profiles)(rel, rel_proj), np.float32)
+    assert got.shape == (slots, heads, width, extent)
+    if CPU:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2**-8, atol=1e-6)
