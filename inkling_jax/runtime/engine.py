@@ -253,9 +253,9 @@ class Engine:
         """The image feature pool (replicated on the mesh) and, for a model with a tower, its limits and the
         encode programs' function."""
         tower = model.vision_tower
-        vision = None if tower is None else tower.config
+        self.vision = None if tower is None else tower.config  # the tower's VisionConfig (None: text only)
         self.image_limits = image_limits(
-            vision, model.image_token_id, max_images, max_image_tiles, image_feature_tokens
+            self.vision, model.image_token_id, max_images, max_image_tiles, image_feature_tokens
         )
         self._encoders: dict[int, jax.stages.Compiled] = {}
         if tower is not None:

@@ -22,6 +22,7 @@ from inkling_jax.checkpoint.safetensors_io import CheckpointFiles, write_safeten
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import ConfigError, load_config, parse_config
 from inkling_jax.forward import image_features_fn, multimodal_logits
+from inkling_jax.model import vision
 from inkling_jax.model.vision import ImageInputError
 from inkling_jax.sharding import MODEL, make_mesh
 
@@ -111,6 +112,21 @@ def test_bfloat16_tower_follows_reference(case, images):
     assert np.isfinite(logits).all()
     want, f32 = images[f"{case}_logits_bf16"], images[f"{case}_logits_f32"]
     assert np.abs(logits - want).mean() < np.abs(f32 - want).mean()
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention runs on a GPU")
+def test_fused_attention_keeps_images_apart_within_bf16_rounding():
+    """The tower's fused attention on a GPU (cuDNN) over two images and a padding segment: each token attends within
+    its own image only, and every output is within bf16 rounding of the reference's arithmetic."""
+    rng = np.random.default_rng(7)
+    length, heads, dim = 300, 4, 64
+    q, k, v = (jnp.asarray(rng.normal(size=(length, heads, dim)), jnp.bfloat16) for _ in range(3))
+    segments = jnp.asarray(np.repeat([0, 1, 2], [37, 200, 63]), jnp.int32)
+    got = np.asarray(vision.fused_image_attention(q, k, v, segments, dim**-0.5), np.float32)
+    want = np.asarray(vision.reference_image_attention(q, k, v, segments, dim**-0.5), np.float32)
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    alone = np.asarray(vision.fused_image_attention(q[37:237], k[37:237], v[37:237], segments[37:237], dim**-0.5))
+    np.testing.assert_allclose(got[37:237], alone.astype(np.float32), atol=1e-2, rtol=1e-2)
 
 
 def test_placeholder_count_mismatch_is_refused(images, models):
