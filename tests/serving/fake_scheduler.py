@@ -35,6 +35,7 @@ class FakeEngine:
     num_pages: int = NUM_PAGES
     page_size: int = PAGE_SIZE
     dtype: str = "float32"
+    image_limits: None = None  # the echo model takes no images
 
 
 @dataclasses.dataclass
