@@ -64,12 +64,16 @@ class ImageLimits:
 def image_limits(
     vision: VisionConfig | None, image_token_id: int, max_images: int, max_tiles: int, pool_rows: int | None = None
 ) -> ImageLimits | None:
-    """The limits of an engine over a model with the image tower `vision` (None without one); `pool_rows` default:
-    four images of `max_tiles`. ImageOptionsError for limits below one or a pool that cannot hold one image."""
-    if vision is None:
+    """The limits of an engine over a model with the image tower `vision` (None without one, or with `max_images`
+    0: an engine that takes no images, so compiles no encode program and keeps no pool); `pool_rows` default: four
+    images of `max_tiles`. ImageOptionsError for negative `max_images`, `max_tiles` below one or a pool that cannot
+    hold one image."""
+    if max_images < 0 or max_tiles < 1:
+        raise ImageOptionsError(
+            f"max_images ({max_images}) must be at least 0 and max_image_tiles ({max_tiles}) at least 1"
+        )
+    if vision is None or max_images == 0:
         return None
-    if min(max_images, max_tiles) < 1:
-        raise ImageOptionsError(f"max_images ({max_images}) and max_image_tiles ({max_tiles}) must be at least 1")
     rows = 4 * max_tiles if pool_rows is None else pool_rows
     if rows < max_tiles:
         raise ImageOptionsError(f"image_feature_tokens {rows} cannot hold one image of max_image_tiles {max_tiles}")
