@@ -21,7 +21,7 @@ from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogp
 from inkling_jax.runtime.scheduler import Stats
 from inkling_jax.tokenizer import Tokenizer
 
-CONFIG = REPO / "configs" / "tiny.json"  # vocabulary 500 (EOS 499), context 4096
+CONFIG = REPO / "configs" / "tiny_text.json"  # vocabulary 500 (EOS 499), context 4096
 PAGE_SIZE, NUM_PAGES = 16, 64  # the fake cache holds 1024 tokens
 
 
