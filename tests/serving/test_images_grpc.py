@@ -9,14 +9,19 @@ import base64
 import http.server
 import io
 import json
+import socket
 import struct
+import subprocess
+import sys
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 import pytest
 from fake_scheduler import FakeEngine, FakeScheduler, weightless_checkpoint
 from paths import REPO
@@ -25,6 +30,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
+from inkling_jax.chat import ChatTemplate, load_template
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import load_config
 from inkling_jax.image_processor import ImageProcessorSettings
@@ -43,6 +49,12 @@ CONFIG = REPO / "configs" / "tiny.json"
 IMAGE_TOKEN = 480  # configs/tiny.json's image_token_id
 MAX_IMAGES, MAX_TILES = 3, 16  # 40-pixel tiles: at most 160 x 160 pixels
 SIZES = ((50, 70), (30, 100))  # (height, width): 2 x 2 and 1 x 3 tiles
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def png(size: tuple[int, int], seed: int) -> bytes:
@@ -317,3 +329,39 @@ def test_the_client_sends_images_at_markers_it_puts_in_front(served, pictures, c
     assert f"prompt {prompt} tokens, completion 4 tokens" in capsys.readouterr().err
     assert client.main(["describe", "--image", str(directory / "missing.png"), *options]) == 2
     assert "cannot read --image" in capsys.readouterr().err
+
+
+def test_an_openai_chat_with_an_image_through_the_smg_gateway(served, pictures):
+    """The real gateway in front of the server: an image_url part as a data: URL reaches the engine as media_refs
+    (the served name has no "inkling"), its placeholders after the marker the chat template renders for it."""
+    _, encoded = pictures
+    port = free_port()
+    command = [sys.executable, "-m", "smg", "launch", "--worker-urls", f"grpc://127.0.0.1:{served.server.port}",
+               "--model-path", str(served.checkpoint), "--host", "127.0.0.1", "--port", str(port), "--log-level",
+               "warn", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--worker-startup-check-interval", "1"]  # fmt: skip
+    gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    chat = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    url = "data:image/png;base64," + base64.b64encode(encoded[0]).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert gateway.poll() is None, gateway.stderr.read()
+            try:
+                reply = chat.chat.completions.create(
+                    model="tiny-mm", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=4
+                )
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the gateway did not serve within 90 s"
+                time.sleep(0.5)
+    finally:
+        gateway.terminate()
+        gateway.wait(10)
+    template = ChatTemplate(load_template(served.checkpoint))
+    rendered = template.render(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    )
+    assert reply.usage.prompt_tokens == len(served.tokenizer.encode(rendered, special_tokens=True)) + 4
+    assert reply.usage.completion_tokens >= 1
