@@ -14,7 +14,7 @@ without it, what batch invariance costs.
 
 Without --address it starts the server in-process on the checkpoint (default: the tiny synthetic one,
 written to a temporary directory; with --load-format dummy, --checkpoint may be a config file, default
-configs/tiny.json, and random weights are built on the devices; --gateway then needs a directory with a
+configs/tiny_text.json, and random weights are built on the devices; --gateway then needs a directory with a
 tokenizer, e.g. `inkling-synthetic --config configs/proxy_h200.json --out DIR --no-weights`). Each level keeps
 `concurrency` streams open until `requests-per-level` have finished; every request has a fresh random prompt of
 `prompt-tokens` token ids and runs to `max-tokens` (ignore_eos), sampled at temperature 1. Reported per level: time
@@ -44,7 +44,7 @@ from inkling_jax.sharding import parse_mesh
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 
-TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
+TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny_text.json"
 WORDS = "the model runs on many chips and every token counts when a request waits for its turn".split()
 
 

@@ -2,12 +2,17 @@
 
     python -m serving.client [--address 127.0.0.1:50051] "prompt text" [--max-tokens 64] [--temperature 0] ...
     python -m serving.client --token-ids 1,2,3 [...]     # token ids in (a checkpoint without a tokenizer)
+    python -m serving.client "What is this?" --image a.png [--image b.jpg ...]   # an image model
     python -m serving.client --info                      # what the server runs (GetModelInfo)
     python -m serving.client --tls-ca CA.pem --auth-token-file TOKEN ...   # a server with TLS and a token
 
+Each --image goes at a `<|content_image|>` marker of the prompt, in order: in the text where it has them, else
+one marker per image is put in front of the text; with --token-ids the ids hold the markers' id. The media type
+is the file's extension's (the server checks it against the bytes).
+
 Text is printed as it arrives; when the stream carries no text (a server without a tokenizer) the
 generated token ids are printed instead. A summary line (finish reason, token counts) goes to stderr.
-A refused request prints the server's status and message and exits 1; bad flags, or a CA or token file
+A refused request prints the server's status and message and exits 1; bad flags, or a CA, token or image file
 that cannot be used, exit 2.
 """
 
@@ -15,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import mimetypes
 import sys
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
 
 from inkling_jax.cli import argument_parser
+from inkling_jax.runtime.images import IMAGE_MARKER
 from serving.connection import ConnectionSetupError, read_certificates, read_token, token_metadata
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
@@ -39,6 +47,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--address", default="127.0.0.1:50051", help="server HOST:PORT")
     parser.add_argument("--token-ids", type=_token_ids, help="prompt as token ids: 1,2,3")
     parser.add_argument("--info", action="store_true", help="print the server's model info and exit")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help=f"an image file (PNG, JPEG, WebP, GIF) at the prompt's next {IMAGE_MARKER} (repeatable)",
+    )
     parser.add_argument("--request-id", default="")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--temperature", type=float)
@@ -72,7 +87,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class ImageFileError(ValueError):
+    """An --image file that cannot be read."""
+
+
+def read_image(path: str) -> pb.Image:
+    """The file's bytes, with the media type its extension names (empty when it names none)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ImageFileError(f"cannot read --image {path}: {error.strerror or error}") from None
+    media_type, _ = mimetypes.guess_type(path)
+    return pb.Image(data=data, media_type=media_type if media_type and media_type.startswith("image/") else "")
+
+
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    """The Generate request the flags describe (ImageFileError for an --image that cannot be read)."""
     request = pb.GenerateRequest(
         request_id=args.request_id,
         parse_special_tokens=args.parse_special_tokens,
@@ -81,7 +111,9 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     if args.token_ids is not None:
         request.token_ids.ids.extend(args.token_ids)
     else:
-        request.text = args.prompt
+        marked = IMAGE_MARKER in args.prompt or not args.image
+        request.text = args.prompt if marked else IMAGE_MARKER * len(args.image) + args.prompt
+    request.images.extend(read_image(path) for path in args.image)
     for name in (
         "temperature",
         "top_p",
@@ -150,8 +182,9 @@ def generate(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        request = None if args.info else build_request(args)
         channel, metadata = open_channel(args)
-    except ConnectionSetupError as error:
+    except (ImageFileError, ConnectionSetupError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     with channel:
@@ -168,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
             else:
-                generate(stub, build_request(args), args.timeout, metadata)
+                generate(stub, request, args.timeout, metadata)
         except grpc.RpcError as error:
             sys.stdout.flush()
             print(f"\nerror: {describe(error, args.address)}", file=sys.stderr)

@@ -236,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        server = serve(None, None, args.host, args.port, args.metrics_port, tls, token, args.served_model_name)
+        server = serve(
+            None, None, args.host, args.port, args.metrics_port, tls, token, args.served_model_name, args.max_images
+        )
     except ServeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

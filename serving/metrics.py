@@ -48,6 +48,8 @@ class Stats(Protocol):
     prompt_tokens: int
     speculative_rounds: int
     speculative_tokens: int
+    image_rows_used: int
+    image_rows_total: int
 
 
 class StatsSource(Protocol):
@@ -203,6 +205,14 @@ class _SchedulerCollector(Collector):
         yield GaugeMetricFamily("inkling_kv_pages_total", "KV-cache pages in the pool", value=stats.pages_total)
         usage = stats.pages_used / stats.pages_total if stats.pages_total else 0.0
         yield GaugeMetricFamily("inkling_kv_cache_usage_ratio", "Fraction of KV-cache pages in use", value=usage)
+        yield GaugeMetricFamily(
+            "inkling_image_feature_rows_used",
+            "Image feature pool rows the admitted requests hold",
+            value=stats.image_rows_used,
+        )
+        yield GaugeMetricFamily(
+            "inkling_image_feature_rows_total", "Image feature pool rows (0: no images)", value=stats.image_rows_total
+        )
         yield CounterMetricFamily("inkling_preemptions", "Sequences preempted to free pages", value=stats.preemptions)
         yield CounterMetricFamily("inkling_prompt_tokens", "Prompt tokens prefilled", value=stats.prompt_tokens)
         yield CounterMetricFamily("inkling_generation_tokens", "Tokens generated", value=stats.generated_tokens)

@@ -16,11 +16,14 @@ gRPC status with a message; an unexpected error fails only its own call (INTERNA
 No request can hold up the others: messages are limited in size, text that cannot fit the context is refused
 from its length before it is tokenized, and tokenizing, detokenizing and checking ids run on a small pool of
 threads (the tokenizer releases the GIL), never on the event loop that carries every stream and health check.
+Images (`serving.media`) are checked from their headers with the prompt there, and their pixels decoded on a pool
+of their own, so that a large image holds up no text request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import secrets
@@ -39,6 +42,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inkling_jax.config import load_config
 from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.images import encode_marked
 from inkling_jax.runtime.requests import (
     MAX_LOGPROBS,
     NO_TOKENIZER,
@@ -54,6 +58,16 @@ from inkling_jax.token_ids import TokenIdError, validate_token_ids
 from inkling_jax.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
 from serving.calls import STATUS_OF_CODE, CallError, Unparsable, add_service, cut_at_stop_strings
 from serving.connection import KEEPALIVE_OPTIONS, Tls, TokenInterceptor
+from serving.media import (
+    IMAGE_MESSAGE_BYTES,
+    EncodedImage,
+    ImageSetup,
+    check_count,
+    decode,
+    expand,
+    image_setup,
+    tiles_of,
+)
 from serving.metrics import Metrics
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
@@ -68,22 +82,28 @@ HEALTH_POLL_SECONDS = 0.05
 THROUGHPUT_SAMPLE_SECONDS = 1.0
 
 # A message holds a prompt of the 1M-token context as ids (at most 5 bytes each) or as text at up to 32 bytes a
-# token (text averages about 4); larger ones are refused by gRPC before they are read.
+# token (text averages about 4), and IMAGE_MESSAGE_BYTES for each image a request may carry (`max_message_bytes`);
+# larger ones are refused by gRPC before they are read.
 MAX_MESSAGE_BYTES = 32 << 20
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a port already in use is an error, not a second server sharing it
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # gRPC's own backlog of calls not yet handed to a handler cancels calls at random past 1000 (CANCELLED, which
     # clients rarely retry): calls reach the handler, which refuses those past capacity as RESOURCE_EXHAUSTED
     ("grpc.server.max_pending_requests", 1 << 20),
     ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
 )
 PREPARE_THREADS = 4  # tokenizing and checking requests, off the event loop
+IMAGE_THREADS = 2  # decoding images (and fetching the vLLM protocol's media_refs), off the event loop
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
+
+
+def max_message_bytes(max_images: int) -> int:
+    """The largest message the server reads: a prompt of the whole context and `max_images` images."""
+    return MAX_MESSAGE_BYTES + max(max_images, 0) * IMAGE_MESSAGE_BYTES
 
 
 def request_from_message(request: pb.GenerateRequest, request_id: str, prompt: tuple[int, ...], seed: int) -> Request:
@@ -188,9 +208,12 @@ class InklingServicer(pb_grpc.InklingServicer):
         self._calls = 0  # Generate calls admitted and not ended; touched on the loop only
         self.draining = False  # set on the loop, before health turns NOT_SERVING: no new request after that
         self.prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="request-prepare")
+        self.image_threads = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="image-prepare")
+        self.image_setup: ImageSetup | None = None
 
     def attach(self, engine: Engine, scheduler: Scheduler) -> None:
         self._model_info = model_info(engine)
+        self.image_setup = image_setup(engine)
         self.engine, self.scheduler = engine, scheduler
         self.metrics.attach(scheduler)
 
@@ -211,9 +234,9 @@ class InklingServicer(pb_grpc.InklingServicer):
             )
         return engine.tokenizer
 
-    def _encode(self, engine: Engine, text: str, special_tokens: bool, what: str) -> list[int]:
-        """The ids of `text`, refused as OUT_OF_RANGE without encoding it when its length alone shows that it
-        cannot fit the model's context."""
+    def _encode(self, engine: Engine, text: str, special_tokens: bool, what: str, marked: bool = False) -> list[int]:
+        """The ids of `text` (`marked`: each `<|content_image|>` its token, where images go), refused as
+        OUT_OF_RANGE without encoding it when its length alone shows that it cannot fit the model's context."""
         tokenizer, context = self._tokenizer(engine, what), engine.text.max_position_embeddings
         fewest = tokenizer.fewest_tokens(text)
         if fewest > context:
@@ -222,12 +245,15 @@ class InklingServicer(pb_grpc.InklingServicer):
                 f"the text ({len(text)} characters) makes at least {fewest} tokens, more than the model's {context} "
                 "positions",
             )
+        if marked:
+            return encode_marked(tokenizer, text, special_tokens)
         return tokenizer.encode(text, special_tokens=special_tokens)
 
     def _prompt(self, request: pb.GenerateRequest, engine: Engine) -> tuple[int, ...]:
         match request.WhichOneof("input"):
             case "text":
-                ids = self._encode(engine, request.text, request.parse_special_tokens, "text input")
+                marked = bool(request.images)
+                ids = self._encode(engine, request.text, request.parse_special_tokens, "text input", marked)
             case "token_ids":
                 ids = _copied(request.token_ids.ids)
             case _:
@@ -243,15 +269,23 @@ class InklingServicer(pb_grpc.InklingServicer):
             )
         return requested
 
-    def _engine_request(self, request: pb.GenerateRequest, engine: Engine) -> Request:
-        """The call's validated Request (run on the pool: it may tokenize a long prompt). Sizes are checked
-        before anything is copied out of the message."""
+    def _engine_request(self, request: pb.GenerateRequest, engine: Engine) -> tuple[Request, list[EncodedImage]]:
+        """The call's validated Request (run on the pool: it may tokenize a long prompt), its images' placeholders
+        in the prompt, and the images still to decode. Sizes are checked before anything is copied out of the
+        message, images from their headers before the prompt is tokenized."""
         try:
             stop, ids = request.stop, request.token_ids.ids if request.WhichOneof("input") == "token_ids" else ()
             validate_sizes(len(ids), len(stop.stop_token_ids), len(stop.stop), engine.text)
         except Rejected as rejected:
             raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
+        setup = check_count(len(request.images), self.image_setup)
+        images = [
+            EncodedImage(f"images[{i}]", image.data, image.media_type or None) for i, image in enumerate(request.images)
+        ]
+        tiles = [tiles_of(image, setup) for image in images]
         prompt = self._prompt(request, engine)
+        if images:
+            prompt = tuple(expand(prompt, tiles, setup))
         engine_request = request_from_message(
             request, self._request_id(request.request_id), prompt, seed=secrets.randbelow(2**32)
         )
@@ -261,7 +295,17 @@ class InklingServicer(pb_grpc.InklingServicer):
             validate(engine_request, engine.text)
         except Rejected as rejected:
             raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
-        return engine_request
+        return engine_request, images
+
+    async def with_images(self, requests: list[Request], images: list[EncodedImage]) -> list[Request]:
+        """The requests carrying `images`, decoded on the image threads (each image on a thread of its own)."""
+        if not images:
+            return requests
+        loop = asyncio.get_running_loop()
+        decoded = await asyncio.gather(
+            *(loop.run_in_executor(self.image_threads, decode, image, self.image_setup) for image in images)
+        )
+        return [dataclasses.replace(request, images=tuple(decoded)) for request in requests]
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -283,7 +327,8 @@ class InklingServicer(pb_grpc.InklingServicer):
             engine, scheduler = self._loaded()
             self._admit(scheduler)
             loop = asyncio.get_running_loop()
-            engine_request = await loop.run_in_executor(self.prepare, self._engine_request, request, engine)
+            engine_request, images = await loop.run_in_executor(self.prepare, self._engine_request, request, engine)
+            (engine_request,) = await self.with_images([engine_request], images)
             deltas = self._submit(scheduler, engine_request)
         except CallError as error:
             self.metrics.requests_refused.labels(code=error.status.name.lower()).inc()
@@ -450,8 +495,10 @@ class Server:
         tls: Tls | None = None,
         auth_token: str | None = None,
         served_model_name: str | None = None,
+        max_images: int = 0,
     ):
         self.metrics = Metrics()
+        self.max_message_bytes = max_message_bytes(max_images)
         self.servicer = InklingServicer(self.metrics)
         self.vllm = VllmEngineServicer(self.servicer, served_model_name)
         self._health = health_async.HealthServicer()
@@ -482,7 +529,8 @@ class Server:
 
     async def _start(self, host: str, port: int, tls: Tls | None, auth_token: str | None) -> int:
         interceptors = [TokenInterceptor(auth_token)] if auth_token is not None else None
-        self._grpc = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS + KEEPALIVE_OPTIONS)
+        options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", self.max_message_bytes), *KEEPALIVE_OPTIONS)
+        self._grpc = grpc.aio.server(interceptors=interceptors, options=options)
         add_service(self.servicer, self._grpc, pb.DESCRIPTOR.services_by_name["Inkling"], pb)
         add_service(self.vllm, self._grpc, vpb.DESCRIPTOR.services_by_name["VllmEngine"], vpb, common_pb2)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -556,6 +604,7 @@ class Server:
             return
         self._call(self._shutdown(grace))
         self.servicer.prepare.shutdown(wait=False, cancel_futures=True)
+        self.servicer.image_threads.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
@@ -578,14 +627,17 @@ def serve(
     tls: Tls | None = None,
     auth_token: str | None = None,
     served_model_name: str | None = None,
+    max_images: int = 0,
 ) -> Server:
     """Start serving on host:port (port 0: a free one, see `Server.port`); metrics on `metrics_port`; over TLS
     with `tls`, to callers bearing `auth_token` when one is given (see `Server`); the vLLM engine protocol names
-    the model `served_model_name` (default: the checkpoint directory's name).
+    the model `served_model_name` (default: the checkpoint directory's name). Messages may be as large as a
+    prompt of the whole context and `max_images` images (`max_message_bytes`; `serving.main` passes the engine's
+    --max-images).
 
     With no scheduler and engine yet (the model still loading) calls get UNAVAILABLE until `attach`.
     """
-    server = Server(host, port, metrics_port, tls, auth_token, served_model_name)
+    server = Server(host, port, metrics_port, tls, auth_token, served_model_name, max_images)
     if scheduler is not None and engine is not None:
         server.attach(engine, scheduler)
     return server

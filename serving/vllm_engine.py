@@ -9,8 +9,16 @@ carries token ids only. A streamed call sends each choice's new tokens as chunks
 `complete`; an unstreamed call sends one `complete` a choice holding all its tokens. Stop strings are matched here
 as well as in the gateway (which neither ends generation at its own match nor un-bills the tokens past it), so
 generation stops at the first one; the ids sent run through the token that completed it and the gateway trims
-the text. What the engine cannot do yet (structured-output constraints, images, min_tokens, logit_bias, prompt
-log-probabilities) is refused as INVALID_ARGUMENT naming the field, which SMG answers with HTTP 400.
+the text. What the engine cannot do yet (structured-output constraints, images preprocessed by the gateway,
+min_tokens, logit_bias, prompt log-probabilities) is refused as INVALID_ARGUMENT naming the field, which SMG answers
+with HTTP 400.
+
+Images come as `media_refs` (GetServerInfo advertises `mm_processor="inprocess"`): data:, http: and https: URLs in
+prompt order, with `tokenized` input ids holding one `<|content_image|>` per image (as the chat template renders an
+image part); the server fetches each URL (`serving.media`: at most MAX_IMAGE_BYTES, within FETCH_TIMEOUT_SECONDS)
+on its image threads, checks and decodes it, and puts its run of placeholders after its marker. SMG sends
+media_refs only to a model that matches none of its own processors' specs: its Inkling spec takes every model
+whose name contains "inkling", so serve the model under another name (`--served-model-name`).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import logging
 import secrets
 import time
 import zipfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +48,7 @@ from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request,
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
 from serving.calls import STATUS_OF_CODE, CallError, Unparsable, cut_at_stop_strings
+from serving.media import URL_SCHEMES, EncodedImage, check_count, expand, fetch, tiles_of
 
 if TYPE_CHECKING:
     from serving.server import InklingServicer
@@ -87,8 +96,21 @@ def checked_fields(request: vpb.GenerateRequest) -> None:
             f"sampling_params.{constraint}: structured outputs (json_schema, regex, grammar, structural_tag, "
             "json_object, choice) are not supported by this engine yet"
         )
-    if request.HasField("mm_inputs") or len(request.extra_mm_inputs) or request.media_refs.items:
-        _refuse("image input is not supported by this engine yet (send text only)")
+    if request.HasField("mm_inputs") or len(request.extra_mm_inputs):
+        _refuse(
+            "mm_inputs: images processed by the gateway are not supported; this engine processes them itself "
+            "(media_refs), which SMG sends for a served model name without 'inkling'"
+        )
+    refs = request.media_refs.items
+    if refs and request.WhichOneof("input") != "tokenized":
+        _refuse("media_refs need tokenized input: input_ids with one <|content_image|> per image")
+    for i, ref in enumerate(refs):
+        if ref.modality not in (common_pb2.MODALITY_UNSPECIFIED, common_pb2.IMAGE):
+            _refuse(
+                f"media_refs[{i}]: modality {common_pb2.Modality.Name(ref.modality)} is not supported (images only)"
+            )
+        if ref.url.split(":", 1)[0].lower() not in URL_SCHEMES or ":" not in ref.url:
+            _refuse(f"media_refs[{i}]: give a data:, http: or https: URL")
     if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
         _refuse("kv_transfer_params: KV transfer (disaggregated prefill) is not supported by this engine")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
@@ -173,9 +195,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     def _name(self, engine: Engine) -> str:
         return self.served_model_name or Path(engine.checkpoint).name
 
-    def _prepare(self, request: vpb.GenerateRequest, engine: Engine, scheduler: Scheduler) -> list[Request]:
-        """The call's validated engine requests (on the servicer's pool: it may tokenize text)."""
-        checked_fields(request)
+    def _prepare(
+        self, request: vpb.GenerateRequest, engine: Engine, scheduler: Scheduler, images: list[EncodedImage]
+    ) -> list[Request]:
+        """The call's validated engine requests (on the servicer's pool: it may tokenize text), their prompt with
+        the `images`' placeholders after their markers (the images still to decode)."""
         params = request.sampling_params
         ids = request.tokenized.input_ids if request.WhichOneof("input") == "tokenized" else ()
         try:
@@ -189,6 +213,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 prompt = tuple(self.inkling._encode(engine, request.text, False, "text input"))
             case _:
                 _refuse("give the prompt as tokenized.input_ids or text")
+        if images:
+            setup = self.inkling.image_setup
+            prompt = tuple(expand(prompt, [tiles_of(image, setup) for image in images], setup))
         request_id = self.inkling._request_id(request.request_id)
         requests = engine_requests(request, request_id, prompt, scheduler.max_sequence_tokens)
         if params.stop:
@@ -227,7 +254,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             engine, scheduler = self.inkling._loaded()
             self.inkling._admit(scheduler)
             loop = asyncio.get_running_loop()
-            requests = await loop.run_in_executor(self.inkling.prepare, self._prepare, request, engine, scheduler)
+            checked_fields(request)
+            images = await self._fetched(request.media_refs.items)
+            requests = await loop.run_in_executor(
+                self.inkling.prepare, self._prepare, request, engine, scheduler, images
+            )
+            requests = await self.inkling.with_images(requests, images)
             skip = request.sampling_params.skip_special_tokens
             choices = [
                 Choice(i, r, self.inkling._text_stream(engine, r.stop, skip) if r.stop else None)
@@ -262,6 +294,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         finally:
             self._forget(call_id, choices, scheduler if outcome in ("cancelled", "error") else None)
             metrics.requests_finished.labels(finish_reason=outcome).inc()
+
+    async def _fetched(self, refs: Sequence[vpb.MediaRef]) -> list[EncodedImage]:
+        """The images of the call's media_refs (at most --max-images), fetched at once on the image threads."""
+        check_count(len(refs), self.inkling.image_setup)
+        loop, threads = asyncio.get_running_loop(), self.inkling.image_threads
+        fetches = [loop.run_in_executor(threads, fetch, f"media_refs[{i}]", ref.url) for i, ref in enumerate(refs)]
+        return list(await asyncio.gather(*fetches))
 
     def _submit(self, scheduler: Scheduler, request: Request) -> asyncio.Queue[Delta]:
         try:
@@ -383,7 +422,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             is_generation=True,
             max_context_length=text.max_position_embeddings,
             vocab_size=text.unpadded_vocab_size,
-            supports_vision=False,
+            supports_vision=engine.image_limits is not None,
             served_model_name=self._name(engine),
             model_type=config.model_type,
             architectures=_architectures(engine.checkpoint),
@@ -399,6 +438,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self, request: vpb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> vpb.GetServerInfoResponse:
         engine, scheduler = await self._loaded(context)
+        limits = engine.image_limits
+        images = {}
+        if limits is not None:  # SMG's gateway sends an image model's images as URLs for this server to fetch
+            images = {
+                "mm_processor": "inprocess",
+                "mm_media_ref_schemes": ",".join(URL_SCHEMES),
+                "mm_item_limits": f"image={limits.max_images}",
+            }
         return vpb.GetServerInfoResponse(
             active_requests=self.inkling.in_flight,
             is_paused=self.inkling.draining or scheduler.draining,
@@ -411,6 +458,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             attention_backend="ragged_paged_attention",
             model_dtype=str(engine.dtype),
             max_num_seqs=engine.max_num_seqs,
+            **images,
         )
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:

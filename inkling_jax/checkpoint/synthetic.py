@@ -12,7 +12,8 @@ at one expert's weight whatever the model size. Quantized experts follow the rel
 original layout, interleaved gate/up rows, ModelOpt sidecar names, NVFP4 with one global scale per expert.
 A config with a `dspark_config` (in the file, or added with `draft` / `--draft-config`) gets a random DSpark
 draft too (`dspark.*` tensors, the same names in both layouts), and one with a `vision_config` a random image tower
-(`model.visual.*` in the original layout, `model.vision_tower.*` in transformers'), never quantized.
+(`model.visual.*` in the original layout, `model.vision_tower.*` in transformers'), never quantized, and a
+preprocessor_config.json (transformers' `Inkling2ImageProcessor` settings, tiles of the tower's size).
 A tokenizer (tokenizer.json, tokenizer_config.json; see `synthetic_tokenizer`) comes with every config whose
 vocabulary can hold one; smaller ones (like the unit tests' 60-token models) get none, with a logged warning.
 """
@@ -41,7 +42,8 @@ from inkling_jax.checkpoint.names import (
 from inkling_jax.checkpoint.safetensors_io import TensorSpec, split_by_bytes, write_sharded_streamed
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer, write_tokenizer
 from inkling_jax.cli import argument_parser
-from inkling_jax.config import DRAFT_SECTION, ModelConfig, parse_config
+from inkling_jax.config import DRAFT_SECTION, ModelConfig, VisionConfig, parse_config
+from inkling_jax.image_processor import PREPROCESSOR_CONFIG
 from inkling_jax.tokenizer import TokenizerError
 from pallas_kernels import block_formats
 from pallas_kernels.quantized import MXFP8, NVFP4
@@ -174,6 +176,8 @@ def write_checkpoint(
         raw["quantization_config"] = _quantization_config(formats, layout)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     _write_tokenizer(out, config)
+    if config.vision is not None:
+        _write_image_processor(out, config.vision)
     if weights:
         write_sharded_streamed(out, split_by_bytes(writer.specs, shard_bytes), writer.chunks)
     return out
@@ -182,11 +186,27 @@ def write_checkpoint(
 def _write_tokenizer(out: Path, config: ModelConfig) -> None:
     """The synthetic tokenizer, when the config's vocabulary can hold one."""
     try:
-        tokenizer = build_tokenizer(config.text)
+        tokenizer = build_tokenizer(config.text, config.image_token_id if config.vision is not None else None)
     except TokenizerError as error:
         logger.warning("%s gets no tokenizer: %s", out, error)
         return
     write_tokenizer(out, tokenizer)
+
+
+def _write_image_processor(out: Path, vision: VisionConfig) -> None:
+    """transformers' image processor settings with its defaults, and tiles of the tower's (merged patches) size."""
+    side = vision.patch_size * vision.spatial_merge_size
+    settings = {
+        "image_processor_type": "Inkling2ImageProcessor",
+        "do_convert_rgb": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "size": {"height": side, "width": side},
+    }
+    (out / PREPROCESSOR_CONFIG).write_text(json.dumps(settings, indent=2))
 
 
 def _quantization_config(formats: list[str | None], layout: str) -> dict:

@@ -5,7 +5,9 @@ The same config always gives the same tokenizer.json bytes. Ids cover exactly [0
 256 byte tokens at their byte values, the corpus's merges in merge order (about 1,700 at most, so a full-size
 vocabulary is mostly filler), the special tokens, and `<|unused_ID|>` fillers on every other id. Special tokens
 sit at their real ids when the vocabulary holds them (>= 200058 ids), else in a block at its top with
-`<|content_model_end_sampling|>` exactly on the config's eos_token_id.
+`<|content_model_end_sampling|>` exactly on the config's eos_token_id. An image model's placeholder token
+(`<|unused_200054|>` in the release) is a special token too, on the config's image_token_id, so that no text
+encodes to it.
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ O200K_PATTERN = "|".join(
         r"\s+",
     ]
 )
+IMAGE_PLACEHOLDER_ID = 200054  # the released tokenizer's image placeholder, <|unused_200054|>
 
 
-def special_token_ids(text: TextConfig) -> dict[str, int]:
+def special_token_ids(text: TextConfig, image_token_id: int | None = None) -> dict[str, int]:
     """Where the special tokens go in a vocabulary of `text.unpadded_vocab_size` ids: the whole reserved block
     at the real ids when it fits, else the named tokens at the top with the EOS token on the config's
-    eos_token_id (the first one of several; the top id when there is none). TokenizerError if impossible."""
+    eos_token_id (the first one of several; the top id when there is none), and an image model's placeholder
+    (`image_token_id`) below them. TokenizerError if impossible."""
     size = text.unpadded_vocab_size
     eos = text.eos_token_id
     eos = eos[0] if isinstance(eos, tuple) else (size - 1 if eos is None else eos)
@@ -61,8 +65,21 @@ def special_token_ids(text: TextConfig) -> dict[str, int]:
                 f"{SPECIAL_TOKEN_IDS[EOS_TOKEN]} ({EOS_TOKEN}), not {eos}"
             )
         names = {i: name for name, i in SPECIAL_TOKEN_IDS.items()}
+        if image_token_id not in (None, IMAGE_PLACEHOLDER_ID):
+            raise TokenizerError(
+                f"image_token_id must be {IMAGE_PLACEHOLDER_ID} in a full vocabulary, not {image_token_id}"
+            )
         return {names.get(i, f"<|unused_{i}|>"): i for i in SPECIAL_ID_RANGE}
-    return _top_block(size, eos)
+    block = _top_block(size, eos)
+    if image_token_id is None:
+        return block
+    bytes_end, block_start = len(BYTE_LEVEL_ALPHABET), min(block.values())
+    if not bytes_end <= image_token_id < block_start:
+        raise TokenizerError(
+            f"image_token_id {image_token_id} must be within [{bytes_end}, {block_start}): above the byte tokens, "
+            "below the special tokens' block"
+        )
+    return {f"<|unused_{IMAGE_PLACEHOLDER_ID}|>": image_token_id, **block}
 
 
 def _top_block(size: int, eos: int) -> dict[str, int]:
@@ -111,9 +128,10 @@ def _vocabulary(size: int, merges: list[tuple[str, str]], specials: dict[str, in
     return {by_id.get(i, f"<|unused_{i}|>"): i for i in range(size)}
 
 
-def build_tokenizer(text: TextConfig) -> tokenizers.Tokenizer:
-    """The synthetic tokenizer for a model config; TokenizerError when its vocabulary cannot hold one."""
-    specials = special_token_ids(text)
+def build_tokenizer(text: TextConfig, image_token_id: int | None = None) -> tokenizers.Tokenizer:
+    """The synthetic tokenizer for a model config (`image_token_id`: an image model's placeholder); TokenizerError
+    when its vocabulary cannot hold one."""
+    specials = special_token_ids(text, image_token_id)
     merges = _train_merges(min(specials.values()))
     tokenizer = tokenizers.Tokenizer(
         models.BPE(vocab=_vocabulary(text.unpadded_vocab_size, merges, specials), merges=merges)

@@ -408,9 +408,12 @@ def main(argv: list[str] | None, module: str) -> int:
             if remaining:
                 draft = checkpoint.config.draft
                 room = draft.block_size if args.speculative != "none" and draft is not None else 0
+                options = engine_options(args)
+                if not any(request.images for request in requests):  # no image can arrive: no encode program
+                    options["max_images"] = 0
                 engine = load_engine(
                     checkpoint,
-                    **engine_options(args),
+                    **options,
                     max_context=_longest(remaining) + room,
                     executable_cache=compilation_cache.executables(cache),
                 )

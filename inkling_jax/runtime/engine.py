@@ -171,7 +171,7 @@ class Engine:
         programs (`inkling_jax.runtime.executable_cache`; None: compile every one). max_num_batched_tokens: a
         replica's tokens in a step with prompt chunks (decoding, verifying and prompt tokens; default: every
         slot's decode tokens and two chunks); at least every slot's decode tokens and one more (BatchedTokensError).
-        max_images, max_image_tiles: what one request may carry (images) and one image (tiles);
+        max_images, max_image_tiles: what one request may carry (images; 0: none) and one image (tiles);
         image_feature_tokens: the feature pool's rows (default: four images of max_image_tiles), at least
         max_image_tiles (ImageOptionsError); a model without an image tower ignores them."""
         if speculative not in SPECULATIVE_MODES:
@@ -250,15 +250,15 @@ class Engine:
     def _set_up_images(
         self, model: CausalLM, max_images: int, max_image_tiles: int, image_feature_tokens: int | None
     ) -> None:
-        """The image feature pool (replicated on the mesh) and, for a model with a tower, its limits and the
-        encode programs' function."""
+        """The image feature pool (replicated on the mesh) and, for a model with a tower that takes images, its
+        limits and the encode programs' function."""
         tower = model.vision_tower
         self.vision = None if tower is None else tower.config  # the tower's VisionConfig (None: text only)
         self.image_limits = image_limits(
             self.vision, model.image_token_id, max_images, max_image_tiles, image_feature_tokens
         )
         self._encoders: dict[int, jax.stages.Compiled] = {}
-        if tower is not None:
+        if self.image_limits is not None:
             self._tower = nnx.state(nnx.merge(self.graphdef, self.params).vision_tower)
             self._encode = jax.jit(
                 functools.partial(encode_fn, nnx.graphdef(tower)),
@@ -654,7 +654,10 @@ def batched_tokens(asked: int | None, slots: int, gamma: int, chunk: int) -> int
 def add_image_arguments(parser: argparse.ArgumentParser) -> None:
     """The image limits and feature pool, as every command that runs the engine takes them."""
     parser.add_argument(
-        "--max-images", type=int, default=DEFAULT_MAX_IMAGES, help="images one request may carry (image models)"
+        "--max-images",
+        type=int,
+        default=DEFAULT_MAX_IMAGES,
+        help="images one request may carry (image models; 0: take no images, compile no image program)",
     )
     parser.add_argument(
         "--max-image-tiles",

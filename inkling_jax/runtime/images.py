@@ -23,6 +23,7 @@ from flax import nnx
 from inkling_jax.config import VisionConfig
 from inkling_jax.image_processor import ImageError, ImageProcessorSettings, process_image_file
 from inkling_jax.model.vision import placeholder_runs
+from inkling_jax.tokenizer import Tokenizer
 
 DEFAULT_MAX_IMAGES = 16  # images per request
 DEFAULT_MAX_IMAGE_TILES = 4096  # tiles (image tokens) per image: 2560 x 2560 pixels of 40-pixel tiles
@@ -63,12 +64,16 @@ class ImageLimits:
 def image_limits(
     vision: VisionConfig | None, image_token_id: int, max_images: int, max_tiles: int, pool_rows: int | None = None
 ) -> ImageLimits | None:
-    """The limits of an engine over a model with the image tower `vision` (None without one); `pool_rows` default:
-    four images of `max_tiles`. ImageOptionsError for limits below one or a pool that cannot hold one image."""
-    if vision is None:
+    """The limits of an engine over a model with the image tower `vision` (None without one, or with `max_images`
+    0: an engine that takes no images, so compiles no encode program and keeps no pool); `pool_rows` default: four
+    images of `max_tiles`. ImageOptionsError for negative `max_images`, `max_tiles` below one or a pool that cannot
+    hold one image."""
+    if max_images < 0 or max_tiles < 1:
+        raise ImageOptionsError(
+            f"max_images ({max_images}) must be at least 0 and max_image_tiles ({max_tiles}) at least 1"
+        )
+    if vision is None or max_images == 0:
         return None
-    if min(max_images, max_tiles) < 1:
-        raise ImageOptionsError(f"max_images ({max_images}) and max_image_tiles ({max_tiles}) must be at least 1")
     rows = 4 * max_tiles if pool_rows is None else pool_rows
     if rows < max_tiles:
         raise ImageOptionsError(f"image_feature_tokens {rows} cannot hold one image of max_image_tiles {max_tiles}")
@@ -128,20 +133,31 @@ def load_images(paths: object, directory: Path, settings: ImageProcessorSettings
 
 
 def expand_after_markers(
-    token_ids: Sequence[int], marker_id: int, images: Sequence[RequestImage], image_token_id: int
+    token_ids: Sequence[int], marker_id: int, tiles: Sequence[int], image_token_id: int
 ) -> list[int]:
-    """`token_ids` with each `marker_id` followed by its image's run of placeholders (one per tile), in order, as
-    the chat framing places images (`<|content_image|>` then the run, as SMG's Inkling processor expands it);
-    ValueError when the markers and the images do not pair up."""
+    """`token_ids` with each `marker_id` followed by its image's run of placeholders (`tiles[i]` of them for image
+    i), in order, as the chat framing places images (`<|content_image|>` then the run, as SMG's Inkling processor
+    expands it); ValueError when the markers and the images do not pair up."""
     markers = sum(token == marker_id for token in token_ids)
-    if markers != len(images):
-        raise ValueError(f"the prompt marks {markers} images ({IMAGE_MARKER}), the request has {len(images)}")
-    expanded, next_image = [], iter(images)
+    if markers != len(tiles):
+        raise ValueError(f"the prompt marks {markers} images ({IMAGE_MARKER}), the request has {len(tiles)}")
+    expanded, next_run = [], iter(tiles)
     for token in token_ids:
         expanded.append(token)
         if token == marker_id:
-            expanded.extend([image_token_id] * next(next_image).tiles)
+            expanded.extend([image_token_id] * next(next_run))
     return expanded
+
+
+def encode_marked(tokenizer: Tokenizer, text: str, special_tokens: bool = False) -> list[int]:
+    """The ids of a text prompt that places images: each `<|content_image|>` marker its token whatever
+    `special_tokens` says of the rest of the text (which `Tokenizer.encode` decides). ValueError when the tokenizer
+    has no marker token."""
+    marker = tokenizer.special_tokens.get(IMAGE_MARKER)
+    if marker is None:
+        raise ValueError(f"the tokenizer has no {IMAGE_MARKER} token to place images with")
+    pieces = [tokenizer.encode(piece, special_tokens=special_tokens) for piece in text.split(IMAGE_MARKER)]
+    return [token for i, piece in enumerate(pieces) for token in ([marker] if i else []) + piece]
 
 
 def encode_fn(

@@ -22,6 +22,7 @@ from inkling_jax.runtime.images import (
     ImageLimits,
     RequestImage,
     check_images,
+    encode_marked,
     expand_after_markers,
     load_images,
 )
@@ -259,23 +260,21 @@ def _text_prompt(prompt: str, tokenizer: Tokenizer, with_images: bool) -> list[i
     token where the request carries images."""
     if not with_images:
         return tokenizer.encode(prompt)
-    marker = _marker_id(tokenizer)
-    pieces = [tokenizer.encode(piece) for piece in prompt.split(IMAGE_MARKER)]
-    return [token for i, piece in enumerate(pieces) for token in ([marker] if i else []) + piece]
-
-
-def _expand(ids: list[int], images: tuple[RequestImage, ...], tokenizer: Tokenizer, limits: ImageLimits) -> list[int]:
-    """The prompt with each image marker followed by its image's run of placeholders."""
     try:
-        return expand_after_markers(ids, _marker_id(tokenizer), images, limits.image_token_id)
+        return encode_marked(tokenizer, prompt)
     except ValueError as error:
         raise Rejected(Code.INVALID_ARGUMENT, str(error)) from None
 
 
-def _marker_id(tokenizer: Tokenizer) -> int:
+def _expand(ids: list[int], images: tuple[RequestImage, ...], tokenizer: Tokenizer, limits: ImageLimits) -> list[int]:
+    """The prompt with each image marker followed by its image's run of placeholders."""
     if IMAGE_MARKER not in tokenizer.special_tokens:
         raise Rejected(Code.INVALID_ARGUMENT, f"the tokenizer has no {IMAGE_MARKER} token to place images with")
-    return tokenizer.special_tokens[IMAGE_MARKER]
+    marker = tokenizer.special_tokens[IMAGE_MARKER]
+    try:
+        return expand_after_markers(ids, marker, [image.tiles for image in images], limits.image_token_id)
+    except ValueError as error:
+        raise Rejected(Code.INVALID_ARGUMENT, str(error)) from None
 
 
 def _chat_prompt(messages: object, tools: object, tokenizer: Tokenizer, chat: ChatTemplate | None) -> list[int]:

@@ -58,6 +58,8 @@ class Stats:
     prompt_tokens: int  # cumulative, counted at admission
     speculative_rounds: int  # cumulative
     speculative_tokens: int  # cumulative: tokens those rounds emitted
+    image_rows_used: int = 0  # rows of the image feature pool the admitted requests hold
+    image_rows_total: int = 0  # rows in the pool (0: the engine takes no images)
 
 
 @dataclasses.dataclass(eq=False)
@@ -221,6 +223,7 @@ class Scheduler:
         with self._lock:
             running = sum(s is not None for s in self._slots)
             free = sum(len(pool) for pool in self._free_pages)
+            rows = self.engine.image_limits.pool_rows if self.engine.image_limits is not None else 0
             return Stats(
                 waiting=len(self._waiting) + sum(kind == "submit" for kind, _ in self._inbox),
                 running=running,
@@ -231,6 +234,8 @@ class Scheduler:
                 prompt_tokens=self._counters["prompt"],
                 speculative_rounds=self._counters["rounds"],
                 speculative_tokens=self._counters["round_tokens"],
+                image_rows_used=rows - len(self._free_rows),
+                image_rows_total=rows,
             )
 
     # --- the scheduler thread ---

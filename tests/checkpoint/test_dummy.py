@@ -27,7 +27,7 @@ from inkling_jax.param_count import count_parameters
 from inkling_jax.sharding import make_mesh, parameter_shardings
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray
 
-TINY = REPO / "configs" / "tiny.json"  # 12 layers, a 2-layer DSpark draft
+TINY = REPO / "configs" / "tiny_text.json"  # 12 layers, a 2-layer DSpark draft
 PROXY = REPO / "configs" / "proxy_h200.json"
 
 

@@ -21,7 +21,7 @@ from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogp
 from inkling_jax.runtime.scheduler import Stats
 from inkling_jax.tokenizer import Tokenizer
 
-CONFIG = REPO / "configs" / "tiny.json"  # vocabulary 500 (EOS 499), context 4096
+CONFIG = REPO / "configs" / "tiny_text.json"  # vocabulary 500 (EOS 499), context 4096
 PAGE_SIZE, NUM_PAGES = 16, 64  # the fake cache holds 1024 tokens
 
 
@@ -35,6 +35,7 @@ class FakeEngine:
     num_pages: int = NUM_PAGES
     page_size: int = PAGE_SIZE
     dtype: str = "float32"
+    image_limits: None = None  # the echo model takes no images
 
 
 @dataclasses.dataclass
