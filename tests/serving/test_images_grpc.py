@@ -353,7 +353,7 @@ def test_an_openai_chat_with_an_image_through_the_smg_gateway(served, pictures):
                     model="tiny-mm", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=4
                 )
                 break
-            except openai.APIConnectionError:
+            except (openai.APIConnectionError, openai.NotFoundError):  # not up, or the worker not registered yet
                 assert time.monotonic() < deadline, "the gateway did not serve within 90 s"
                 time.sleep(0.5)
     finally:
