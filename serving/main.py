@@ -4,7 +4,8 @@
         [--dtype bfloat16] [--max-num-seqs 8] [--chunk 64] [--max-num-batched-tokens N] [--kv-cache-mib M]
         [--metrics-port P] [--gateway-port P] [--served-model-name NAME]
         [--speculative none|dspark|dspark-greedy] [--load-format auto|dummy] [--compilation-cache DIR|none]
-        [--drain-timeout 30] [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
+        [--allowed-media-domains HOST ...] [--drain-timeout 30]
+        [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
         [--tls-cert FILE --tls-key FILE] [--auth-token-file FILE]
 
 The port is bound first and answers health checks (NOT_SERVING) while the model loads and every step
@@ -128,6 +129,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the model's name to OpenAI-style clients through the SMG gateway (default: the checkpoint "
         "directory's name)",
     )
+    parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        metavar="HOST",
+        help="the only hosts whose http(s) image URLs the server fetches for the SMG gateway's clients, redirects "
+        "included (default: any host the URL names)",
+    )
     speculative_help = (
         "DSpark speculative decoding with the checkpoint's draft (dspark-greedy: the draft proposes its argmax); "
         "requests may opt out; outputs follow the model's distribution either way"
@@ -237,7 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         server = serve(
-            None, None, args.host, args.port, args.metrics_port, tls, token, args.served_model_name, args.max_images
+            None,
+            None,
+            args.host,
+            args.port,
+            args.metrics_port,
+            tls,
+            token,
+            served_model_name=args.served_model_name,
+            max_images=args.max_images,
+            allowed_media_domains=args.allowed_media_domains,
         )
     except ServeError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -270,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.warm_up()
         scheduler.start()
         server.attach(engine, scheduler)
+        if engine.image_limits is not None and args.allowed_media_domains is None:
+            log.warning(
+                "images the SMG gateway forwards as http(s) URLs are fetched from any host they name; "
+                "--allowed-media-domains limits them"
+            )
         ready.set()
     except (ShutdownRequested, *LOAD_ERRORS) as error:
         if scheduler is not None:

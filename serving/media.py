@@ -151,18 +151,22 @@ def _bare(media_type: str) -> str:
     return media_type.split(";", 1)[0].strip().lower()
 
 
-def fetch(name: str, url: str, timeout: float = FETCH_TIMEOUT_SECONDS) -> EncodedImage:
-    """The image a data: or http(s) URL holds, at most MAX_IMAGE_BYTES. INVALID_ARGUMENT for what the client must
-    fix (another scheme, a malformed data: URL, an image too large, an HTTP 4xx); UNAVAILABLE for what may pass
-    (the host unreachable, a timeout, an HTTP 5xx)."""
+def fetch(
+    name: str, url: str, allowed_hosts: frozenset[str] | None = None, timeout: float = FETCH_TIMEOUT_SECONDS
+) -> EncodedImage:
+    """The image a data: or http(s) URL holds, at most MAX_IMAGE_BYTES, from one of `allowed_hosts` (None: any;
+    redirects too). INVALID_ARGUMENT for what the client must fix (another scheme or host, a malformed data: URL,
+    an image too large, an HTTP 4xx); UNAVAILABLE for what may pass (the host unreachable, a timeout, an HTTP 5xx)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         return _from_data_url(name, url)
     if scheme not in ("http", "https"):
         raise _refuse(f"{name}: URL scheme {scheme or '(none)'!r} is not accepted; give data:, http: or https: URLs")
+    _check_host(name, url, allowed_hosts)
     deadline = time.monotonic() + timeout
+    opener = urllib.request.build_opener(_CheckedRedirects(name, allowed_hosts))
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with opener.open(url, timeout=timeout) as response:
             length = response.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > MAX_IMAGE_BYTES:
                 raise _refuse(f"{name}: {url} holds {length} bytes, more than the {MAX_IMAGE_BYTES} an image may have")
@@ -185,6 +189,23 @@ def fetch(name: str, url: str, timeout: float = FETCH_TIMEOUT_SECONDS) -> Encode
     except ValueError as error:  # a URL urllib cannot parse
         raise _refuse(f"{name}: cannot fetch {url!r}: {error}") from None
     return EncodedImage(name, bytes(data), media_type if media_type in MEDIA_TYPES else None)
+
+
+def _check_host(name: str, url: str, allowed_hosts: frozenset[str] | None) -> None:
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if allowed_hosts is not None and host not in allowed_hosts:
+        raise _refuse(f"{name}: {url} names host {host or '(none)'!r}, which is not in --allowed-media-domains")
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an allowed host."""
+
+    def __init__(self, name: str, allowed_hosts: frozenset[str] | None):
+        self.name, self.allowed_hosts = name, allowed_hosts
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        _check_host(self.name, newurl, self.allowed_hosts)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def _from_data_url(name: str, url: str) -> EncodedImage:

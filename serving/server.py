@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -496,11 +496,12 @@ class Server:
         auth_token: str | None = None,
         served_model_name: str | None = None,
         max_images: int = 0,
+        allowed_media_domains: Sequence[str] | None = None,
     ):
         self.metrics = Metrics()
         self.max_message_bytes = max_message_bytes(max_images)
         self.servicer = InklingServicer(self.metrics)
-        self.vllm = VllmEngineServicer(self.servicer, served_model_name)
+        self.vllm = VllmEngineServicer(self.servicer, served_model_name, allowed_media_domains)
         self._health = health_async.HealthServicer()
         self._draining = False
         self._grpc: grpc.aio.Server | None = None
@@ -628,16 +629,18 @@ def serve(
     auth_token: str | None = None,
     served_model_name: str | None = None,
     max_images: int = 0,
+    allowed_media_domains: Sequence[str] | None = None,
 ) -> Server:
     """Start serving on host:port (port 0: a free one, see `Server.port`); metrics on `metrics_port`; over TLS
     with `tls`, to callers bearing `auth_token` when one is given (see `Server`); the vLLM engine protocol names
     the model `served_model_name` (default: the checkpoint directory's name). Messages may be as large as a
     prompt of the whole context and `max_images` images (`max_message_bytes`; `serving.main` passes the engine's
-    --max-images).
+    --max-images); the images SMG's gateway forwards as http(s) URLs are fetched from `allowed_media_domains`
+    only (None: any host).
 
     With no scheduler and engine yet (the model still loading) calls get UNAVAILABLE until `attach`.
     """
-    server = Server(host, port, metrics_port, tls, auth_token, served_model_name, max_images)
+    server = Server(host, port, metrics_port, tls, auth_token, served_model_name, max_images, allowed_media_domains)
     if scheduler is not None and engine is not None:
         server.attach(engine, scheduler)
     return server

@@ -185,9 +185,18 @@ def tokenizer_bundle(directory: Path) -> bytes:
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     """The vLLM engine protocol over the Inkling servicer's engine, scheduler, admission and metrics."""
 
-    def __init__(self, inkling: InklingServicer, served_model_name: str | None = None):
+    def __init__(
+        self,
+        inkling: InklingServicer,
+        served_model_name: str | None = None,
+        allowed_media_domains: Sequence[str] | None = None,
+    ):
         self.inkling = inkling
         self.served_model_name = served_model_name
+        # hosts media_refs' http(s) URLs may name (None: any)
+        self.allowed_hosts = (
+            None if allowed_media_domains is None else frozenset(h.lower() for h in allowed_media_domains)
+        )
         self.started = time.time()
         self._calls: dict[str, list[str]] = {}  # call's request id -> its choices' engine ids; on the loop only
         self._bundle: tuple[bytes, str] | None = None  # the tokenizer ZIP and its sha256, made once
@@ -299,7 +308,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         """The images of the call's media_refs (at most --max-images), fetched at once on the image threads."""
         check_count(len(refs), self.inkling.image_setup)
         loop, threads = asyncio.get_running_loop(), self.inkling.image_threads
-        fetches = [loop.run_in_executor(threads, fetch, f"media_refs[{i}]", ref.url) for i, ref in enumerate(refs)]
+        fetches = [
+            loop.run_in_executor(threads, fetch, f"media_refs[{i}]", ref.url, self.allowed_hosts)
+            for i, ref in enumerate(refs)
+        ]
         return list(await asyncio.gather(*fetches))
 
     def _submit(self, scheduler: Scheduler, request: Request) -> asyncio.Queue[Delta]:

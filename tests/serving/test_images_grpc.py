@@ -38,7 +38,8 @@ from inkling_jax.runtime.engine import load_engine
 from inkling_jax.runtime.images import IMAGE_MARKER, encode_marked
 from inkling_jax.runtime.requests import ImageSource, request_from_json
 from inkling_jax.runtime.scheduler import Scheduler
-from serving import client
+from serving import client, media
+from serving.calls import CallError
 from serving.media import MAX_IMAGE_BYTES
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
@@ -244,15 +245,20 @@ def test_a_server_without_an_image_tower_refuses_images(tmp_path, pictures):
 
 
 class PictureServer(http.server.ThreadingHTTPServer):
-    """Loopback HTTP: /a.png is the picture, anything else 404, /broken 500."""
+    """Loopback HTTP: /a.png is the picture, anything else 404, /broken 500, /moved redirects to the picture at
+    the same port under the name localhost."""
 
     def __init__(self, picture: bytes):
         self.picture = picture
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                code, body = {"/a.png": (200, picture), "/broken": (500, b"")}.get(self.path, (404, b""))
+                code, body = {"/a.png": (200, picture), "/broken": (500, b""), "/moved": (302, b"")}.get(
+                    self.path, (404, b"")
+                )
                 self.send_response(code)
+                if code == 302:
+                    self.send_header("Location", f"http://localhost:{self.server.server_port}/a.png")
                 self.send_header("Content-Type", "image/png")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -265,6 +271,25 @@ class PictureServer(http.server.ThreadingHTTPServer):
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.server_port}{path}"
+
+
+def test_fetching_keeps_to_the_allowed_hosts_through_redirects(pictures):
+    """--allowed-media-domains: a URL naming another host is refused before any connection, and so is a redirect
+    to one; without a list any host is fetched."""
+    _, encoded = pictures
+    server = PictureServer(encoded[1])
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert media.fetch("r", server.url("/a.png"), frozenset({"127.0.0.1"})).data == encoded[1]
+        assert media.fetch("r", server.url("/moved")).data == encoded[1]
+        for url, allowed in ((server.url("/a.png"), {"images.example"}), (server.url("/moved"), {"127.0.0.1"})):
+            with pytest.raises(CallError) as refused:
+                media.fetch("r", url, frozenset(allowed))
+            assert refused.value.status == StatusCode.INVALID_ARGUMENT
+            assert "which is not in --allowed-media-domains" in str(refused.value)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def refs_request(ids: list[int], *urls: str) -> vpb.GenerateRequest:
