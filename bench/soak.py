@@ -101,6 +101,7 @@ class Settings:
     kv_pages: int = 32
     max_num_seqs: int = 8
     round_seconds: tuple[float, float] = (20.0, 60.0)
+    concurrency: tuple[int, ...] = CONCURRENCY  # the workers a round may have (each round picks one at random)
     rss_every_s: float = 2.0
     rss_tolerance_mb: float = 32.0
     log: str | None = None  # the server's log file (None: a temporary one)
@@ -680,7 +681,7 @@ class Load:
             end = time.monotonic() + seconds
             while time.monotonic() < end:
                 until = min(end, time.monotonic() + self.rng.uniform(*self.settings.round_seconds))
-                concurrency = self.rng.choice(CONCURRENCY)
+                concurrency = self.rng.choice(self.settings.concurrency)
                 self.concurrency_levels.add(concurrency)
                 tasks = [self.worker(until) for _ in range(concurrency)]
                 if self.rounds == 0:

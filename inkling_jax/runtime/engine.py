@@ -321,6 +321,7 @@ class Engine:
         max_images: int = DEFAULT_MAX_IMAGES,
         max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
         image_feature_tokens: int | None = None,
+        compiler_options: dict[str, object] | None = None,
     ) -> Engine:
         """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
         after the slots' fixed state (CacheBudgetError if not even one `max_context` sequence fits);
@@ -345,6 +346,7 @@ class Engine:
             mesh,
             num_top,
             speculative,
+            compiler_options,
             tokenizer=tokenizer,
             checkpoint=checkpoint,
             executable_cache=executable_cache,
@@ -774,6 +776,7 @@ def load_engine(
     max_images: int = DEFAULT_MAX_IMAGES,
     max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
     image_feature_tokens: int | None = None,
+    compiler_options: dict[str, object] | None = None,
 ) -> Engine:
     """The model of `checkpoint` on the mesh `mesh` (read straight into its shards, or with `load_format`
     "dummy" random weights built there from the config alone) and its decode state: `max_num_seqs` slots per
@@ -781,7 +784,8 @@ def load_engine(
     the page pool that fits that many MiB per device. Errors are ValueErrors naming what is wrong (config,
     checkpoint, tokenizer, mesh, cache budget, speculation without a draft), raised before any weight is read
     where they can be. speculative: one of SPECULATIVE_MODES. executable_cache: a directory for the compiled step
-    programs (None: compile every one). max_num_batched_tokens and the image options: see `Engine`."""
+    programs (None: compile every one). max_num_batched_tokens, the image options and compiler_options: see
+    `Engine`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
     if max_num_seqs < 1 or chunk < 1:
@@ -814,6 +818,7 @@ def load_engine(
         max_images=max_images,
         max_image_tiles=max_image_tiles,
         image_feature_tokens=image_feature_tokens,
+        compiler_options=compiler_options,
     )
 
 

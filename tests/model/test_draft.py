@@ -53,8 +53,9 @@ def model() -> CausalLM:
 
 
 def _context(model: CausalLM, length: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Context features [2, length, d] from random target layer outputs, and their positions."""
-    hidden = jax.random.normal(jax.random.key(seed), (2, length, LAYERS, HIDDEN))
+    """Context features [2, length, d] from random target layer outputs (drawn on the host), and their
+    positions."""
+    hidden = jnp.asarray(np.random.default_rng(seed).standard_normal((2, length, LAYERS, HIDDEN), np.float32))
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (2, length))
     return model.dspark.context_features(hidden), positions
 
@@ -100,19 +101,24 @@ def test_config_errors_name_the_field(change, field):
 
 @pytest.mark.slow
 def test_shapes(model):
+    @jax.jit  # one program (called eagerly, every operation of the draft compiles alone)
+    def draft(c, positions):
+        k, v = model.dspark.context_kv(c, positions)
+        anchors = jnp.array([7, 8])
+        h = model.dspark.block_hidden(anchors, jnp.array([9, 5]), k, v, positions, model.model.embed_tokens)
+        state, bias = model.dspark.rnn_step(model.dspark.initial_state(h), anchors, h[:, 0])
+        biases = model.dspark.block_biases(anchors, jnp.ones((2, GAMMA), jnp.int32), h)
+        return k, v, h, model.logits(h), state, bias, biases, model.dspark.confidence(h[:, 0], anchors)
+
     c, positions = _context(model, 9)
     assert c.shape == (2, 9, HIDDEN)
-    k, v = model.dspark.context_kv(c, positions)
+    k, v, h, logits, state, bias, biases, confidence = draft(c, positions)
     assert k.shape == v.shape == (LAYERS, 2, 9, KV_HEADS, HEAD_DIM)
-    anchors = jnp.array([7, 8])
-    h = model.dspark.block_hidden(anchors, jnp.array([9, 5]), k, v, positions, model.model.embed_tokens)
     assert h.shape == (2, GAMMA, HIDDEN) and h.dtype == jnp.float32
-    assert model.logits(h).shape == (2, GAMMA, VOCAB)
-    state, bias = model.dspark.rnn_step(model.dspark.initial_state(h), anchors, h[:, 0])
+    assert logits.shape == (2, GAMMA, VOCAB)
     assert state.shape == (2, RANK) and bias.shape == (2, VOCAB)
-    assert model.dspark.block_biases(anchors, jnp.ones((2, GAMMA), jnp.int32), h).shape == (2, GAMMA, VOCAB)
-    confidence = model.dspark.confidence(h[:, 0], anchors)
-    assert confidence.shape == (2,) and bool(jnp.all((confidence > 0) & (confidence < 1)))
+    assert biases.shape == (2, GAMMA, VOCAB)
+    assert confidence.shape == (2,) and bool(np.all((confidence > 0) & (confidence < 1)))
 
 
 @pytest.mark.slow
@@ -142,6 +148,7 @@ def test_block_sees_only_context_before_the_anchor(model):
     anchors, anchor_positions = jnp.array([4, 9]), jnp.array([6, 10])
     embed = model.model.embed_tokens
 
+    @jax.jit
     def block(features):
         return model.dspark.block_hidden(
             anchors, anchor_positions, *model.dspark.context_kv(features, positions), positions, embed
@@ -158,13 +165,16 @@ def test_block_sees_only_context_before_the_anchor(model):
 @pytest.mark.slow
 def test_block_is_non_causal_within_the_block(model):
     c, positions = _context(model, 5)
-    k, v = model.dspark.context_kv(c, positions)
-    x = jax.random.normal(jax.random.key(2), (2, GAMMA, HIDDEN))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, GAMMA, HIDDEN), np.float32))
     block_positions = 5 + jnp.broadcast_to(jnp.arange(GAMMA, dtype=jnp.int32), (2, GAMMA))
-    layer = model.dspark.layers[0]
-    visible = jnp.ones((2, 5), bool)
-    base = layer(x, block_positions, k[0], v[0], visible)
-    perturbed = layer(x.at[:, -1].add(1.0), block_positions, k[0], v[0], visible)
+
+    @jax.jit
+    def layer(x):
+        k, v = model.dspark.context_kv(c, positions)
+        return model.dspark.layers[0](x, block_positions, k[0], v[0], jnp.ones((2, 5), bool))
+
+    base = layer(x)
+    perturbed = layer(x.at[:, -1].add(1.0))
     for slot in range(GAMMA):  # the last slot's input reaches every slot, the anchor's included
         assert not np.allclose(perturbed[:, slot], base[:, slot], atol=1e-4), slot
 
@@ -176,23 +186,29 @@ def test_context_kv_stored_per_committed_chunk_equals_one_pass(model):
     c, positions = _context(model, 12)
     k, v = model.dspark.context_kv(c, positions)
     page_size, pages_per_seq = 4, 4
-    pool = jnp.full((LAYERS, 2 * pages_per_seq, KV_HEADS, page_size, HEAD_DIM), 9.0)  # garbage everywhere
-    pools = [pool, pool]
-    page_table = jnp.arange(2 * pages_per_seq, dtype=jnp.int32).reshape(2, pages_per_seq)[::-1]
-    for start, stop in ((0, 5), (5, 7), (7, 9)):  # three commits of 5, 2 and 2 positions
-        width = stop - start
-        chunk = Chunk.uniform(
-            jnp.full((2,), start, jnp.int32), jnp.full((2,), width, jnp.int32), page_table, width, kernel_size=4
-        )
-        part_k, part_v = model.dspark.context_kv(c[:, start:stop], positions[:, start:stop])
-        for layer in range(LAYERS):
-            pools = [
-                write_pages(p, layer, part[layer].reshape(1, -1, *part.shape[3:]), chunk)
-                for p, part in zip(pools, (part_k, part_v), strict=True)
-            ]
-    read = Chunk.uniform(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), page_table, 1, kernel_size=4)
-    stored = [jnp.stack([read_pages(p, layer, read)[0] for layer in range(LAYERS)]) for p in pools]
-    stored_positions = read_pages(pools[0], 0, read)[1]
+    commits = ((0, 5), (5, 7), (7, 9))  # three commits of 5, 2 and 2 positions
+    parts = [model.dspark.context_kv(c[:, start:stop], positions[:, start:stop]) for start, stop in commits]
+
+    @jax.jit  # the pool's writes and reads as one program (called eagerly, every operation compiles alone)
+    def stored_kv(parts):
+        pool = jnp.full((LAYERS, 2 * pages_per_seq, KV_HEADS, page_size, HEAD_DIM), 9.0)  # garbage everywhere
+        pools = [pool, pool]
+        page_table = jnp.arange(2 * pages_per_seq, dtype=jnp.int32).reshape(2, pages_per_seq)[::-1]
+        for (start, stop), (part_k, part_v) in zip(commits, parts, strict=True):
+            width = stop - start
+            chunk = Chunk.uniform(
+                jnp.full((2,), start, jnp.int32), jnp.full((2,), width, jnp.int32), page_table, width, kernel_size=4
+            )
+            for layer in range(LAYERS):
+                pools = [
+                    write_pages(p, layer, part[layer].reshape(1, -1, *part.shape[3:]), chunk)
+                    for p, part in zip(pools, (part_k, part_v), strict=True)
+                ]
+        read = Chunk.uniform(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), page_table, 1, kernel_size=4)
+        stored = [jnp.stack([read_pages(p, layer, read)[0] for layer in range(LAYERS)]) for p in pools]
+        return stored, read_pages(pools[0], 0, read)[1]
+
+    stored, stored_positions = stored_kv(parts)
     np.testing.assert_array_equal(stored[0][:, :, :9], k[:, :, :9])
     anchors, at = jnp.array([3, 11]), jnp.array([9, 9])
     embed = model.model.embed_tokens

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from paths import TINY_CONFIG, TINY_TEXT
+from xla_flags import OPTIMIZED_STEPS
 
 from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
@@ -30,8 +31,10 @@ def model():
 
 
 def make_engine(model, slots: int, pages: int) -> Engine:
+    """Its tests run hundreds of steps: compiled with LLVM's optimisations."""
     layout = CacheLayout(slots, pages, 32, CHUNK)  # 32 pages of 128 tokens: the model's whole context
-    return Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, checkpoint=str(FIXTURE))
+    mesh = make_mesh("tp1", model.config)
+    return Engine(model, layout, mesh, MAX_LOGPROBS, compiler_options=OPTIMIZED_STEPS, checkpoint=str(FIXTURE))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from paths import TINY_TEXT
 from scipy import stats
+from xla_flags import OPTIMIZED_STEPS
 
 from inkling_jax import speculative
 from inkling_jax.cache import CacheLayout
@@ -81,8 +82,8 @@ def engine_for(model) -> Engine:
     is compiled with LLVM's optimisations (the suite turns them off, tests/conftest.py): 4096 slots make the
     sampling run-bound, and optimised code halves the test's time for a slightly slower compilation."""
     layout = CacheLayout(SLOTS, SLOTS, 1, GAMMA + 1)
-    optimised = {"xla_backend_optimization_level": 2}
-    return Engine(model, layout, make_mesh("tp1", model.config), speculative="dspark", compiler_options=optimised)
+    mesh = make_mesh("tp1", model.config)
+    return Engine(model, layout, mesh, speculative="dspark", compiler_options=OPTIMIZED_STEPS)
 
 
 class Sampling:
@@ -211,7 +212,8 @@ def scheduler_outputs(model, speculative: str, requests: list[Request]) -> tuple
     """Run `requests` through a scheduler whose small page pool forces preemptions: (tokens by id, last
     delta by id, stats, compilations after warm-up)."""
     layout = CacheLayout(4, 5, 2, 8)  # 4 slots, 5 pages of 128 tokens, 2 per sequence (the whole context)
-    engine = Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, speculative=speculative)
+    mesh = make_mesh("tp1", model.config)
+    engine = Engine(model, layout, mesh, MAX_LOGPROBS, speculative, OPTIMIZED_STEPS)  # hundreds of steps
     scheduler = Scheduler(engine)
     scheduler.warm_up()
     compiled = engine.compilations

@@ -14,6 +14,7 @@ import openai
 import pytest
 from paths import TINY_CONFIG
 from test_gateway import free_port
+from xla_flags import OPTIMIZED_STEPS
 
 from inkling_jax import offline
 from inkling_jax.chat import ChatTemplate, load_template
@@ -40,7 +41,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    return load_engine(str(checkpoint), dtype="float32", max_num_seqs=8, chunk=8)
+    return load_engine(str(checkpoint), dtype="float32", max_num_seqs=8, chunk=8, compiler_options=OPTIMIZED_STEPS)
 
 
 def random_requests(rng, count: int) -> list[tuple]:

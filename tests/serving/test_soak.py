@@ -23,6 +23,7 @@ def test_half_a_minute_of_mixed_load_passes_every_check(tmp_path, monkeypatch):
         minutes=0.5,
         reference_minutes=0.15,
         round_seconds=(5.0, 12.0),
+        concurrency=(2, 4, 8),  # a round ends when its calls do: 32 workers queue two minutes of work
         rss_every_s=1.0,
         checkpoint=str(checkpoint),
         log=str(tmp_path / "server.log"),
