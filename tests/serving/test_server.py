@@ -707,7 +707,7 @@ def test_main_serves_then_drains_on_sigterm(monkeypatch, checkpoint, text_config
     finishes, exit 0."""
     servers, schedulers = [], []
     monkeypatch.setattr(server_main, "load_engine", lambda path, **_: FakeEngine(text_config, tokenizer, path))
-    monkeypatch.setattr(server_main, "serve", lambda *args: servers.append(serve(*args)) or servers[-1])
+    monkeypatch.setattr(server_main, "serve", lambda *a, **kw: servers.append(serve(*a, **kw)) or servers[-1])
 
     def scheduler(engine: FakeEngine) -> FakeScheduler:
         schedulers.append(FakeScheduler(engine, ready=False, step_seconds=0.005))
