@@ -156,48 +156,52 @@ def _original_to_transformers(name: str) -> str | None:
     return None
 
 
-# The image tower: original name -> transformers name inside `model.vision_tower.` (regex, template), and back.
-_ORIGINAL_VISION = (
-    (r"backbone\.embeddings\.position_embedding", "embeddings.position_embedding.weight"),
-    (r"backbone\.embeddings\.(patch_embedding\.weight|class_embedding|cls_position_embedding)", r"embeddings.\1"),
-    (r"backbone\.ln_pre\.(weight|bias)", r"pre_layernorm.\1"),
-    (r"backbone\.layers\.(\d+)\.ln_1\.(weight|bias)", r"layers.\1.layernorm_before.\2"),
-    (r"backbone\.layers\.(\d+)\.ln_2\.(weight|bias)", r"layers.\1.layernorm_after.\2"),
-    (r"backbone\.layers\.(\d+)\.mlp\.c_fc\.(weight|bias)", r"layers.\1.mlp.fc1.\2"),
-    (r"backbone\.layers\.(\d+)\.mlp\.c_proj\.(weight|bias)", r"layers.\1.mlp.fc2.\2"),
-    (r"backbone\.layers\.(\d+)\.ls_1\.gamma", r"layers.\1.lambda_1"),
-    (r"backbone\.layers\.(\d+)\.ls_2\.gamma", r"layers.\1.lambda_2"),
-    (r"backbone\.layers\.(\d+)\.self_attn\.((?:q|k|v|out)_proj\.(?:weight|bias))", r"layers.\1.self_attn.\2"),
-    (r"proj_in\.(weight|bias)", r"merger.linear_1.\1"),
-    (r"proj_out\.(weight|bias)", r"merger.linear_2.\1"),
+# The image tower's names, (original, transformers inside `model.vision_tower.`), each {field} one of _NAME_FIELDS.
+_VISION_NAMES = (
+    ("backbone.embeddings.position_embedding", "embeddings.position_embedding.weight"),
+    ("backbone.embeddings.{embedding}", "embeddings.{embedding}"),
+    ("backbone.ln_pre.{p}", "pre_layernorm.{p}"),
+    ("backbone.layers.{i}.ln_1.{p}", "layers.{i}.layernorm_before.{p}"),
+    ("backbone.layers.{i}.ln_2.{p}", "layers.{i}.layernorm_after.{p}"),
+    ("backbone.layers.{i}.mlp.c_fc.{p}", "layers.{i}.mlp.fc1.{p}"),
+    ("backbone.layers.{i}.mlp.c_proj.{p}", "layers.{i}.mlp.fc2.{p}"),
+    ("backbone.layers.{i}.ls_1.gamma", "layers.{i}.lambda_1"),
+    ("backbone.layers.{i}.ls_2.gamma", "layers.{i}.lambda_2"),
+    ("backbone.layers.{i}.self_attn.{projection}", "layers.{i}.self_attn.{projection}"),
+    ("proj_in.{p}", "merger.linear_1.{p}"),
+    ("proj_out.{p}", "merger.linear_2.{p}"),
 )
-_TRANSFORMERS_VISION = (
-    (r"embeddings\.position_embedding\.weight", "backbone.embeddings.position_embedding"),
-    (r"embeddings\.(patch_embedding\.weight|class_embedding|cls_position_embedding)", r"backbone.embeddings.\1"),
-    (r"pre_layernorm\.(weight|bias)", r"backbone.ln_pre.\1"),
-    (r"layers\.(\d+)\.layernorm_before\.(weight|bias)", r"backbone.layers.\1.ln_1.\2"),
-    (r"layers\.(\d+)\.layernorm_after\.(weight|bias)", r"backbone.layers.\1.ln_2.\2"),
-    (r"layers\.(\d+)\.mlp\.fc1\.(weight|bias)", r"backbone.layers.\1.mlp.c_fc.\2"),
-    (r"layers\.(\d+)\.mlp\.fc2\.(weight|bias)", r"backbone.layers.\1.mlp.c_proj.\2"),
-    (r"layers\.(\d+)\.lambda_1", r"backbone.layers.\1.ls_1.gamma"),
-    (r"layers\.(\d+)\.lambda_2", r"backbone.layers.\1.ls_2.gamma"),
-    (r"layers\.(\d+)\.self_attn\.((?:q|k|v|out)_proj\.(?:weight|bias))", r"backbone.layers.\1.self_attn.\2"),
-    (r"merger\.linear_1\.(weight|bias)", r"proj_in.\1"),
-    (r"merger\.linear_2\.(weight|bias)", r"proj_out.\1"),
-)
+_NAME_FIELDS = {
+    "i": r"\d+",
+    "p": r"weight|bias",
+    "embedding": r"patch_embedding\.weight|class_embedding|cls_position_embedding",
+    "projection": r"(?:q|k|v|out)_proj\.(?:weight|bias)",
+}
 
 
-def _renamed(rules: tuple[tuple[str, str], ...], name: str) -> str | None:
-    for pattern, template in rules:
-        if m := re.fullmatch(pattern, name):
-            return m.expand(template)
+def _name_pattern(template: str) -> re.Pattern:
+    """A name template as a regex whose named groups are its fields."""
+    pieces = re.split(r"\{(\w+)\}", template)  # literal, field, literal, ...
+    parts = (re.escape(x) if i % 2 == 0 else f"(?P<{x}>{_NAME_FIELDS[x]})" for i, x in enumerate(pieces))
+    return re.compile("".join(parts))
+
+
+_VISION_PATTERNS = tuple(tuple(_name_pattern(t) for t in pair) for pair in _VISION_NAMES)
+
+
+def _renamed(name: str, source: int, target: int) -> str | None:
+    """A tower name in the layout of column `source` of `_VISION_NAMES` renamed to column `target`'s; None if no
+    template matches."""
+    for patterns, templates in zip(_VISION_PATTERNS, _VISION_NAMES, strict=True):
+        if m := patterns[source].fullmatch(name):
+            return templates[target].format(**m.groupdict())
     return None
 
 
 def vision_path(name: str, layout: str) -> str | None:
     """Our parameter path (`vision_tower.*`) of an image-tower tensor, or None if the name is no tower tensor."""
     if layout == ORIGINAL and name.startswith("model.visual."):
-        inner = _renamed(_ORIGINAL_VISION, name.removeprefix("model.visual."))
+        inner = _renamed(name.removeprefix("model.visual."), 0, 1)
     elif layout == TRANSFORMERS and name.startswith("model.vision_tower."):
         inner = name.removeprefix("model.vision_tower.")
     else:
@@ -210,7 +214,7 @@ def vision_checkpoint_name(path: str, layout: str) -> str:
     inner = path.removeprefix(VISION_PATH)
     if layout == TRANSFORMERS:
         return "model.vision_tower." + inner
-    original = _renamed(_TRANSFORMERS_VISION, inner)
+    original = _renamed(inner, 1, 0)
     if original is None:
         raise KeyError(path)
     return "model.visual." + original
