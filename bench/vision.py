@@ -57,9 +57,7 @@ def processor_rates(pixels: np.ndarray, settings: ImageProcessorSettings, repeat
     """Per format: encoded bytes and images/s of processing them (median of `repeats`)."""
     rates = {}
     for name, media_type in (("PNG", "image/png"), ("JPEG", "image/jpeg")):
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format=name)
-        data = buffer.getvalue()
+        data = encoded(pixels, name)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -155,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"checkpoint {args.checkpoint} has no vision tower")
     settings = ImageProcessorSettings.from_checkpoint(args.checkpoint)
     pixels = photo_like(args.size)
-    values, grid = process_image_bytes(_png(pixels), settings, "image/png")
+    values, grid = process_image_bytes(encoded(pixels, "PNG"), settings, "image/png")
     image = RequestImage(values, grid)
     check = check_images([image], [engine.image_limits.image_token_id] * image.tiles, engine.image_limits)
     if check is not None:
@@ -177,9 +175,10 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def _png(pixels: np.ndarray) -> bytes:
+def encoded(pixels: np.ndarray, image_format: str) -> bytes:
+    """The image's bytes in `image_format` ("PNG", "JPEG")."""
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
+    Image.fromarray(pixels).save(buffer, format=image_format)
     return buffer.getvalue()
 
 

@@ -157,11 +157,8 @@ def fetch(
     """The image a data: or http(s) URL holds, at most MAX_IMAGE_BYTES, from one of `allowed_hosts` (None: any;
     redirects too). INVALID_ARGUMENT for what the client must fix (another scheme or host, a malformed data: URL,
     an image too large, an HTTP 4xx); UNAVAILABLE for what may pass (the host unreachable, a timeout, an HTTP 5xx)."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
+    if url_scheme(name, url) == "data":
         return _from_data_url(name, url)
-    if scheme not in ("http", "https"):
-        raise _refuse(f"{name}: URL scheme {scheme or '(none)'!r} is not accepted; give data:, http: or https: URLs")
     _check_host(name, url, allowed_hosts)
     deadline = time.monotonic() + timeout
     opener = urllib.request.build_opener(_CheckedRedirects(name, allowed_hosts))
@@ -189,6 +186,14 @@ def fetch(
     except ValueError as error:  # a URL urllib cannot parse
         raise _refuse(f"{name}: cannot fetch {url!r}: {error}") from None
     return EncodedImage(name, bytes(data), media_type if media_type in MEDIA_TYPES else None)
+
+
+def url_scheme(name: str, url: str) -> str:
+    """The URL's scheme, one of URL_SCHEMES; INVALID_ARGUMENT naming `name` for any other."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme not in URL_SCHEMES:
+        raise _refuse(f"{name}: URL scheme {scheme or '(none)'!r} is not accepted; give a data:, http: or https: URL")
+    return scheme
 
 
 def _check_host(name: str, url: str, allowed_hosts: frozenset[str] | None) -> None:

@@ -48,7 +48,7 @@ from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request,
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
 from serving.calls import STATUS_OF_CODE, CallError, Unparsable, cut_at_stop_strings
-from serving.media import URL_SCHEMES, EncodedImage, check_count, expand, fetch, tiles_of
+from serving.media import URL_SCHEMES, EncodedImage, check_count, expand, fetch, tiles_of, url_scheme
 
 if TYPE_CHECKING:
     from serving.server import InklingServicer
@@ -109,8 +109,7 @@ def checked_fields(request: vpb.GenerateRequest) -> None:
             _refuse(
                 f"media_refs[{i}]: modality {common_pb2.Modality.Name(ref.modality)} is not supported (images only)"
             )
-        if ref.url.split(":", 1)[0].lower() not in URL_SCHEMES or ":" not in ref.url:
-            _refuse(f"media_refs[{i}]: give a data:, http: or https: URL")
+        url_scheme(f"media_refs[{i}]", ref.url)
     if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
         _refuse("kv_transfer_params: KV transfer (disaggregated prefill) is not supported by this engine")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
