@@ -58,7 +58,13 @@ from inkling_jax.runtime.engine import (
     load_engine,
     open_checkpoint,
 )
-from inkling_jax.runtime.images import ImageLimits, ImageOptionsError, image_limits
+from inkling_jax.runtime.images import (
+    DEFAULT_MAX_IMAGE_TILES,
+    ImageLimits,
+    ImageOptionsError,
+    encode_programs_for,
+    image_limits,
+)
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, ImageSource, Rejected, Request, request_from_json
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
@@ -217,6 +223,7 @@ def generate(
         budget_bytes=budget_bytes,
         num_top=MAX_LOGPROBS,
         speculative=speculative,
+        **encode_programs_for(requests, DEFAULT_MAX_IMAGE_TILES),
     )
     return run_requests(engine, requests)
 
@@ -409,8 +416,7 @@ def main(argv: list[str] | None, module: str) -> int:
                 draft = checkpoint.config.draft
                 room = draft.block_size if args.speculative != "none" and draft is not None else 0
                 options = engine_options(args)
-                if not any(request.images for request in requests):  # no image can arrive: no encode program
-                    options["max_images"] = 0
+                options |= encode_programs_for(requests, args.max_image_tiles, args.image_feature_tokens)
                 engine = load_engine(
                     checkpoint,
                     **options,

@@ -74,11 +74,29 @@ def image_limits(
         )
     if vision is None or max_images == 0:
         return None
-    rows = 4 * max_tiles if pool_rows is None else pool_rows
+    rows = default_pool_rows(max_tiles) if pool_rows is None else pool_rows
     if rows < max_tiles:
         raise ImageOptionsError(f"image_feature_tokens {rows} cannot hold one image of max_image_tiles {max_tiles}")
     side = vision.spatial_merge_size * vision.patch_size
     return ImageLimits(image_token_id, (side, side, vision.num_channels), max_images, max_tiles, rows)
+
+
+def default_pool_rows(max_tiles: int) -> int:
+    """The image feature pool's rows unless configured: four images of `max_tiles`."""
+    return 4 * max_tiles
+
+
+def encode_programs_for(
+    requests: Sequence[object], max_tiles: int, pool_rows: int | None = None
+) -> dict[str, int | None]:
+    """The engine's image options for a known set of requests (each with `images`, already checked against
+    `max_tiles`): no encode program when none carries an image, else programs up to its largest image only, over
+    the pool the limits would give (as many images in flight as without this)."""
+    tiles = [image.tiles for request in requests for image in request.images]
+    if not tiles:
+        return {"max_images": 0}
+    pool = default_pool_rows(max_tiles) if pool_rows is None else pool_rows
+    return {"max_image_tiles": max(tiles), "image_feature_tokens": pool}
 
 
 def image_buckets(max_tiles: int) -> tuple[int, ...]:

@@ -247,7 +247,17 @@ def test_supports():
         # rings of a 128-key window, where they first lap
         ([280, 600], [24, 0], 24, 256, None, None),
         ([257, 600], [1, 0], 64, 256, 256, None),
-    ],
+        # a replayed sequence's chunk as the engine runs it, at positions 236 ... 299 over the rings (its rows from
+        # 256 on lie a lap on); on a GPU also over the pool (straddling block 2, the rows' profiles reaching past the
+        # extent) and at 256 ... 319 over both
+        ([300, 600], [64, 0], 64, 256, 256, None),
+    ]
+    + (
+        []
+        if CPU
+        else [([300, 600], [64, 0], 64, 256, None, None)]
+        + [([320, 600], [64, 0], 64, 256, r, None) for r in (None, 256)]
+    ),
 )
 def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width, extent, ring, in_kernel):
     """Each row of a verify pass or a prefill chunk equals the same position decoded beside another sequence, bit

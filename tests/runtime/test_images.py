@@ -25,7 +25,14 @@ from inkling_jax.generate import main
 from inkling_jax.image_processor import ImageProcessorSettings, process_image_file
 from inkling_jax.runtime.batch import generate as generate_requests
 from inkling_jax.runtime.engine import Engine
-from inkling_jax.runtime.images import IMAGE_MARKER, RequestImage, image_limits, placeholder_runs
+from inkling_jax.runtime.images import (
+    IMAGE_MARKER,
+    RequestImage,
+    encode_programs_for,
+    image_buckets,
+    image_limits,
+    placeholder_runs,
+)
 from inkling_jax.runtime.requests import (
     MAX_LOGPROBS,
     Code,
@@ -276,6 +283,19 @@ def test_generate_jsonl_with_image_paths(tmp_path, checkpoint, reference_model):
     assert code == 0
     assert results[0]["token_ids"] == greedy_reference(reference_model, tuple(prompt), images, 5)
     assert results[1]["finish_reason"] in ("length", "stop")
+
+
+def test_a_batch_run_compiles_encode_programs_up_to_its_largest_image():
+    """A batch run knows its images: its encode buckets stop at the largest one's tiles, its feature pool is what the
+    limits give (as many images in flight), and without images it compiles none."""
+    rng = np.random.default_rng()
+    tiles = rng.integers(1, 300, 5)
+    requests = [Request(i, (1,), images=tuple(RequestImage(np.zeros((t, 1)), None) for t in tiles[i:])) for i in (0, 3)]
+    options = encode_programs_for([Request("text", (1,)), *requests], 512)
+    assert options == {"max_image_tiles": tiles.max(), "image_feature_tokens": 4 * 512}
+    assert image_buckets(options["max_image_tiles"])[-1] == tiles.max()
+    assert encode_programs_for(requests, 512, pool_rows=900)["image_feature_tokens"] == 900
+    assert encode_programs_for([Request("text", (1,))], 512) == {"max_images": 0}
 
 
 @pytest.mark.parametrize(
