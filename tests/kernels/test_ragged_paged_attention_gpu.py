@@ -42,11 +42,19 @@ VERIFY = ([500, 77, 600 if CPU else 1000, 9], [8, 8, 3, 0], 8)  # at most 64 row
 
 
 def inputs(
-    seed: int, kv_lens: list[int], query_lens: list[int], width: int, extent: int, ring: int | None, d_rel: int = D_REL
+    seed: int,
+    kv_lens: list[int],
+    query_lens: list[int],
+    width: int,
+    extent: int,
+    ring: int | None,
+    d_rel: int = D_REL,
+    groups: int = GROUPS,
 ) -> dict:
-    """Random bf16 step inputs; K / V as a pool of pages in random order (ring None) or rings of `ring` slots."""
+    """Random bf16 step inputs (`groups` query heads a KV head); K / V as a pool of pages in random order (ring None)
+    or rings of `ring` slots."""
     rng = np.random.default_rng(seed)
-    slots = len(kv_lens)
+    slots, heads = len(kv_lens), KV_HEADS * groups
 
     def normal(*shape: int) -> jax.Array:
         return jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
@@ -58,10 +66,10 @@ def inputs(
         return jnp.asarray(rng.choice([-1, 1], size=shape) * rng.integers(1, 5, size=shape) / 4, jnp.bfloat16)
 
     case = {
-        "q": grid(slots, width, HEADS, DIM),
-        "rel": normal(slots, width, HEADS, d_rel),
+        "q": grid(slots, width, heads, DIM),
+        "rel": normal(slots, width, heads, d_rel),
         "rel_proj": normal(d_rel, extent),
-        "sinks": normal(slots, width, HEADS),
+        "sinks": normal(slots, width, heads),
         "kv_lens": jnp.asarray(kv_lens, jnp.int32),
         "query_lens": jnp.asarray(query_lens, jnp.int32),
     }
@@ -234,36 +242,44 @@ def test_supports():
         compare(dict(inputs(1, *DECODE, extent=64, ring=None), q=jnp.zeros((3, 1, HEADS, DIM), jnp.float32)), None, 1)
 
 
+# (kv_lens, query_lens, width C, bias extent, ring slots, bias built in the kernel) of steps whose rows must get their
+# decode bits
+ROW_BITS = [
+    # verify passes at positions 252 ... 259 and 636 ... 643 (straddling blocks 2 and 5); the frame's bias
+    ([260, 644, 1100], [8, 8, 0], 8, 1024, None, False),
+    # a prefill chunk at positions 244 ... 267: three decode tiles, one straddling block 2; the frame's bias
+    ([268, 1100], [24, 0], 24, 1024, None, False),
+    # the bias as the engine takes it (decode rows build it in the kernel, chunks read the frame), rows past a short
+    # extent: a chunk at positions 256 ... 279 over the pool; one row at 256 in a 64-wide lane over 256-slot rings of
+    # a 128-key window, where they first lap
+    ([280, 600], [24, 0], 24, 256, None, None),
+    ([257, 600], [1, 0], 64, 256, 256, None),
+    # a replayed sequence's chunk as the engine runs it, at positions 236 ... 299 over the rings (its rows from 256 on
+    # lie a lap on)
+    ([300, 600], [64, 0], 64, 256, 256, None),
+]
+# on a GPU also: that chunk over the pool (straddling block 2, the rows' profiles reaching past the extent), and at
+# 256 ... 319 over both
+ROW_BITS_GPU = [([300, 600], [64, 0], 64, 256, None, None)] + [
+    ([320, 600], [64, 0], 64, 256, r, None) for r in (None, 256)
+]
+# and over the rings at the engine test's widths (4 query heads a KV head, d_rel 16: decode rows read in place), alone
+# and beside a decoding sequence
+ENGINE_TEST_BITS = [([300, 600], [64, 0], 64, 256, 256, None), ([303, 257], [64, 1], 64, 256, 256, None)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kv_lens", "query_lens", "width", "extent", "ring", "in_kernel"),
-    [
-        # verify passes at positions 252 ... 259 and 636 ... 643 (straddling blocks 2 and 5); the frame's bias
-        ([260, 644, 1100], [8, 8, 0], 8, 1024, None, False),
-        # a prefill chunk at positions 244 ... 267: three decode tiles, one straddling block 2; the frame's bias
-        ([268, 1100], [24, 0], 24, 1024, None, False),
-        # the bias as the engine takes it (decode rows build it in the kernel, chunks read the frame), rows past a
-        # short extent: a chunk at positions 256 ... 279 over the pool; one row at 256 in a 64-wide lane over 256-slot
-        # rings of a 128-key window, where they first lap
-        ([280, 600], [24, 0], 24, 256, None, None),
-        ([257, 600], [1, 0], 64, 256, 256, None),
-        # a replayed sequence's chunk as the engine runs it, at positions 236 ... 299 over the rings (its rows from
-        # 256 on lie a lap on); on a GPU also over the pool (straddling block 2, the rows' profiles reaching past the
-        # extent) and at 256 ... 319 over both
-        ([300, 600], [64, 0], 64, 256, 256, None),
-    ]
-    + (
-        []
-        if CPU
-        else [([300, 600], [64, 0], 64, 256, None, None)]
-        + [([320, 600], [64, 0], 64, 256, r, None) for r in (None, 256)]
-    ),
+    ("kv_lens", "query_lens", "width", "extent", "ring", "in_kernel", "heads"),
+    [(*case, (GROUPS, D_REL)) for case in ROW_BITS + ([] if CPU else ROW_BITS_GPU)]
+    + ([] if CPU else [(*case, (4, 16)) for case in ENGINE_TEST_BITS]),
 )
-def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width, extent, ring, in_kernel):
+def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width, extent, ring, in_kernel, heads):
     """Each row of a verify pass or a prefill chunk equals the same position decoded beside another sequence, bit
     for bit (batch invariance), also where the step straddles a KV block boundary, which moves where a tile's blocks
     would split: each tile runs as reach groups that split their own blocks as their rows' decodes do."""
-    step = inputs(41 + width, kv_lens, query_lens, width, extent, ring=ring)
+    groups, d_rel = heads
+    step = inputs(41 + width, kv_lens, query_lens, width, extent, ring=ring, d_rel=d_rel, groups=groups)
     rows = [(s, c) for s, length in enumerate(query_lens) for c in range(length)]
     rows += rows[-1:] * (len(rows) % 2)  # an even count of decoding sequences, as the engine's decode steps hold
     decode = (
