@@ -41,8 +41,7 @@ def total(x: jax.Array, axis: int | tuple[int, ...] = -1, keepdims: bool = False
     count = flat.shape[-1]
     flat = jnp.pad(flat, [(0, 0)] * len(kept) + [(0, (1 << max(count - 1, 0).bit_length()) - count)])
     while flat.shape[-1] > 1:
-        pairs = flat.reshape(*flat.shape[:-1], -1, 2)
-        flat = pairs[..., 0] + pairs[..., 1]
+        flat = flat[..., 0::2] + flat[..., 1::2]
     out = _materialized(flat[..., 0])
     return jnp.expand_dims(out, axes) if keepdims else out
 

@@ -378,7 +378,10 @@ def test_an_openai_chat_with_an_image_through_the_smg_gateway(served, pictures):
                     model="tiny-mm", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=4
                 )
                 break
-            except (openai.APIConnectionError, openai.NotFoundError):  # not up, or the worker not registered yet
+            except (openai.APIConnectionError, openai.NotFoundError, openai.InternalServerError) as error:
+                # not up, or no worker registered yet (404 for the model, or 503 "no_models_available")
+                if isinstance(error, openai.InternalServerError) and error.status_code != 503:
+                    raise
                 assert time.monotonic() < deadline, "the gateway did not serve within 90 s"
                 time.sleep(0.5)
     finally:
