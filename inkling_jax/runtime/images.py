@@ -86,9 +86,7 @@ def default_pool_rows(max_tiles: int) -> int:
     return 4 * max_tiles
 
 
-def encode_programs_for(
-    requests: Sequence[object], max_tiles: int, pool_rows: int | None = None
-) -> dict[str, int | None]:
+def encode_programs_for(requests: Sequence[object], max_tiles: int, pool_rows: int | None = None) -> dict[str, int]:
     """The engine's image options for a known set of requests (each with `images`, already checked against
     `max_tiles`): no encode program when none carries an image, else programs up to its largest image only, over
     the pool the limits would give (as many images in flight as without this)."""
