@@ -416,7 +416,7 @@ def main(argv: list[str] | None, module: str) -> int:
                 draft = checkpoint.config.draft
                 room = draft.block_size if args.speculative != "none" and draft is not None else 0
                 options = engine_options(args)
-                options |= encode_programs_for(requests, args.max_image_tiles, args.image_feature_tokens)
+                options |= encode_programs_for(remaining, args.max_image_tiles, args.image_feature_tokens)
                 engine = load_engine(
                     checkpoint,
                     **options,

@@ -87,14 +87,14 @@ def default_pool_rows(max_tiles: int) -> int:
 
 
 def encode_programs_for(requests: Sequence[object], max_tiles: int, pool_rows: int | None = None) -> dict[str, int]:
-    """The engine's image options for a known set of requests (each with `images`, already checked against
-    `max_tiles`): no encode program when none carries an image, else programs up to its largest image only, over
-    the pool the limits would give (as many images in flight as without this)."""
+    """The engine's image options for a known set of requests (each with `images`): no encode program when none
+    carries an image, else programs up to its largest image only (never past `max_tiles`: a larger image stays
+    refused), over the pool the limits would give (as many images in flight as without this)."""
     tiles = [image.tiles for request in requests for image in request.images]
     if not tiles:
         return {"max_images": 0}
     pool = default_pool_rows(max_tiles) if pool_rows is None else pool_rows
-    return {"max_image_tiles": max(tiles), "image_feature_tokens": pool}
+    return {"max_image_tiles": min(max(tiles), max_tiles), "image_feature_tokens": pool}
 
 
 def image_buckets(max_tiles: int) -> tuple[int, ...]:

@@ -270,15 +270,15 @@ ENGINE_TEST_BITS = [([300, 600], [64, 0], 64, 256, 256, None), ([303, 257], [64,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kv_lens", "query_lens", "width", "extent", "ring", "in_kernel", "heads"),
+    ("kv_lens", "query_lens", "width", "extent", "ring", "in_kernel", "widths"),
     [(*case, (GROUPS, D_REL)) for case in ROW_BITS + ([] if CPU else ROW_BITS_GPU)]
     + ([] if CPU else [(*case, (4, 16)) for case in ENGINE_TEST_BITS]),
 )
-def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width, extent, ring, in_kernel, heads):
+def test_a_row_gets_its_decode_bits_at_any_step_width(kv_lens, query_lens, width, extent, ring, in_kernel, widths):
     """Each row of a verify pass or a prefill chunk equals the same position decoded beside another sequence, bit
     for bit (batch invariance), also where the step straddles a KV block boundary, which moves where a tile's blocks
     would split: each tile runs as reach groups that split their own blocks as their rows' decodes do."""
-    groups, d_rel = heads
+    groups, d_rel = widths  # query heads a KV head, relative-state width
     step = inputs(41 + width, kv_lens, query_lens, width, extent, ring=ring, d_rel=d_rel, groups=groups)
     rows = [(s, c) for s, length in enumerate(query_lens) for c in range(length)]
     rows += rows[-1:] * (len(rows) % 2)  # an even count of decoding sequences, as the engine's decode steps hold

@@ -296,6 +296,7 @@ def test_a_batch_run_compiles_encode_programs_up_to_its_largest_image():
     assert image_buckets(options["max_image_tiles"])[-1] == tiles.max()
     assert encode_programs_for(requests, 512, pool_rows=900)["image_feature_tokens"] == 900
     assert encode_programs_for([Request("text", (1,))], 512) == {"max_images": 0}
+    assert encode_programs_for(requests, tiles.max() - 1)["max_image_tiles"] == tiles.max() - 1  # the largest: refused
 
 
 @pytest.mark.parametrize(
