@@ -20,16 +20,26 @@ size's, bit for bit, at Inkling 2 Small's widths (hidden 4608, 48 query and 8 KV
 - attention, one position decoded against the same position as the last row of an 8-row speculative verify pass
   and of a 64-token prefill chunk, and each row of a verify pass that straddles a KV block boundary against its
   position decoded alone.
+
+With `--engine PATH` (a checkpoint, or with `--load-format dummy` a config file) it also checks the whole step end
+to end, where each operation sits in the step program's fusions: a random sequence decoded token by token after
+its prompt, then the same tokens fed again as one chunk (as a preempted request's outputs are), must leave the same
+decode state, bit for bit. It prints, for each state array (each kind of layer's K and V, the convolutions'
+histories), the first model layer and position that differ, and whether the chunk's last row emits what the
+decode step did. `--reference OP ...` runs those ops' pure-jnp references instead of their kernels, to find
+which part of a step breaks the equality.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +49,9 @@ from flax import nnx
 from bench.moe_experts import CAPS, routing_case, stored_experts
 from inkling_jax.config import TextConfig
 from inkling_jax.model.moe import Router
-from inkling_jax.runtime.engine import GPU_STEP
-from pallas_kernels import numerics
+from inkling_jax.runtime.engine import GPU_STEP, Engine, load_engine
+from pallas_kernels import attn_res, moe, numerics
+from pallas_kernels import ragged_paged_attention as paged_attention
 from pallas_kernels.attn_res import attn_res_norm
 from pallas_kernels.moe import moe_experts
 from pallas_kernels.moe.layouts import for_gpu_experts
@@ -202,12 +213,109 @@ def attention(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
     return found
 
 
+KERNELS = {"attention": paged_attention, "moe": moe, "attn_res": attn_res}  # --reference's ops
+
+
+def engine_step(engine: Engine, tokens: list[int], **flags: bool) -> tuple:
+    """Slot 0 brings `tokens` (its pages 0, 1, ...; the other slots idle); what it emits: (token, its log-probability,
+    the top ids, their log-probabilities)."""
+    slots = engine.slots
+    ids, counts = np.zeros((slots, len(tokens)), np.int32), np.zeros(slots, np.int32)
+    ids[0], counts[0] = tokens, len(tokens)
+    table = np.zeros((slots, engine.max_pages), np.int32)
+    table[0] = np.arange(engine.max_pages)
+    first = {name: (np.arange(slots) == 0) & value for name, value in flags.items()}
+    out = engine.fetch(engine.step(engine.host_batch(ids, counts, [None] * slots, table, **first)))
+    return tuple(np.asarray(a[0, 0]).tolist() for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
+
+
+def fed(engine: Engine, tokens: list[int], *, prompt: bool) -> tuple:
+    """`tokens` fed as chunks (prompt tokens from a fresh sequence, or earlier outputs fed again); the last emit."""
+    for start in range(0, len(tokens), engine.chunk):
+        piece = tokens[start : start + engine.chunk]
+        last = engine_step(engine, piece, reset=prompt and start == 0, is_prompt=prompt, replay=not prompt, emit=True)
+    return last
+
+
+def differing_positions(name: str, decoded: np.ndarray, refed: np.ndarray, length: int) -> tuple[np.ndarray, ...]:
+    """Slot 0's entries of a KVCache array that differ: (index among the array's layers, position) pairs."""
+    if name.startswith("full"):  # [layers, pages, heads, page, dim]: slot 0 holds pages 0, 1, ...
+        differs = (decoded != refed).any(axis=(2, 4)).reshape(decoded.shape[0], -1)
+        positions = np.arange(differs.shape[1])
+    elif name.startswith("sliding"):  # [layers, slots, heads, ring, dim]: position p at ring slot p % ring
+        differs = (decoded[:, 0] != refed[:, 0]).any(axis=(1, 3))
+        ring = differs.shape[1]
+        positions = length - 1 - (length - 1 - np.arange(ring)) % ring
+    else:  # convolution histories [layers, slots, K - 1, channels]: the last K - 1 positions
+        differs = (decoded[:, 0] != refed[:, 0]).any(axis=-1)
+        positions = length - differs.shape[1] + np.arange(differs.shape[1])
+    layers, tokens = np.nonzero(differs & (positions < length)[None])
+    return layers, positions[tokens]
+
+
+def first_difference(engine: Engine, name: str, decoded: np.ndarray, refed: np.ndarray, length: int) -> str:
+    """Where slot 0's copies of a KVCache array first differ: the earliest position, its first model layer, and how
+    many (layer, position) entries differ."""
+    text = engine.text
+    layers = list(range(text.num_hidden_layers))
+    if name.startswith(("full", "sliding")):
+        layers = [layer for layer in layers if text.is_sliding(layer) == name.startswith("sliding")]
+    index, positions = differing_positions(name, decoded, refed, length)
+    if not positions.size:
+        return "equal"
+    position, layer = min(zip(positions.tolist(), (layers[i] for i in index.tolist()), strict=True))
+    return f"position {position}, layer {layer} ({positions.size} layer-positions)"
+
+
+def refeed(engine: Engine, prompt: int, outputs: int, seed: int) -> dict[str, str]:
+    """One random sequence: its `prompt` tokens as chunks and `outputs` more decoded one by one, against the same
+    tokens with the outputs fed again as chunks. Per KVCache array, where the two states first differ."""
+    tokens = np.random.default_rng(seed).integers(0, engine.text.unpadded_vocab_size, prompt + outputs).tolist()
+    fed(engine, tokens[:prompt], prompt=True)
+    for token in tokens[prompt:]:
+        decoded_last = engine_step(engine, [token], emit=True)
+    decoded = {name: np.asarray(value) for name, value in vars(engine.state.kv).items() if value is not None}
+    fed(engine, tokens[:prompt], prompt=True)
+    refed_last = fed(engine, tokens[prompt:], prompt=False)
+    found = {"last row emits the same": str(refed_last == decoded_last)}
+    for name, value in vars(engine.state.kv).items():
+        if value is not None:
+            found[name] = first_difference(engine, name, decoded[name], np.asarray(value), prompt + outputs)
+    return found
+
+
+def engine_states(args: argparse.Namespace) -> None:
+    """The end-to-end check (`--engine`), one line per sequence."""
+    with contextlib.ExitStack() as stack:
+        for op in args.reference:
+            stack.enter_context(mock.patch.dict(KERNELS[op].IMPLEMENTATIONS.kernels, clear=True))
+        engine = load_engine(
+            args.engine,
+            load_format=args.load_format,
+            max_num_seqs=2,
+            chunk=args.chunk,
+            max_context=args.prompt + args.outputs,
+        )
+        for seed in range(args.sequences):
+            print(json.dumps({"sequence": seed} | refeed(engine, args.prompt, args.outputs, seed)), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 64, 68, 196])
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--commit", default="")
+    parser.add_argument("--engine", help="a checkpoint (or config file, --load-format dummy): the end-to-end check")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--reference", nargs="*", default=[], choices=sorted(KERNELS), help="ops run by reference")
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=240)
+    parser.add_argument("--outputs", type=int, default=60)
+    parser.add_argument("--sequences", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.engine:
+        engine_states(args)
+        return
     sizes = sorted(args.sizes)
     table = {}
     for group in (projections, reductions, mixing, experts, attention):
