@@ -72,7 +72,7 @@ def compiled(fn: Callable, *args) -> Callable:
 def differing(outputs: dict[int, np.ndarray]) -> dict[str, int]:
     """Per size: how many elements of the shared rows differ from the smallest size's."""
     first = outputs[min(outputs)]
-    return {str(size): int((out != first).sum()) for size, out in outputs.items()}
+    return {str(size): int((out[: len(first)] != first).sum()) for size, out in outputs.items()}
 
 
 def rows_of(fn: Callable, make: Callable[[int], tuple], sizes: list[int]) -> dict[int, np.ndarray]:
@@ -95,6 +95,15 @@ def projections(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
         "K and V": (2 * KV_HEADS * DIM, HIDDEN),
         "output": (HIDDEN, 6144),
         "LM head": (201024, HIDDEN),
+    }
+    # the GPU scheduler test's model (tests/runtime/test_scheduler.py: hidden 512, 8 query and 2 KV heads of 128)
+    cases |= {
+        "test widths, query side": (2184, 512),
+        "test widths, K and V": (512, 512),
+        "test widths, full layer's K": (256, 512),
+        "test widths, dynamic taps": (8, 512),
+        "test widths, output": (512, 1024),
+        "test widths, LM head": (512, 512),
     }
     found = {}
     for name, (out, inner) in cases.items():
