@@ -32,7 +32,12 @@ def round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def total(x: jax.Array, axis: int | tuple[int, ...] = -1, keepdims: bool = False) -> jax.Array:
-    """jnp.sum over `axis`; on the CPU a fixed tree of adds (module docstring), batch-invariant."""
+    """jnp.sum over `axis`; on the CPU a fixed tree of adds (module docstring), batch-invariant. On a GPU the sum is
+    materialized (`materialized`): XLA:GPU sums a row in another order when its reduction kernel also computes a
+    transcendental function of the result (it then reads the row unvectorized), and whether a function of the sum
+    joins the kernel changes with the program around it."""
+    if jax.default_backend() == "gpu":
+        return materialized(jnp.sum(x, axis=axis, keepdims=keepdims))
     if jax.default_backend() != "cpu":
         return jnp.sum(x, axis=axis, keepdims=keepdims)
     axes = tuple(sorted(a % x.ndim for a in ((axis,) if isinstance(axis, int) else axis)))
@@ -42,14 +47,16 @@ def total(x: jax.Array, axis: int | tuple[int, ...] = -1, keepdims: bool = False
     flat = jnp.pad(flat, [(0, 0)] * len(kept) + [(0, (1 << max(count - 1, 0).bit_length()) - count)])
     while flat.shape[-1] > 1:
         flat = flat[..., 0::2] + flat[..., 1::2]
-    out = _materialized(flat[..., 0])
+    out = materialized(flat[..., 0])
     return jnp.expand_dims(out, axes) if keepdims else out
 
 
-def _materialized(x: jax.Array) -> jax.Array:
-    """x computed on its own (CPU): XLA:CPU emits an elementwise function of a reduced value (exp(x - max),
-    rsqrt(sum)) fused with the reduction in code that changes with the shapes, and its exp then rounds some values
-    differently; reading a materialized reduction, the function runs as the same elementwise loop at any shape."""
+def materialized(x: jax.Array) -> jax.Array:
+    """x computed on its own, in no kernel with its consumers: a reduction that reads it holds none of the
+    transcendental functions that made it (on a GPU they change how the kernel sums, see `total`). On the CPU, XLA:CPU
+    emits an elementwise function of a reduced value (exp(x - max), rsqrt(sum)) fused with the reduction in code that
+    changes with the shapes, and its exp then rounds some values differently; reading a materialized reduction, the
+    function runs as the same elementwise loop at any shape."""
     return jax.lax.optimization_barrier(x)
 
 
@@ -57,7 +64,7 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     """jax.nn.softmax, its sum through `total` (batch-invariant on the CPU)."""
     if jax.default_backend() != "cpu":
         return jax.nn.softmax(x, axis=axis)
-    unnormalized = jnp.exp(x - jax.lax.stop_gradient(_materialized(jnp.max(x, axis=axis, keepdims=True))))
+    unnormalized = jnp.exp(x - jax.lax.stop_gradient(materialized(jnp.max(x, axis=axis, keepdims=True))))
     return unnormalized / total(unnormalized, axis, keepdims=True)
 
 
@@ -65,7 +72,7 @@ def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     """jax.nn.log_softmax, its sum through `total` (batch-invariant on the CPU)."""
     if jax.default_backend() != "cpu":
         return jax.nn.log_softmax(x, axis=axis)
-    shifted = x - jax.lax.stop_gradient(_materialized(jnp.max(x, axis=axis, keepdims=True)))
+    shifted = x - jax.lax.stop_gradient(materialized(jnp.max(x, axis=axis, keepdims=True)))
     return shifted - jnp.log(total(jnp.exp(shifted), axis, keepdims=True))
 
 

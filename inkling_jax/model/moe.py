@@ -16,7 +16,7 @@ from inkling_jax.config import TextConfig
 from inkling_jax.model.params import normal, param, zeros
 from inkling_jax.sharding import MODEL
 from pallas_kernels.moe import GpuWeight, TpuWeight, kernel_layout, moe_experts
-from pallas_kernels.numerics import round_to, total
+from pallas_kernels.numerics import materialized, round_to, total
 from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 
@@ -35,7 +35,7 @@ class Router(nnx.Module):
         """x [N, H] -> (expert ids [N, k] int32, weights [N, k] fp32)."""
         # a reduction, not a dot: the product is tiny, and as an fp32 gemm of 16 columns cuBLAS gives it two CTAs
         logits = total(x.astype(jnp.float32)[:, None, :] * self.weight[...].astype(jnp.float32)[None])
-        scores = jax.nn.sigmoid(logits)
+        scores = materialized(jax.nn.sigmoid(logits))  # the weights' sum below reads them, not their exp
         _, experts = jax.lax.top_k(scores + self.e_score_correction_bias[...], self.top_k)
         weights = jnp.take_along_axis(scores, experts, axis=-1)
         weights = weights / (total(weights, keepdims=True) + 1e-20)
