@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
     except (RuntimeError, ValueError) as error:
-        raise SystemExit(f"compiling for a GPU without one needs JAX's CUDA plugin: {error}") from error
+        plugin = "JAX's CUDA plugin (pip install -e '.[gpu-aot]')"
+        raise SystemExit(f"compiling for a GPU without one needs {plugin}: {error}") from error
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     config = load_config(args.config)

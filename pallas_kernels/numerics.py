@@ -33,13 +33,12 @@ def round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def total(x: jax.Array, axis: int | tuple[int, ...] = -1, keepdims: bool = False) -> jax.Array:
     """jnp.sum over `axis`; on the CPU a fixed tree of adds (module docstring), batch-invariant. On a GPU the sum is
-    materialized (`materialized`): XLA:GPU sums a row in another order when its reduction kernel also computes a
-    transcendental function of the result (it then reads the row unvectorized), and whether a function of the sum
-    joins the kernel changes with the program around it."""
-    if jax.default_backend() == "gpu":
-        return materialized(jnp.sum(x, axis=axis, keepdims=keepdims))
-    if jax.default_backend() != "cpu":
-        return jnp.sum(x, axis=axis, keepdims=keepdims)
+    materialized (`materialized`): whether XLA:GPU fuses a function of the sum (the router's sigmoid) into the
+    reduction's kernel changes with the program around it, and such a kernel may sum a row in another order."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        summed = jnp.sum(x, axis=axis, keepdims=keepdims)
+        return materialized(summed) if backend == "gpu" else summed
     axes = tuple(sorted(a % x.ndim for a in ((axis,) if isinstance(axis, int) else axis)))
     kept = [a for a in range(x.ndim) if a not in axes]
     flat = jnp.transpose(x, kept + list(axes)).reshape([x.shape[a] for a in kept] + [-1])
@@ -53,10 +52,10 @@ def total(x: jax.Array, axis: int | tuple[int, ...] = -1, keepdims: bool = False
 
 def materialized(x: jax.Array) -> jax.Array:
     """x computed on its own, in no kernel with its consumers: a reduction that reads it holds none of the
-    transcendental functions that made it (on a GPU they change how the kernel sums, see `total`). On the CPU, XLA:CPU
-    emits an elementwise function of a reduced value (exp(x - max), rsqrt(sum)) fused with the reduction in code that
-    changes with the shapes, and its exp then rounds some values differently; reading a materialized reduction, the
-    function runs as the same elementwise loop at any shape."""
+    transcendental functions that made it (on a GPU they may change how the kernel sums, see `total`). On the CPU,
+    XLA:CPU emits an elementwise function of a reduced value (exp(x - max), rsqrt(sum)) fused with the reduction in
+    code that changes with the shapes, and its exp then rounds some values differently; reading a materialized
+    reduction, the function runs as the same elementwise loop at any shape."""
     return jax.lax.optimization_barrier(x)
 
 
