@@ -108,6 +108,10 @@ class Tokenizer:
         contiguous = len(self._vocab) == self.vocab_size
         self._known = range(self.vocab_size) if contiguous else frozenset(self._vocab.values())
 
+    def serialized(self) -> str:
+        """The tokenizer as tokenizer.json's text (what other tokenizer libraries load)."""
+        return self._tokenizer.to_str()
+
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path) -> Tokenizer:
         """The tokenizer of a checkpoint directory: its tokenizer.json, with the EOS token named by
