@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             flat, shape = decode.tokens, f"step [{args.slots} slots, {decode.tokens} tokens]"
             start = time.perf_counter()
             arguments = on_mesh(actives[-1])[1]
-            leaves, _, first, _, images = arguments
+            leaves, _, first, _, images, masks = arguments
             lowered = engine._lower(arguments, decode)
             print(f"{shape}: lowered in {_seconds(start)}", flush=True)
             if engine._kernels is not None:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                 compiled = lowered.compile(options or None)
                 print(f"{shape} with {json.dumps(options)}: compiled by XLA in {_seconds(start)}", flush=True)
                 engine.state = zeroed(engine.state)
-                emitted, engine.state = compiled(leaves, engine.state, first, engine.previous, images)
+                emitted, engine.state = compiled(leaves, engine.state, first, engine.previous, images, masks)
                 logprobs = np.asarray(emitted.top_logprobs)
                 if first_logprobs is None:
                     first_logprobs = logprobs
@@ -127,10 +127,10 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
     """Wall time per step issued back to back, and the step's kernels on a GPU, for each count of active slots
     (written in launch order to `dump`_`active`_active.json when given)."""
     for active in actives:
-        leaves, _, batch, _, images = on_mesh(active)[1]
+        leaves, _, batch, _, images, masks = on_mesh(active)[1]
 
-        def step(leaves=leaves, batch=batch, images=images):  # the state is donated: each step takes the one before's
-            emitted, engine.state = compiled(leaves, engine.state, batch, engine.previous, images)
+        def step(leaves=leaves, batch=batch, images=images, masks=masks):  # the state is donated: each takes the last
+            emitted, engine.state = compiled(leaves, engine.state, batch, engine.previous, images, masks)
             return emitted
 
         dispatch = []

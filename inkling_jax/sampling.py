@@ -185,6 +185,14 @@ def request_keys(seed: jax.Array, generated: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, g: jax.random.fold_in(jax.random.key(s), g))(seed, generated)
 
 
+def allowed_only(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits [S, V] with -inf at every token its row of `allowed` ([S, ceil(V / 32)] int32, bit t % 32 of word
+    t // 32 set for an allowed token t) leaves out."""
+    slots, vocab = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    return jnp.where(bits.reshape(slots, -1)[:, :vocab] == 1, logits, -jnp.inf)
+
+
 def sample(
     logits: jax.Array,
     params: SamplingParams,
@@ -192,14 +200,21 @@ def sample(
     prompt_mask: jax.Array,
     generated: jax.Array,
     num_top: int = 0,
+    allowed: jax.Array | None = None,
 ) -> Sampled:
     """The next token of every slot.
 
     logits [S, V] float32; output_counts [S, V]; prompt_mask [S, V]; generated [S] int32 (tokens each
-    request has produced so far); num_top: how many top log-probabilities to return (static). The penalties run
-    only in a batch where a slot has one on, and the draw only where a slot samples (on a GPU the step's command
+    request has produced so far); num_top: how many top log-probabilities to return (static); allowed [S, W] int32:
+    the tokens each slot may take, as packed bits (`allowed_only`; a row of -1: every token; None: no constraint).
+    A constraint cuts the logits before the penalties and filters, so that greedy takes the best allowed token and
+    sampling draws from the allowed tokens' renormalized distribution; the log-probabilities stay the model's own.
+    The masks, penalties and the draw run only in a batch where a slot needs them (on a GPU the step's command
     buffers decide these branches on the device)."""
     logprobs = log_softmax(logits)
+    if allowed is not None:
+        constrained = jnp.any(allowed != -1, axis=-1)
+        logits = jax.lax.cond(any_slot(constrained), allowed_only, lambda logits, _: logits, logits, allowed)
     penalized = jax.lax.cond(
         any_slot(penalizing(params)), penalize, lambda logits, *_: logits, logits, params, output_counts, prompt_mask
     )

@@ -173,6 +173,7 @@ def step_fn(
     batch: StepBatch,
     previous: jax.Array,
     image_pool: jax.Array | None = None,
+    allowed: jax.Array | None = None,
     num_top: int = 0,
     speculative: bool = False,
     greedy_draft: bool = False,
@@ -181,7 +182,9 @@ def step_fn(
 ) -> tuple[Emitted, DecodeState]:
     """One engine step; previous [S]: each slot's `last` token of the previous step (read where
     `batch.feedback` is set); image_pool [R, H]: the image features `batch.image_rows` point at (read only; a model
-    without an image tower ignores it). Outputs are meaningful for slots with counts > 0. speculative (static):
+    without an image tower ignores it); allowed [S, W] int32: the tokens each slot may sample, as packed bits
+    (`sampling.allowed_only`; None or a row of -1: any; a speculating slot's row must be -1, the verify applies
+    none). Outputs are meaningful for slots with counts > 0. speculative (static):
     run DSpark rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1); greedy_draft
     (static): the draft proposes its argmax instead of sampling; width, lane_width (static): the narrow group's
     queries per slot and the lanes'. `step` is it jitted with the state donated; `inkling_jax.runtime.engine`
@@ -200,11 +203,11 @@ def step_fn(
         slots = P(DATA)
         replica_step = jax.shard_map(
             replica_step,
-            in_specs=(P(), replica_specs(state), slots, slots, P()),
+            in_specs=(P(), replica_specs(state), slots, slots, P(), slots),
             out_specs=(slots, replica_specs(state)),
             axis_names={DATA},
         )
-    emitted, state = replica_step(params, state, batch, previous, image_pool)
+    emitted, state = replica_step(params, state, batch, previous, image_pool, allowed)
     if not mesh.empty:
         emitted = jax.lax.with_sharding_constraint(emitted, P())
     return emitted, state
@@ -224,6 +227,7 @@ def _step(
     batch: StepBatch,
     previous: jax.Array,
     image_pool: jax.Array | None,
+    allowed: jax.Array | None,
     num_top: int,
     speculative: bool,
     greedy_draft: bool,
@@ -273,7 +277,9 @@ def _step(
         at = jnp.where(spec[:, None], starts[:, None] + jnp.arange(gamma + 1), chunk.last[:, None])  # [S, γ + 1]
         at = jnp.minimum(at, tokens - 1)
         logits, kv, windows = model.step(token_ids, state.kv, chunk, windows=True, at=at, images=images)
-        plain = _one_token(sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top), emit)
+        plain = _one_token(
+            sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top, allowed), emit
+        )
         num_drafts = jnp.where(spec, gamma, 0)
         rounds = verify(logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top)
         last = jnp.take_along_axis(rounds.tokens, rounds.num_accepted[:, None], axis=1)[:, 0]
@@ -290,7 +296,15 @@ def _step(
         rows, slots = chunk.busy_index, chunk.slots
         logits, kv = model.step(token_ids, state.kv, chunk, at=chunk.last[rows][:, None], images=images)
         sampling = jax.tree.map(lambda column: column[rows], batch.sampling)
-        sampled = sample(logits[:, 0], sampling, output_counts[rows], prompt_mask[rows], generated[rows], num_top)
+        sampled = sample(
+            logits[:, 0],
+            sampling,
+            output_counts[rows],
+            prompt_mask[rows],
+            generated[rows],
+            num_top,
+            None if allowed is None else allowed[rows],
+        )
         busy = _one_token(sampled, emit[rows] & (chunk.busy < slots))
         emitted = jax.tree.map(
             lambda x: jnp.zeros((slots, *x.shape[1:]), x.dtype).at[chunk.busy].set(x, mode="drop"), busy
@@ -299,7 +313,9 @@ def _step(
         lengths = state.lengths + batch.counts
     else:
         logits, kv = model.step(token_ids, state.kv, chunk, images=images)
-        emitted = _one_token(sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top), emit)
+        emitted = _one_token(
+            sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top, allowed), emit
+        )
         lengths = state.lengths + batch.counts
 
     slots = jnp.arange(batch.counts.shape[0])[:, None]

@@ -245,6 +245,9 @@ class Engine:
         self._kernels = KernelBuilder(local) if local.platform == "gpu" else None
         self.by_slot = NamedSharding(mesh, P(DATA))
         self.previous = jax.device_put(np.zeros(self.slots, np.int32), NamedSharding(mesh, P()))
+        self.mask_words = -(-self.text.unpadded_vocab_size // 32)  # int32 words of a slot's allowed-token bits
+        # what a step without constrained slots reads for them: every token allowed, never sent again
+        self._any_token = jax.device_put(np.full((self.slots, self.mask_words), -1, np.int32), self.by_slot)
         self._set_up_images(model, max_images, max_image_tiles, image_feature_tokens)
 
     def _set_up_images(
@@ -470,13 +473,17 @@ class Engine:
             flat_rows,
         )
 
-    def step(self, batch: StepBatch) -> Emitted:
+    def step(self, batch: StepBatch, allowed: np.ndarray | None = None) -> Emitted:
         """Dispatch one step on a host batch (`host_batch`); returns at once with the device's outputs (`fetch`
         waits for them). Slots with `feedback` set start from the last token emitted for them by the previous
-        step, which the host need not have read yet. The step is speculative when any slot has `speculate` set."""
+        step, which the host need not have read yet. The step is speculative when any slot has `speculate` set.
+        allowed [S, mask_words] int32: the tokens each slot may sample, as packed bits (a row of -1: any; None:
+        no slot is constrained, and nothing is sent for them)."""
         if not self.speculative and np.any(batch.speculate):
             raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
-        shape, args = self.arguments(batch)
+        if allowed is not None and np.any(batch.speculate & np.any(allowed != -1, axis=1)):
+            raise SpeculationError("a constrained slot cannot speculate: the verify applies no constraint")
+        shape, args = self.arguments(batch, allowed)
         program = self._programs.get(shape)
         if program is None:
             program = self._program(shape, args)
@@ -484,11 +491,11 @@ class Engine:
         self.previous = emitted.last
         return emitted
 
-    def arguments(self, batch: StepBatch) -> tuple[StepShape, tuple]:
+    def arguments(self, batch: StepBatch, allowed: np.ndarray | None = None) -> tuple[StepShape, tuple]:
         """The shape of the step program that runs a host batch, and the program's arguments: the parameters'
-        arrays, the state, the batch packed into one int32 buffer on the mesh (split by replica: one transfer)
-        and the previous step's tokens. They hold the engine's state, which the next step donates: good for one
-        call."""
+        arrays, the state, the batch packed into one int32 buffer on the mesh (split by replica: one transfer),
+        the previous step's tokens, the image features and the allowed tokens (`step`). They hold the engine's
+        state, which the next step donates: good for one call."""
         speculative = bool(np.any(batch.speculate))
         shape = StepShape(
             batch.token_ids.shape[0] // self.replicas,
@@ -498,7 +505,15 @@ class Engine:
         )
         packed = self._layout(shape).pack(batch)
         on_mesh = jax.make_array_from_callback(packed.shape, self.by_slot, lambda index: packed[index])
-        return shape, (self._param_leaves, self.state, on_mesh, self.previous, self.image_pool)
+        if allowed is None:
+            masks = self._any_token
+        else:
+            if allowed.shape != (self.slots, self.mask_words) or allowed.dtype != np.int32:
+                raise ValueError(
+                    f"allowed must be int32 [{self.slots}, {self.mask_words}], got {allowed.dtype} {allowed.shape}"
+                )
+            masks = jax.make_array_from_callback(allowed.shape, self.by_slot, lambda index: allowed[index])
+        return shape, (self._param_leaves, self.state, on_mesh, self.previous, self.image_pool, masks)
 
     def _layout(self, shape: StepShape) -> BatchLayout:
         """Where a host batch of `shape`'s arrays lie in its packed buffer (the same for every batch of it)."""
@@ -830,10 +845,11 @@ def _flat_step(
     packed: jax.Array,
     previous: jax.Array,
     image_pool: jax.Array,
+    allowed: jax.Array,
     *,
     layout: BatchLayout,
     **static: object,
 ) -> tuple[Emitted, DecodeState]:
     """`step_fn` over the parameters' arrays (in `param_tree`'s order) and a packed host batch (`layout`)."""
     params = jax.tree.unflatten(param_tree, param_leaves)
-    return step_fn(graphdef, params, state, layout.unpack(packed), previous, image_pool, **static)
+    return step_fn(graphdef, params, state, layout.unpack(packed), previous, image_pool, allowed, **static)

@@ -1,6 +1,7 @@
 """On-device sampling: filters, penalties, seeds and log-probabilities, on fresh random logits."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -228,3 +229,47 @@ def test_a_slot_gets_alone_what_it_gets_in_any_mixed_batch():
     alone = {row: run([row])[row] for row in range(len(slots))}
     for rows in ([0, 1], [0, 2], [1, 3], [4, 0, 2], list(range(len(slots)))):
         assert run(rows) == {row: alone[row] for row in rows}
+
+
+def packed_bits(keep: np.ndarray) -> np.ndarray:
+    """[S, V] bool -> [S, ceil(V / 32)] int32 words, bit t % 32 of word t // 32 for token t."""
+    padded = np.zeros((keep.shape[0], -(-keep.shape[1] // 32) * 32), bool)
+    padded[:, : keep.shape[1]] = keep
+    weights = np.left_shift(np.uint64(1), np.arange(32, dtype=np.uint64))
+    words = (padded.reshape(keep.shape[0], -1, 32) * weights).sum(axis=-1).astype(np.uint32)
+    return words.view(np.int32)
+
+
+def test_a_constraint_keeps_greedy_and_draws_to_its_tokens():
+    rng = np.random.default_rng(12)
+    vocab, draws = 45, 6000  # two mask words, the second one partly past the vocabulary
+    logits = rng.normal(0, 1.5, vocab).astype(np.float32)
+    keep = rng.random(vocab) < 0.3
+    keep[np.argmax(np.where(keep, -np.inf, logits))] = False  # the unconstrained best token is left out
+    params = params_for(draws, temperature=0.9, seed=3)
+    params = dataclasses.replace(params, temperature=params.temperature.at[:2].set(0.0))  # two greedy rows
+    rows = np.tile(keep, (draws, 1))
+    rows[-1] = True  # one row of -1: unconstrained
+    allowed = jnp.asarray(packed_bits(rows))
+    zeros = jnp.zeros((draws, vocab), jnp.int32)
+    tiled = jnp.tile(logits, (draws, 1))
+    generated = jnp.arange(draws, dtype=jnp.int32)
+    sampler = functools.partial(jax.jit(sample, static_argnames="num_top"), tiled, params, zeros, zeros.astype(bool))
+    out, free = sampler(generated, 3, allowed), sampler(generated, 3)
+    tokens = np.asarray(out.tokens)
+    assert tokens[0] == tokens[1] == np.argmax(np.where(keep, logits, -np.inf))
+    assert np.all(keep[tokens[:-1]])
+    assert tokens[-1] == np.asarray(free.tokens)[-1]  # an unconstrained row beside constrained ones
+    expected = np.where(keep, np.exp(logits / 0.9), 0.0)
+    frequencies = np.bincount(tokens[2:-1], minlength=vocab) / (draws - 3)
+    np.testing.assert_allclose(frequencies, expected / expected.sum(), atol=4.5 * np.sqrt(0.25 / draws))
+    for name in ("logprobs", "top_ids", "top_logprobs"):  # the model's own distribution, whatever is allowed
+        got, raw = np.asarray(getattr(out, name)), np.asarray(getattr(free, name))
+        np.testing.assert_array_equal(got[-1], raw[-1])
+        if name != "logprobs":
+            np.testing.assert_array_equal(got[0], raw[0])
+    logprobs = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    np.testing.assert_allclose(np.asarray(out.logprobs)[:-1], logprobs[tokens[:-1]], rtol=1e-5, atol=1e-6)
+    everything = jnp.full_like(allowed, -1)
+    same = sampler(generated, 3, everything)
+    np.testing.assert_array_equal(np.asarray(same.tokens), np.asarray(free.tokens))
