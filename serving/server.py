@@ -41,6 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inkling_jax.config import load_config
+from inkling_jax.runtime.constraints import Constraint
 from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.images import encode_marked
 from inkling_jax.runtime.requests import (
@@ -132,7 +133,18 @@ def request_from_message(request: pb.GenerateRequest, request_id: str, prompt: t
         ignore_eos=stop.ignore_eos,
         logprobs=value(request, "logprobs", None),
         speculative=value(request, "speculative", defaults.speculative),
+        constraint=constraint_from_message(request.constraint) if request.HasField("constraint") else None,
     )
+
+
+def constraint_from_message(message: pb.Constraint) -> Constraint | None:
+    """The request's constraint (None for json_object false or no kind set)."""
+    kind = message.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not message.json_object):
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    return Constraint(kind, tuple(message.choice.choices) if kind == "choice" else getattr(message, kind))
 
 
 def model_info(engine: Engine) -> pb.ModelInfo:
@@ -269,10 +281,12 @@ class InklingServicer(pb_grpc.InklingServicer):
             )
         return requested
 
-    def _engine_request(self, request: pb.GenerateRequest, engine: Engine) -> tuple[Request, list[EncodedImage]]:
-        """The call's validated Request (run on the pool: it may tokenize a long prompt), its images' placeholders
-        in the prompt, and the images still to decode. Sizes are checked before anything is copied out of the
-        message, images from their headers before the prompt is tokenized."""
+    def _engine_request(
+        self, request: pb.GenerateRequest, engine: Engine, scheduler: Scheduler
+    ) -> tuple[Request, list[EncodedImage]]:
+        """The call's validated Request (run on the pool: it may tokenize a long prompt, compile a constraint), its
+        images' placeholders in the prompt, and the images still to decode. Sizes are checked before anything is
+        copied out of the message, images from their headers before the prompt is tokenized."""
         try:
             stop, ids = request.stop, request.token_ids.ids if request.WhichOneof("input") == "token_ids" else ()
             validate_sizes(len(ids), len(stop.stop_token_ids), len(stop.stop), engine.text)
@@ -293,6 +307,7 @@ class InklingServicer(pb_grpc.InklingServicer):
             self._tokenizer(engine, "stop strings")
         try:
             validate(engine_request, engine.text)
+            scheduler.prepare(engine_request)
         except Rejected as rejected:
             raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
         return engine_request, images
@@ -327,7 +342,9 @@ class InklingServicer(pb_grpc.InklingServicer):
             engine, scheduler = self._loaded()
             self._admit(scheduler)
             loop = asyncio.get_running_loop()
-            engine_request, images = await loop.run_in_executor(self.prepare, self._engine_request, request, engine)
+            engine_request, images = await loop.run_in_executor(
+                self.prepare, self._engine_request, request, engine, scheduler
+            )
             (engine_request,) = await self.with_images([engine_request], images)
             deltas = self._submit(scheduler, engine_request)
         except CallError as error:

@@ -9,9 +9,11 @@ carries token ids only. A streamed call sends each choice's new tokens as chunks
 `complete`; an unstreamed call sends one `complete` a choice holding all its tokens. Stop strings are matched here
 as well as in the gateway (which neither ends generation at its own match nor un-bills the tokens past it), so
 generation stops at the first one; the ids sent run through the token that completed it and the gateway trims
-the text. What the engine cannot do yet (structured-output constraints, images preprocessed by the gateway,
-min_tokens, logit_bias, prompt log-probabilities) is refused as INVALID_ARGUMENT naming the field, which SMG answers
-with HTTP 400.
+the text. Structured-output constraints (json_schema, json_object, regex, grammar, choice) constrain the answer in
+Inkling's chat framing (`inkling_jax.runtime.constraints`), or from the first generated token where the gateway
+shaped the constraint itself (`grammar_from_first_token`). What the engine cannot do yet (structural tags, images
+preprocessed by the gateway, min_tokens, logit_bias, prompt log-probabilities) is refused as INVALID_ARGUMENT naming
+the field, which SMG answers with HTTP 400.
 
 Images come as `media_refs` (GetServerInfo advertises `mm_processor="inprocess"`): data:, http: and https: URLs in
 prompt order, with `tokenized` input ids holding one `<|content_image|>` per image (as the chat template renders an
@@ -43,6 +45,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from inkling_jax.config import load_config
+from inkling_jax.runtime.constraints import Constraint
 from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request, validate, validate_sizes
 from inkling_jax.runtime.scheduler import Scheduler
@@ -90,11 +93,10 @@ def _refuse(message: str) -> None:
 def checked_fields(request: vpb.GenerateRequest) -> None:
     """Refuse the fields this engine does not honour (a silently ignored constraint or image would be wrong)."""
     params = request.sampling_params
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
+    if params.WhichOneof("constraint") == "structural_tag":
         _refuse(
-            f"sampling_params.{constraint}: structured outputs (json_schema, regex, grammar, structural_tag, "
-            "json_object, choice) are not supported by this engine yet"
+            "sampling_params.structural_tag is not supported by this engine yet (json_schema, json_object, regex, "
+            "grammar and choice are)"
         )
     if request.HasField("mm_inputs") or len(request.extra_mm_inputs):
         _refuse(
@@ -136,6 +138,7 @@ def engine_requests(request: vpb.GenerateRequest, request_id: str, prompt: tuple
     n = params.n or 1
     seed = params.seed if params.HasField("seed") else secrets.randbelow(2**32)
     max_tokens = params.max_tokens if params.HasField("max_tokens") else max(room - len(prompt), 1)
+    constraint = request_constraint(params)
     return [
         Request(
             id=request_id if n == 1 else f"{request_id}/{i}",
@@ -153,9 +156,23 @@ def engine_requests(request: vpb.GenerateRequest, request_id: str, prompt: tuple
             stop=tuple(params.stop),
             ignore_eos=params.ignore_eos,
             logprobs=params.logprobs if params.HasField("logprobs") else None,
+            constraint=constraint,
         )
         for i in range(n)
     ]
+
+
+def request_constraint(params: vpb.SamplingParams) -> Constraint | None:
+    """The structured-output constraint of the call (None without one, or for json_object false): framed by the
+    engine after the prompt's chat framing unless the gateway shaped it from the first token."""
+    kind = params.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not params.json_object):
+        return None
+    first = params.grammar_from_first_token
+    if kind == "json_object":
+        return Constraint("json_object", from_first_token=first)
+    spec = tuple(params.choice.choices) if kind == "choice" else getattr(params, kind)
+    return Constraint(kind, spec, from_first_token=first)
 
 
 def output_logprobs(delta: Delta, count: int) -> vpb.OutputLogProbs:
@@ -231,6 +248,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         try:
             for engine_request in requests:
                 validate(engine_request, engine.text)
+            scheduler.prepare(requests[0])  # its choices share the constraint: compiled once, here on the pool
         except Rejected as rejected:
             raise CallError(STATUS_OF_CODE[rejected.code], str(rejected)) from None
         room = scheduler.max_sequence_tokens
@@ -469,6 +487,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             attention_backend="ragged_paged_attention",
             model_dtype=str(engine.dtype),
             max_num_seqs=engine.max_num_seqs,
+            constrained_decoding_start="after_reasoning",  # the engine frames a constraint after the thought
             **images,
         )
 

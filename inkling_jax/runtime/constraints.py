@@ -1,10 +1,18 @@
-"""Structured outputs: a request's constraint (a JSON schema, any JSON object, a regex, a Lark grammar or a choice
-of strings) compiled by llguidance into a grammar over the model's tokenizer, and a matcher per request that gives
-each step the tokens the constraint allows there, as a packed bitmask row (bit t % 32 of word t // 32: token t),
-and follows the tokens the request is given.
+"""Structured outputs: a request's constraint (a JSON schema, any JSON object, a regex, a Lark or GBNF grammar or
+a choice of strings) compiled by llguidance into a grammar over the model's tokenizer, and a matcher per request
+that gives each step the tokens the constraint allows there, as a packed bitmask row (bit t % 32 of word t // 32:
+token t), and follows the tokens the request is given.
+
+The constraint is on the answer, and Inkling frames its answer: after a chat prompt's `<|message_model|>` the model
+may think (`<|content_thinking|>` ... `<|end_message|><|message_model|>`), then writes `<|content_text|>`, the
+answer and `<|end_message|>`, and ends the sequence. So the grammar is the constraint in that frame, chosen by the
+prompt's last token (`FRAMES`; after a `<|content_thinking|>` or a `<|content_text|>` the frame's rest), the
+thought left free (text without framing tokens); any other prompt (a plain completion) is constrained from the first
+generated token, as is a constraint whose sender framed it already (`from_first_token`: SMG's
+`grammar_from_first_token`). Once the grammar is complete only the end of sequence may follow.
 
 Compiling a grammar takes milliseconds to a second, so `Grammars` compiles each constraint once, off the step
-loop, and keeps the compiled matcher by constraint text; every request then starts from a copy of it. A
+loop, and keeps the compiled matcher by constraint text and frame; every request then starts from a copy of it. A
 constraint that does not compile is refused with llguidance's message, which names what is wrong."""
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import collections
 import dataclasses
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import llguidance
 import llguidance.numpy
@@ -38,11 +46,14 @@ class Constraint:
 
     kind: str
     spec: str | tuple[str, ...] = ""
+    from_first_token: bool = False  # framed by its sender: constrain the generated text as it comes
 
     def check(self) -> None:
         """Raise ConstraintError naming what is wrong with the constraint's form (not yet its grammar)."""
         if self.kind not in KINDS:
             raise ConstraintError(f"constraint kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if not isinstance(self.from_first_token, bool):
+            raise ConstraintError(f"from_first_token must be true or false, got {self.from_first_token!r}")
         if self.kind == "choice":
             if not isinstance(self.spec, tuple) or not all(isinstance(choice, str) for choice in self.spec):
                 raise ConstraintError("a choice constraint needs a list of strings")
@@ -73,42 +84,110 @@ class Constraint:
             return build.grammar_from_json_schema('{"type": "object"}')
         if self.kind == "regex":
             return build.grammar_from_regex(self.spec)
-        if self.kind == "grammar":
-            return build.grammar_from_lark(self.spec)
+        if self.kind == "grammar":  # Lark, or GBNF / EBNF as llama.cpp writes it
+            try:
+                return llguidance.grammar_from("grammar", self.spec)
+            except ValueError as error:
+                raise ConstraintError(f"the grammar is neither Lark nor GBNF: {error}") from None
         return build.grammar_from_lark("start: " + " | ".join(json.dumps(choice) for choice in self.spec))
+
+
+def constraint_from_json(value: object) -> Constraint:
+    """A constraint as a JSON request gives it: an object of one kind and its spec, `{"json_schema": SCHEMA}` (an
+    object or its text), `{"json_object": true}`, `{"regex": "..."}`, `{"grammar": "LARK"}` or
+    `{"choice": ["...", ...]}`. ConstraintError naming what is wrong."""
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ConstraintError(f"a constraint is an object with one of {', '.join(KINDS)}, got {value!r:.200}")
+    ((kind, spec),) = value.items()
+    if kind == "json_schema" and isinstance(spec, dict):
+        spec = json.dumps(spec)
+    elif kind == "json_object":
+        if spec is not True:
+            raise ConstraintError(f"json_object must be true, got {spec!r:.200}")
+        spec = ""
+    elif kind == "choice" and isinstance(spec, list):
+        spec = tuple(spec)
+    constraint = Constraint(kind, spec)
+    constraint.check()
+    return constraint
+
+
+THOUGHT = "<|content_thinking|> THOUGHT_TEXT <|end_message|> <|message_model|>"
+FRAMES = {  # Lark around the constraint (`@body`), by the prompt's last token
+    "message": f"start: thought? answer\nthought: {THOUGHT}",  # after <|message_model|>: a thought, then the answer
+    "thinking": "start: THOUGHT_TEXT <|end_message|> <|message_model|> answer",  # in the thought
+    "text": "start: @body <|end_message|>",  # in the answer
+}
+ANSWER = "answer: <|content_text|> @body <|end_message|>\nTHOUGHT_TEXT: /(.|\n)*/"
+FRAME_TOKENS = {"<|message_model|>", "<|content_thinking|>", "<|content_text|>", "<|end_message|>"}
+
+
+def framed(body: str, frame: str | None) -> str:
+    """The llguidance grammar of a constraint's `body` (an llguidance grammar: its JSON, or Lark text) in `frame`."""
+    if frame is None:
+        return body
+    grammars = json.loads(body)["grammars"] if body.lstrip().startswith("{") else [{"lark_grammar": body}]
+    if len(grammars) != 1:
+        raise ConstraintError(f"a constraint of {len(grammars)} grammars cannot be framed")
+    lark = FRAMES[frame] + ("" if frame == "text" else "\n" + ANSWER)
+    return json.dumps({"grammars": [{"lark_grammar": lark}, {**grammars[0], "name": "body"}]})
 
 
 class Grammars:
     """Constraints compiled for one tokenizer and the model's vocabulary (`vocab_size` logits, of which the
-    tokenizer's ids are the first), cached by constraint. Safe to use from several threads."""
+    tokenizer's ids are the first), cached by constraint; a constrained text ends with one of the `eos` tokens.
+    Safe to use from several threads."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos: Sequence[int]):
         if vocab_size < tokenizer.vocab_size:
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
         self.vocab_size = vocab_size
+        self.eos = frozenset(eos)
         self.words = -(-vocab_size // 32)  # int32 words of a bitmask row
-        self._tokenizer = llguidance.LLTokenizer(
-            tokenizer.serialized(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id
+        self._tokenizer = llguidance.LLTokenizer(tokenizer.serialized(), n_vocab=vocab_size, eos_token=list(eos))
+        self._compiled: collections.OrderedDict[tuple[Constraint, str | None], llguidance.LLMatcher] = (
+            collections.OrderedDict()
         )
-        self._compiled: collections.OrderedDict[Constraint, llguidance.LLMatcher] = collections.OrderedDict()
+        names = tokenizer.special_tokens
+        framing = {"message": "<|message_model|>", "thinking": "<|content_thinking|>", "text": "<|content_text|>"}
+        self._framing = {name: names[token] for name, token in framing.items() if FRAME_TOKENS <= names.keys()}
         self._lock = threading.Lock()
+        self._executor = llguidance.LLExecutor()  # fills many slots' masks at once, on threads of its own
 
-    def compile(self, constraint: Constraint) -> None:
-        """Compile `constraint` (or find it compiled); ConstraintError naming what is wrong if it does not.
-        Seconds at worst for a large schema: call it where waiting holds up no step."""
-        self._template(constraint)
+    def frame(self, constraint: Constraint, prompt: Sequence[int]) -> str | None:
+        """The frame (a key of FRAMES) the constrained text takes after `prompt` (None: none, from the first
+        generated token)."""
+        if constraint.from_first_token or not prompt:
+            return None
+        return next((name for name, token in self._framing.items() if token == prompt[-1]), None)
 
-    def matcher(self, constraint: Constraint) -> Matcher:
-        """A matcher at the start of `constraint`'s text."""
-        return Matcher(self._template(constraint).deep_copy(), self.words)
+    def compile(self, constraint: Constraint, frame: str | None = None) -> None:
+        """Compile `constraint` in `frame` (or find it compiled); ConstraintError naming what is wrong if it does
+        not. Seconds at worst for a large schema: call it where waiting holds up no step."""
+        self._template(constraint, frame)
 
-    def _template(self, constraint: Constraint) -> llguidance.LLMatcher:
+    def matcher(self, constraint: Constraint, frame: str | None = None) -> Matcher:
+        """A matcher at the start of `constraint`'s text in `frame`."""
+        return Matcher(self._template(constraint, frame).deep_copy(), self.eos)
+
+    def fill(self, allowed: np.ndarray, matchers: dict[int, Matcher]) -> None:
+        """Write each matcher's allowed tokens into its row of `allowed` ([S, words] int32, C-contiguous), all at
+        once on the executor's threads (without the GIL): a 200K-token mask takes up to half a millisecond."""
+        if allowed.ndim != 2 or allowed.shape[1] != self.words or allowed.dtype != np.int32:
+            raise ValueError(f"masks are int32 [slots, {self.words}], got {allowed.dtype} {allowed.shape}")
+        if not allowed.flags.c_contiguous:
+            raise ValueError("the masks must be C-contiguous")
+        pairs = [(matcher._matcher, row) for row, matcher in matchers.items()]
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, allowed)
+
+    def _template(self, constraint: Constraint, frame: str | None) -> llguidance.LLMatcher:
+        key = (constraint, frame)
         with self._lock:
-            if constraint in self._compiled:
-                self._compiled.move_to_end(constraint)
-                return self._compiled[constraint]
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         constraint.check()
-        grammar = constraint.grammar()
+        grammar = framed(constraint.grammar(), frame)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ConstraintError(f"the {constraint.kind} constraint does not compile: {error.strip()}")
@@ -116,39 +195,33 @@ class Grammars:
         if template.is_error():
             raise ConstraintError(f"the {constraint.kind} constraint does not compile: {template.get_error()}")
         with self._lock:
-            self._compiled[constraint] = template
+            self._compiled[key] = template
             while len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return template
 
 
 class Matcher:
-    """One request's place in its constraint: the tokens allowed next, and the tokens given so far."""
+    """One request's place in its constraint, after the tokens it has been given (`Grammars.fill` writes the tokens
+    allowed next)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int):
+    def __init__(self, matcher: llguidance.LLMatcher, eos: frozenset[int]):
         self._matcher = matcher
-        self.words = words
-
-    def allowed(self, row: np.ndarray) -> None:
-        """Write the tokens allowed next into `row` ([words] int32, C-contiguous): bit t % 32 of word t // 32 set
-        for an allowed token t. Only the end-of-sequence token once the text is complete."""
-        if row.shape != (self.words,) or row.dtype != np.int32 or not row.flags.c_contiguous:
-            raise ValueError(f"a mask row is a contiguous int32 [{self.words}], got {row.dtype} {row.shape}")
-        llguidance.numpy.fill_next_token_bitmask(self._matcher, row[None])
+        self._eos = eos
 
     def accept(self, tokens: Iterable[int]) -> int:
-        """Advance past `tokens` in order; how many the constraint allowed (the rest are not taken)."""
+        """Advance past `tokens` in order; how many the constraint allowed (the rest are not taken, and after a
+        refused token the matcher allows nothing but the end of the sequence). The end of
+        sequence that follows a complete match is allowed and ends it (it is not fed to the matcher, which takes
+        nothing after a complete match)."""
         accepted = 0
         for token in tokens:
+            if self.complete:
+                return accepted + (int(token) in self._eos)
             if not self._matcher.consume_token(int(token)):
                 break
             accepted += 1
         return accepted
-
-    def rollback(self, count: int) -> None:
-        """Go back `count` tokens (those of a rejected draft, or of a preempted sequence fed again)."""
-        if count and not self._matcher.rollback(count):
-            raise RuntimeError(f"the matcher cannot go back {count} tokens: {self._matcher.get_error()}")
 
     @property
     def complete(self) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 from inkling_jax.chat import ChatTemplate, ChatTemplateError
 from inkling_jax.config import TextConfig
 from inkling_jax.image_processor import ImageProcessorSettings
+from inkling_jax.runtime.constraints import Constraint, ConstraintError, constraint_from_json
 from inkling_jax.runtime.images import (
     IMAGE_MARKER,
     ImageLimits,
@@ -77,6 +78,7 @@ class Request:
     logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the top n
     speculative: bool = True  # speculate when the engine does (--speculative); False: plain decoding
     images: Sequence[RequestImage] = ()  # one per run of image placeholders in the prompt, in order
+    constraint: Constraint | None = None  # what the generated text must match (structured outputs)
 
 
 # name: (integral, low, high, low open); every number field's one range
@@ -139,6 +141,15 @@ def validate(request: Request, text: TextConfig, images: ImageLimits | None = No
     for name in ("ignore_eos", "speculative"):
         if not isinstance(getattr(request, name), bool):
             raise refuse(f"{name} must be true or false, got {getattr(request, name)!r}")
+    if request.constraint is not None:
+        if not isinstance(request.constraint, Constraint):
+            raise refuse(f"constraint must be a Constraint, got {request.constraint!r}")
+        if request.ignore_eos:
+            raise refuse("ignore_eos cannot go with a constraint: the constrained text ends with the end of sequence")
+        try:
+            request.constraint.check()
+        except ConstraintError as error:
+            raise refuse(f"constraint: {error}") from None
     if prompt + request.max_tokens > context:
         raise Rejected(
             Code.OUT_OF_RANGE,
@@ -250,6 +261,11 @@ def request_from_json(
     for name in ("prompt_token_ids", "stop_token_ids", "stop"):
         if isinstance(raw.get(name), list):
             raw[name] = tuple(raw[name])
+    if raw.get("constraint") is not None:
+        try:
+            raw["constraint"] = constraint_from_json(raw["constraint"])
+        except ConstraintError as error:
+            raise Rejected(Code.INVALID_ARGUMENT, f"constraint: {error}") from None
     request = Request(**raw)
     validate(request, text, None if images is None else images.limits)
     return request

@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from inkling_jax.runtime.constraints import ConstraintError, Grammars, Matcher
 from inkling_jax.runtime.engine import Engine, pages_for
 from inkling_jax.runtime.images import placeholder_runs
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
@@ -80,6 +81,7 @@ class _Sequence:
     round_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()  # the tokens that end it: its stop ids, and EOS unless ignored
     prompt_rows: np.ndarray | None = None  # [prompt] each prompt token's image-feature pool row, -1 for text
+    matcher: Matcher | None = None  # its constraint's place after the outputs read so far
 
     @property
     def tiles(self) -> int:
@@ -110,6 +112,7 @@ class _Plan:
     batch: StepBatch
     sequences: dict[int, _Sequence]  # slot -> sequence
     bounds: dict[int, int]  # slot -> the most tokens the step can emit for it
+    allowed: np.ndarray | None = None  # [S, mask words] the tokens each slot may take (None: no slot constrained)
     emitted: Emitted | None = None
 
 
@@ -121,6 +124,8 @@ class Scheduler:
         self.max_waiting = max_waiting
         eos = self.text.eos_token_id
         self.eos = frozenset(eos if isinstance(eos, tuple) else (eos,))
+        self._grammars = None  # built at the first constraint (an LLTokenizer over the vocabulary takes a while)
+        self._grammars_lock = threading.Lock()
         self._lock = threading.Condition()
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._waiting: list[_Sequence] = []
@@ -157,6 +162,7 @@ class Scheduler:
         if not self.ready or self.draining:
             raise Rejected(Code.UNAVAILABLE, "the server is warming up" if not self.ready else "the server is draining")
         validate(request, self.text, self.engine.image_limits)
+        matcher = self._matcher(request)
         tiles = sum(image.tiles for image in request.images)
         if request.images and tiles > self.engine.image_limits.pool_rows:
             raise Rejected(
@@ -178,10 +184,31 @@ class Scheduler:
             if len(self._waiting) + len(self._inbox) >= self.max_waiting:
                 raise Rejected(Code.RESOURCE_EXHAUSTED, f"the queue is full ({self.max_waiting} waiting requests)")
             stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self.eos)
-            sequence = _Sequence(request, on_delta, next(self._arrivals), stop_ids=stop_ids)
+            sequence = _Sequence(request, on_delta, next(self._arrivals), stop_ids=stop_ids, matcher=matcher)
             self._ids[request.id] = sequence
             self._inbox.append(("submit", sequence))
             self._lock.notify()
+
+    def prepare(self, request: Request) -> None:
+        """Compile the request's constraint, if any (kept for its submission): what may take a second, on the
+        caller's thread rather than in `submit`. Rejected when it does not compile."""
+        self._matcher(request)
+
+    def _matcher(self, request: Request) -> Matcher | None:
+        """A matcher at the start of the request's constraint (None without one), its grammar compiled here, on
+        the submitting thread, or found compiled; Rejected when it cannot be."""
+        if request.constraint is None:
+            return None
+        if self.engine.tokenizer is None:
+            raise Rejected(Code.INVALID_ARGUMENT, "a constraint needs the checkpoint's tokenizer, and it has none")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.engine.tokenizer, self.text.unpadded_vocab_size, sorted(self.eos))
+        try:
+            frame = self._grammars.frame(request.constraint, request.prompt_token_ids)
+            return self._grammars.matcher(request.constraint, frame)
+        except ConstraintError as error:
+            raise Rejected(Code.INVALID_ARGUMENT, f"constraint: {error}") from None
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (idempotent); its stream ends with finish_reason "abort"."""
@@ -253,7 +280,7 @@ class Scheduler:
             try:
                 plan = self._plan()
                 if plan is not None:
-                    plan.emitted = self.engine.step(plan.batch)
+                    plan.emitted = self.engine.step(plan.batch, plan.allowed)
                 if pending is not None:
                     self._read(pending)  # overlaps the step just dispatched
                 pending = plan
@@ -288,11 +315,14 @@ class Scheduler:
             request = sequence.request
             if sequence.decoding:
                 wanted = request.max_tokens - len(sequence.outputs) - sequence.in_flight  # at least this many more
+                if sequence.matcher is not None and sequence.in_flight:
+                    continue  # its next allowed tokens follow the token in flight, not read yet
                 if wanted > 0:
                     held = sequence.known + sequence.bound - 1  # the most the state holds once in-flight steps land
                     speculate = (
                         engine.speculative
                         and request.speculative
+                        and sequence.matcher is None
                         and wanted > 1
                         and pages_for(held + engine.gamma + 1) <= capacity
                     )
@@ -348,6 +378,11 @@ class Scheduler:
                 kept[slot], bounds[slot] = sequence, span if speculating else 1
                 sequence.in_flight += 1
                 sequence.bound += bounds[slot]
+        allowed = None
+        constrained = [slot for slot, sequence in kept.items() if sequence.matcher is not None]
+        if constrained:
+            allowed = np.full((slots, engine.mask_words), -1, np.int32)
+            self._grammars.fill(allowed, {slot: kept[slot].matcher for slot in constrained})
         batch = engine.host_batch(
             tokens,
             counts,
@@ -361,7 +396,7 @@ class Scheduler:
             speculate=speculate,
             image_rows=image_rows if (image_rows >= 0).any() else None,
         )
-        return _Plan(batch, kept, bounds)
+        return _Plan(batch, kept, bounds, allowed)
 
     def _by_priority(self) -> list[int]:
         """Occupied slots, earliest admitted first."""
@@ -446,8 +481,11 @@ class Scheduler:
                 self._counters["rounds"] += 1
                 self._counters["round_tokens"] += count
             request = sequence.request
-            reason, taken = None, 0
+            reason, taken, refused = None, 0, None
             for token in emitted.tokens[slot, :count].tolist():
+                if sequence.matcher is not None and not sequence.matcher.accept([token]):
+                    refused = token  # sampled under its mask, so never: a fault, not a wrong answer
+                    break
                 sequence.outputs.append(token)
                 taken += 1
                 if token in sequence.stop_ids:
@@ -467,7 +505,7 @@ class Scheduler:
                         emitted.top_ids[slot, :taken], emitted.top_logprobs[slot, :taken], strict=True
                     )
                 )
-            tokens = tuple(sequence.outputs[-taken:])
+            tokens = tuple(sequence.outputs[len(sequence.outputs) - taken :])
             self._deliver(
                 sequence,
                 Delta(
@@ -482,6 +520,8 @@ class Scheduler:
             )
             if reason is not None:
                 self._finish(sequence, reason, delivered=True)
+            elif refused is not None:
+                self._finish(sequence, "error", error=f"the step sampled token {refused}, which the constraint refuses")
 
     def _finish(self, sequence: _Sequence, reason: str, *, delivered: bool = False, error: str | None = None) -> None:
         sequence.finished = True

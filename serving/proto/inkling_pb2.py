@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bserving/proto/inkling.proto\x12\ninkling.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xed\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.inkling.v1.TokenIdsH\x00\x12\x1c\n\x14parse_special_tokens\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.inkling.v1.SamplingParams\x12(\n\x04stop\x18\x06 \x01(\x0b\x32\x1a.inkling.v1.StopConditions\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13keep_special_tokens\x18\x08 \x01(\x08\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x02\x88\x01\x01\x12!\n\x06images\x18\n \x03(\x0b\x32\x11.inkling.v1.ImageB\x07\n\x05inputB\x0b\n\t_logprobsB\x0e\n\x0c_speculative\")\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nmedia_type\x18\x02 \x01(\t\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"r\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.inkling.v1.TopLogprob\"T\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x03 \x01(\x02\"\xdc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.inkling.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.inkling.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.inkling.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"=\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1c\n\x14parse_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x8e\x03\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1b\n\x13unpadded_vocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04mesh\x18\x06 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x11\n\tnum_pages\x18\t \x01(\x05\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x12\n\ncheckpoint\x18\x0c \x01(\t\x12\x14\n\x0cmax_logprobs\x18\r \x01(\x05\x12@\n\x0especial_tokens\x18\x0e \x03(\x0b\x32(.inkling.v1.ModelInfo.SpecialTokensEntry\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xae\x02\n\x07Inkling\x12G\n\x08Generate\x12\x1b.inkling.v1.GenerateRequest\x1a\x1c.inkling.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.inkling.v1.TokenizeRequest\x1a\x1c.inkling.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.inkling.v1.DetokenizeRequest\x1a\x1e.inkling.v1.DetokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.inkling.v1.GetModelInfoRequest\x1a\x15.inkling.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bserving/proto/inkling.proto\x12\ninkling.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x99\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.inkling.v1.TokenIdsH\x00\x12\x1c\n\x14parse_special_tokens\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.inkling.v1.SamplingParams\x12(\n\x04stop\x18\x06 \x01(\x0b\x32\x1a.inkling.v1.StopConditions\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13keep_special_tokens\x18\x08 \x01(\x08\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x02\x88\x01\x01\x12!\n\x06images\x18\n \x03(\x0b\x32\x11.inkling.v1.Image\x12*\n\nconstraint\x18\x0b \x01(\x0b\x32\x16.inkling.v1.ConstraintB\x07\n\x05inputB\x0b\n\t_logprobsB\x0e\n\x0c_speculative\"\x8d\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x13.inkling.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\")\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nmedia_type\x18\x02 \x01(\t\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"r\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.inkling.v1.TopLogprob\"T\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x03 \x01(\x02\"\xdc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.inkling.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.inkling.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.inkling.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"=\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1c\n\x14parse_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x8e\x03\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1b\n\x13unpadded_vocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04mesh\x18\x06 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x11\n\tnum_pages\x18\t \x01(\x05\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x12\n\ncheckpoint\x18\x0c \x01(\t\x12\x14\n\x0cmax_logprobs\x18\r \x01(\x05\x12@\n\x0especial_tokens\x18\x0e \x03(\x0b\x32(.inkling.v1.ModelInfo.SpecialTokensEntry\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xae\x02\n\x07Inkling\x12G\n\x08Generate\x12\x1b.inkling.v1.GenerateRequest\x1a\x1c.inkling.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.inkling.v1.TokenizeRequest\x1a\x1c.inkling.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.inkling.v1.DetokenizeRequest\x1a\x1e.inkling.v1.DetokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.inkling.v1.GetModelInfoRequest\x1a\x15.inkling.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELINFO_SPECIALTOKENSENTRY']._loaded_options = None
   _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1995
-  _globals['_FINISHREASON']._serialized_end=2115
+  _globals['_FINISHREASON']._serialized_start=2211
+  _globals['_FINISHREASON']._serialized_end=2331
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_GENERATEREQUEST']._serialized_start=69
-  _globals['_GENERATEREQUEST']._serialized_end=434
-  _globals['_IMAGE']._serialized_start=436
-  _globals['_IMAGE']._serialized_end=477
-  _globals['_SAMPLINGPARAMS']._serialized_start=480
-  _globals['_SAMPLINGPARAMS']._serialized_end=818
-  _globals['_STOPCONDITIONS']._serialized_start=820
-  _globals['_STOPCONDITIONS']._serialized_end=934
-  _globals['_TOPLOGPROB']._serialized_start=936
-  _globals['_TOPLOGPROB']._serialized_end=983
-  _globals['_TOKENLOGPROB']._serialized_start=985
-  _globals['_TOKENLOGPROB']._serialized_end=1053
-  _globals['_USAGE']._serialized_start=1055
-  _globals['_USAGE']._serialized_end=1139
-  _globals['_GENERATERESPONSE']._serialized_start=1142
-  _globals['_GENERATERESPONSE']._serialized_end=1362
-  _globals['_TOKENIZEREQUEST']._serialized_start=1364
-  _globals['_TOKENIZEREQUEST']._serialized_end=1425
-  _globals['_TOKENIZERESPONSE']._serialized_start=1427
-  _globals['_TOKENIZERESPONSE']._serialized_end=1464
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1466
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1533
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1535
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1569
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1571
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1592
-  _globals['_MODELINFO']._serialized_start=1595
-  _globals['_MODELINFO']._serialized_end=1993
-  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_start=1941
-  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_end=1993
-  _globals['_INKLING']._serialized_start=2118
-  _globals['_INKLING']._serialized_end=2420
+  _globals['_GENERATEREQUEST']._serialized_end=478
+  _globals['_CONSTRAINT']._serialized_start=481
+  _globals['_CONSTRAINT']._serialized_end=622
+  _globals['_CHOICES']._serialized_start=624
+  _globals['_CHOICES']._serialized_end=650
+  _globals['_IMAGE']._serialized_start=652
+  _globals['_IMAGE']._serialized_end=693
+  _globals['_SAMPLINGPARAMS']._serialized_start=696
+  _globals['_SAMPLINGPARAMS']._serialized_end=1034
+  _globals['_STOPCONDITIONS']._serialized_start=1036
+  _globals['_STOPCONDITIONS']._serialized_end=1150
+  _globals['_TOPLOGPROB']._serialized_start=1152
+  _globals['_TOPLOGPROB']._serialized_end=1199
+  _globals['_TOKENLOGPROB']._serialized_start=1201
+  _globals['_TOKENLOGPROB']._serialized_end=1269
+  _globals['_USAGE']._serialized_start=1271
+  _globals['_USAGE']._serialized_end=1355
+  _globals['_GENERATERESPONSE']._serialized_start=1358
+  _globals['_GENERATERESPONSE']._serialized_end=1578
+  _globals['_TOKENIZEREQUEST']._serialized_start=1580
+  _globals['_TOKENIZEREQUEST']._serialized_end=1641
+  _globals['_TOKENIZERESPONSE']._serialized_start=1643
+  _globals['_TOKENIZERESPONSE']._serialized_end=1680
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1682
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1749
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1751
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1785
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1787
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1808
+  _globals['_MODELINFO']._serialized_start=1811
+  _globals['_MODELINFO']._serialized_end=2209
+  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_start=2157
+  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_end=2209
+  _globals['_INKLING']._serialized_start=2334
+  _globals['_INKLING']._serialized_end=2636
 # @@protoc_insertion_point(module_scope)

@@ -1,7 +1,7 @@
 """Constraints compiled over the synthetic tokenizer: random walks through the allowed tokens end in text that
-matches (JSON schemas with nesting, enums, bounded numbers, patterns and array sizes; regexes; choices), each mask
-bit agrees with whether the token can be taken, rollback returns to the earlier masks, and malformed constraints
-are refused with what is wrong."""
+matches (JSON schemas with nesting, enums, bounded numbers, patterns and array sizes; regexes; choices; GBNF), each
+mask bit agrees with whether the token can be taken, a chat answer is constrained in its frame, and malformed
+constraints are refused with what is wrong."""
 
 import json
 import re
@@ -13,6 +13,7 @@ from paths import TINY_TEXT
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer
 from inkling_jax.config import load_config
 from inkling_jax.runtime.constraints import MAX_CONSTRAINT_BYTES, Constraint, ConstraintError, Grammars, Matcher
+from inkling_jax.runtime.requests import Rejected, request_from_json
 from inkling_jax.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -41,7 +42,8 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def grammars(tokenizer) -> Grammars:
-    return Grammars(tokenizer, vocab_size=tokenizer.vocab_size + 12)  # the model's logits pad the vocabulary
+    padded = tokenizer.vocab_size + 12  # the model's logits pad the vocabulary
+    return Grammars(tokenizer, padded, [tokenizer.eos_token_id])
 
 
 def allowed_ids(row: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -49,11 +51,19 @@ def allowed_ids(row: np.ndarray, vocab_size: int) -> np.ndarray:
     return ids[((row[ids // 32] >> (ids % 32)) & 1).astype(bool)]
 
 
+def mask(grammars: Grammars, matcher: Matcher) -> np.ndarray:
+    """The matcher's allowed tokens as one packed row, in the third of four slots' masks."""
+    rows = np.zeros((4, grammars.words), np.int32)
+    grammars.fill(rows, {2: matcher})
+    assert not rows[[0, 1, 3]].any()
+    return rows[2]
+
+
 def walk(matcher: Matcher, grammars: Grammars, tokenizer: Tokenizer, rng, limit: int = 300) -> list[int]:
     """Tokens taken uniformly at random among those allowed until the constraint is complete."""
-    row, taken = np.zeros(grammars.words, np.int32), []
+    taken = []
     for _ in range(limit):
-        matcher.allowed(row)
+        row = mask(grammars, matcher)
         choices = allowed_ids(row, grammars.vocab_size)
         assert choices.size, tokenizer.decode(taken)
         if matcher.complete:
@@ -104,6 +114,10 @@ def test_random_walks_match_regexes_and_choices(grammars, tokenizer):
     assert seen <= set(choices) and len(seen) >= 3
     text = tokenizer.decode(walk(grammars.matcher(Constraint("json_object")), grammars, tokenizer, rng, limit=2000))
     assert isinstance(json.loads(text), dict)
+    gbnf = 'root ::= "id-" [0-9] [0-9] ("," [a-c])?'  # llama.cpp's GBNF, taken as well as Lark
+    for _ in range(6):
+        text = tokenizer.decode(walk(grammars.matcher(Constraint("grammar", gbnf)), grammars, tokenizer, rng))
+        assert re.fullmatch("id-[0-9]{2}(,[a-c])?", text), text
 
 
 def test_each_mask_bit_says_whether_the_token_can_be_taken(grammars, tokenizer):
@@ -111,11 +125,10 @@ def test_each_mask_bit_says_whether_the_token_can_be_taken(grammars, tokenizer):
     lark = 'start: "(" item ("," item)* ")"\nitem: /[a-z]+/ | NUMBER\n%import common.NUMBER'
     constraint = Constraint("grammar", lark)
     prefix = tokenizer.encode("(ab,12")
-    row = np.zeros(grammars.words, np.int32)
     for cut in range(len(prefix) + 1):
         matcher = grammars.matcher(constraint)
         assert matcher.accept(prefix[:cut]) == cut
-        matcher.allowed(row)
+        row = mask(grammars, matcher)
         allowed = set(allowed_ids(row, grammars.vocab_size).tolist())
         assert allowed and max(allowed) < tokenizer.vocab_size  # padding ids never
         for token in rng.choice(grammars.vocab_size, 60, replace=False).tolist() + sorted(allowed)[:20]:
@@ -124,20 +137,20 @@ def test_each_mask_bit_says_whether_the_token_can_be_taken(grammars, tokenizer):
             assert (fresh.accept([token]) == 1) == (token in allowed), (cut, token)
 
 
-def test_rollback_returns_to_the_earlier_masks(grammars, tokenizer):
+def test_a_refused_token_is_not_taken_and_only_the_end_follows_a_match(grammars, tokenizer):
     rng = np.random.default_rng(5)
     matcher = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
-    rows = [np.zeros(grammars.words, np.int32) for _ in range(2)]
     taken = walk(grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA))), grammars, tokenizer, rng)
     cut = len(taken) // 2
     assert matcher.accept(taken[:cut]) == cut
-    matcher.allowed(rows[0])
-    assert matcher.accept(taken[cut:]) == len(taken) - cut and matcher.complete
-    matcher.rollback(len(taken) - cut)
-    matcher.allowed(rows[1])
-    assert not matcher.complete and np.array_equal(rows[0], rows[1])
-    wrong = next(t for t in range(tokenizer.vocab_size) if not (rows[1][t // 32] >> (t % 32)) & 1)
+    row = mask(grammars, matcher)
+    wrong = next(t for t in range(tokenizer.vocab_size) if not (row[t // 32] >> (t % 32)) & 1)
     assert matcher.accept([wrong, taken[cut]]) == 0  # a refused token is not taken, nor those after it
+    assert allowed_ids(mask(grammars, matcher), grammars.vocab_size).tolist() == [tokenizer.eos_token_id]
+    matcher = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+    assert matcher.accept(taken) == len(taken) and matcher.complete
+    other = next(t for t in range(tokenizer.vocab_size) if t != tokenizer.eos_token_id)
+    assert matcher.accept([other]) == 0 and matcher.accept([tokenizer.eos_token_id, other]) == 1  # the end only
 
 
 @pytest.mark.parametrize(
@@ -147,6 +160,7 @@ def test_rollback_returns_to_the_earlier_masks(grammars, tokenizer):
         (Constraint("json_schema", '{"type": "objekt"}'), "objekt"),
         (Constraint("regex", "[a-"), "does not compile"),
         (Constraint("grammar", "start: missing_rule"), "missing_rule"),
+        (Constraint("grammar", "root ::= (("), "neither Lark nor GBNF"),
         (Constraint("choice", ()), "1 to 1024 choices"),
         (Constraint("choice", ("a", "")), "empty strings"),
         (Constraint("regex", ""), "empty"),
@@ -159,7 +173,69 @@ def test_malformed_constraints_are_refused_naming_the_problem(grammars, constrai
         grammars.compile(constraint)
 
 
-def test_a_mask_row_of_the_wrong_form_is_refused(grammars):
+def test_masks_of_the_wrong_form_are_refused(grammars):
     matcher = grammars.matcher(Constraint("regex", "a+"))
-    with pytest.raises(ValueError, match="contiguous int32"):
-        matcher.allowed(np.zeros(grammars.words, np.int64))
+    for rows, says in (
+        (np.zeros((2, grammars.words), np.int64), "int32"),
+        (np.zeros((2, grammars.words + 1), np.int32), "int32"),
+        (np.zeros((grammars.words, 2), np.int32).T, "C-contiguous"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            grammars.fill(rows, {0: matcher})
+
+
+def test_a_chat_answer_is_constrained_in_its_frame(grammars, tokenizer):
+    """After a chat prompt's <|message_model|> the constraint holds the answer between <|content_text|> and
+    <|end_message|>, after a free thought or none; prompts that end elsewhere are constrained from the first token."""
+    special = tokenizer.special_tokens
+    message, thinking, text, end = (
+        special[f"<|{name}|>"] for name in ("message_model", "content_thinking", "content_text", "end_message")
+    )
+    constraint = Constraint("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    assert grammars.frame(constraint, [5, 9, message]) == "message"
+    assert grammars.frame(constraint, [5, thinking]) == "thinking" and grammars.frame(constraint, [text]) == "text"
+    assert grammars.frame(constraint, [5, 9]) is None
+    assert grammars.frame(Constraint("regex", "a+", from_first_token=True), [message]) is None
+    answer = tokenizer.encode('{"a": 17}')
+    thought = [thinking, *tokenizer.encode("Let me see.\n"), end, message]
+    for frame, tokens in (
+        ("message", [*thought, text, *answer, end]),
+        ("message", [text, *answer, end]),
+        ("thinking", [*tokenizer.encode("so: "), end, message, text, *answer, end]),
+        ("text", [*answer, end]),
+        (None, answer),
+    ):
+        matcher = grammars.matcher(constraint, frame)
+        assert matcher.accept(tokens) == len(tokens), frame
+        row = mask(grammars, matcher)
+        assert matcher.complete and allowed_ids(row, grammars.vocab_size).tolist() == [tokenizer.eos_token_id]
+    for frame, tokens, refused_at in (
+        ("message", [*answer], 0),  # the answer's framing is not skipped
+        ("message", [thinking, *tokenizer.encode("hm"), text], 3),  # no answer inside the thought
+        ("text", [*answer, tokenizer.eos_token_id], len(answer)),  # the answer ends with <|end_message|>
+    ):
+        assert grammars.matcher(constraint, frame).accept(tokens) == refused_at, (frame, tokens)
+    wrong = [text, *tokenizer.encode('{"a": "x"}')]  # a string where the schema wants an integer
+    accepted = grammars.matcher(constraint, "message").accept(wrong)
+    assert 0 < accepted < len(wrong) and '{"a": '.startswith(tokenizer.decode(wrong[1:accepted]))
+
+
+def test_a_jsonl_request_carries_its_constraint(tokenizer):
+    text = load_config(TINY_TEXT / "original" / "config.json").text
+    line = {"id": "a", "prompt_token_ids": [5, 6], "constraint": {"json_schema": {"type": "integer"}}}
+    assert request_from_json(json.dumps(line), tokenizer, text).constraint == Constraint(
+        "json_schema", '{"type": "integer"}'
+    )
+    line["constraint"] = {"choice": ["x", "y"]}
+    assert request_from_json(json.dumps(line), tokenizer, text).constraint == Constraint("choice", ("x", "y"))
+    line["constraint"] = {"json_object": True}
+    assert request_from_json(json.dumps(line), tokenizer, text).constraint == Constraint("json_object")
+    for bad, says in (
+        ({"regex": "a", "choice": ["b"]}, "an object with one of"),
+        ({"json_object": False}, "json_object must be true"),
+        ({"choice": "abc"}, "list of strings"),
+        ({"xml": "<a/>"}, "not one of"),
+    ):
+        line["constraint"] = bad
+        with pytest.raises(Rejected, match=re.escape(says)):
+            request_from_json(json.dumps(line), tokenizer, text)

@@ -3,6 +3,7 @@ one at a time, preempted sequences resume exactly, cancelled ones free their slo
 
 import dataclasses
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -15,10 +16,13 @@ from xla_flags import OPTIMIZED_STEPS
 from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
+from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer
+from inkling_jax.runtime.constraints import Constraint
 from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Code, Rejected, Request
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.sharding import make_mesh
+from inkling_jax.tokenizer import Tokenizer
 from pallas_kernels.devices import on_hopper
 
 FIXTURE = TINY_TEXT / "hf"
@@ -34,7 +38,16 @@ def make_engine(model, slots: int, pages: int) -> Engine:
     """Its tests run hundreds of steps: compiled with LLVM's optimisations."""
     layout = CacheLayout(slots, pages, 32, CHUNK)  # 32 pages of 128 tokens: the model's whole context
     mesh = make_mesh("tp1", model.config)
-    return Engine(model, layout, mesh, MAX_LOGPROBS, compiler_options=OPTIMIZED_STEPS, checkpoint=str(FIXTURE))
+    tokenizer = Tokenizer(build_tokenizer(model.config))
+    return Engine(
+        model,
+        layout,
+        mesh,
+        MAX_LOGPROBS,
+        compiler_options=OPTIMIZED_STEPS,
+        tokenizer=tokenizer,
+        checkpoint=str(FIXTURE),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +183,121 @@ def test_cancelled_and_refused_requests(two_slots):
         scheduler.drain(timeout=10)
         with pytest.raises(Rejected, match="draining"):
             scheduler.submit(request, lambda delta: None)
+    finally:
+        scheduler.stop()
+
+
+def test_a_constrained_slot_samples_its_allowed_tokens_and_leaves_its_neighbour_alone(two_slots):
+    """engine.step's allowed-token masks: the constrained slot's greedy token is its best allowed one under the raw
+    log-probabilities the step reports, and the unconstrained slot beside it emits what it emits with no mask."""
+    engine, rng = two_slots, np.random.default_rng(4)
+    vocab, words = engine.text.unpadded_vocab_size, engine.mask_words
+    prompts = rng.integers(0, vocab, (2, 6), dtype=np.int32)
+    table = np.zeros((2, engine.max_pages), np.int32)
+    table[1] = 1
+
+    def decode(masks: list[np.ndarray | None]) -> list:
+        outputs, tokens, counts = [], prompts, np.full(2, prompts.shape[1], np.int32)
+        emit = np.ones(2, bool)
+        for number, allowed in enumerate(masks):
+            first = np.full(2, number == 0)
+            batch = engine.host_batch(tokens, counts, [None, None], table, reset=first, is_prompt=first, emit=emit)
+            outputs.append(engine.fetch(engine.step(batch, allowed)))
+            tokens, counts = outputs[-1].tokens[:, :1], np.ones(2, np.int32)
+        return outputs
+
+    keeps = [rng.random(vocab) < 0.1 for _ in range(5)]
+    masks = []
+    for keep in keeps:
+        bits = np.zeros((2, words * 32), bool)
+        bits[0, :vocab], bits[1] = keep, True
+        masks.append((bits.reshape(2, words, 32) * (1 << np.arange(32, dtype=np.uint64))).sum(-1).astype(np.uint32))
+    constrained = decode([mask.view(np.int32) for mask in masks])
+    free = decode([None] * len(masks))
+    for keep, out, alone in zip(keeps, constrained, free, strict=True):
+        token = int(out.tokens[0, 0])
+        assert keep[token]
+        listed = [t for t in out.top_ids[0, 0].tolist() if keep[t]]  # the raw top log-probabilities' allowed ids
+        assert token == listed[0] if listed else token not in out.top_ids[0, 0]
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(getattr(out, name)[1], getattr(alone, name)[1])
+
+
+@pytest.mark.slow
+def test_constrained_requests_match_and_resume_exactly(two_slots):
+    """Constrained requests (a JSON schema with nesting, enums, bounds, a pattern and array sizes; a regex; a choice)
+    on the random-weight model end in text that matches, and give the same tokens alone as beside each other and an
+    unconstrained request, preempted and recomputed (3 pages for two slots of 100-token prompts)."""
+    rng, tokenizer = np.random.default_rng(6), two_slots.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+            "level": {"type": "integer", "minimum": -5, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+            "where": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+        },
+        "required": ["name", "level", "tags", "where"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
+    pattern, choices = r"[a-f]{3,8}( [0-9]{2}){1,3}", ("alpha", "beta", "gamma delta")
+    constraints = [
+        Constraint("json_schema", json.dumps(schema)),
+        Constraint("regex", pattern),
+        Constraint("choice", choices),
+        Constraint("json_schema", json.dumps(schema)),
+    ]
+    requests = (
+        [  # prompts of plain tokens (one ending in a framing token would frame the answer)
+            dataclasses.replace(
+                request, prompt_token_ids=(*request.prompt_token_ids[:-1], 65), max_tokens=120, constraint=constraint
+            )
+            for request, constraint in zip(random_requests(rng, 4, prompt_range=(100, 120)), constraints, strict=True)
+        ]
+        + [dataclasses.replace(random_requests(rng, 1, prompt_range=(100, 120), max_tokens=(40, 50))[0], id="free")]
+    )
+    scheduler = make_scheduler(two_slots)
+    try:
+        alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
+        together = run(scheduler, requests)
+        assert scheduler.stats().preemptions >= 1
+    finally:
+        scheduler.stop()
+    for request in requests:
+        tokens = [t for delta in alone[request.id] for t in delta.token_ids]
+        assert together.tokens[request.id] == tokens
+        if request.constraint is None:
+            continue
+        assert alone[request.id][-1].finish_reason == "stop" and tokens[-1] == tokenizer.eos_token_id
+        text = tokenizer.decode(tokens[:-1])
+        if request.constraint.kind == "regex":
+            assert re.fullmatch(pattern, text), text
+        elif request.constraint.kind == "choice":
+            assert text in choices
+        else:
+            value = json.loads(text)
+            assert set(value) == {"name", "level", "tags", "where"} and re.fullmatch("[a-z]{1,6}", value["name"])
+            assert type(value["level"]) is int and -5 <= value["level"] <= 120
+            assert 1 <= len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
+            assert isinstance(value["where"], dict) and type(value["where"]["ok"]) is bool
+
+
+def test_constraints_are_refused_before_they_are_queued(two_slots):
+    scheduler = make_scheduler(two_slots)
+    try:
+        bad = {
+            "does not compile": Constraint("regex", "(unclosed"),
+            "not valid JSON": Constraint("json_schema", "{"),
+            "1 to 1024 choices": Constraint("choice", ()),
+        }
+        for says, constraint in bad.items():
+            with pytest.raises(Rejected, match=re.escape(says)) as refused:
+                scheduler.submit(Request("bad", (1, 2, 3), constraint=constraint), lambda delta: None)
+            assert refused.value.code is Code.INVALID_ARGUMENT
+        with pytest.raises(Rejected, match="ignore_eos"):
+            scheduler.submit(Request("x", (1, 2), ignore_eos=True, constraint=Constraint("regex", "a+")), print)
+        assert scheduler.stats().waiting == 0
     finally:
         scheduler.stop()
 

@@ -17,6 +17,7 @@ from paths import REPO
 
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import TextConfig
+from inkling_jax.runtime.constraints import ConstraintError, Grammars
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob
 from inkling_jax.runtime.scheduler import Stats
 from inkling_jax.tokenizer import Tokenizer
@@ -76,6 +77,19 @@ class FakeScheduler:
 
     def start(self) -> None:
         """The step loop runs from construction."""
+
+    def prepare(self, request: Request) -> None:
+        """The real grammar compiler over the checkpoint's tokenizer (the echo model ignores the constraint)."""
+        if request.constraint is None:
+            return
+        if self.engine.tokenizer is None:
+            raise Rejected(Code.INVALID_ARGUMENT, "a constraint needs the checkpoint's tokenizer, and it has none")
+        text = self.engine.text
+        grammars = Grammars(self.engine.tokenizer, text.unpadded_vocab_size, [text.eos_token_id])
+        try:
+            grammars.compile(request.constraint)
+        except ConstraintError as error:
+            raise Rejected(Code.INVALID_ARGUMENT, f"constraint: {error}") from None
 
     def submit(self, request: Request, on_delta: Callable[[Delta], None]) -> None:
         if self.fail_submit is not None:

@@ -242,7 +242,10 @@ def test_the_anthropic_messages_endpoint(gateway):
     ("body", "message"),
     [
         ({"max_tokens": 5000}, "exceeds the model's 4096 positions"),
-        ({"response_format": {"type": "json_object"}}, "structured outputs"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}},
+            "the json_schema constraint does not compile",
+        ),
         ({"logit_bias": {"5": 1.0}, "max_tokens": 4}, None),  # the gateway drops it on chat: no error
     ],
 )
@@ -255,6 +258,22 @@ def test_engine_refusals_are_http_400_naming_the_problem(gateway, body, message)
         assert status == 200, answer
     else:
         assert status == 400 and message in answer["error"]["message"], answer
+
+
+def test_response_formats_reach_the_engine_as_constraints(gateway):
+    schema = {"type": "object", "properties": {"sky": {"enum": ["clear", "grey"]}}, "required": ["sky"]}
+    gateway.play('<|content_text|>{"sky": "clear"}<|end_message|><|content_model_end_sampling|>')
+    formats = {
+        "json_schema": ({"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}, schema),
+        "json_object": ({"type": "json_object"}, {"type": "object"}),
+    }
+    for response_format, want in formats.values():
+        reply = gateway.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Sky?"}], response_format=response_format
+        )
+        assert json.loads(reply.choices[0].message.content) == {"sky": "clear"}
+        constraint = gateway.scheduler.submitted[-1].constraint
+        assert constraint.kind == "json_schema" and json.loads(constraint.spec) == want
 
 
 def test_a_client_that_goes_away_frees_the_engines_slot(gateway):

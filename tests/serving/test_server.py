@@ -30,6 +30,7 @@ from paths import REPO
 
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer
 from inkling_jax.config import TextConfig, load_config
+from inkling_jax.runtime.constraints import Constraint
 from inkling_jax.runtime.requests import (
     MAX_STOP_STRING_LENGTH,
     MAX_STOP_STRINGS,
@@ -272,6 +273,21 @@ BAD_REQUESTS = {
         StatusCode.INVALID_ARGUMENT, f"more than the {MAX_STOP_TOKEN_IDS} allowed",
     ),
     "past the cache": (lambda: request([1] * 100, max_tokens=1000), StatusCode.RESOURCE_EXHAUSTED, "pages"),
+    "schema not JSON": (
+        lambda: request([1], constraint=pb.Constraint(json_schema="{")), StatusCode.INVALID_ARGUMENT, "not valid JSON",
+    ),
+    "bad grammar": (
+        lambda: request([1], constraint=pb.Constraint(grammar="start: nowhere")), StatusCode.INVALID_ARGUMENT,
+        "nowhere",
+    ),
+    "no choices": (
+        lambda: request([1], constraint=pb.Constraint(choice=pb.Choices())), StatusCode.INVALID_ARGUMENT, "choices",
+    ),
+    "constraint and ignore_eos": (
+        lambda: request([1], stop=pb.StopConditions(max_tokens=4, ignore_eos=True),
+                        constraint=pb.Constraint(regex="a+")),
+        StatusCode.INVALID_ARGUMENT, "ignore_eos",
+    ),
 }  # fmt: skip
 
 
@@ -292,6 +308,22 @@ def test_bad_requests_get_their_status_and_harm_nothing(start, name):
     assert status == code and fragment in details
     responses = list(running.stub.Generate(request([7, 8], max_tokens=3)))
     assert token_ids_of(responses) == [7, 8, 7]
+
+
+def test_a_constraint_reaches_the_scheduler(start):
+    running = start()
+    schema = '{"type": "string"}'
+    kinds = {
+        "json_schema": (pb.Constraint(json_schema=schema), Constraint("json_schema", schema)),
+        "json_object": (pb.Constraint(json_object=True), Constraint("json_object")),
+        "not json_object": (pb.Constraint(json_object=False), None),
+        "regex": (pb.Constraint(regex="[0-9]+"), Constraint("regex", "[0-9]+")),
+        "grammar": (pb.Constraint(grammar='start: "a" | "b"'), Constraint("grammar", 'start: "a" | "b"')),
+        "choice": (pb.Constraint(choice=pb.Choices(choices=["x", "y z"])), Constraint("choice", ("x", "y z"))),
+    }
+    for message, want in kinds.values():
+        list(running.stub.Generate(request([7, 8], max_tokens=2, constraint=message)))
+        assert running.scheduler.submitted[-1].constraint == want
 
 
 def test_tokenize_and_detokenize_refuse_what_cannot_fit_the_context(start):

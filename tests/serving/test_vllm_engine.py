@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from inkling_jax.config import load_config
+from inkling_jax.runtime.constraints import Constraint
 from inkling_jax.tokenizer import Tokenizer
 from serving.server import Server, serve
 from serving.vllm_engine import MAX_CHOICES, SERVICE_NAME
@@ -181,8 +182,9 @@ def test_eos_stop_tokens_and_stop_strings_say_what_matched(start, tokenizer):
 @pytest.mark.parametrize(
     ("params", "fields", "code", "message"),
     [
-        ({"json_schema": '{"type": "object"}'}, {}, StatusCode.INVALID_ARGUMENT, "json_schema: structured outputs"),
-        ({"structural_tag": "{}"}, {}, StatusCode.INVALID_ARGUMENT, "structural_tag: structured outputs"),
+        ({"json_schema": '{"type": "objekt"}'}, {}, StatusCode.INVALID_ARGUMENT, "constraint: the json_schema"),
+        ({"regex": "(a"}, {}, StatusCode.INVALID_ARGUMENT, "the regex constraint does not compile"),
+        ({"structural_tag": "{}"}, {}, StatusCode.INVALID_ARGUMENT, "structural_tag is not supported"),
         ({"min_tokens": 3}, {}, StatusCode.INVALID_ARGUMENT, "min_tokens is not supported"),
         ({"logit_bias": {5: 1.0}}, {}, StatusCode.INVALID_ARGUMENT, "logit_bias is not supported"),
         ({"prompt_logprobs": 1}, {}, StatusCode.INVALID_ARGUMENT, "prompt_logprobs is not supported"),
@@ -203,6 +205,27 @@ def test_what_the_engine_cannot_honour_is_refused_naming_the_field(start, params
     got, details = status_of(lambda: list(running.stub.Generate(request)))
     assert got == code and message in details, details
     assert running.scheduler.submitted == []  # refused before the scheduler sees it
+
+
+@pytest.mark.parametrize(
+    ("params", "want"),
+    [
+        ({"json_schema": '{"type": "integer"}'}, Constraint("json_schema", '{"type": "integer"}')),
+        ({"json_object": True}, Constraint("json_object")),
+        ({"json_object": False}, None),
+        ({"regex": "[ab]+", "grammar_from_first_token": True}, Constraint("regex", "[ab]+", from_first_token=True)),
+        ({"grammar": 'root ::= "x" | "y"'}, Constraint("grammar", 'root ::= "x" | "y"')),
+        ({"choice": vpb.ChoiceConstraint(choices=["a", "b c"])}, Constraint("choice", ("a", "b c"))),
+    ],
+)
+def test_structured_output_constraints_reach_the_scheduler(start, params, want):
+    running = start()
+    request = generate(random_prompt(), stream=False, n=2, max_tokens=3)
+    for name, value in params.items():
+        field = getattr(request.sampling_params, name)
+        field.CopyFrom(value) if hasattr(value, "CopyFrom") else setattr(request.sampling_params, name, value)
+    list(running.stub.Generate(request))
+    assert [r.constraint for r in running.scheduler.submitted] == [want, want]
 
 
 def test_text_input_is_tokenized_and_stop_strings_need_a_tokenizer(start, tokenizer):
