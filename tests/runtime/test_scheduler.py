@@ -110,6 +110,18 @@ def run(scheduler: Scheduler, requests: list[Request], **options) -> Collector:
     return collector
 
 
+def alone_then_together(engine: Engine, requests: list[Request]) -> tuple[dict[str, list], Collector]:
+    """Each request run alone, then all at once with a preemption at least: (each one's deltas alone, the run)."""
+    scheduler = make_scheduler(engine)
+    try:
+        alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
+        together = run(scheduler, requests)
+        assert scheduler.stats().preemptions >= 1
+    finally:
+        scheduler.stop()
+    return alone, together
+
+
 @pytest.mark.slow
 def test_concurrent_requests_equal_running_alone(model):
     requests = random_requests(np.random.default_rng(0), 12)
@@ -257,13 +269,7 @@ def test_constrained_requests_match_and_resume_exactly(two_slots):
         ]
         + [dataclasses.replace(random_requests(rng, 1, prompt_range=(100, 120), max_tokens=(40, 50))[0], id="free")]
     )
-    scheduler = make_scheduler(two_slots)
-    try:
-        alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
-        together = run(scheduler, requests)
-        assert scheduler.stats().preemptions >= 1
-    finally:
-        scheduler.stop()
+    alone, together = alone_then_together(two_slots, requests)
     for request in requests:
         tokens = [t for delta in alone[request.id] for t in delta.token_ids]
         assert together.tokens[request.id] == tokens
@@ -357,13 +363,7 @@ def assert_batch_invariant(
         )
         for i, temperature in enumerate([0.0, 1.0, 0.0])
     ]
-    scheduler = make_scheduler(engine)
-    try:
-        alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
-        together = run(scheduler, requests)
-        assert scheduler.stats().preemptions >= 1
-    finally:
-        scheduler.stop()
+    alone, together = alone_then_together(engine, requests)
 
     def bits(deltas: list) -> list:  # every token with its log-probability and its top ones, as computed
         return [(t, p, top) for d in deltas for t, p, top in zip(d.token_ids, d.logprobs, d.top_logprobs, strict=True)]
