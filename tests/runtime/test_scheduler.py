@@ -238,8 +238,9 @@ def test_a_constrained_slot_samples_its_allowed_tokens_and_leaves_its_neighbour_
 @pytest.mark.slow
 def test_constrained_requests_match_and_resume_exactly(two_slots):
     """Constrained requests (a JSON schema with nesting, enums, bounds, a pattern and array sizes; a regex; a choice)
-    on the random-weight model end in text that matches, and give the same tokens alone as beside each other and an
-    unconstrained request, preempted and recomputed (3 pages for two slots of 100-token prompts)."""
+    on the random-weight model end in text that matches (or at max_tokens, in the match's first tokens), and give the
+    same tokens alone as beside each other and an unconstrained request, preempted and recomputed (3 pages for two
+    slots of 100-token prompts)."""
     rng, tokenizer = np.random.default_rng(6), two_slots.tokenizer
     schema = {
         "type": "object",
@@ -269,11 +270,12 @@ def test_constrained_requests_match_and_resume_exactly(two_slots):
         ]
         + [dataclasses.replace(random_requests(rng, 1, prompt_range=(100, 120), max_tokens=(40, 50))[0], id="free")]
     )
-    alone, together = alone_then_together(two_slots, requests)
-    for request in requests:
+    short = dataclasses.replace(requests[0], id="short", max_tokens=4)  # cut by max_tokens mid-answer
+    alone, together = alone_then_together(two_slots, [*requests, short])
+    for request in [*requests, short]:
         tokens = [t for delta in alone[request.id] for t in delta.token_ids]
         assert together.tokens[request.id] == tokens
-        if request.constraint is None:
+        if request.constraint is None or request is short:
             continue
         assert alone[request.id][-1].finish_reason == "stop" and tokens[-1] == tokenizer.eos_token_id
         text = tokenizer.decode(tokens[:-1])
@@ -287,6 +289,8 @@ def test_constrained_requests_match_and_resume_exactly(two_slots):
             assert type(value["level"]) is int and -5 <= value["level"] <= 120
             assert 1 <= len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
             assert isinstance(value["where"], dict) and type(value["where"]["ok"]) is bool
+    assert alone["short"][-1].finish_reason == "length"
+    assert together.tokens["short"] == together.tokens[requests[0].id][:4]
 
 
 def test_constraints_are_refused_before_they_are_queued(two_slots):
