@@ -9,11 +9,12 @@ carries token ids only. A streamed call sends each choice's new tokens as chunks
 `complete`; an unstreamed call sends one `complete` a choice holding all its tokens. Stop strings are matched here
 as well as in the gateway (which neither ends generation at its own match nor un-bills the tokens past it), so
 generation stops at the first one; the ids sent run through the token that completed it and the gateway trims
-the text. Structured-output constraints (json_schema, json_object, regex, grammar, choice) constrain the answer in
-Inkling's chat framing (`inkling_jax.runtime.constraints`), or from the first generated token where the gateway
-shaped the constraint itself (`grammar_from_first_token`). What the engine cannot do yet (structural tags, images
-preprocessed by the gateway, min_tokens, logit_bias, prompt log-probabilities) is refused as INVALID_ARGUMENT naming
-the field, which SMG answers with HTTP 400.
+the text. Structured-output constraints (json_schema, json_object, regex, grammar, choice, and the structural tag of
+forced tool calls that a required or named tool_choice becomes) constrain the answer in Inkling's chat framing
+(`inkling_jax.runtime.constraints`), or run from the first generated token where the gateway shaped the constraint
+itself (`grammar_from_first_token`). What the engine cannot do yet (images preprocessed by the gateway, min_tokens,
+logit_bias, prompt log-probabilities) is refused as INVALID_ARGUMENT naming the field, which SMG answers with HTTP
+400.
 
 Images come as `media_refs` (GetServerInfo advertises `mm_processor="inprocess"`): data:, http: and https: URLs in
 prompt order, with `tokenized` input ids holding one `<|content_image|>` per image (as the chat template renders an
@@ -93,11 +94,6 @@ def _refuse(message: str) -> None:
 def checked_fields(request: vpb.GenerateRequest) -> None:
     """Refuse the fields this engine does not honour (a silently ignored constraint or image would be wrong)."""
     params = request.sampling_params
-    if params.WhichOneof("constraint") == "structural_tag":
-        _refuse(
-            "sampling_params.structural_tag is not supported by this engine yet (json_schema, json_object, regex, "
-            "grammar and choice are)"
-        )
     if request.HasField("mm_inputs") or len(request.extra_mm_inputs):
         _refuse(
             "mm_inputs: images processed by the gateway are not supported; this engine processes them itself "

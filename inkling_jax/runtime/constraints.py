@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from inkling_jax.tokenizer import Tokenizer
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema, regex or grammar's UTF-8 length, or all choices' together
 MAX_CHOICES = 1024
 CACHED_GRAMMARS = 256  # compiled constraints kept, least recently used dropped first
@@ -89,7 +90,9 @@ class Constraint:
                 return llguidance.grammar_from("grammar", self.spec)
             except ValueError as error:
                 raise ConstraintError(f"the grammar is neither Lark nor GBNF: {error}") from None
-        return build.grammar_from_lark("start: " + " | ".join(json.dumps(choice) for choice in self.spec))
+        if self.kind == "choice":
+            return build.grammar_from_lark("start: " + " | ".join(json.dumps(choice) for choice in self.spec))
+        raise ConstraintError("a structural tag is a grammar of tool calls only in the model's framing")
 
 
 def constraint_from_json(value: object) -> Constraint:
@@ -99,7 +102,7 @@ def constraint_from_json(value: object) -> Constraint:
     if not isinstance(value, dict) or len(value) != 1:
         raise ConstraintError(f"a constraint is an object with one of {', '.join(KINDS)}, got {value!r:.200}")
     ((kind, spec),) = value.items()
-    if kind == "json_schema" and isinstance(spec, dict):
+    if kind in ("json_schema", "structural_tag") and isinstance(spec, dict):
         spec = json.dumps(spec)
     elif kind == "json_object":
         if spec is not True:
@@ -120,6 +123,65 @@ FRAMES = {  # Lark around the constraint (`@body`), by the prompt's last token
 }
 ANSWER = "answer: <|content_text|> @body <|end_message|>\nTHOUGHT_TEXT: /(.|\n)*/"
 FRAME_TOKENS = {"<|message_model|>", "<|content_thinking|>", "<|content_text|>", "<|end_message|>"}
+
+
+def tool_calls(spec: str, frame: str | None, special_tokens: Iterable[str]) -> str:
+    """The Lark grammar of a structural tag that forces tool calls, as SMG sends one for a required or named
+    `tool_choice`: `{"format": {"type": "triggered_tags", "tags": [{"begin", "content", "end"}, ...], "at_least_one":
+    true, "stop_after_first": ...}}` (xgrammar's form), each tag a call whose `begin` and `end` hold the call's framing
+    tokens. In Inkling's framing each call may follow the function's name (its block's header) and later calls open
+    blocks of their own (`<|message_model|>`); after a chat prompt a thought may come first. ConstraintError naming
+    what the tag holds that is not that."""
+    try:
+        tag = json.loads(spec)
+    except json.JSONDecodeError as error:
+        raise ConstraintError(f"the structural tag is not valid JSON: {error}") from None
+    form = tag.get("format", tag) if isinstance(tag, dict) else None
+    if not isinstance(form, dict) or form.get("type") != "triggered_tags" or not form.get("tags"):
+        raise ConstraintError("only a structural tag of triggered_tags (forced tool calls) is supported")
+    if form.get("at_least_one") is not True:
+        raise ConstraintError("a structural tag that does not force a call (at_least_one) is not supported")
+    specials = sorted(special_tokens, key=len, reverse=True)
+
+    def pieces(text: object, where: str) -> str:  # the text as Lark items, its special tokens as tokens
+        if not isinstance(text, str):
+            raise ConstraintError(f"the structural tag's {where} must be a string")
+        items, rest = [], text
+        while rest:
+            at, token = min(((rest.find(t), t) for t in specials if t in rest), default=(len(rest), ""))
+            if at:
+                items.append(json.dumps(rest[:at]))
+            if token:
+                items.append(token)
+            rest = rest[at + len(token) :]
+        return " ".join(items)
+
+    calls = []
+    for i, call in enumerate(form["tags"]):
+        if not isinstance(call, dict) or not isinstance(call.get("content"), dict):
+            raise ConstraintError(f"the structural tag's tags[{i}] needs a begin, a content and an end")
+        kind = call["content"].get("type")
+        if kind != "json_schema":
+            raise ConstraintError(f"the structural tag's tags[{i}] has content of type {kind!r} (json_schema only)")
+        body = "%json " + json.dumps(call["content"].get("json_schema", {}))
+        named = re.search(r'"name"\s*:\s*"([^"\\]+)"', call.get("begin") or "")
+        header = f"{json.dumps(named.group(1))}? " if named else ""  # the call's block header: its function's name
+        begin, end = pieces(call.get("begin"), "begin"), pieces(call.get("end"), "end")
+        calls.append(f"call_{i}: {header}{begin} {body} {end}")
+    more = "" if form.get("stop_after_first") else " (<|message_model|> call)*"
+    starts = {
+        "message": "start: thought? calls",
+        "thinking": "start: THOUGHT_TEXT <|end_message|> <|message_model|> calls",
+    }
+    rules = [
+        starts.get(frame, "start: calls"),
+        f"calls: call{more}",
+        "call: " + " | ".join(f"call_{i}" for i in range(len(calls))),
+        *calls,
+        f"thought: {THOUGHT}",
+        "THOUGHT_TEXT: /(.|\\n)*/",
+    ]
+    return "\n".join(rules)
 
 
 def framed(body: str, frame: str | None) -> str:
@@ -149,6 +211,7 @@ class Grammars:
             collections.OrderedDict()
         )
         names = tokenizer.special_tokens
+        self._special_tokens = frozenset(names)
         framing = {"message": "<|message_model|>", "thinking": "<|content_thinking|>", "text": "<|content_text|>"}
         self._framing = {name: names[token] for name, token in framing.items() if FRAME_TOKENS <= names.keys()}
         self._lock = threading.Lock()
@@ -187,7 +250,10 @@ class Grammars:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
         constraint.check()
-        grammar = framed(constraint.grammar(), frame)
+        if constraint.kind == "structural_tag":
+            grammar = tool_calls(constraint.spec, frame, self._special_tokens)
+        else:
+            grammar = framed(constraint.grammar(), frame)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ConstraintError(f"the {constraint.kind} constraint does not compile: {error.strip()}")

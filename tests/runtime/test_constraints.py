@@ -239,3 +239,56 @@ def test_a_jsonl_request_carries_its_constraint(tokenizer):
         line["constraint"] = bad
         with pytest.raises(Rejected, match=re.escape(says)):
             request_from_json(json.dumps(line), tokenizer, text)
+
+
+def forced_calls(stop_after_first: bool = False) -> Constraint:
+    """The structural tag SMG sends for a required tool_choice over two tools (xgrammar's triggered tags)."""
+    tools = {
+        "get_weather": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        "add": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    }
+    tags = [
+        {
+            "begin": f'<|content_invoke_tool_json|>{{"name":"{name}","args":',
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "}<|end_message|>",
+        }
+        for name, schema in tools.items()
+    ]
+    form = {"type": "triggered_tags", "triggers": ["<|content_invoke_tool_json|>"], "tags": tags, "at_least_one": True}
+    return Constraint("structural_tag", json.dumps({"format": {**form, "stop_after_first": stop_after_first}}))
+
+
+def test_forced_tool_calls_follow_the_structural_tag_in_inklings_framing(grammars, tokenizer):
+    special = tokenizer.special_tokens
+    message, thinking, text, end, invoke = (
+        special[f"<|{name}|>"]
+        for name in ("message_model", "content_thinking", "content_text", "end_message", "content_invoke_tool_json")
+    )
+    weather = [invoke, *tokenizer.encode('{"name":"get_weather","args":{"city":"Oslo"}}'), end]
+    add = [*tokenizer.encode("add"), invoke, *tokenizer.encode('{"name":"add","args":{"a":1,"b":22}}'), end]
+    thought = [thinking, *tokenizer.encode("Which tool?"), end, message]
+    for frame, constraint, tokens in (
+        ("message", forced_calls(), [*thought, *weather, message, *add]),
+        ("message", forced_calls(), add),
+        ("message", forced_calls(stop_after_first=True), [*thought, *weather]),
+        (None, forced_calls(), [*weather, message, *weather]),
+    ):
+        matcher = grammars.matcher(constraint, frame)
+        assert matcher.accept(tokens) == len(tokens)
+        allowed = allowed_ids(mask(grammars, matcher), grammars.vocab_size).tolist()
+        assert tokenizer.eos_token_id in allowed and (matcher.complete or message in allowed)
+    matcher = grammars.matcher(forced_calls(stop_after_first=True), "message")
+    assert matcher.accept(weather) == len(weather) and matcher.complete  # one call, then the end
+    wrong_tool = [invoke, *tokenizer.encode('{"name":"sub"')]
+    bad_args = [invoke, *tokenizer.encode('{"name":"add","args":{"a":"x"')]
+    for tokens in ([text], wrong_tool, bad_args):  # an answer instead of a call, no such tool, args off the schema
+        assert grammars.matcher(forced_calls(), "message").accept(tokens) < len(tokens)
+    regex_tag = {"type": "triggered_tags", "at_least_one": True, "tags": [{"begin": "x", "content": {"type": "regex"}}]}
+    for spec, says in (
+        ({"format": {"type": "tags_with_separator", "tags": []}}, "only a structural tag of triggered_tags"),
+        ({"format": {"type": "triggered_tags", "tags": [{"begin": "x", "content": {}, "end": "y"}]}}, "at_least_one"),
+        ({"format": regex_tag}, "content of type 'regex'"),
+    ):
+        with pytest.raises(ConstraintError, match=re.escape(says)):
+            grammars.compile(Constraint("structural_tag", json.dumps(spec)), "message")

@@ -23,6 +23,7 @@ from fake_scheduler import CONFIG, FakeEngine, FakeScheduler, weightless_checkpo
 
 from inkling_jax.chat import ChatTemplate, load_template
 from inkling_jax.config import load_config
+from inkling_jax.runtime.constraints import Grammars
 from inkling_jax.tokenizer import Tokenizer
 from serving import gateway as gateway_process
 from serving import main as server_main
@@ -274,6 +275,22 @@ def test_response_formats_reach_the_engine_as_constraints(gateway):
         assert json.loads(reply.choices[0].message.content) == {"sky": "clear"}
         constraint = gateway.scheduler.submitted[-1].constraint
         assert constraint.kind == "json_schema" and json.loads(constraint.spec) == want
+
+
+def test_a_required_tool_call_reaches_the_engine_as_a_structural_tag_it_can_follow(gateway):
+    script = gateway.play(THOUGHT_AND_CALL)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = gateway.client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=len(script)
+    )
+    [call] = reply.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    request = gateway.scheduler.submitted[-1]
+    assert request.constraint.kind == "structural_tag" and not request.constraint.from_first_token
+    grammars = Grammars(gateway.tokenizer, TEXT.unpadded_vocab_size, [TEXT.eos_token_id])
+    matcher = grammars.matcher(request.constraint, grammars.frame(request.constraint, request.prompt_token_ids))
+    answer = gateway.tokenizer.encode(THOUGHT_AND_CALL.removeprefix("<|message_model|>"), special_tokens=True)
+    assert matcher.accept(answer) == len(answer)  # the model's thought and call, then the end of sequence
 
 
 def test_a_client_that_goes_away_frees_the_engines_slot(gateway):

@@ -184,7 +184,7 @@ def test_eos_stop_tokens_and_stop_strings_say_what_matched(start, tokenizer):
     [
         ({"json_schema": '{"type": "objekt"}'}, {}, StatusCode.INVALID_ARGUMENT, "constraint: the json_schema"),
         ({"regex": "(a"}, {}, StatusCode.INVALID_ARGUMENT, "the regex constraint does not compile"),
-        ({"structural_tag": "{}"}, {}, StatusCode.INVALID_ARGUMENT, "structural_tag is not supported"),
+        ({"structural_tag": "{}"}, {}, StatusCode.INVALID_ARGUMENT, "only a structural tag of triggered_tags"),
         ({"min_tokens": 3}, {}, StatusCode.INVALID_ARGUMENT, "min_tokens is not supported"),
         ({"logit_bias": {5: 1.0}}, {}, StatusCode.INVALID_ARGUMENT, "logit_bias is not supported"),
         ({"prompt_logprobs": 1}, {}, StatusCode.INVALID_ARGUMENT, "prompt_logprobs is not supported"),
