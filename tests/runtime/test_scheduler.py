@@ -293,6 +293,59 @@ def test_constrained_requests_match_and_resume_exactly(two_slots):
     assert together.tokens["short"] == together.tokens[requests[0].id][:4]
 
 
+@pytest.mark.slow
+def test_64_constrained_and_unconstrained_streams_at_once(two_slots):
+    """Half of 64 queued requests constrained (choices, regexes, JSON schemas, greedy and seeded): each constrained
+    one ends in a match, and the unconstrained ones give what they give without constrained neighbours."""
+    rng, tokenizer = np.random.default_rng(9), two_slots.tokenizer
+    constraints = [
+        Constraint("choice", ("yes", "no", "not sure")),
+        Constraint("regex", r"[0-9]{1,3}(\.[0-9])?"),
+        Constraint(
+            "json_schema",
+            json.dumps(
+                {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer", "maximum": 9}},
+                    "required": ["n"],
+                    "additionalProperties": False,
+                    "x-guidance": {"whitespace_flexible": False},
+                }
+            ),
+        ),
+    ]
+    requests = [
+        dataclasses.replace(request, id=f"s{i}", prompt_token_ids=(*request.prompt_token_ids[:-1], 65))
+        for i, request in enumerate(random_requests(rng, 64, prompt_range=(2, 30), max_tokens=(8, 16)))
+    ]
+    constrained = {r.id: constraints[i % 3] for i, r in enumerate(requests[::2])}
+    requests = [
+        dataclasses.replace(r, constraint=constrained.get(r.id), max_tokens=r.max_tokens + 40 * (r.id in constrained))
+        for r in requests
+    ]
+    free = [r for r in requests if r.constraint is None]
+    scheduler = make_scheduler(two_slots)
+    try:
+        together = run(scheduler, requests)
+        without = run(scheduler, free)
+    finally:
+        scheduler.stop()
+    for request in free:
+        assert together.tokens[request.id] == without.tokens[request.id]
+    for request in requests:
+        if request.constraint is None:
+            continue
+        tokens = together.tokens[request.id]
+        assert together.deltas[request.id][-1].finish_reason == "stop" and tokens[-1] == tokenizer.eos_token_id
+        text = tokenizer.decode(tokens[:-1])
+        if request.constraint.kind == "choice":
+            assert text in request.constraint.spec
+        elif request.constraint.kind == "regex":
+            assert re.fullmatch(request.constraint.spec, text), text
+        else:
+            assert set(json.loads(text)) == {"n"} and json.loads(text)["n"] <= 9, text
+
+
 def test_constraints_are_refused_before_they_are_queued(two_slots):
     scheduler = make_scheduler(two_slots)
     try:
