@@ -178,6 +178,42 @@ def test_offline_cli_text_prompts_chats_stop_strings_resume_and_bad_lines(checkp
         assert message in capsys.readouterr().err
 
 
+def test_stop_strings_and_max_tokens_end_constrained_requests(engine):
+    """Constrained requests over gRPC on the real engine: a stop string cuts the matching text (finish STOP), a
+    max_tokens below the match's length ends it (LENGTH), and a whole match ends with the end of sequence (STOP)."""
+    scheduler = Scheduler(engine)
+    scheduler.warm_up()
+    scheduler.start()
+    server = serve(scheduler, engine)
+    choices = pb.Constraint(choice=pb.Choices(choices=["alpha beta gamma", "delta beta"]))
+    schema = pb.Constraint(json_schema=json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
+    cases = {  # name: (constraint, stop strings, max_tokens)
+        "cut": (choices, [" beta"], 30),
+        "short": (schema, [], 2),
+        "whole": (choices, [], 30),
+    }
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.InklingStub(channel)
+            results = {}
+            for name, (constraint, stop, max_tokens) in cases.items():
+                request = pb.GenerateRequest(
+                    request_id=name,
+                    token_ids=pb.TokenIds(ids=[5, 77, 301, 42]),
+                    sampling=pb.SamplingParams(temperature=0.9, seed=11),
+                    stop=pb.StopConditions(max_tokens=max_tokens, stop=stop),
+                    constraint=constraint,
+                )
+                responses = list(stub.Generate(request, timeout=300))
+                results[name] = ("".join(r.text for r in responses), responses[-1].finish_reason)
+    finally:
+        server.stop()
+        scheduler.stop()
+    assert results["cut"] in {("alpha", pb.FINISH_REASON_STOP), ("delta", pb.FINISH_REASON_STOP)}
+    assert results["short"][1] == pb.FINISH_REASON_LENGTH and results["short"][0].startswith("{")
+    assert results["whole"] in {("alpha beta gamma", pb.FINISH_REASON_STOP), ("delta beta", pb.FINISH_REASON_STOP)}
+
+
 def test_chats_through_the_smg_gateway_are_the_batch_runners(engine, checkpoint):
     """The real engine behind the SMG gateway and the openai client: a greedy chat and a seeded sampled one
     generate, every time, the tokens the batch runner generates from the chat template's rendering."""
