@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parse-special-tokens", action="store_true", help="special-token strings in the prompt")
     parser.add_argument("--keep-special-tokens", action="store_true", help="show special tokens in the text")
     parser.add_argument("--no-speculative", action="store_true", help="decode plainly on a speculating server")
+    constrained = parser.add_mutually_exclusive_group()  # structured output: the answer matches one of these
+    constrained.add_argument("--json-schema", metavar="FILE", help="the answer is JSON the schema in FILE admits")
+    constrained.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    constrained.add_argument("--regex", help="the answer matches this regular expression")
+    constrained.add_argument("--grammar", metavar="FILE", help="the answer follows the Lark or GBNF grammar in FILE")
+    constrained.add_argument("--choice", nargs="+", help="the answer is one of these strings")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
     parser.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's root certificates")
     parser.add_argument(
@@ -87,8 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-class ImageFileError(ValueError):
-    """An --image file that cannot be read."""
+class InputFileError(ValueError):
+    """An --image, --json-schema or --grammar file that cannot be read."""
 
 
 def read_image(path: str) -> pb.Image:
@@ -96,13 +102,13 @@ def read_image(path: str) -> pb.Image:
     try:
         data = Path(path).read_bytes()
     except OSError as error:
-        raise ImageFileError(f"cannot read --image {path}: {error.strerror or error}") from None
+        raise InputFileError(f"cannot read --image {path}: {error.strerror or error}") from None
     media_type, _ = mimetypes.guess_type(path)
     return pb.Image(data=data, media_type=media_type if media_type and media_type.startswith("image/") else "")
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    """The Generate request the flags describe (ImageFileError for an --image that cannot be read)."""
+    """The Generate request the flags describe (InputFileError for an input file that cannot be read)."""
     request = pb.GenerateRequest(
         request_id=args.request_id,
         parse_special_tokens=args.parse_special_tokens,
@@ -135,7 +141,25 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         request.logprobs = args.logprobs
     if args.no_speculative:
         request.speculative = False
+    if args.json_schema is not None:
+        request.constraint.json_schema = read_text(args.json_schema, "--json-schema")
+    elif args.grammar is not None:
+        request.constraint.grammar = read_text(args.grammar, "--grammar")
+    elif args.json_object:
+        request.constraint.json_object = True
+    elif args.regex is not None:
+        request.constraint.regex = args.regex
+    elif args.choice is not None:
+        request.constraint.choice.choices.extend(args.choice)
     return request
+
+
+def read_text(path: str, flag: str) -> str:
+    """A constraint file's text (InputFileError when it cannot be read)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputFileError(f"cannot read {flag} {path}: {getattr(error, 'strerror', None) or error}") from None
 
 
 def open_channel(args: argparse.Namespace) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
@@ -184,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         request = None if args.info else build_request(args)
         channel, metadata = open_channel(args)
-    except (ImageFileError, ConnectionSetupError) as error:
+    except (InputFileError, ConnectionSetupError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     with channel:

@@ -577,6 +577,25 @@ def test_client_streams_text_and_reports_errors(start, capsys):
     assert "cannot reach a server" in capsys.readouterr().err
 
 
+def test_client_sends_a_constraint_from_its_flags(start, tmp_path, capsys):
+    running = start()
+    address = f"127.0.0.1:{running.server.port}"
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "array", "maxItems": 2}')
+    flags = {
+        ("--json-schema", str(schema)): Constraint("json_schema", schema.read_text()),
+        ("--json-object",): Constraint("json_object"),
+        ("--regex", "[a-z]+"): Constraint("regex", "[a-z]+"),
+        ("--choice", "left", "right"): Constraint("choice", ("left", "right")),
+    }
+    for given, want in flags.items():
+        assert cli.main(["--address", address, "Pick", "--max-tokens", "2", *given]) == 0
+        assert running.scheduler.submitted[-1].constraint == want
+    capsys.readouterr()
+    assert cli.main(["--address", address, "Pick", "--grammar", str(tmp_path / "missing.lark")]) == 2
+    assert "cannot read --grammar" in capsys.readouterr().err
+
+
 # --- a client with only the .proto
 
 
