@@ -3,14 +3,17 @@
     python -m bench.serve [--address HOST:PORT | --checkpoint DIR [--mesh tp1 --dtype bfloat16 ...]
         [--kv-cache-mib M] [--load-format auto|dummy] [--compilation-cache DIR|none]]
         [--concurrency 1 4 16 64] [--requests-per-level 64] [--prompt-tokens 64] [--max-tokens 32] [--out FILE]
-        [--gateway] [--prefill-tiles]
+        [--gateway] [--prefill-tiles] [--constraint any-text|json-object]
 
 With --gateway (the gateway extra; an in-process server with a tokenizer) the SMG gateway runs in front of the
 server and every level runs twice, over gRPC and through the gateway's OpenAI completions API, with the same
 prompts as text (the gateway tokenizes it, the server does over gRPC) and the same seeds; the gateway's level
 reports what it adds to TTFT and TPOT. With --prefill-tiles the in-process engine's GPU attention runs prefill
 chunks on the kernel's prefill tiles (`invariant=False`), whose rows do not get their decode bits: beside a run
-without it, what batch invariance costs.
+without it, what batch invariance costs. With --constraint every request carries a structured-output constraint
+(any-text: a regex every text matches, so that only the masks' work differs from an unconstrained run; json-object:
+any JSON object) and stops at the end of sequence instead of ignoring it: beside a run without it, what constrained
+decoding costs (the server needs a tokenizer).
 
 Without --address it starts the server in-process on the checkpoint (default: the tiny synthetic one,
 written to a temporary directory; with --load-format dummy, --checkpoint may be a config file, default
@@ -55,11 +58,17 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {name: round(float(q), 2) for name, q in zip(("p50", "p90", "p99"), qs, strict=True)}
 
 
-def one_request(stub, prompt: list[int] | str, max_tokens: int, seed: int) -> tuple[float, float | None, int]:
+CONSTRAINTS = {"any-text": pb.Constraint(regex="(?s:.*)"), "json-object": pb.Constraint(json_object=True)}
+
+
+def one_request(
+    stub, prompt: list[int] | str, max_tokens: int, seed: int, constraint: pb.Constraint | None = None
+) -> tuple[float, float | None, int]:
     """(TTFT, TPOT or None, output tokens) of one streamed call (token ids or text), in seconds."""
     request = pb.GenerateRequest(
         sampling=pb.SamplingParams(temperature=1.0, seed=seed),
-        stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=True),
+        stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=constraint is None),
+        constraint=constraint,
     )
     if isinstance(prompt, str):
         request.text = prompt
@@ -221,10 +230,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--gateway", action="store_true", help="also through the SMG gateway (see above)")
     parser.add_argument("--prefill-tiles", action="store_true", help="the GPU attention's prefill tiles (see above)")
+    parser.add_argument("--constraint", choices=sorted(CONSTRAINTS), help="constrain every request (see above)")
     args = parser.parse_args()
     for flag in ("gateway", "prefill_tiles"):
         if getattr(args, flag) and args.address is not None:
             parser.error(f"--{flag.replace('_', '-')} needs the in-process server: drop --address")
+    if args.gateway and args.constraint:
+        parser.error("--constraint runs over gRPC only: drop --gateway")
     server = scheduler = front = None
     address, checkpoint = args.address, args.checkpoint
     if address is None:
@@ -244,7 +256,7 @@ def main() -> None:
                     prompts = [random_text(rng, args.prompt_tokens) for _ in range(count)]
                 else:
                     prompts = token_prompts(1000 * c, count, args.prompt_tokens, info.unpadded_vocab_size)
-                direct = functools.partial(one_request, stub)
+                direct = functools.partial(one_request, stub, constraint=CONSTRAINTS.get(args.constraint))
                 levels.append(level(direct, c, count, prompts, args.max_tokens, seed=1000 * c))
                 if args.gateway:
                     through = functools.partial(one_completion, client, Path(checkpoint).name)

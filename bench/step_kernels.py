@@ -119,7 +119,7 @@ def as_gpu() -> contextlib.AbstractContextManager:
 def step_programs(config: ModelConfig, mesh: Mesh, slots: int, chunk: int, context: int) -> Iterator[tuple]:
     """(step shape, its optimized HLO) for every shape an engine of `slots` slots and `chunk`-token chunks runs,
     compiled for `mesh`'s device (call `as_gpu` first)."""
-    text, replicated = config.text, NamedSharding(mesh, P())
+    text, replicated, by_slot = config.text, NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))
 
     def placed(x: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -147,9 +147,10 @@ def step_programs(config: ModelConfig, mesh: Mesh, slots: int, chunk: int, conte
         arguments = (
             [placed(x, s) for x, s in zip(leaves, param_shardings, strict=True)],
             jax.tree.map(placed, state, shardings),
-            jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=NamedSharding(mesh, P(DATA))),
+            jax.ShapeDtypeStruct(packed.shape, packed.dtype, sharding=by_slot),
             jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=replicated),
             jax.ShapeDtypeStruct((1, text.hidden_size), jnp.bfloat16, sharding=replicated),
+            jax.ShapeDtypeStruct((slots, -(-text.unpadded_vocab_size // 32)), jnp.int32, sharding=by_slot),
         )
         static = {"speculative": shape.speculative, "width": shape.width, "layout": batch_layout}
         with jax.set_mesh(mesh):
