@@ -124,8 +124,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         eos = self.text.eos_token_id
         self.eos = frozenset(eos if isinstance(eos, tuple) else (eos,))
-        self._grammars = None  # built at the first constraint (an LLTokenizer over the vocabulary takes a while)
-        self._grammars_lock = threading.Lock()
+        self._grammars: Grammars | None = None  # the constraints' compiler, built at warm-up (with a tokenizer)
         self._lock = threading.Condition()
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._waiting: list[_Sequence] = []
@@ -199,11 +198,8 @@ class Scheduler:
         the submitting thread, or found compiled; Rejected when it cannot be."""
         if request.constraint is None:
             return None
-        if self.engine.tokenizer is None:
+        if self._grammars is None:
             raise Rejected(Code.INVALID_ARGUMENT, "a constraint needs the checkpoint's tokenizer, and it has none")
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = Grammars(self.engine.tokenizer, self.text.unpadded_vocab_size, sorted(self.eos))
         try:
             frame = self._grammars.frame(request.constraint, request.prompt_token_ids)
             return self._grammars.matcher(request.constraint, frame)
@@ -217,10 +213,15 @@ class Scheduler:
             self._lock.notify()
 
     def warm_up(self) -> None:
-        """Compile every step shape (`Engine.widths`); then accept requests."""
+        """Compile every step shape (`Engine.widths`) and build the constraints' token tables; then accept
+        requests."""
         start = time.perf_counter()
         self.engine.warm_up()
         logger.info("warm-up compiled and ran every step shape in %.1f s", time.perf_counter() - start)
+        if self.engine.tokenizer is not None:
+            start = time.perf_counter()
+            self._grammars = Grammars(self.engine.tokenizer, self.text.unpadded_vocab_size, sorted(self.eos))
+            logger.info("structured outputs' token tables built in %.1f s", time.perf_counter() - start)
         self.ready = True
 
     def start(self) -> None:

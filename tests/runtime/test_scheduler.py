@@ -346,7 +346,7 @@ def test_64_constrained_and_unconstrained_streams_at_once(two_slots):
             assert set(json.loads(text)) == {"n"} and json.loads(text)["n"] <= 9, text
 
 
-def test_constraints_are_refused_before_they_are_queued(two_slots):
+def test_constraints_are_refused_before_they_are_queued(two_slots, monkeypatch):
     scheduler = make_scheduler(two_slots)
     try:
         bad = {
@@ -361,6 +361,13 @@ def test_constraints_are_refused_before_they_are_queued(two_slots):
         with pytest.raises(Rejected, match="ignore_eos"):
             scheduler.submit(Request("x", (1, 2), ignore_eos=True, constraint=Constraint("regex", "a+")), print)
         assert scheduler.stats().waiting == 0
+    finally:
+        scheduler.stop()
+    monkeypatch.setattr(two_slots, "tokenizer", None)  # a dummy model from a config has no tokenizer
+    scheduler = make_scheduler(two_slots)
+    try:
+        with pytest.raises(Rejected, match="needs the checkpoint's tokenizer"):
+            scheduler.submit(Request("x", (1, 2), constraint=Constraint("regex", "a+")), print)
     finally:
         scheduler.stop()
 
