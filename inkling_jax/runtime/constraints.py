@@ -1,7 +1,7 @@
-"""Structured outputs: a request's constraint (a JSON schema, any JSON object, a regex, a Lark or GBNF grammar or
-a choice of strings) compiled by llguidance into a grammar over the model's tokenizer, and a matcher per request
-that gives each step the tokens the constraint allows there, as a packed bitmask row (bit t % 32 of word t // 32:
-token t), and follows the tokens the request is given.
+"""Structured outputs: a request's constraint (a JSON schema, any JSON object, a regex, a Lark or GBNF grammar, a
+choice of strings, or forced tool calls as SMG's structural tag) compiled by llguidance into a grammar over the
+model's tokenizer, and a matcher per request that gives each step the tokens the constraint allows there, as a
+packed bitmask row (bit t % 32 of word t // 32: token t), and follows the tokens the request is given.
 
 The constraint is on the answer, and Inkling frames its answer: after a chat prompt's `<|message_model|>` the model
 may think (`<|content_thinking|>` ... `<|end_message|><|message_model|>`), then writes `<|content_text|>`, the
@@ -42,8 +42,9 @@ class ConstraintError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Constraint:
-    """What the generated text must match. `kind` is one of KINDS; `spec` the JSON schema's text, the regex or the
-    Lark grammar (empty for json_object), or for `choice` the strings of which the text must be one."""
+    """What the generated text must match. `kind` is one of KINDS; `spec` the JSON schema's text, the regex, the
+    grammar or the structural tag's JSON (empty for json_object), or for `choice` the strings of which the text must
+    be one."""
 
     kind: str
     spec: str | tuple[str, ...] = ""
@@ -72,8 +73,15 @@ class Constraint:
         if size > MAX_CONSTRAINT_BYTES:
             raise ConstraintError(f"the {self.kind} constraint has {size} bytes, more than {MAX_CONSTRAINT_BYTES}")
 
-    def grammar(self) -> str:
-        """The constraint as an llguidance grammar (its JSON form)."""
+    def grammar(self, frame: str | None, special_tokens: Iterable[str]) -> str:
+        """The constraint in `frame` (a key of FRAMES, or None) as an llguidance grammar (its JSON form, or Lark);
+        `special_tokens`: the tokenizer's, which a structural tag's framing text names."""
+        if self.kind == "structural_tag":
+            return tool_calls(self.spec, frame, special_tokens)
+        return framed(self._body(), frame)
+
+    def _body(self) -> str:
+        """The constraint alone as an llguidance grammar."""
         build = llguidance.LLMatcher
         if self.kind == "json_schema":
             try:
@@ -90,9 +98,7 @@ class Constraint:
                 return llguidance.grammar_from("grammar", self.spec)
             except ValueError as error:
                 raise ConstraintError(f"the grammar is neither Lark nor GBNF: {error}") from None
-        if self.kind == "choice":
-            return build.grammar_from_lark("start: " + " | ".join(json.dumps(choice) for choice in self.spec))
-        raise ConstraintError("a structural tag is a grammar of tool calls only in the model's framing")
+        return build.grammar_from_lark("start: " + " | ".join(json.dumps(choice) for choice in self.spec))
 
 
 def constraint_from_json(value: object) -> Constraint:
@@ -250,10 +256,7 @@ class Grammars:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
         constraint.check()
-        if constraint.kind == "structural_tag":
-            grammar = tool_calls(constraint.spec, frame, self._special_tokens)
-        else:
-            grammar = framed(constraint.grammar(), frame)
+        grammar = constraint.grammar(frame, self._special_tokens)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ConstraintError(f"the {constraint.kind} constraint does not compile: {error.strip()}")
