@@ -8,6 +8,7 @@ covers it).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ EXPERTS, HIDDEN, INTER = (4, 256, 256) if CPU else (16, 1536, 512)  # GPU: gate_
 DECODE_SHAPE = (192, 512) if CPU else (768, 1024)  # N, K of the decode checks: N a multiple of 192, K 2+ steps
 CAPS = {"gate_cap": 4.0, "up_cap": 25.0}
 FORMATS = (PLAIN, MXFP8, NVFP4)
+# the oracle as one program a shape (op by op, each of its many operations compiled on its own for each new shape)
+oracle = jax.jit(reference.moe_experts, static_argnames=("gate_cap", "up_cap", "out_dtype"))
+dequantized = jax.jit(lambda weight: weight.dequantize(jnp.bfloat16))
 
 
 def expert_weight(key: jax.Array, shape: tuple[int, int, int], fmt: str) -> jax.Array | QuantizedArray:
@@ -42,6 +46,7 @@ def expert_weight(key: jax.Array, shape: tuple[int, int, int], fmt: str) -> jax.
     return values.astype(jnp.bfloat16) if fmt == PLAIN else quantize(values, fmt)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def every_value(key: jax.Array, n: int, k: int, fmt: str) -> jax.Array | QuantizedArray:
     """A weight [1, N, K] holding every stored byte (every E4M3 value but NaN, every pair of E2M1 codes), under
     random scales over the range the kernel takes (on CPU: values that stay fp32-normal)."""
@@ -125,14 +130,18 @@ def test_nvfp4_steps_at_the_tables_edges_decode_exactly(exponent):
 
 def assert_decodes_exactly(weight: jax.Array | QuantizedArray) -> None:
     """Identity rows through the kernel give back the weight [1, N, K]'s values, bit for bit the oracle's."""
+    want = dequantized(weight) if isinstance(weight, QuantizedArray) else weight
+    assert_same_values(through_identity_rows(for_gpu(weight)), want[0].T)
+
+
+@jax.jit
+def through_identity_rows(weight: GpuWeight) -> jax.Array:
+    """The kernel's product of K identity rows (K copies of the weight's one expert) and the weight [1, N, K]: [K, N]
+    (one program a format and shape, shared by the decode checks)."""
     k = weight.shape[-1]
-    tiles = gpu.tile_copies(route(jnp.zeros((k, 1), jnp.int32), jnp.ones((k, 1)), 1))  # k copies of one expert
-    fmt = weight.format if isinstance(weight, QuantizedArray) else PLAIN
-    rows = in_gpu_k_order(jnp.eye(k, dtype=jnp.bfloat16), fmt)[tiles.source]
-    run = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, tiles, interpret=CPU)[tiles.row_of])
-    got = run(rows, for_gpu(weight))
-    want = weight.dequantize(jnp.bfloat16) if isinstance(weight, QuantizedArray) else weight
-    assert_same_values(got, want[0].T)
+    tiles = gpu.tile_copies(route(jnp.zeros((k, 1), jnp.int32), jnp.ones((k, 1)), 1))
+    rows = in_gpu_k_order(jnp.eye(k, dtype=jnp.bfloat16), weight.format)[tiles.source]
+    return gpu.grouped_matmul(rows, weight, tiles, interpret=CPU)[tiles.row_of]
 
 
 @pytest.mark.parametrize("tokens, routed, own", [(512, None, True), (512, 384, False), (1024, 384, True)])
@@ -269,11 +278,16 @@ def test_swiglu_in_the_epilogue_matches_the_oracle(fmt):
     rows = in_gpu_k_order(x, fmt)[routing.token_of]
     run = jax.jit(lambda r, w: gpu.grouped_matmul(r, w, tiles, swiglu=(4.0, 25.0), interpret=CPU)[:tokens])
     got = run(jnp.pad(rows, ((0, tiles.rows - tokens), (0, 0))), for_gpu(gate_up, paired=True))
-    values = gate_up.dequantize(jnp.bfloat16) if fmt != PLAIN else gate_up
-    chosen = values[ids.reshape(-1)[routing.order]]  # each sorted copy's expert, [C, 2I, H]
-    products = jnp.einsum("ch,cnh->cn", x[routing.token_of], chosen, preferred_element_type=jnp.float32)
-    products = products.astype(jnp.bfloat16)
-    want = reference.capped_swiglu(products[:, :inter], products[:, inter:], 4.0, 25.0)
+
+    @jax.jit
+    def swiglu_oracle(x, gate_up, ids, routing):
+        values = gate_up.dequantize(jnp.bfloat16) if fmt != PLAIN else gate_up
+        chosen = values[ids.reshape(-1)[routing.order]]  # each sorted copy's expert, [C, 2I, H]
+        products = jnp.einsum("ch,cnh->cn", x[routing.token_of], chosen, preferred_element_type=jnp.float32)
+        products = products.astype(jnp.bfloat16)
+        return reference.capped_swiglu(products[:, :inter], products[:, inter:], 4.0, 25.0)
+
+    want = swiglu_oracle(x, gate_up, ids, routing)
     units = gpu_k_order(fmt, inter)
     assert_close_to_oracle(got, want if units is None else want[:, units])
 
@@ -292,6 +306,7 @@ def test_the_ring_fits_shared_memory():
         gpu_work.ring(weight, 96, 128, staging=200_000)
 
 
+@functools.partial(jax.jit, static_argnums=range(1, 7))
 def routed_case(
     seed: int, tokens: int, top_k: int, fmt: str, foreign: bool = False, experts: int = EXPERTS, hidden: int = HIDDEN
 ):
@@ -337,7 +352,7 @@ CASES = [  # (format, tokens, top_k, foreign ids + fp32 out, experts); each form
 def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
     x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, foreign, num_experts)
     out_dtype = jnp.float32 if foreign else None
-    want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS, out_dtype=out_dtype)
+    want = oracle(x, gate_up, down, experts, weights, **CAPS, out_dtype=out_dtype)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, out_dtype=out_dtype, backend="gpu"))(x, *laid, experts, weights)
     assert got.dtype == want.dtype
@@ -375,7 +390,7 @@ def test_own_windows_of_every_width_match_oracle(fmt, monkeypatch):
     tiles = gpu.tile_copies(route(experts, weights, len(sizes)))
     ends = np.asarray(tiles.real[: len(tiles.widths)])
     assert tiles.widths == gpu.OWN_TMS and np.all(np.diff(ends, prepend=0) > 0)  # every width visited
-    want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
+    want = oracle(x, gate_up, down, experts, weights, **CAPS)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))(x, *laid, experts, weights)
     assert_close_to_oracle(got, want)
@@ -390,7 +405,7 @@ def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
     interpreter's cases give most CTAs one item)."""
     monkeypatch.setattr(devices, "gpu", lambda: dataclasses.replace(devices.H200, multiprocessors=3))
     x, gate_up, down, experts, weights = routed_case(tokens, tokens, top_k, fmt, hidden=768 if CPU else HIDDEN)
-    want = reference.moe_experts(x, gate_up, down, experts, weights, **CAPS)
+    want = oracle(x, gate_up, down, experts, weights, **CAPS)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
     got = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))(x, *laid, experts, weights)
     assert_close_to_oracle(got, want)
@@ -535,4 +550,5 @@ def test_a_layer_of_a_stack_is_read_in_place(fmt, tokens):
     got = np.asarray(run(jnp.int32(1), x, *stacked, experts, weights), np.float32)
     one = jax.jit(lambda *a: moe_experts(*a, **CAPS, backend="gpu"))
     np.testing.assert_array_equal(got, np.asarray(one(x, *laid[1], experts, weights), np.float32))
-    assert not np.allclose(got, np.asarray(one(x, *laid[2], experts, weights), np.float32))
+    _, gate_up, down, _, _ = cases[2]  # another layer's result (the oracle's: the kernels' is checked above)
+    assert not np.allclose(got, np.asarray(oracle(x, gate_up, down, experts, weights, **CAPS), np.float32))
