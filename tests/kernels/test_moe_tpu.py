@@ -3,6 +3,8 @@ once, the kernels match the oracle in Pallas' TPU interpret mode with race detec
 NVFP4 experts; decode-sized and multi-tile batches; copies routed to other shards' experts), and they lower
 for TPU v7x at Inkling 2 Small's expert shapes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,11 @@ from pallas_kernels.quantized import MXFP8, NVFP4, QuantizedArray, quantize
 
 CAPS = {"gate_cap": 4.0, "up_cap": 25.0}
 HIDDEN, INTER, EXPERTS = 512, 256, 8
+# the oracle, the quantizer and the kernels as one program a shape (op by op, each of their many operations compiled
+# on its own for each new shape)
+oracle = jax.jit(reference.moe_experts, static_argnames=("gate_cap", "up_cap", "out_dtype"))
+quantized = jax.jit(quantize, static_argnums=1)
+kernels = jax.jit(tpu.moe_experts, static_argnames=("gate_cap", "up_cap", "out_dtype", "routed_experts", "interpret"))
 
 
 def expert_weights(seed: int, fmt: str, experts: int = EXPERTS) -> tuple[jax.Array | QuantizedArray, ...]:
@@ -38,7 +45,7 @@ def expert_weights(seed: int, fmt: str, experts: int = EXPERTS) -> tuple[jax.Arr
     down = jnp.asarray(rng.standard_normal((experts, HIDDEN, INTER), np.float32) * scale)
     if fmt == PLAIN:
         return gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16)
-    return quantize(gate_up, fmt), quantize(down, fmt)
+    return quantized(gate_up, fmt), quantized(down, fmt)
 
 
 def routed(seed: int, tokens: int, top_k: int, ids: tuple[int, int]) -> tuple[jax.Array, ...]:
@@ -166,7 +173,7 @@ def test_tiles_are_each_experts_own(tokens, top_k, experts):
 
 def interpreted(*args, **kwargs) -> jax.Array:
     """The TPU kernels' output in interpret mode, failing on any race between their DMAs and compute."""
-    return race_checked(lambda params: tpu.moe_experts(*args, **kwargs, interpret=params))
+    return race_checked(lambda params: kernels(*args, **kwargs, interpret=params))
 
 
 @pytest.mark.slow
@@ -190,7 +197,7 @@ def test_tpu_kernels_match_the_reference(fmt, tokens, top_k, ids, experts):
     if fmt == NVFP4 and tokens == 3:  # gate_up in its own order: the hidden rows permuted between the kernels
         apart = interpreted(x, for_tpu(gate_up), for_tpu(down), chosen, weights, **CAPS)
         np.testing.assert_array_equal(np.asarray(apart, np.float32), got)
-    want = np.asarray(reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS), np.float32)
+    want = np.asarray(oracle(x, gate_up, down, chosen, weights, **CAPS), np.float32)
     assert got.shape == want.shape == (tokens, HIDDEN)
     assert np.isfinite(got).all() and np.abs(want).max() > 0.1
     # fp32 sums in another order may move a rounded projection by 1 bf16 ulp; the rest is identical
@@ -210,9 +217,12 @@ def test_both_grid_orders_give_the_oracle(fmt, monkeypatch):
     outs = []
     for visits_first in (False, True):
         monkeypatch.setattr(tpu, "_visits_first", lambda *_, first=visits_first: jnp.asarray(first))
-        outs.append(np.asarray(interpreted(x, *laid, chosen, weights, **CAPS), np.float32))
+        # traced afresh, under this patch (`kernels` would reuse a trace of these shapes)
+        run = jax.jit(functools.partial(tpu.moe_experts, **CAPS), static_argnames="interpret")
+        out = race_checked(lambda params, run=run: run(x, *laid, chosen, weights, interpret=params))
+        outs.append(np.asarray(out, np.float32))
     np.testing.assert_array_equal(outs[0], outs[1])
-    want = np.asarray(reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS), np.float32)
+    want = np.asarray(oracle(x, gate_up, down, chosen, weights, **CAPS), np.float32)
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(outs[0], want, rtol=2**-6, atol=2**-8 * np.abs(want).max())
 
@@ -241,7 +251,7 @@ def test_fp32_partial_sums_for_expert_parallelism():
     args = (x, for_tpu(gate_up), for_tpu(down), chosen, weights)
     got = interpreted(*args, **CAPS, out_dtype=jnp.float32)
     assert got.dtype == jnp.float32
-    want = reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS, out_dtype=jnp.float32)
+    want = oracle(x, gate_up, down, chosen, weights, **CAPS, out_dtype=jnp.float32)
     np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-8 * np.abs(want).max())
     elsewhere = interpreted(x, *args[1:3], chosen + EXPERTS, weights, **CAPS, out_dtype=jnp.float32)
     np.testing.assert_array_equal(elsewhere, np.zeros_like(elsewhere))
@@ -251,7 +261,7 @@ def test_fp32_partial_sums_for_expert_parallelism():
 def test_entry_point_picks_a_backend_and_names_bad_input():
     gate_up, down = expert_weights(4, MXFP8, experts=4)
     x, chosen, weights = routed(5, 3, 2, (0, 4))
-    want = reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS)
+    want = oracle(x, gate_up, down, chosen, weights, **CAPS)
     laid_out = (for_tpu(gate_up), for_tpu(down))
     np.testing.assert_array_equal(moe_experts(x, *laid_out, chosen, weights, **CAPS), want)  # reference on CPU
     with pytest.raises(ValueError, match="backend 'triton' is not one of auto, reference, tpu"):
@@ -281,7 +291,7 @@ def test_expert_parallel_tiles_are_sized_for_the_kept_copies():
     assert sizes == [32, 16]
     args = (x, for_tpu(gate_up), for_tpu(down), chosen, weights)
     got = interpreted(*args, **CAPS, routed_experts=4 * EXPERTS)
-    want = reference.moe_experts(x, gate_up, down, chosen, weights, **CAPS)
+    want = oracle(x, gate_up, down, chosen, weights, **CAPS)
     assert np.abs(np.asarray(want, np.float32)).max() > 0.1
     np.testing.assert_allclose(
         np.asarray(got, np.float32),
