@@ -42,7 +42,7 @@ def whole_sequences(case: dict, window: int | None) -> np.ndarray:
     """[S, longest, Hq, D]: every position's output from a whole-sequence pass (the truth)."""
     positions = jnp.broadcast_to(jnp.arange(case["q"].shape[1], dtype=jnp.int32), case["q"].shape[:2])
     return np.asarray(
-        relative_attention(
+        jax.jit(relative_attention, static_argnames=("scale", "window"))(  # one program, not an op at a time
             case["q"],
             case["k"],
             case["v"],

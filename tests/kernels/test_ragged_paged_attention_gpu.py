@@ -24,7 +24,10 @@ from test_ragged_paged_attention import PRODUCTION_DIM, among_other_layers, prod
 
 from pallas_kernels.ragged_paged_attention import gpu
 from pallas_kernels.ragged_paged_attention.blocks import attend, reversed_profiles
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention as reference
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+
+reference = jax.jit(ragged_paged_attention, static_argnames=("scale", "window"))  # one program a case, not an op
+# at a time (each operation compiled on its own for each new shape)
 
 CPU = jax.default_backend() == "cpu"
 gpu_decode_rows = gpu._decode_rows
