@@ -147,7 +147,7 @@ def test_tpu_kernel_in_a_scan():
         return tpu.attn_res_norm(buffer, partial, **rest, valid=count)
 
     got = race_checked(lambda _: scanned(mix, x))
-    want = leading(lambda sources, partial: reference.attn_res_norm(sources, partial, **rest), x)
+    want = leading(jax.jit(lambda sources, partial: reference.attn_res_norm(sources, partial, **rest)), x)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 

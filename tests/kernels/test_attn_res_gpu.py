@@ -78,7 +78,7 @@ def test_kernel_in_a_scan():
     def mix(buffer, partial, count):
         return attn_res_norm(buffer, partial, **rest, valid=count, backend="gpu")
 
-    want = leading(lambda sources, partial: reference.attn_res_norm(sources, partial, **rest), x)
+    want = leading(jax.jit(lambda sources, partial: reference.attn_res_norm(sources, partial, **rest)), x)
     for got, w in zip(scanned(mix, x), want, strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
 
