@@ -22,8 +22,8 @@ def run(tmp_path: Path, lines: list, *options: str) -> tuple[int, list[dict]]:
     return code, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 
-@pytest.mark.slow
-def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path):
+def mixed_requests() -> list[dict]:
+    """Greedy, greedy with a stop token, and sampled requests (top-p, top-k, seeded) of random prompts."""
     prompt, greedy = REFERENCE["greedy_prompt"].tolist(), REFERENCE["greedy_ids"].tolist()
     rng = np.random.default_rng(0)
     requests = [
@@ -42,8 +42,20 @@ def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path)
                 "seed": 11 + i,
             }
         )
-    code, batched = run(tmp_path, requests, "--max-num-seqs", "2", "--chunk", "4")
+    return requests
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory) -> list[dict]:
+    """mixed_requests() through two slots of one device, in steps of 4 tokens: the result lines."""
+    code, results = run(tmp_path_factory.mktemp("tp1"), mixed_requests(), "--max-num-seqs", "2", "--chunk", "4")
     assert code == 0
+    return results
+
+
+@pytest.mark.slow
+def test_batched_requests_match_running_alone_and_stop_tokens_end_them(tmp_path, batched):
+    greedy, requests = REFERENCE["greedy_ids"].tolist(), mixed_requests()
     assert [r["id"] for r in batched] == [r["id"] for r in requests]
     assert batched[0] == {"id": "greedy", "token_ids": greedy, "finish_reason": "length"}
     stopped = greedy[: greedy.index(greedy[3]) + 1]
@@ -105,31 +117,12 @@ def test_a_small_budget_makes_requests_wait_for_pages(tmp_path):
     assert code == 2
 
 
-MIXED_REQUESTS = [
-    {
-        "id": i,
-        "prompt_token_ids": np.random.default_rng(5 + i).integers(0, 500, 6 + 3 * i).tolist(),
-        "max_tokens": 5,
-        "temperature": 0.6 * i,
-        "seed": i,
-    }
-    for i in range(3)
-]
-
-
-@pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
-    code, results = run(tmp_path_factory.mktemp("tp1"), MIXED_REQUESTS, "--max-num-seqs", "2", "--chunk", "4")
-    assert code == 0
-    return results
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["tp4", "dp2tp2", "dp2tp1"])
-def test_sharded_generation_matches_one_device(tmp_path, one_device, spec):
-    """8 simulated CPU devices (tests/conftest.py): the same tokens as tp1 (tp4 keeps a copy of one of
-    the 2 KV heads per device); dp2 splits the requests over two replicas of max-num-seqs slots each (with tp1,
-    each replica runs the experts whole)."""
-    code, sharded = run(tmp_path, MIXED_REQUESTS, "--max-num-seqs", "2", "--chunk", "4", "--mesh", spec)
+def test_sharded_generation_matches_one_device(tmp_path, batched, spec):
+    """8 simulated CPU devices (tests/conftest.py): the same tokens as tp1, greedy and sampled (tp4 keeps a copy of
+    one of the 2 KV heads per device and splits the vocabulary that top-k and top-p filter); dp2 splits the requests
+    over two replicas of max-num-seqs slots each (with tp1, each replica runs the experts whole)."""
+    code, sharded = run(tmp_path, mixed_requests(), "--max-num-seqs", "2", "--chunk", "4", "--mesh", spec)
     assert code == 0
-    assert sharded == one_device
+    assert sharded == batched
