@@ -50,11 +50,12 @@ def test_a_slot_a_new_sequence_takes_over_computes_as_a_fresh_one(model, lanes):
     before, prompt = rng.integers(0, 500, 13).tolist(), rng.integers(0, 500, 2).tolist()
     follow = rng.integers(0, 500, 3).tolist()
     used, fresh = Driver(model, lanes=lanes), Driver(model, lanes=lanes)
-    used.run({1: before[:8]}, reset={1}, prompt={1})
-    used.run({1: before[8:]}, prompt={1}, emit={1})
+    every = model.config.unpadded_vocab_size  # every log-probability: the chunked-prefill test's compiled steps
+    used.run({1: before[:8]}, reset={1}, prompt={1}, num_top=every)
+    used.run({1: before[8:]}, prompt={1}, emit={1}, num_top=every)
     for driver in (used, fresh):
-        outs = [driver.run({1: prompt}, reset={1}, prompt={1}, emit={1}, num_top=8)]
-        outs += [driver.run({1: [token]}, emit={1}, num_top=8) for token in follow]
+        outs = [driver.run({1: prompt}, reset={1}, prompt={1}, emit={1}, num_top=every)]
+        outs += [driver.run({1: [token]}, emit={1}, num_top=every) for token in follow]
         driver.logprobs = np.stack([np.asarray(out.top_logprobs[1, 0]) for out in outs])
         driver.ids = np.stack([np.asarray(out.top_ids[1, 0]) for out in outs])
     np.testing.assert_array_equal(used.ids, fresh.ids)
