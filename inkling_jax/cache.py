@@ -317,6 +317,9 @@ class DecodeState:
     output_counts: jax.Array  # [S, vocab] int32
     prompt_mask: jax.Array  # [S, vocab] bool
     generated: jax.Array  # [S] int32
+    # [S, vocab] float32: the logits each slot's one-token sample of the last step came from, for the slots whose
+    # sample that step deferred (`inkling_jax.step.resample`); other rows hold older steps' logits
+    logits: jax.Array
 
     @property
     def nbytes(self) -> int:
@@ -362,4 +365,5 @@ def init_state(
         output_counts=jnp.zeros((slots, text.unpadded_vocab_size), jnp.int32),
         prompt_mask=jnp.zeros((slots, text.unpadded_vocab_size), bool),
         generated=jnp.zeros(slots, jnp.int32),
+        logits=jnp.zeros((slots, text.unpadded_vocab_size), jnp.float32),
     )

@@ -20,6 +20,10 @@ convolution states keep only the committed prefix. The emitted tokens follow the
 exactly. Other slots run as in a plain step and sample from the same noise as a plain step, so a request's
 output does not depend on whether its neighbours speculate.
 
+A constrained slot whose mask follows a token the host has not read yet (the step before is still running) is
+stepped without its mask and its sample deferred: the step keeps the logits it sampled from, and `resample`
+draws it again under the mask once the host has it, while the next step can already run.
+
 Under a mesh with a `data` axis (set with `jax.set_mesh`), the slots and the page pool split into
 data-parallel replicas: each replica steps its own slots against its own pages (page-table entries are
 replica-local page ids), while parameters and activations split over `model` inside each replica.
@@ -183,8 +187,9 @@ def step_fn(
     """One engine step; previous [S]: each slot's `last` token of the previous step (read where
     `batch.feedback` is set); image_pool [R, H]: the image features `batch.image_rows` point at (read only; a model
     without an image tower ignores it); allowed [S, W] int32: the tokens each slot may sample, as packed bits
-    (`sampling.allowed_only`; None or a row of -1: any; a speculating slot's row must be -1, the verify applies
-    none). Outputs are meaningful for slots with counts > 0. speculative (static):
+    (`sampling.allowed_only`; None or a row of -1: any; a row of zeros: sampled unconstrained here and kept for
+    `resample`, which draws it again under the mask the host computes meanwhile; a speculating slot's row must be
+    -1, the verify applies none). Outputs are meaningful for slots with counts > 0. speculative (static):
     run DSpark rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1); greedy_draft
     (static): the draft proposes its argmax instead of sampling; width, lane_width (static): the narrow group's
     queries per slot and the lanes'. `step` is it jitted with the state donated; `inkling_jax.runtime.engine`
@@ -235,6 +240,10 @@ def _step(
     lane_width: int,
 ) -> tuple[Emitted, DecodeState]:
     model = nnx.merge(graphdef, params)
+    deferred = None
+    if allowed is not None:  # a row of zeros: the slot's sample is deferred (`resample`); sampled unconstrained here
+        deferred = jnp.all(allowed == 0, axis=-1)
+        allowed = jnp.where(deferred[:, None], -1, allowed)
     tokens, starts = batch.token_ids.shape[0], batch.starts
     token_ids = batch.token_ids.at[jnp.where(batch.feedback, starts, tokens)].set(previous, mode="drop")
     state = dataclasses.replace(_reset(state, batch.reset), page_table=batch.page_table)
@@ -280,6 +289,7 @@ def _step(
         plain = _one_token(
             sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top, allowed), emit
         )
+        kept_logits = _deferred_logits(state.logits, logits[:, 0], jnp.arange(batch.counts.shape[0]), deferred)
         num_drafts = jnp.where(spec, gamma, 0)
         rounds = verify(logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top)
         last = jnp.take_along_axis(rounds.tokens, rounds.num_accepted[:, None], axis=1)[:, 0]
@@ -306,6 +316,7 @@ def _step(
             None if allowed is None else allowed[rows],
         )
         busy = _one_token(sampled, emit[rows] & (chunk.busy < slots))
+        kept_logits = _deferred_logits(state.logits, logits[:, 0], chunk.busy, deferred)
         emitted = jax.tree.map(
             lambda x: jnp.zeros((slots, *x.shape[1:]), x.dtype).at[chunk.busy].set(x, mode="drop"), busy
         )  # an idle slot keeps the token its next step would start from
@@ -316,6 +327,7 @@ def _step(
         emitted = _one_token(
             sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top, allowed), emit
         )
+        kept_logits = _deferred_logits(state.logits, logits, jnp.arange(batch.counts.shape[0]), deferred)
         lengths = state.lengths + batch.counts
 
     slots = jnp.arange(batch.counts.shape[0])[:, None]
@@ -327,5 +339,59 @@ def _step(
         prompt_mask=prompt_mask,
         output_counts=output_counts.at[slots, kept].add(1, mode="drop"),
         generated=generated + emitted.count,
+        logits=kept_logits,
     )
     return emitted, state
+
+
+def _deferred_logits(kept: jax.Array, logits: jax.Array, rows: jax.Array, deferred: jax.Array | None) -> jax.Array:
+    """kept [S, V] with the logits [R, V] of rows (slot of each row, S for none) copied in for the deferred slots
+    (a whole-vocabulary scatter, run only in a step that defers a sample)."""
+    if deferred is None:
+        return kept
+    slots = kept.shape[0]
+
+    def copied(kept: jax.Array) -> jax.Array:
+        target = jnp.where((rows < slots) & deferred[jnp.minimum(rows, slots - 1)], rows, slots)
+        return kept.at[target].set(logits, mode="drop")
+
+    return jax.lax.cond(any_slot(deferred), copied, lambda kept: kept, kept)
+
+
+def resample_fn(
+    state: DecodeState,
+    emitted: Emitted,
+    rows: jax.Array,
+    allowed: jax.Array,
+    sampling: SamplingParams,
+) -> tuple[Emitted, DecodeState]:
+    """A step's one-token samples of the slots `rows` [R] names (the step took a row of zeros for them; a row past
+    the slots: none) drawn again from the logits it kept, under allowed [R, W]: what the step would have emitted and
+    left had it taken these masks (the same logits, penalties, noise and filters, in a program of its own: the chosen
+    tokens' log-probabilities equal up to fp32 rounding); the other slots' outputs as they were. So the host can
+    compute a slot's mask while the step that needs it runs, once it has read the token before. sampling: every
+    slot's [S]."""
+    slots, vocab = state.output_counts.shape
+    real, at = rows < slots, jnp.minimum(rows, slots - 1)
+    into = jnp.where(real, rows, slots)  # scatters drop the padding rows
+    first, counted = emitted.tokens[at, 0], real & (emitted.count[at] > 0)
+    own = jnp.arange(rows.shape[0])
+    before = state.output_counts[at].at[own, jnp.where(counted, first, vocab)].add(-1, mode="drop")
+    generated = state.generated[at] - emitted.count[at]
+    params = jax.tree.map(lambda column: column[at], sampling)
+    sampled = sample(state.logits[at], params, before, state.prompt_mask[at], generated, 0, allowed)
+    counts = before.at[own, jnp.where(counted, sampled.tokens, vocab)].add(1, mode="drop")
+
+    def redrawn(ours: jax.Array, theirs: jax.Array) -> jax.Array:
+        return theirs.at[into, 0].set(ours, mode="drop")
+
+    emitted = dataclasses.replace(  # the top log-probabilities are the model's own, the step's whatever the mask
+        emitted,
+        tokens=redrawn(sampled.tokens, emitted.tokens),
+        logprobs=redrawn(sampled.logprobs, emitted.logprobs),
+        last=emitted.last.at[into].set(sampled.tokens, mode="drop"),
+    )
+    return emitted, dataclasses.replace(state, output_counts=state.output_counts.at[into].set(counts, mode="drop"))
+
+
+resample = jax.jit(resample_fn, donate_argnames="state")

@@ -66,7 +66,7 @@ from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES
 from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shardings
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
-from inkling_jax.step import Emitted, StepBatch, pack_spans, step_fn
+from inkling_jax.step import Emitted, StepBatch, pack_spans, resample_fn, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 from pallas_kernels import import_kernel_runtimes
 from pallas_kernels.moe import kernel_platform
@@ -112,6 +112,8 @@ def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
 
 
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
+RESAMPLE_ROWS = (8,)  # the rows of a resample program below one per slot: a step's few constrained slots sample
+# over few rows (each a whole vocabulary)
 FEW_TOKENS = 8  # a plain decode step of at most this many tokens (per replica) compiles as a shape of its own, when
 # there are more slots: its token-wise work shrinks, the GPU expert kernels take their few-token path (no sort of
 # the copies by expert), and attention and sampling read only the slots that bring tokens (`Chunk.busy`)
@@ -227,6 +229,13 @@ class Engine:
             out_shardings=out_shardings,
             compiler_options=compiler_options,
         )
+        self._resample = jax.jit(
+            resample_fn,
+            donate_argnames="state",
+            out_shardings=out_shardings,
+            compiler_options=compiler_options,
+        )
+        self._resamplers: dict[tuple[int, int], jax.stages.Compiled] = {}  # by emitted tokens per slot, rows
         self._layouts: dict[StepShape, BatchLayout] = {}
         # what the executable cache's key needs beyond the arguments, the mesh and the graph definition
         self._options = {
@@ -491,6 +500,58 @@ class Engine:
         self.previous = emitted.last
         return emitted
 
+    def resample(self, emitted: Emitted, batch: StepBatch, slots: Sequence[int], allowed: np.ndarray) -> Emitted:
+        """Dispatch the deferred samples of the last step (`step` with a row of zeros in `allowed` for these `slots`)
+        under their masks, allowed [len(slots), mask_words]; returns the step's outputs with those samples in
+        (`inkling_jax.step.resample_fn`, over the fewest rows of RESAMPLE_ROWS or the slots that hold them). The
+        next step starts from them."""
+        count, words = len(slots), self.mask_words
+        if allowed.shape != (count, words) or allowed.dtype != np.int32:
+            raise ValueError(f"allowed must be int32 [{count}, {words}], got {allowed.dtype} {allowed.shape}")
+        bucket = self._resample_rows(count)
+        rows = np.full(bucket, self.slots, np.int32)
+        rows[:count] = slots
+        masks = np.full((bucket, words), -1, np.int32)
+        masks[:count] = allowed
+        replicated = NamedSharding(self.mesh, P())
+        on_mesh = jax.tree.map(  # every process's copy of the same host values, as the batch's arrays are made
+            lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
+            (rows, masks, batch.sampling),
+        )
+        args = (self.state, emitted, *on_mesh)
+        key = (emitted.tokens.shape[1], bucket)
+        program = self._resamplers.get(key) or self._resampler(key, args)
+        emitted, self.state = program(*args)
+        self.previous = emitted.last
+        return emitted
+
+    def _resample_rows(self, count: int) -> int:
+        """The rows of the resample program that takes `count` deferred slots."""
+        return next((rows for rows in RESAMPLE_ROWS if count <= rows < self.slots), self.slots)
+
+    def _resampler(self, key: tuple[int, int], args: tuple) -> jax.stages.Compiled:
+        """The resample program for `key` (the steps' emitted tokens per slot, its rows), compiled and kept."""
+        with jax.set_mesh(self.mesh):
+            self._resamplers[key] = self._resample.lower(*args).compile()
+        return self._resamplers[key]
+
+    def warm_up_resample(self) -> None:
+        """Compile `resample` for the outputs of every step shape and each count of rows (an idle step's, resampled
+        with every token allowed), so that constrained serving never compiles."""
+        buckets = sorted({self._resample_rows(count) for count in (*RESAMPLE_ROWS, self.slots) if count <= self.slots})
+        for shape in self.shapes:
+            for bucket in buckets:
+                if ((shape.width if shape.speculative else 1), bucket) not in self._resamplers:
+                    batch = self.idle_batch(shape)
+                    allowed = np.full((bucket, self.mask_words), -1, np.int32)
+                    self.fetch(self.resample(self.step(batch), batch, range(bucket), allowed))
+
+    def _check_allowed(self, allowed: np.ndarray) -> None:
+        if allowed.shape != (self.slots, self.mask_words) or allowed.dtype != np.int32:
+            raise ValueError(
+                f"allowed must be int32 [{self.slots}, {self.mask_words}], got {allowed.dtype} {allowed.shape}"
+            )
+
     def arguments(self, batch: StepBatch, allowed: np.ndarray | None = None) -> tuple[StepShape, tuple]:
         """The shape of the step program that runs a host batch, and the program's arguments: the parameters'
         arrays, the state, the batch packed into one int32 buffer on the mesh (split by replica: one transfer),
@@ -508,10 +569,7 @@ class Engine:
         if allowed is None:
             masks = self._any_token
         else:
-            if allowed.shape != (self.slots, self.mask_words) or allowed.dtype != np.int32:
-                raise ValueError(
-                    f"allowed must be int32 [{self.slots}, {self.mask_words}], got {allowed.dtype} {allowed.shape}"
-                )
+            self._check_allowed(allowed)
             masks = jax.make_array_from_callback(allowed.shape, self.by_slot, lambda index: allowed[index])
         return shape, (self._param_leaves, self.state, on_mesh, self.previous, self.image_pool, masks)
 

@@ -23,8 +23,12 @@ emitted for it, read on device, so step N + 1 is dispatched before step N's toke
 them, checking stop conditions and handing deltas to the streams happen while the device computes. The
 host does not know how many tokens an unread round emits, so it gives the sequence pages for the most
 it can. A sequence that stops (EOS, stop token, max_tokens, cancellation) may have one more step in
-flight; its result is dropped. Detokenizing and stop strings happen in the consumers' threads (the
-server's) or in their `on_delta` callbacks (the batch runner's), through `inkling_jax.runtime.text_stream`.
+flight; its result is dropped. A constrained sequence's mask needs its last token, which may still be in flight:
+its steps defer its sample (`Engine.resample`), and the host reads the step before, advances the matcher and
+computes the mask while the step runs, then draws the sample under it (every constrained token so, whatever
+else the step holds: its bits do not depend on the batch). Detokenizing and stop strings happen in the consumers'
+threads (the server's) or in their `on_delta` callbacks (the batch runner's), through
+`inkling_jax.runtime.text_stream`.
 """
 
 from __future__ import annotations
@@ -112,7 +116,8 @@ class _Plan:
     batch: StepBatch
     sequences: dict[int, _Sequence]  # slot -> sequence
     bounds: dict[int, int]  # slot -> the most tokens the step can emit for it
-    allowed: np.ndarray | None = None  # [S, mask words] the tokens each slot may take (None: no slot constrained)
+    allowed: np.ndarray | None = None  # [S, mask words]: rows of zeros for the constrained slots (None: none)
+    deferred: list[int] = dataclasses.field(default_factory=list)  # constrained slots: sampled by `_resample`
     emitted: Emitted | None = None
 
 
@@ -221,7 +226,8 @@ class Scheduler:
         if self.engine.tokenizer is not None:
             start = time.perf_counter()
             self._grammars = Grammars(self.engine.tokenizer, self.text.unpadded_vocab_size, sorted(self.eos))
-            logger.info("structured outputs' token tables built in %.1f s", time.perf_counter() - start)
+            self.engine.warm_up_resample()
+            logger.info("structured outputs' token tables and programs built in %.1f s", time.perf_counter() - start)
         self.ready = True
 
     def start(self) -> None:
@@ -284,6 +290,8 @@ class Scheduler:
                     plan.emitted = self.engine.step(plan.batch, plan.allowed)
                 if pending is not None:
                     self._read(pending)  # overlaps the step just dispatched
+                if plan is not None and plan.deferred:
+                    self._resample(plan)
                 pending = plan
             except Exception as error:  # a device or host failure: fail what is in flight, keep serving
                 logger.exception("step failed")
@@ -316,8 +324,6 @@ class Scheduler:
             request = sequence.request
             if sequence.decoding:
                 wanted = request.max_tokens - len(sequence.outputs) - sequence.in_flight  # at least this many more
-                if sequence.matcher is not None and sequence.in_flight:
-                    continue  # its next allowed tokens follow the token in flight, not read yet
                 if wanted > 0:
                     held = sequence.known + sequence.bound - 1  # the most the state holds once in-flight steps land
                     speculate = (
@@ -380,10 +386,10 @@ class Scheduler:
                 sequence.in_flight += 1
                 sequence.bound += bounds[slot]
         allowed = None
-        constrained = [slot for slot, sequence in kept.items() if sequence.matcher is not None]
-        if constrained:
+        deferred = [slot for slot, sequence in kept.items() if sequence.matcher is not None]
+        if deferred:  # constrained slots sample after the step (`_resample`), under masks computed meanwhile
             allowed = np.full((slots, engine.mask_words), -1, np.int32)
-            self._grammars.fill(allowed, {slot: kept[slot].matcher for slot in constrained})
+            allowed[deferred] = 0
         batch = engine.host_batch(
             tokens,
             counts,
@@ -397,7 +403,17 @@ class Scheduler:
             speculate=speculate,
             image_rows=image_rows if (image_rows >= 0).any() else None,
         )
-        return _Plan(batch, kept, bounds, allowed)
+        return _Plan(batch, kept, bounds, allowed, deferred)
+
+    def _resample(self, plan: _Plan) -> None:
+        """Draw the constrained samples of a dispatched step under their masks, now that the matchers have read
+        the tokens before (a sequence that stopped meanwhile keeps its unconstrained sample: it is dropped)."""
+        live = [slot for slot in plan.deferred if not plan.sequences[slot].finished]
+        if not live:
+            return
+        allowed = np.empty((len(live), self.engine.mask_words), np.int32)
+        self._grammars.fill(allowed, {row: plan.sequences[slot].matcher for row, slot in enumerate(live)})
+        plan.emitted = self.engine.resample(plan.emitted, plan.batch, live, allowed)
 
     def _by_priority(self) -> list[int]:
         """Occupied slots, earliest admitted first."""

@@ -6,6 +6,7 @@ import json
 import re
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -233,6 +234,59 @@ def test_a_constrained_slot_samples_its_allowed_tokens_and_leaves_its_neighbour_
         assert token == listed[0] if listed else token not in out.top_ids[0, 0]
         for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
             np.testing.assert_array_equal(getattr(out, name)[1], getattr(alone, name)[1])
+
+
+def test_a_deferred_sample_drawn_under_its_mask_is_the_masked_steps(two_slots):
+    """A step given a row of zeros for a slot, then `Engine.resample` with the slot's mask, emits and leaves what the
+    step given the mask does: the same tokens, top lists, penalty counts and next inputs (the chosen tokens'
+    log-probabilities, computed in another program, to fp32 rounding), over steps that feed back on device (slot 0
+    seeded at temperature 0.9 with penalties, slot 1 greedy beside it)."""
+    engine, rng = two_slots, np.random.default_rng(11)
+    vocab, words = engine.text.unpadded_vocab_size, engine.mask_words
+    engine.warm_up_resample()
+    prompts = rng.integers(0, vocab, (2, 7), dtype=np.int32)
+    table = np.zeros((2, engine.max_pages), np.int32)
+    table[1] = 1
+    sampled = SimpleNamespace(temperature=0.9, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4, seed=77)
+    masks = []
+    for _ in range(6):
+        bits = rng.random((2, words * 32)) < 0.2
+        bits[:, vocab:] = False
+        masks.append((bits.reshape(2, words, 32) * (1 << np.arange(32, dtype=np.uint64))).sum(-1).astype(np.uint32))
+
+    def decode(deferring: bool) -> tuple[list, np.ndarray]:
+        outputs, tokens, counts = [], prompts, np.full(2, prompts.shape[1], np.int32)
+        for number, mask in enumerate(masks):
+            first = np.full(2, number == 0)
+            batch = engine.host_batch(
+                tokens,
+                counts,
+                [sampled, None],
+                table,
+                reset=first,
+                is_prompt=first,
+                emit=np.ones(2, bool),
+                feedback=~first,
+            )
+            allowed = mask.view(np.int32).copy()
+            if deferring:
+                allowed[0] = 0
+                emitted = engine.step(batch, allowed)
+                emitted = engine.resample(emitted, batch, [0], mask.view(np.int32)[:1].copy())
+            else:
+                emitted = engine.step(batch, allowed)
+            outputs.append(engine.fetch(emitted))
+            tokens, counts = np.zeros((2, 1), np.int32), np.ones(2, np.int32)  # fed back on device
+        return outputs, np.asarray(engine.state.output_counts)
+
+    (masked, counts), (deferred, deferred_counts) = decode(False), decode(True)
+    np.testing.assert_array_equal(counts, deferred_counts)
+    for out, late, mask in zip(masked, deferred, masks, strict=True):
+        assert all(mask[s, t // 32] >> (t % 32) & 1 for s, t in enumerate(out.tokens[:, 0].tolist()))
+        for name in ("tokens", "count", "top_ids", "top_logprobs", "last"):
+            np.testing.assert_array_equal(getattr(out, name), getattr(late, name))
+        np.testing.assert_allclose(out.logprobs, late.logprobs, rtol=1e-6)
+    assert len({int(out.tokens[0, 0]) for out in masked}) > 1
 
 
 @pytest.mark.slow
