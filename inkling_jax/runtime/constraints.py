@@ -18,6 +18,7 @@ constraint that does not compile is refused with llguidance's message, which nam
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import re
@@ -220,6 +221,7 @@ class Grammars:
         self._special_tokens = frozenset(names)
         framing = {"message": "<|message_model|>", "thinking": "<|content_thinking|>", "text": "<|content_text|>"}
         self._framing = {name: names[token] for name, token in framing.items() if FRAME_TOKENS <= names.keys()}
+        self._compiling: dict[tuple[Constraint, str | None], concurrent.futures.Future] = {}  # by one thread each
         self._lock = threading.Lock()
         self._executor = llguidance.LLExecutor()  # fills many slots' masks at once, on threads of its own
 
@@ -250,11 +252,37 @@ class Grammars:
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, allowed)
 
     def _template(self, constraint: Constraint, frame: str | None) -> llguidance.LLMatcher:
+        """The compiled constraint, compiled once however many threads ask for it at once (the others wait for
+        its compilation and get its result or error: requests that arrive together share a compile)."""
         key = (constraint, frame)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
+            compiling = self._compiling.get(key)
+            if compiling is None:
+                compiling = self._compiling[key] = concurrent.futures.Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return compiling.result()
+        try:
+            template = self._compile(constraint, frame)
+        except BaseException as error:
+            with self._lock:
+                del self._compiling[key]
+            compiling.set_exception(error)
+            raise
+        with self._lock:
+            del self._compiling[key]
+            self._compiled[key] = template
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        compiling.set_result(template)
+        return template
+
+    def _compile(self, constraint: Constraint, frame: str | None) -> llguidance.LLMatcher:
         constraint.check()
         grammar = constraint.grammar(frame, self._special_tokens)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
@@ -263,10 +291,6 @@ class Grammars:
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise ConstraintError(f"the {constraint.kind} constraint does not compile: {template.get_error()}")
-        with self._lock:
-            self._compiled[key] = template
-            while len(self._compiled) > CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
         return template
 
 

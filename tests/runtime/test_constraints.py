@@ -5,6 +5,8 @@ constraints are refused with what is wrong."""
 
 import json
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -171,6 +173,39 @@ def test_a_refused_token_is_not_taken_and_only_the_end_follows_a_match(grammars,
 def test_malformed_constraints_are_refused_naming_the_problem(grammars, constraint, says):
     with pytest.raises(ConstraintError, match=re.escape(says)):
         grammars.compile(constraint)
+
+
+def test_requests_that_arrive_together_share_one_compile(grammars, tokenizer, monkeypatch):
+    """Eight threads asking for the same new constraint at once compile it once and all get matchers of it (random
+    walks that match); a malformed one fails for every thread, and is not kept: asked again, it is compiled again."""
+    rng = np.random.default_rng(5)
+    letters = "".join(rng.choice(list("abcdef"), 3))
+    good, bad = Constraint("regex", f"[{letters}]{{2,5}}-[0-9]{{1,3}}"), Constraint("regex", "[a-")
+    compiled = []
+    original = grammars._compile
+
+    def slow_compile(constraint, frame):
+        compiled.append(constraint)
+        time.sleep(0.2)  # the other threads arrive while it compiles
+        return original(constraint, frame)
+
+    def refusal(_) -> str:
+        with pytest.raises(ConstraintError) as refused:
+            grammars.compile(bad)
+        return str(refused.value)
+
+    monkeypatch.setattr(grammars, "_compile", slow_compile)
+    with ThreadPoolExecutor(8) as pool:
+        matchers = list(pool.map(lambda _: grammars.matcher(good), range(8)))
+        refusals = list(pool.map(refusal, range(8)))
+    assert compiled == [good, bad]
+    assert all("does not compile" in refusal for refusal in refusals)
+    for matcher in matchers:
+        text = tokenizer.decode(walk(matcher, grammars, tokenizer, rng))
+        assert re.fullmatch(f"[{letters}]{{2,5}}-[0-9]{{1,3}}", text), text
+    with pytest.raises(ConstraintError):
+        grammars.compile(bad)
+    assert compiled == [good, bad, bad]
 
 
 def test_masks_of_the_wrong_form_are_refused(grammars):
