@@ -358,40 +358,42 @@ def _deferred_logits(kept: jax.Array, logits: jax.Array, rows: jax.Array, deferr
     return jax.lax.cond(any_slot(deferred), copied, lambda kept: kept, kept)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Redrawn:
+    """What `resample` draws: the named slots' tokens and their log-probabilities, and every slot's next input."""
+
+    tokens: jax.Array  # [R] int32
+    logprobs: jax.Array  # [R] float32, under the model's raw distribution
+    last: jax.Array  # [S] int32: the token each slot's next step starts from
+
+
 def resample_fn(
     state: DecodeState,
-    emitted: Emitted,
+    last: jax.Array,
+    count: jax.Array,
     rows: jax.Array,
     allowed: jax.Array,
     sampling: SamplingParams,
-) -> tuple[Emitted, DecodeState]:
+) -> tuple[Redrawn, DecodeState]:
     """A step's one-token samples of the slots `rows` [R] names (the step took a row of zeros for them; a row past
     the slots: none) drawn again from the logits it kept, under allowed [R, W]: what the step would have emitted and
     left had it taken these masks (the same logits, penalties, noise and filters, in a program of its own: the chosen
-    tokens' log-probabilities equal up to fp32 rounding); the other slots' outputs as they were. So the host can
-    compute a slot's mask while the step that needs it runs, once it has read the token before. sampling: every
-    slot's [S]."""
+    tokens' log-probabilities equal up to fp32 rounding). last, count [S]: the step's `Emitted.last` (a plain slot's
+    one sample) and `Emitted.count`; sampling: every slot's [S]. So the host can compute a slot's mask while the step
+    that needs it runs, once it has read the token before."""
     slots, vocab = state.output_counts.shape
     real, at = rows < slots, jnp.minimum(rows, slots - 1)
     into = jnp.where(real, rows, slots)  # scatters drop the padding rows
-    first, counted = emitted.tokens[at, 0], real & (emitted.count[at] > 0)
-    own = jnp.arange(rows.shape[0])
-    before = state.output_counts[at].at[own, jnp.where(counted, first, vocab)].add(-1, mode="drop")
-    generated = state.generated[at] - emitted.count[at]
+    counted, own = real & (count[at] > 0), jnp.arange(rows.shape[0])
+    before = state.output_counts[at].at[own, jnp.where(counted, last[at], vocab)].add(-1, mode="drop")
     params = jax.tree.map(lambda column: column[at], sampling)
-    sampled = sample(state.logits[at], params, before, state.prompt_mask[at], generated, 0, allowed)
-    counts = before.at[own, jnp.where(counted, sampled.tokens, vocab)].add(1, mode="drop")
-
-    def redrawn(ours: jax.Array, theirs: jax.Array) -> jax.Array:
-        return theirs.at[into, 0].set(ours, mode="drop")
-
-    emitted = dataclasses.replace(  # the top log-probabilities are the model's own, the step's whatever the mask
-        emitted,
-        tokens=redrawn(sampled.tokens, emitted.tokens),
-        logprobs=redrawn(sampled.logprobs, emitted.logprobs),
-        last=emitted.last.at[into].set(sampled.tokens, mode="drop"),
+    sampled = sample(
+        state.logits[at], params, before, state.prompt_mask[at], state.generated[at] - count[at], 0, allowed
     )
-    return emitted, dataclasses.replace(state, output_counts=state.output_counts.at[into].set(counts, mode="drop"))
+    counts = before.at[own, jnp.where(counted, sampled.tokens, vocab)].add(1, mode="drop")
+    redrawn = Redrawn(sampled.tokens, sampled.logprobs, last.at[into].set(sampled.tokens, mode="drop"))
+    return redrawn, dataclasses.replace(state, output_counts=state.output_counts.at[into].set(counts, mode="drop"))
 
 
 resample = jax.jit(resample_fn, donate_argnames="state")

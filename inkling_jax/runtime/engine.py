@@ -66,7 +66,7 @@ from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES
 from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shardings
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
-from inkling_jax.step import Emitted, StepBatch, pack_spans, resample_fn, step_fn
+from inkling_jax.step import Emitted, Redrawn, StepBatch, pack_spans, resample_fn, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 from pallas_kernels import import_kernel_runtimes
 from pallas_kernels.moe import kernel_platform
@@ -235,7 +235,7 @@ class Engine:
             out_shardings=out_shardings,
             compiler_options=compiler_options,
         )
-        self._resamplers: dict[tuple[int, int], jax.stages.Compiled] = {}  # by emitted tokens per slot, rows
+        self._resamplers: dict[int, jax.stages.Compiled] = {}  # by rows
         self._layouts: dict[StepShape, BatchLayout] = {}
         # what the executable cache's key needs beyond the arguments, the mesh and the graph definition
         self._options = {
@@ -500,11 +500,11 @@ class Engine:
         self.previous = emitted.last
         return emitted
 
-    def resample(self, emitted: Emitted, batch: StepBatch, slots: Sequence[int], allowed: np.ndarray) -> Emitted:
+    def resample(self, emitted: Emitted, batch: StepBatch, slots: Sequence[int], allowed: np.ndarray) -> Resampled:
         """Dispatch the deferred samples of the last step (`step` with a row of zeros in `allowed` for these `slots`)
-        under their masks, allowed [len(slots), mask_words]; returns the step's outputs with those samples in
-        (`inkling_jax.step.resample_fn`, over the fewest rows of RESAMPLE_ROWS or the slots that hold them). The
-        next step starts from them."""
+        under their masks, allowed [len(slots), mask_words] (`inkling_jax.step.resample_fn`, over the fewest rows of
+        RESAMPLE_ROWS or the slots that hold them); returns the step's outputs with those samples in, for `fetch`.
+        The next step starts from them."""
         count, words = len(slots), self.mask_words
         if allowed.shape != (count, words) or allowed.dtype != np.int32:
             raise ValueError(f"allowed must be int32 [{count}, {words}], got {allowed.dtype} {allowed.shape}")
@@ -518,33 +518,30 @@ class Engine:
             lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
             (rows, masks, batch.sampling),
         )
-        args = (self.state, emitted, *on_mesh)
-        key = (emitted.tokens.shape[1], bucket)
-        program = self._resamplers.get(key) or self._resampler(key, args)
-        emitted, self.state = program(*args)
-        self.previous = emitted.last
-        return emitted
+        args = (self.state, emitted.last, emitted.count, *on_mesh)
+        program = self._resamplers.get(bucket) or self._resampler(bucket, args)
+        redrawn, self.state = program(*args)
+        self.previous = redrawn.last
+        return Resampled(emitted, tuple(slots), redrawn)
 
     def _resample_rows(self, count: int) -> int:
         """The rows of the resample program that takes `count` deferred slots."""
         return next((rows for rows in RESAMPLE_ROWS if count <= rows < self.slots), self.slots)
 
-    def _resampler(self, key: tuple[int, int], args: tuple) -> jax.stages.Compiled:
-        """The resample program for `key` (the steps' emitted tokens per slot, its rows), compiled and kept."""
+    def _resampler(self, bucket: int, args: tuple) -> jax.stages.Compiled:
+        """The resample program of `bucket` rows, compiled and kept."""
         with jax.set_mesh(self.mesh):
-            self._resamplers[key] = self._resample.lower(*args).compile()
-        return self._resamplers[key]
+            self._resamplers[bucket] = self._resample.lower(*args).compile()
+        return self._resamplers[bucket]
 
     def warm_up_resample(self) -> None:
-        """Compile `resample` for the outputs of every step shape and each count of rows (an idle step's, resampled
-        with every token allowed), so that constrained serving never compiles."""
-        buckets = sorted({self._resample_rows(count) for count in (*RESAMPLE_ROWS, self.slots) if count <= self.slots})
-        for shape in self.shapes:
-            for bucket in buckets:
-                if ((shape.width if shape.speculative else 1), bucket) not in self._resamplers:
-                    batch = self.idle_batch(shape)
-                    allowed = np.full((bucket, self.mask_words), -1, np.int32)
-                    self.fetch(self.resample(self.step(batch), batch, range(bucket), allowed))
+        """Compile `resample` for each count of rows (an idle step's outputs, resampled with every token allowed), so
+        that constrained serving never compiles."""
+        batch = self.idle_batch(self.shape(False, False, 1))
+        for bucket in sorted({self._resample_rows(count) for count in (*RESAMPLE_ROWS, self.slots)}):
+            if bucket not in self._resamplers:
+                allowed = np.full((bucket, self.mask_words), -1, np.int32)
+                self.fetch(self.resample(self.step(batch), batch, range(bucket), allowed))
 
     def _check_allowed(self, allowed: np.ndarray) -> None:
         if allowed.shape != (self.slots, self.mask_words) or allowed.dtype != np.int32:
@@ -652,9 +649,16 @@ class Engine:
             return self._step.lower(*args, speculative=shape.speculative, width=shape.width, layout=self._layout(shape))
 
     @staticmethod
-    def fetch(emitted: Emitted) -> Emitted:
-        """The step's outputs as numpy arrays, on every process (they are replicated)."""
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), emitted)
+    def fetch(emitted: Emitted | Resampled) -> Emitted:
+        """The step's outputs as numpy arrays, on every process (they are replicated); a resampled step's with its
+        redrawn samples in."""
+        if not isinstance(emitted, Resampled):
+            return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), emitted)
+        step, redrawn = Engine.fetch(emitted.emitted), Engine.fetch(emitted.redrawn)
+        slots, count = list(emitted.slots), len(emitted.slots)
+        tokens, logprobs = step.tokens.copy(), step.logprobs.copy()
+        tokens[slots, 0], logprobs[slots, 0] = redrawn.tokens[:count], redrawn.logprobs[:count]
+        return dataclasses.replace(step, tokens=tokens, logprobs=logprobs, last=redrawn.last)
 
     def idle_batch(self, shape: StepShape) -> StepBatch:
         """A batch of `shape` in which no slot does anything (for compiling a shape)."""
@@ -790,6 +794,16 @@ def shape_compiler_options(platform: str, shape: StepShape) -> dict[str, object]
     if platform == "tpu" and decode:
         return {"xla_tpu_offload_gather_to_sparsecore": False}
     return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resampled:
+    """A step's outputs and the samples `Engine.resample` drew again for some of its slots (`Engine.fetch` reads
+    them as one `Emitted`)."""
+
+    emitted: Emitted
+    slots: tuple[int, ...]
+    redrawn: Redrawn
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 with its draft, served through the scheduler; the one-H200 proxy config."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -220,10 +221,17 @@ def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
         "chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"
     ]  # fmt: skip
     capsys.readouterr()
-    with_text = [*lines, {"id": 5, "prompt": "hello there", "max_tokens": 4}]
+    pattern = "[a-d]{2,6}-[0-9]{1,3}"  # beside speculating requests, a constrained one samples after each step
+    constrained = {"id": 6, "prompt_token_ids": [7, 8, 9], "temperature": 0.9, "seed": 3, "max_tokens": 20}
+    with_text = [
+        *lines,
+        {"id": 5, "prompt": "hello there", "max_tokens": 4},
+        {**constrained, "constraint": {"regex": pattern}},
+    ]
     on_text = ["--checkpoint", str(tmp_path / "text"), *common[2:]]
     code, speculating = run_generate(tmp_path, with_text, *on_text, "--speculative", "dspark")
     assert code == 0 and all(isinstance(r["text"], str) for r in speculating) and speculating[5]["token_ids"]
+    assert speculating[6]["finish_reason"] == "stop" and re.fullmatch(pattern, speculating[6]["text"])
     for plain, speculated in zip(one, speculating[:5], strict=True):
         if plain["id"] % 2 == 0:  # greedy: speculation changes nothing
             assert speculated["token_ids"] == plain["token_ids"]
