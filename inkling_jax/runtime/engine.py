@@ -112,6 +112,7 @@ def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
 
 
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
+RESAMPLERS: dict[tuple, jax.stages.Compiled] = {}  # the process's resample programs, by their arguments' form
 RESAMPLE_ROWS = (8,)  # the rows of a resample program below one per slot: a step's few constrained slots sample
 # over few rows (each a whole vocabulary)
 FEW_TOKENS = 8  # a plain decode step of at most this many tokens (per replica) compiles as a shape of its own, when
@@ -529,10 +530,15 @@ class Engine:
         return next((rows for rows in RESAMPLE_ROWS if count <= rows < self.slots), self.slots)
 
     def _resampler(self, bucket: int, args: tuple) -> jax.stages.Compiled:
-        """The resample program of `bucket` rows, compiled and kept."""
-        with jax.set_mesh(self.mesh):
-            self._resamplers[bucket] = self._resample.lower(*args).compile()
-        return self._resamplers[bucket]
+        """The resample program of `bucket` rows: compiled, or taken from an engine of this process that compiled
+        it for arguments of the same shapes, dtypes and shardings (the program is the same function of them)."""
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves), self._options["compiler_options"])
+        if key not in RESAMPLERS:
+            with jax.set_mesh(self.mesh):
+                RESAMPLERS[key] = self._resample.lower(*args).compile()
+        self._resamplers[bucket] = RESAMPLERS[key]
+        return RESAMPLERS[key]
 
     def warm_up_resample(self) -> None:
         """Compile `resample` for each count of rows (an idle step's outputs, resampled with every token allowed), so
