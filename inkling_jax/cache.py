@@ -318,7 +318,7 @@ class DecodeState:
     prompt_mask: jax.Array  # [S, vocab] bool
     generated: jax.Array  # [S] int32
     # [S, vocab] float32: the logits each slot's one-token sample of the last step came from, for the slots whose
-    # sample that step deferred (`inkling_jax.step.resample`); other rows hold older steps' logits
+    # sample that step deferred (`inkling_jax.step.resample_fn`); other rows hold older steps' logits
     logits: jax.Array
 
     @property

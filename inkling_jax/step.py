@@ -21,7 +21,7 @@ exactly. Other slots run as in a plain step and sample from the same noise as a 
 output does not depend on whether its neighbours speculate.
 
 A constrained slot whose mask follows a token the host has not read yet (the step before is still running) is
-stepped without its mask and its sample deferred: the step keeps the logits it sampled from, and `resample`
+stepped without its mask and its sample deferred: the step keeps the logits it sampled from, and `resample_fn`
 draws it again under the mask once the host has it, while the next step can already run.
 
 Under a mesh with a `data` axis (set with `jax.set_mesh`), the slots and the page pool split into
@@ -188,7 +188,7 @@ def step_fn(
     `batch.feedback` is set); image_pool [R, H]: the image features `batch.image_rows` point at (read only; a model
     without an image tower ignores it); allowed [S, W] int32: the tokens each slot may sample, as packed bits
     (`sampling.allowed_only`; None or a row of -1: any; a row of zeros: sampled unconstrained here and kept for
-    `resample`, which draws it again under the mask the host computes meanwhile; a speculating slot's row must be
+    `resample_fn`, which draws it again under the mask the host computes meanwhile; a speculating slot's row must be
     -1, the verify applies none). Outputs are meaningful for slots with counts > 0. speculative (static):
     run DSpark rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1); greedy_draft
     (static): the draft proposes its argmax instead of sampling; width, lane_width (static): the narrow group's
@@ -241,7 +241,7 @@ def _step(
 ) -> tuple[Emitted, DecodeState]:
     model = nnx.merge(graphdef, params)
     deferred = None
-    if allowed is not None:  # a row of zeros: the slot's sample is deferred (`resample`); sampled unconstrained here
+    if allowed is not None:  # a row of zeros: the slot's sample is deferred (`resample_fn`); sampled unconstrained here
         deferred = jnp.all(allowed == 0, axis=-1)
         allowed = jnp.where(deferred[:, None], -1, allowed)
     tokens, starts = batch.token_ids.shape[0], batch.starts
@@ -361,7 +361,7 @@ def _deferred_logits(kept: jax.Array, logits: jax.Array, rows: jax.Array, deferr
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Redrawn:
-    """What `resample` draws: the named slots' tokens and their log-probabilities, and every slot's next input."""
+    """What `resample_fn` draws: the named slots' tokens and their log-probabilities, and every slot's next input."""
 
     tokens: jax.Array  # [R] int32
     logprobs: jax.Array  # [R] float32, under the model's raw distribution
@@ -394,6 +394,3 @@ def resample_fn(
     counts = before.at[own, jnp.where(counted, sampled.tokens, vocab)].add(1, mode="drop")
     redrawn = Redrawn(sampled.tokens, sampled.logprobs, last.at[into].set(sampled.tokens, mode="drop"))
     return redrawn, dataclasses.replace(state, output_counts=state.output_counts.at[into].set(counts, mode="drop"))
-
-
-resample = jax.jit(resample_fn, donate_argnames="state")

@@ -549,12 +549,6 @@ class Engine:
                 allowed = np.full((bucket, self.mask_words), -1, np.int32)
                 self.fetch(self.resample(self.step(batch), batch, range(bucket), allowed))
 
-    def _check_allowed(self, allowed: np.ndarray) -> None:
-        if allowed.shape != (self.slots, self.mask_words) or allowed.dtype != np.int32:
-            raise ValueError(
-                f"allowed must be int32 [{self.slots}, {self.mask_words}], got {allowed.dtype} {allowed.shape}"
-            )
-
     def arguments(self, batch: StepBatch, allowed: np.ndarray | None = None) -> tuple[StepShape, tuple]:
         """The shape of the step program that runs a host batch, and the program's arguments: the parameters'
         arrays, the state, the batch packed into one int32 buffer on the mesh (split by replica: one transfer),
@@ -572,7 +566,10 @@ class Engine:
         if allowed is None:
             masks = self._any_token
         else:
-            self._check_allowed(allowed)
+            if allowed.shape != (self.slots, self.mask_words) or allowed.dtype != np.int32:
+                raise ValueError(
+                    f"allowed must be int32 [{self.slots}, {self.mask_words}], got {allowed.dtype} {allowed.shape}"
+                )
             masks = jax.make_array_from_callback(allowed.shape, self.by_slot, lambda index: allowed[index])
         return shape, (self._param_leaves, self.state, on_mesh, self.previous, self.image_pool, masks)
 
