@@ -9,9 +9,10 @@ lower the step (tracing and kernel lowering, in Python), to build its Mosaic GPU
 engine does) and to compile it (XLA); then for each `--active` count (slots with tokens, the others idle, as in a
 server with that many requests) the wall time per step issued back to back, the host's time to dispatch one step
 whose arguments are already on the device, on an idle device (XLA's launch of its kernels and the call's own
-work; not building or sending the batch), and the step's kernels by CUPTI (on a GPU): their count, their sum,
-and the kernels grouped by name, longest first. Copies of parameters or state show up there as memcpy and
-dynamic-slice kernels.
+work; not building or sending the batch), and on a GPU the steps' timeline (`bench.timeline`: per step the span
+of its kernels, the time the device was busy and idle, the kernel time by kind) and the step's kernels by CUPTI:
+their count, their sum, and the kernels grouped by name, longest first. Copies of parameters or state show up
+there as memcpy and dynamic-slice kernels.
 
 Each `--active` count runs the program the engine picks for it (up to 8 active slots of more: the 8-token decode
 program), lowered once. Each `--options` is a set of XLA options (a JSON object) that lowering is compiled with
@@ -26,6 +27,7 @@ import argparse
 import collections
 import json
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench.timeline import Layout, layout, trace_kernels
 from bench.timing import call_kernels_ms
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import load_config
@@ -150,6 +153,8 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
             flush=True,
         )
         if jax.default_backend() == "gpu":
+            for line in step_timeline(step, repeats).lines():
+                print(f"{active} active: {line}", flush=True)
             try:
                 kernels = call_kernels_ms(step, repeats=repeats)
             except RuntimeError as error:  # e.g. a program whose runs launch different kernels (graphs instantiated)
@@ -158,6 +163,17 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
             report(kernels)
             if dump:
                 Path(f"{dump}_{active}_active.json").write_text(json.dumps(kernels))
+
+
+def step_timeline(step, runs: int) -> Layout:
+    """`runs` steps issued back to back under the profiler, laid out in time (before any CUPTI measure, which
+    changes how XLA launches the kernels afterwards)."""
+    jax.block_until_ready(step())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            emitted = [step() for _ in range(runs)]
+            jax.block_until_ready(emitted)
+        return layout(trace_kernels(Path(trace_dir)), runs)
 
 
 def report(kernels: list[tuple[str, float]]) -> None:
