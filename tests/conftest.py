@@ -74,6 +74,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write(text)
 
 
+@pytest.fixture(autouse=True)
+def no_programs_across_patches(request: pytest.FixtureRequest):
+    """A test that monkeypatches may build an engine over patched code (a broken step, another kernel): it neither
+    takes the step programs other engines of the process compiled (`STEP_PROGRAMS`, keyed by what decides a
+    program, which a patch is not) nor leaves its own to later tests."""
+    if "monkeypatch" not in request.fixturenames:
+        yield
+        return
+    from inkling_jax.runtime.engine import STEP_PROGRAMS
+
+    STEP_PROGRAMS.clear()
+    yield
+    STEP_PROGRAMS.clear()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files holding slow tests run first: the last files xdist hands out are then quick ones, and neither worker
     waits long for the other at the end of the run."""

@@ -14,9 +14,10 @@ prompt chunks holds `max_num_batched_tokens` a replica, the chunks read by atten
 `lane_width` tokens, so a decoding slot costs one token there too. With speculation (`--speculative dspark`),
 a step in which some slot speculates leaves γ + 1 tokens to each speculating slot, in programs of their own.
 `shapes` lists them; `warm_up` compiles them all (a shape first seen later is compiled then). Each is lowered
-and compiled explicitly and kept as its executable; with an executable cache directory
-(`inkling_jax.runtime.executable_cache`) each is read from there when a program of the same key was stored,
-and stored there when compiled.
+and compiled explicitly and kept as its executable, which the engines of one process share (`STEP_PROGRAMS`: an
+engine built again, or another over the same model's form and mesh, compiles nothing); with an executable cache
+directory (`inkling_jax.runtime.executable_cache`) each is read from there when a program of the same key was
+stored, and stored there when compiled.
 
 Images (a model with an image tower): the engine keeps a pool of `image_feature_tokens` feature rows on the
 device (one row for a text-only model), which the steps read (`StepBatch.image_rows`), and one encode program per
@@ -49,7 +50,7 @@ from inkling_jax.model.attention import fuse_attention_projections
 from inkling_jax.model.draft import require_draft
 from inkling_jax.model.moe import lay_out_experts
 from inkling_jax.model.text import CausalLM
-from inkling_jax.runtime.executable_cache import ExecutableCache
+from inkling_jax.runtime.executable_cache import ExecutableCache, program_key
 from inkling_jax.runtime.images import (
     DEFAULT_MAX_IMAGE_TILES,
     DEFAULT_MAX_IMAGES,
@@ -112,6 +113,7 @@ def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
 
 
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
+STEP_PROGRAMS: dict[str, jax.stages.Compiled] = {}  # the process's step programs, by `program_key`: its engines share
 RESAMPLERS: dict[tuple, jax.stages.Compiled] = {}  # the process's resample programs, by their arguments' form
 RESAMPLE_ROWS = (8,)  # the rows of a resample program below one per slot: a step's few constrained slots sample
 # over few rows (each a whole vocabulary)
@@ -580,23 +582,28 @@ class Engine:
         return self._layouts[shape]
 
     def _program(self, shape: StepShape, args: tuple) -> jax.stages.Compiled:
-        """The step program of `shape`: read from the executable cache, else lowered and compiled (and stored
-        there); kept for the engine's life."""
+        """The step program of `shape`: another engine's of this process, or read from the executable cache, else
+        lowered and compiled (and stored there); kept for the engine's life."""
         key = self._loaded(shape, args)
         return self._programs.get(shape) or self._compiled(shape, *self._lowered(shape, args), key)
 
-    def _loaded(self, shape: StepShape, args: tuple) -> str | None:
-        """Read the step program of `shape` from the executable cache into the engine's programs, where it is
-        there; returns its cache key (None without a cache)."""
-        if self._executables is None:
-            return None
+    def _loaded(self, shape: StepShape, args: tuple) -> str:
+        """Take the step program of `shape` into the engine's programs from an engine of this process that has it
+        (the same key: the same program), else from the executable cache, where it is there; returns its key."""
         start = time.perf_counter()
-        key = self._executables.key(shape.label, self.mesh, self.program_options(shape), self.graphdef, args)
-        import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
-        compiled = self._executables.load(key, args, list(self.mesh.devices.flat))
+        key = program_key(shape.label, self.mesh, self.program_options(shape), self.graphdef, args)
+        compiled = STEP_PROGRAMS.get(key)
         if compiled is not None:
-            logger.info("step [%s]: loaded from the executable cache in %.1f s", shape, time.perf_counter() - start)
-            self.program_times[shape] = {"loaded_s": time.perf_counter() - start}
+            logger.info("step [%s]: taken from another engine of this process", shape)
+            self.program_times[shape] = {"shared_s": time.perf_counter() - start}
+        elif self._executables is not None:
+            import_kernel_runtimes()  # what its kernels' custom calls need, with no kernel lowered here
+            compiled = self._executables.load(key, args, list(self.mesh.devices.flat))
+            if compiled is not None:
+                logger.info("step [%s]: loaded from the executable cache in %.1f s", shape, time.perf_counter() - start)
+                self.program_times[shape] = {"loaded_s": time.perf_counter() - start}
+                STEP_PROGRAMS[key] = compiled
+        if compiled is not None:
             self._programs[shape] = compiled
         return key
 
@@ -606,9 +613,7 @@ class Engine:
         lowered = self._lower(args, shape)
         return lowered, time.perf_counter() - start
 
-    def _compiled(
-        self, shape: StepShape, lowered: jax.stages.Lowered, lower_s: float, key: str | None
-    ) -> jax.stages.Compiled:
+    def _compiled(self, shape: StepShape, lowered: jax.stages.Lowered, lower_s: float, key: str) -> jax.stages.Compiled:
         """A lowered step program compiled by XLA with its shape's options (and stored in the executable cache),
         its Mosaic GPU kernels built first on many threads (`kernel_builds`; XLA builds them one by one)."""
         shape_options = shape_compiler_options(jax.default_backend(), shape)
@@ -624,7 +629,7 @@ class Engine:
             f"step [{shape}]: compiled in {lower_s + done - building:.1f} s (lowered {lower_s:.1f} s, {built} "
             f"kernels built in {compiling - building:.1f} s, XLA {done - compiling:.1f} s)"
         )
-        if key is not None and self._executables.store(key, compiled):
+        if self._executables is not None and self._executables.store(key, compiled):
             line += f", stored in the executable cache in {time.perf_counter() - done:.1f} s"
         logger.info(line)
         self.program_times[shape] = {
@@ -632,7 +637,7 @@ class Engine:
             "kernels_s": compiling - building,
             "compile_s": done - compiling,
         }
-        self._programs[shape] = compiled
+        self._programs[shape] = STEP_PROGRAMS[key] = compiled
         return compiled
 
     def program_options(self, shape: StepShape) -> dict[str, object]:

@@ -137,6 +137,25 @@ def signature(args: object) -> str:
     return repr((str(tree), [_leaf(x) for x in leaves]))
 
 
+def program_key(name: str, mesh: Mesh, options: dict[str, object], static: object, args: object) -> str:
+    """The entry's file name for program `name` on `mesh` with static `options`, the static part of the function
+    (`static`, e.g. its graph definition: whose repr must not depend on object identity) and the arguments `args`
+    (arrays or ShapeDtypeStructs, as the program is called): what decides the program, in any process."""
+    parts = (
+        MAGIC.decode(),
+        name,
+        _software(),
+        _process(),
+        _devices(mesh),
+        repr(sorted(options.items())),
+        hashlib.sha256(repr(static).encode()).hexdigest(),
+        signature(args),
+    )
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
+    return f"{label}-{digest}{SUFFIX}"
+
+
 class ExecutableCache:
     """Serialized executables in `directory` (created on first store)."""
 
@@ -145,24 +164,6 @@ class ExecutableCache:
         self.off = jax.process_count() > 1
         if self.off:
             logger.info("executable cache off: %d processes (each compiles its own step programs)", jax.process_count())
-
-    def key(self, name: str, mesh: Mesh, options: dict[str, object], static: object, args: object) -> str:
-        """The entry's file name for program `name` on `mesh` with static `options`, the static part of the
-        function (`static`, e.g. its graph definition: whose repr must not depend on object identity) and the
-        arguments `args` (arrays or ShapeDtypeStructs, as the program is called)."""
-        parts = (
-            MAGIC.decode(),
-            name,
-            _software(),
-            _process(),
-            _devices(mesh),
-            repr(sorted(options.items())),
-            hashlib.sha256(repr(static).encode()).hexdigest(),
-            signature(args),
-        )
-        digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
-        label = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
-        return f"{label}-{digest}{SUFFIX}"
 
     def load(self, key: str, args: object, devices: Sequence[jax.Device]) -> jax.stages.Compiled | None:
         """The executable stored under `key`, loaded on `devices` (the program's device assignment, in order), or

@@ -1,6 +1,8 @@
 """The executable cache on the tiny parity model: a second engine over the same directory loads its step program
 without lowering it and emits the same tokens bit for bit, with the state still donated; another program's key
-misses; a corrupt or truncated entry is deleted and compiled again. One program (the decode step) keeps it fast."""
+misses; a corrupt or truncated entry is deleted and compiled again. Engines of one process share their programs
+(`STEP_PROGRAMS`), which each test but that one's empties first: its engines stand for processes of their own.
+One program (the decode step) keeps it fast."""
 
 import logging
 from pathlib import Path
@@ -31,6 +33,11 @@ def make_engine(model, directory: Path | None, mesh: str = "tp1", num_top: int =
     return Engine(
         model, CacheLayout(SLOTS, 3, 32, 8), make_mesh(mesh, model.config), num_top=num_top, executable_cache=directory
     )
+
+
+@pytest.fixture(autouse=True)
+def one_engine_a_process():
+    engine_module.STEP_PROGRAMS.clear()
 
 
 def one_token_batch(engine: Engine, token: int, first: bool, prompt: bool, emit: bool):
@@ -89,6 +96,20 @@ def test_a_second_engine_loads_the_program_and_emits_the_same_tokens(model, firs
     assert engine.compilations == 1 and engine.programs_loaded == 1
 
 
+def test_engines_of_one_process_share_their_programs(model, monkeypatch):
+    """A second engine over a model of the same form and mesh takes the first one's program without lowering it and
+    emits the same tokens bit for bit; an engine of another program compiles its own."""
+    want = greedy(make_engine(model, None))
+    monkeypatch.setattr(Engine, "_lower", no_lowering)
+    engine = make_engine(model, None)
+    assert same(greedy(engine), want)
+    assert engine.compilations == 1 and [set(t) for t in engine.program_times.values()] == [{"shared_s"}]
+    monkeypatch.undo()
+    other = make_engine(model, None, num_top=3)
+    other.fetch(other.step(one_token_batch(other, 3, first=True, prompt=True, emit=True)))
+    assert ["compile_s" in times for times in other.program_times.values()] == [True]
+
+
 def test_another_program_misses(model, first):
     directory, _ = first
     base, other_top = make_engine(model, None), make_engine(model, None, num_top=3)
@@ -102,7 +123,9 @@ def test_another_program_misses(model, first):
     def key(engine: Engine, prefill: bool = False, speculative: bool = False, **changes) -> str:
         shape = engine.shape(prefill, speculative)
         options = {**engine.program_options(shape), **changes}
-        return cache.key(shape.label, engine.mesh, options, engine.graphdef, arguments(engine, shape))
+        return executable_cache.program_key(
+            shape.label, engine.mesh, options, engine.graphdef, arguments(engine, shape)
+        )
 
     stored = key(base)
     assert [path.name for path in directory.glob("*.exe")] == [stored]  # the first engine's key, recomputed
@@ -137,6 +160,7 @@ def test_a_corrupt_entry_is_deleted_compiled_again_and_stored(model, first, capl
         assert same(greedy(engine), want)
     assert any("unusable (ValueError: checksum mismatch): deleted" in record.message for record in caplog.records)
     assert engine.compilations == 1 and engine.programs_loaded == 0
+    engine_module.STEP_PROGRAMS.clear()  # a new process
     again = make_engine(model, directory)
     monkeypatch.setattr(Engine, "_lower", no_lowering)
     assert same(greedy(again), want) and again.programs_loaded == 1
@@ -190,7 +214,7 @@ def test_step_programs_get_their_platforms_options(model, monkeypatch):
     monkeypatch.setattr(engine_module, "shape_compiler_options", lambda *shape: asked.append(shape) or {})
     engine = make_engine(model, None)
     engine.fetch(engine.step(one_token_batch(engine, 3, first=True, prompt=True, emit=True)))
-    assert asked == [(jax.default_backend(), engine.shape(prefill=False, speculative=False))]
+    assert asked and set(asked) == {(jax.default_backend(), engine.shape(prefill=False, speculative=False))}
 
 
 @pytest.mark.slow
@@ -266,5 +290,6 @@ def test_warm_up_lowers_one_shape_at_a_time_most_tokens_first(model, monkeypatch
     assert [tokens for tokens, _ in events] == sorted((shape.tokens for shape in engine.shapes), reverse=True)
     assert all(at_once == 1 for _, at_once in events) and len(events) == len(engine.shapes) == 3
     assert set(engine._programs) == set(engine.shapes) and engine.programs_loaded == 0
+    engine_module.STEP_PROGRAMS.clear()  # a new process
     again, events = engine_with_recorded_lowering()
     assert events == [] and again.programs_loaded == 3 and set(again._programs) == set(again.shapes)
