@@ -1,5 +1,8 @@
 """Small model configs several test files build models from."""
 
+import json
+from pathlib import Path
+
 # Eight query heads of both kinds (tp8 fits), two KV heads (split at tp2, one copy per device beyond), 16 experts
 # (2 per device at tp8); quantized experts (NVFP4 and MXFP8 layers) when written with experts="mixed".
 WIDE_HEADS = {
@@ -19,3 +22,15 @@ TINY = {
     "moe_intermediate_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_layers_per_attn_res_block": 2,
     "eos_token_id": 3,
 }  # fmt: skip
+
+
+def four_layers(config_path: Path, out: Path) -> Path:
+    """The config at `config_path` with four layers in blocks of two (sliding, full), written to `out`: every kind of
+    layer and block at the config's widths, in a step program that compiles in a third of twelve layers' time (for
+    tests of what runs the model, not of its depth). A draft reads layers 1 and 3."""
+    config = json.loads(config_path.read_text())
+    config.update(num_hidden_layers=4, n_layers_per_attn_res_block=2, layer_types=["hybrid_sliding", "hybrid"] * 2)
+    if "dspark_config" in config:
+        config["dspark_config"]["target_layer_ids"] = [1, 3]
+    out.write_text(json.dumps(config))
+    return out

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from model_configs import four_layers
 from paths import REPO
 
 from inkling_jax.checkpoint import CheckpointError, load_model
@@ -174,15 +175,15 @@ def run_generate(tmp_path: Path, lines: list[dict], *options: str) -> tuple[int,
 
 @pytest.mark.slow
 def test_generate_on_a_dummy_model_from_a_config_file(tmp_path, capsys):
-    """The tiny config with mixed experts and its draft, as a config file: generation through the scheduler at
-    tp2, and at tp1 speculating from a directory of the config and its tokenizer alone, gives the same greedy tokens
-    (the random weights depend on neither the shards nor the source) and serves text there."""
-    config = json.loads(TINY.read_text())
+    """The tiny config (four layers) with mixed experts and its draft, as a config file: generation through the
+    scheduler at tp2, and at tp1 speculating from a directory of the config and its tokenizer alone, gives the same
+    greedy tokens (the random weights depend on neither the shards nor the source) and serves text there."""
+    config = json.loads(four_layers(TINY, tmp_path / "four_layers.json").read_text())
     config["quantization_config"] = {
         "quant_method": "modelopt",
         "quant_algo": "MIXED_PRECISION",
         "quantized_layers": {
-            f"model.llm.layers.{i}.mlp.experts": {"quant_algo": "NVFP4" if i < 10 else "MXFP8"} for i in range(12)
+            f"model.llm.layers.{i}.mlp.experts": {"quant_algo": "NVFP4" if i < 2 else "MXFP8"} for i in range(4)
         },
     }
     (tmp_path / "mixed.json").write_text(json.dumps(config))

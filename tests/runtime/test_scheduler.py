@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paths import TINY_CONFIG, TINY_TEXT
+from model_configs import four_layers
+from paths import TINY_CONFIG
 from xla_flags import OPTIMIZED_STEPS
 
 from inkling_jax.cache import CacheLayout
@@ -26,13 +27,16 @@ from inkling_jax.sharding import make_mesh
 from inkling_jax.tokenizer import Tokenizer
 from pallas_kernels.devices import on_hopper
 
-FIXTURE = TINY_TEXT / "hf"
 CHUNK = 8
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_causal_lm(FIXTURE, np.float32)[1]
+def model(tmp_path_factory):
+    """The tiny model in four layers (float32): what the scheduler runs, not how deep it is, is under test. Seed 2:
+    weights whose constrained answers end (the grammar's end, then the end of sequence) within the tests' budgets."""
+    folder = tmp_path_factory.mktemp("scheduler")
+    config = four_layers(TINY_CONFIG, folder / "config.json")
+    return load_causal_lm(write_checkpoint(config, folder / "checkpoint", experts="fp32", seed=2), np.float32)[1]
 
 
 def make_engine(model, slots: int, pages: int) -> Engine:
@@ -47,7 +51,7 @@ def make_engine(model, slots: int, pages: int) -> Engine:
         MAX_LOGPROBS,
         compiler_options=OPTIMIZED_STEPS,
         tokenizer=tokenizer,
-        checkpoint=str(FIXTURE),
+        checkpoint="tiny, four layers",
     )
 
 

@@ -1,4 +1,4 @@
-"""The server end to end on the embedded tiny synthetic checkpoint (with its tokenizer): 64 concurrent
+"""The server end to end on the tiny synthetic checkpoint in four layers (with its tokenizer): 64 concurrent
 gRPC streams each equal the batch runner's output for the same request; cancelled and timed-out
 streams free their slots and pages; `python -m inkling_jax.offline` on text prompts and stop strings."""
 
@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import openai
 import pytest
+from model_configs import four_layers
 from paths import TINY_CONFIG
 from test_gateway import free_port
 from xla_flags import OPTIMIZED_STEPS
@@ -36,7 +37,8 @@ WORDS = ["the", "model", "runs", "on", "TPU", "and", "GPU", "café", "数据", "
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return write_checkpoint(TINY_CONFIG, tmp_path_factory.mktemp("served") / "checkpoint", experts="mixed")
+    folder = tmp_path_factory.mktemp("served")
+    return write_checkpoint(four_layers(TINY_CONFIG, folder / "config.json"), folder / "checkpoint", experts="mixed")
 
 
 @pytest.fixture(scope="module")

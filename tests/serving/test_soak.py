@@ -1,10 +1,11 @@
 """The soak harness (`bench.soak`): half a minute of its randomized mixed load against a `serving.main` process on
-the tiny synthetic checkpoint (float32), with every check the 30-minute run makes; and its checks themselves, on
-streams broken on purpose."""
+the tiny synthetic checkpoint (float32, four layers), with every check the 30-minute run makes; and its checks
+themselves, on streams broken on purpose."""
 
 import random
 
 import pytest
+from model_configs import four_layers
 from paths import TINY_CONFIG
 from xla_flags import optimized_environment
 
@@ -18,7 +19,8 @@ EOS = 499
 @pytest.mark.slow
 def test_half_a_minute_of_mixed_load_passes_every_check(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", optimized_environment()["XLA_FLAGS"])  # the server's time goes to running steps
-    checkpoint = write_checkpoint(TINY_CONFIG, tmp_path / "checkpoint", experts="mixed")
+    config = four_layers(TINY_CONFIG, tmp_path / "config.json")
+    checkpoint = write_checkpoint(config, tmp_path / "checkpoint", experts="mixed")
     settings = soak.Settings(
         minutes=0.5,
         reference_minutes=0.15,
