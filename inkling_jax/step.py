@@ -65,6 +65,7 @@ class StepBatch:
     feedback: jax.Array  # [S] bool: the slot's one token is what the previous step sampled for it
     replay: jax.Array  # [S] bool: the tokens are the sequence's earlier outputs, fed again after a preemption
     speculate: jax.Array  # [S] bool: a decoding slot runs a speculative round from its token (speculative steps)
+    defer: jax.Array  # [S] bool: the slot's one sample is drawn again by `resample_fn` (sampled unconstrained here)
     page_table: jax.Array  # [S, max pages] int32, host-owned page assignments
     sampling: SamplingParams
     # [T] int32: each flat token's row in the image-feature pool (its image tile's features), -1 for a token that
@@ -184,16 +185,16 @@ def step_fn(
     width: int = 1,
     lane_width: int = 1,
 ) -> tuple[Emitted, DecodeState]:
-    """One engine step; previous [S]: each slot's `last` token of the previous step (read where
-    `batch.feedback` is set); image_pool [R, H]: the image features `batch.image_rows` point at (read only; a model
-    without an image tower ignores it); allowed [S, W] int32: the tokens each slot may sample, as packed bits
-    (`sampling.allowed_only`; None or a row of -1: any; a row of zeros: sampled unconstrained here and kept for
-    `resample_fn`, which draws it again under the mask the host computes meanwhile; a speculating slot's row must be
-    -1, the verify applies none). Outputs are meaningful for slots with counts > 0. speculative (static):
-    run DSpark rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1); greedy_draft
-    (static): the draft proposes its argmax instead of sampling; width, lane_width (static): the narrow group's
-    queries per slot and the lanes'. `step` is it jitted with the state donated; `inkling_jax.runtime.engine`
-    jits it with the output shardings pinned to the input ones."""
+    """One engine step; previous [S]: each slot's `last` token of the previous step (read where `batch.feedback` is
+    set); image_pool [R, H]: the image features `batch.image_rows` point at (read only; a model without an image tower
+    ignores it); allowed [S, W] int32: the tokens each slot may sample, as packed bits (`sampling.allowed_only`; None or
+    a row of -1: any; a speculating slot's row must be -1, the verify applies none). A `batch.defer` slot is sampled
+    unconstrained whatever its row and its logits are kept for `resample_fn`, which draws the sample again under the
+    mask the host computes meanwhile. Outputs are meaningful for slots with counts > 0. speculative (static): run DSpark
+    rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1); greedy_draft (static): the draft
+    proposes its argmax instead of sampling; width, lane_width (static): the narrow group's queries per slot and the
+    lanes'. `step` is it jitted with the state donated; `inkling_jax.runtime.engine` jits it with the output shardings
+    pinned to the input ones."""
     replica_step = functools.partial(
         _step,
         graphdef,
@@ -240,9 +241,8 @@ def _step(
     lane_width: int,
 ) -> tuple[Emitted, DecodeState]:
     model = nnx.merge(graphdef, params)
-    deferred = None
-    if allowed is not None:  # a row of zeros: the slot's sample is deferred (`resample_fn`); sampled unconstrained here
-        deferred = jnp.all(allowed == 0, axis=-1)
+    deferred = batch.defer
+    if allowed is not None:
         allowed = jnp.where(deferred[:, None], -1, allowed)
     tokens, starts = batch.token_ids.shape[0], batch.starts
     token_ids = batch.token_ids.at[jnp.where(batch.feedback, starts, tokens)].set(previous, mode="drop")
@@ -344,11 +344,9 @@ def _step(
     return emitted, state
 
 
-def _deferred_logits(kept: jax.Array, logits: jax.Array, rows: jax.Array, deferred: jax.Array | None) -> jax.Array:
+def _deferred_logits(kept: jax.Array, logits: jax.Array, rows: jax.Array, deferred: jax.Array) -> jax.Array:
     """kept [S, V] with the logits [R, V] of rows (slot of each row, S for none) copied in for the deferred slots
     (a whole-vocabulary scatter, run only in a step that defers a sample)."""
-    if deferred is None:
-        return kept
     slots = kept.shape[0]
 
     def copied(kept: jax.Array) -> jax.Array:
@@ -376,12 +374,12 @@ def resample_fn(
     allowed: jax.Array,
     sampling: SamplingParams,
 ) -> tuple[Redrawn, DecodeState]:
-    """A step's one-token samples of the slots `rows` [R] names (the step took a row of zeros for them; a row past
+    """A step's one-token samples of the slots `rows` [R] names (the step deferred them, `StepBatch.defer`; a row past
     the slots: none) drawn again from the logits it kept, under allowed [R, W]: what the step would have emitted and
     left had it taken these masks (the same logits, penalties, noise and filters, in a program of its own: the chosen
-    tokens' log-probabilities equal up to fp32 rounding). last, count [S]: the step's `Emitted.last` (a plain slot's
-    one sample) and `Emitted.count`; sampling: every slot's [S]. So the host can compute a slot's mask while the step
-    that needs it runs, once it has read the token before."""
+    tokens' log-probabilities equal up to fp32 rounding). last, count [S]: the step's `Emitted.last` (a plain slot's one
+    sample) and `Emitted.count`; sampling: every slot's [S]. So the host can compute a slot's mask while the step that
+    needs it runs, once it has read the token before."""
     slots, vocab = state.output_counts.shape
     real, at = rows < slots, jnp.minimum(rows, slots - 1)
     into = jnp.where(real, rows, slots)  # scatters drop the padding rows

@@ -39,7 +39,15 @@ class Driver:
         for slot, chunk in chunks.items():
             tokens[slot, : len(chunk)] = chunk
             counts[slot] = len(chunk)
-        groups = {"reset": reset, "emit": emit, "is_prompt": prompt, "feedback": (), "replay": (), "speculate": ()}
+        groups = {
+            "reset": reset,
+            "emit": emit,
+            "is_prompt": prompt,
+            "feedback": (),
+            "replay": (),
+            "speculate": (),
+            "defer": (),
+        }
         flags = {name: jnp.asarray([s in group for s in range(SLOTS)]) for name, group in groups.items()}
         layout = self.layout
         token_ids, starts, *lanes = pack_spans(tokens, counts, np.zeros(SLOTS, bool), tokens=self.tokens, **layout)

@@ -443,19 +443,21 @@ class Engine:
         feedback: np.ndarray | None = None,
         replay: np.ndarray | None = None,
         speculate: np.ndarray | None = None,
+        defer: np.ndarray | None = None,
         image_rows: np.ndarray | None = None,
     ) -> StepBatch:
         """A host StepBatch of each slot's tokens[s, :counts[s]] (tokens: [S, any width] on the host), laid out
         flat in the smallest shape that holds them: a slot that brings more than the narrow width goes through
         lanes, a speculating slot gets γ + 1 tokens. `sampling[s]`: any object with the sampling fields (or None:
-        idle values). image_rows [S, tokens' width]: each token's image-feature pool row, -1 for text (None: all
-        text). ValueError when a replica's tokens or lanes do not fit a step."""
+        idle values). defer: the decoding slots whose sample `resample` draws again after the step. image_rows [S,
+        tokens' width]: each token's image-feature pool row, -1 for text (None: all text). ValueError when a
+        replica's tokens or lanes do not fit a step."""
         slots = self.slots
         flags = [
             np.zeros(slots, bool) if flag is None else flag
-            for flag in (reset, is_prompt, emit, feedback, replay, speculate)
+            for flag in (reset, is_prompt, emit, feedback, replay, speculate, defer)
         ]
-        speculating = flags[-1] & (counts > 0)
+        speculating = flags[5] & (counts > 0)
         width = self.gamma + 1 if speculating.any() else 1
         busiest = int(np.asarray(counts).reshape(self.replicas, -1).sum(axis=1).max())
         shape = self.shape(bool(np.any(counts > width)), bool(speculating.any()), busiest)
@@ -493,7 +495,9 @@ class Engine:
         no slot is constrained, and nothing is sent for them)."""
         if not self.speculative and np.any(batch.speculate):
             raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
-        if allowed is not None and np.any(batch.speculate & np.any(allowed != -1, axis=1)):
+        if np.any(batch.speculate & batch.defer) or (
+            allowed is not None and np.any(batch.speculate & np.any(allowed != -1, axis=1))
+        ):
             raise SpeculationError("a constrained slot cannot speculate: the verify applies no constraint")
         shape, args = self.arguments(batch, allowed)
         program = self._programs.get(shape)
@@ -504,7 +508,7 @@ class Engine:
         return emitted
 
     def resample(self, emitted: Emitted, batch: StepBatch, slots: Sequence[int], allowed: np.ndarray) -> Resampled:
-        """Dispatch the deferred samples of the last step (`step` with a row of zeros in `allowed` for these `slots`)
+        """Dispatch the deferred samples of the last step (`step` of a batch that defers these `slots`)
         under their masks, allowed [len(slots), mask_words] (`inkling_jax.step.resample_fn`, over the fewest rows of
         RESAMPLE_ROWS or the slots that hold them); returns the step's outputs with those samples in, for `fetch`.
         The next step starts from them."""
@@ -686,6 +690,7 @@ class Engine:
             lanes,
             *flags,
             speculate,
+            np.zeros(slots, bool),
             np.zeros((slots, self.max_pages), np.int32),
             sampling_columns([None] * slots),
             np.full(replicas * shape.tokens, -1, np.int32),

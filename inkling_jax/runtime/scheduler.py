@@ -116,7 +116,6 @@ class _Plan:
     batch: StepBatch
     sequences: dict[int, _Sequence]  # slot -> sequence
     bounds: dict[int, int]  # slot -> the most tokens the step can emit for it
-    allowed: np.ndarray | None = None  # [S, mask words]: rows of zeros for the constrained slots (None: none)
     deferred: list[int] = dataclasses.field(default_factory=list)  # constrained slots: sampled by `_resample`
     emitted: Emitted | None = None
 
@@ -287,7 +286,7 @@ class Scheduler:
             try:
                 plan = self._plan()
                 if plan is not None:
-                    plan.emitted = self.engine.step(plan.batch, plan.allowed)
+                    plan.emitted = self.engine.step(plan.batch)
                 if pending is not None:
                     self._read(pending)  # overlaps the step just dispatched
                 if plan is not None and plan.deferred:
@@ -361,7 +360,7 @@ class Scheduler:
         tokens = np.zeros((slots, max(len(piece) for _, piece, *_ in pieces.values()) or 1), np.int32)
         image_rows = np.full(tokens.shape, -1, np.int32)
         counts = np.zeros(slots, np.int32)
-        reset, is_prompt, emit, feedback, replay, speculate = (np.zeros(slots, bool) for _ in range(6))
+        reset, is_prompt, emit, feedback, replay, speculate, defer = (np.zeros(slots, bool) for _ in range(7))
         table = np.zeros((slots, engine.max_pages), np.int32)
         sampling = [None] * slots
         kept: dict[int, _Sequence] = {}
@@ -385,11 +384,8 @@ class Scheduler:
                 kept[slot], bounds[slot] = sequence, span if speculating else 1
                 sequence.in_flight += 1
                 sequence.bound += bounds[slot]
-        allowed = None
         deferred = [slot for slot, sequence in kept.items() if sequence.matcher is not None]
-        if deferred:  # constrained slots sample after the step (`_resample`), under masks computed meanwhile
-            allowed = np.full((slots, engine.mask_words), -1, np.int32)
-            allowed[deferred] = 0
+        defer[deferred] = True  # constrained slots sample after the step (`_resample`), under masks computed meanwhile
         batch = engine.host_batch(
             tokens,
             counts,
@@ -401,9 +397,10 @@ class Scheduler:
             feedback=feedback,
             replay=replay,
             speculate=speculate,
+            defer=defer,
             image_rows=image_rows if (image_rows >= 0).any() else None,
         )
-        return _Plan(batch, kept, bounds, allowed, deferred)
+        return _Plan(batch, kept, bounds, deferred)
 
     def _resample(self, plan: _Plan) -> None:
         """Draw the constrained samples of a dispatched step under their masks, now that the matchers have read

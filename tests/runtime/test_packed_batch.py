@@ -39,7 +39,7 @@ def random_batch(rng: np.random.Generator) -> StepBatch:
         rng.integers(0, 2**32, SLOTS, dtype=np.uint32),
     )
     return StepBatch(ints(TOKENS), ints(SLOTS), ints(SLOTS), ints(LANES), ints(LANES), ints(LANES), flags(), flags(),
-                     flags(), flags(), flags(), flags(), ints(None, (SLOTS, PAGES)), sampling)  # fmt: skip
+                     flags(), flags(), flags(), flags(), flags(), ints(None, (SLOTS, PAGES)), sampling)  # fmt: skip
 
 
 def bits(x) -> np.ndarray:

@@ -241,10 +241,10 @@ def test_a_constrained_slot_samples_its_allowed_tokens_and_leaves_its_neighbour_
 
 
 def test_a_deferred_sample_drawn_under_its_mask_is_the_masked_steps(two_slots):
-    """A step given a row of zeros for a slot, then `Engine.resample` with the slot's mask, emits and leaves what the
-    step given the mask does: the same tokens, top lists, penalty counts and next inputs (the chosen tokens'
-    log-probabilities, computed in another program, to fp32 rounding), over steps that feed back on device (slot 0
-    seeded at temperature 0.9 with penalties, slot 1 greedy beside it)."""
+    """A step that defers a slot's sample (sampled unconstrained, whatever its row of the masks), then `Engine.resample`
+    with the slot's mask, emits and leaves what the step given the mask does: the same tokens, top lists, penalty counts
+    and next inputs (the chosen tokens' log-probabilities, computed in another program, to fp32 rounding), over steps
+    that feed back on device (slot 0 seeded at temperature 0.9 with penalties, slot 1 greedy beside it)."""
     engine, rng = two_slots, np.random.default_rng(11)
     vocab, words = engine.text.unpadded_vocab_size, engine.mask_words
     engine.warm_up_resample()
@@ -271,10 +271,10 @@ def test_a_deferred_sample_drawn_under_its_mask_is_the_masked_steps(two_slots):
                 is_prompt=first,
                 emit=np.ones(2, bool),
                 feedback=~first,
+                defer=np.asarray([deferring, False]),
             )
             allowed = mask.view(np.int32).copy()
             if deferring:
-                allowed[0] = 0
                 emitted = engine.step(batch, allowed)
                 emitted = engine.resample(emitted, batch, [0], mask.view(np.int32)[:1].copy())
             else:

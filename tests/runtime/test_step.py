@@ -243,7 +243,7 @@ def test_the_state_is_updated_in_place(model):
     graphdef, params = nnx.split(model)
     slots, width = 2, 4
     state = init_state(model.config, CacheLayout(slots, 512, 8, width), jnp.float32)
-    flags = (jnp.zeros(slots, bool) for _ in range(6))
+    flags = (jnp.zeros(slots, bool) for _ in range(7))
     no_lanes = jnp.zeros(0, jnp.int32)
     batch = StepBatch(
         jnp.zeros(slots * width, jnp.int32),
