@@ -1,7 +1,7 @@
-"""bench.e2e on the tiny config's dummy model, on CPU: one run prints and records every section (the cold compile
-of each step shape the engine compiles, decode steps and the bytes they must read, the restart over the cache the
-compile filled, its step programs read from the executable cache, the gRPC levels, long prompts among decoding
-streams) with sane values, and --render gives the record back as markdown."""
+"""bench.e2e on the tiny config's dummy model (four layers), on CPU: one run prints and records every section (the
+cold compile of each step shape the engine compiles, decode steps and the bytes they must read, the restart over the
+cache the compile filled, its step programs read from the executable cache, the gRPC levels, long prompts among
+decoding streams) with sane values, and --render gives the record back as markdown."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from model_configs import four_layers
 from paths import REPO, TINY_CONFIG
 
 from bench.e2e import main
@@ -20,10 +21,15 @@ CONCURRENCY, LONG_PROMPTS, CHUNK = (1, 2), 2, 16
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return four_layers(TINY_CONFIG, tmp_path_factory.mktemp("config") / "config.json")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, config: Path) -> tuple[dict, str, Path]:
     """(the JSON record, stdout, the markdown file) of one whole run."""
     out = tmp_path_factory.mktemp("e2e")
-    command = [sys.executable, "-m", "bench.e2e", "--config", str(TINY_CONFIG), "--concurrency", *map(str, CONCURRENCY),
+    command = [sys.executable, "-m", "bench.e2e", "--config", str(config), "--concurrency", *map(str, CONCURRENCY),
                "--requests-per-level", "2", "--prompt-tokens", "8", "--max-tokens", "8", "--long-prompt-tokens", "64",
                "--long-prompts", str(LONG_PROMPTS), "--chunk", str(CHUNK), "--steps", "4", "--compilation-cache",
                str(out / "xla"), "--out", str(out / "e2e.json"), "--markdown", str(out / "e2e.md")]  # fmt: skip
@@ -48,10 +54,10 @@ def test_the_cold_compile_covers_every_step_shape(run):
     assert result["load"]["seconds"] > 0
 
 
-def test_decode_steps_have_times_and_the_bytes_they_must_read(run):
+def test_decode_steps_have_times_and_the_bytes_they_must_read(run, config):
     result, stdout, _ = run
-    config = load_config(TINY_CONFIG).text
-    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    text = load_config(config).text
+    experts, top_k = text.n_routed_experts, text.num_experts_per_tok
     assert [step["batch"] for step in result["decode"]] == list(CONCURRENCY)
     for step in result["decode"]:
         assert step["wall_ms"] > 0 and step["kernels_ms"] is None  # no GPU here
@@ -62,7 +68,7 @@ def test_decode_steps_have_times_and_the_bytes_they_must_read(run):
         assert step["roofline_ms"] == pytest.approx(size["total"] / 4.3e12 * 1e3)
         assert 0 < step["roofline_pct_of_wall"]
     # at batch 1 a token reads k of the E experts of each layer (the tiny config's are bf16)
-    routed = count_parameters(load_config(TINY_CONFIG)).routed_experts * 2
+    routed = count_parameters(load_config(config)).routed_experts * 2
     assert result["decode"][0]["bytes"]["routed_experts"] == pytest.approx(routed * top_k / experts)
     assert "n/a (no GPU)" in stdout
 

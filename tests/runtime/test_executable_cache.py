@@ -98,16 +98,12 @@ def test_a_second_engine_loads_the_program_and_emits_the_same_tokens(model, firs
 
 def test_engines_of_one_process_share_their_programs(model, monkeypatch):
     """A second engine over a model of the same form and mesh takes the first one's program without lowering it and
-    emits the same tokens bit for bit; an engine of another program compiles its own."""
+    emits the same tokens bit for bit (an engine of another program has another key: `test_another_program_misses`)."""
     want = greedy(make_engine(model, None))
     monkeypatch.setattr(Engine, "_lower", no_lowering)
     engine = make_engine(model, None)
     assert same(greedy(engine), want)
     assert engine.compilations == 1 and [set(t) for t in engine.program_times.values()] == [{"shared_s"}]
-    monkeypatch.undo()
-    other = make_engine(model, None, num_top=3)
-    other.fetch(other.step(one_token_batch(other, 3, first=True, prompt=True, emit=True)))
-    assert ["compile_s" in times for times in other.program_times.values()] == [True]
 
 
 def test_another_program_misses(model, first):
