@@ -453,11 +453,11 @@ class Engine:
         tokens' width]: each token's image-feature pool row, -1 for text (None: all text). ValueError when a
         replica's tokens or lanes do not fit a step."""
         slots = self.slots
-        flags = [
+        reset, is_prompt, emit, feedback, replay, speculate, defer = flags = [
             np.zeros(slots, bool) if flag is None else flag
             for flag in (reset, is_prompt, emit, feedback, replay, speculate, defer)
         ]
-        speculating = flags[5] & (counts > 0)
+        speculating = speculate & (counts > 0)
         width = self.gamma + 1 if speculating.any() else 1
         busiest = int(np.asarray(counts).reshape(self.replicas, -1).sum(axis=1).max())
         shape = self.shape(bool(np.any(counts > width)), bool(speculating.any()), busiest)
