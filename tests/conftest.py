@@ -12,6 +12,7 @@ serializes the executable, re-running part of XLA's pipeline) cost more than the
 import faulthandler
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +73,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         if "most recent call first" in text:
             terminalreporter.write_sep("=", f"hung: {log.stem}")
             terminalreporter.write(text)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_programs_across_files():
+    """The engines of a test file share their step programs; another file's start without them, so a worker keeps
+    only one file's programs mapped in memory (an XLA:CPU step program holds thousands of mappings)."""
+    yield
+    engine = sys.modules.get("inkling_jax.runtime.engine")  # none where the file built no engine
+    if engine is not None:
+        engine.STEP_PROGRAMS.clear()
+        engine.RESAMPLERS.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -14,10 +14,10 @@ prompt chunks holds `max_num_batched_tokens` a replica, the chunks read by atten
 `lane_width` tokens, so a decoding slot costs one token there too. With speculation (`--speculative dspark`),
 a step in which some slot speculates leaves γ + 1 tokens to each speculating slot, in programs of their own.
 `shapes` lists them; `warm_up` compiles them all (a shape first seen later is compiled then). Each is lowered
-and compiled explicitly and kept as its executable, which the engines of one process share (`STEP_PROGRAMS`: an
-engine built again, or another over the same model's form and mesh, compiles nothing); with an executable cache
-directory (`inkling_jax.runtime.executable_cache`) each is read from there when a program of the same key was
-stored, and stored there when compiled.
+and compiled explicitly and kept as its executable, which the engines of one process share (`STEP_PROGRAMS`, the
+latest eight: an engine built again, or another over the same model's form and mesh, compiles nothing); with an
+executable cache directory (`inkling_jax.runtime.executable_cache`) each is read from there when a program of the
+same key was stored, and stored there when compiled.
 
 Images (a model with an image tower): the engine keeps a pool of `image_feature_tokens` feature rows on the
 device (one row for a text-only model), which the steps read (`StepBatch.image_rows`), and one encode program per
@@ -50,7 +50,7 @@ from inkling_jax.model.attention import fuse_attention_projections
 from inkling_jax.model.draft import require_draft
 from inkling_jax.model.moe import lay_out_experts
 from inkling_jax.model.text import CausalLM
-from inkling_jax.runtime.executable_cache import ExecutableCache, program_key
+from inkling_jax.runtime.executable_cache import ExecutableCache, ProgramTable, program_key
 from inkling_jax.runtime.images import (
     DEFAULT_MAX_IMAGE_TILES,
     DEFAULT_MAX_IMAGES,
@@ -113,8 +113,8 @@ def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
 
 
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
-STEP_PROGRAMS: dict[str, jax.stages.Compiled] = {}  # the process's step programs, by `program_key`: its engines share
-RESAMPLERS: dict[tuple, jax.stages.Compiled] = {}  # the process's resample programs, by their arguments' form
+STEP_PROGRAMS = ProgramTable(8)  # the process's latest step programs, by `program_key`: its engines share them
+RESAMPLERS = ProgramTable(4)  # the process's latest resample programs, by their arguments' form
 RESAMPLE_ROWS = (8,)  # the rows of a resample program below one per slot: a step's few constrained slots sample
 # over few rows (each a whole vocabulary)
 FEW_TOKENS = 8  # a plain decode step of at most this many tokens (per replica) compiles as a shape of its own, when
@@ -540,11 +540,12 @@ class Engine:
         it for arguments of the same shapes, dtypes and shardings (the program is the same function of them)."""
         leaves, tree = jax.tree.flatten(args)
         key = (tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves), self._options["compiler_options"])
-        if key not in RESAMPLERS:
+        program = RESAMPLERS.get(key)
+        if program is None:
             with jax.set_mesh(self.mesh):
-                RESAMPLERS[key] = self._resample.lower(*args).compile()
-        self._resamplers[bucket] = RESAMPLERS[key]
-        return RESAMPLERS[key]
+                program = RESAMPLERS.put(key, self._resample.lower(*args).compile())
+        self._resamplers[bucket] = program
+        return program
 
     def warm_up_resample(self) -> None:
         """Compile `resample` for each count of rows (an idle step's outputs, resampled with every token allowed), so
@@ -606,7 +607,7 @@ class Engine:
             if compiled is not None:
                 logger.info("step [%s]: loaded from the executable cache in %.1f s", shape, time.perf_counter() - start)
                 self.program_times[shape] = {"loaded_s": time.perf_counter() - start}
-                STEP_PROGRAMS[key] = compiled
+                STEP_PROGRAMS.put(key, compiled)
         if compiled is not None:
             self._programs[shape] = compiled
         return key
@@ -641,7 +642,7 @@ class Engine:
             "kernels_s": compiling - building,
             "compile_s": done - compiling,
         }
-        self._programs[shape] = STEP_PROGRAMS[key] = compiled
+        self._programs[shape] = STEP_PROGRAMS.put(key, compiled)
         return compiled
 
     def program_options(self, shape: StepShape) -> dict[str, object]:

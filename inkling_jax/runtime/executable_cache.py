@@ -40,7 +40,8 @@ import re
 import sys
 import threading
 import uuid
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 import jax
@@ -154,6 +155,36 @@ def program_key(name: str, mesh: Mesh, options: dict[str, object], static: objec
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     label = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
     return f"{label}-{digest}{SUFFIX}"
+
+
+class ProgramTable:
+    """Compiled programs by key for the engines of one process to share: the `capacity` most recently used. Bounded,
+    since each program keeps its machine code mapped (an XLA:CPU step program some thousands of memory mappings, of
+    the 65,530 Linux allows a process by default) and its device buffers; an engine keeps the programs it runs."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._programs: OrderedDict[Hashable, jax.stages.Compiled] = OrderedDict()
+
+    def get(self, key: Hashable) -> jax.stages.Compiled | None:
+        """The program under `key`, now the most recently used; None if the table has none."""
+        if key in self._programs:
+            self._programs.move_to_end(key)
+        return self._programs.get(key)
+
+    def put(self, key: Hashable, program: jax.stages.Compiled) -> jax.stages.Compiled:
+        """Keep `program` under `key`, dropping the least recently used beyond the capacity; returns it."""
+        self._programs[key] = program
+        self._programs.move_to_end(key)
+        while len(self._programs) > self.capacity:
+            self._programs.popitem(last=False)
+        return program
+
+    def clear(self) -> None:
+        self._programs.clear()
+
+    def __len__(self) -> int:
+        return len(self._programs)
 
 
 class ExecutableCache:

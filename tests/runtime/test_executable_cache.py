@@ -106,6 +106,20 @@ def test_engines_of_one_process_share_their_programs(model, monkeypatch):
     assert engine.compilations == 1 and [set(t) for t in engine.program_times.values()] == [{"shared_s"}]
 
 
+def test_the_process_keeps_the_programs_used_last():
+    """The shared table holds at most its capacity: a program used again outlives those used before it."""
+    keys = [f"step-{n}" for n in np.random.default_rng().permutation(1000)[:5]]
+    programs = {key: object() for key in keys}
+    table = executable_cache.ProgramTable(3)
+    for key in keys[:3]:
+        table.put(key, programs[key])
+    assert table.get(keys[0]) is programs[keys[0]]
+    for key in keys[3:]:  # each drops the least recently used: keys[1], then keys[2]
+        table.put(key, programs[key])
+    assert [table.get(key) for key in keys] == [programs[keys[0]], None, None, programs[keys[3]], programs[keys[4]]]
+    assert len(table) == 3
+
+
 def test_another_program_misses(model, first):
     directory, _ = first
     base, other_top = make_engine(model, None), make_engine(model, None, num_top=3)
