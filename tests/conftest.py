@@ -77,13 +77,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def no_programs_across_files():
-    """The engines of a test file share their step programs; another file's start without them, so a worker keeps
-    only one file's programs mapped in memory (an XLA:CPU step program holds thousands of mappings)."""
+    """The programs a test file compiled (its engines' shared step programs, JAX's caches of jitted functions) end
+    with it, so a worker keeps only one file's programs in memory: an XLA:CPU program holds hundreds to thousands of
+    memory mappings, and a worker that kept every file's passed half of the 65,530 Linux allows a process."""
     yield
     engine = sys.modules.get("inkling_jax.runtime.engine")  # none where the file built no engine
     if engine is not None:
         engine.STEP_PROGRAMS.clear()
         engine.RESAMPLERS.clear()
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
 
 
 @pytest.fixture(autouse=True)
