@@ -137,7 +137,7 @@ def step_programs(config: ModelConfig, mesh: Mesh, slots: int, chunk: int, conte
     options = {"num_top": MAX_LOGPROBS, "greedy_draft": False, "lane_width": planner.lane_width}
     step = jax.jit(
         functools.partial(engines._flat_step, graphdef, tree, **options),
-        static_argnames=("speculative", "width", "layout"),
+        static_argnames=("speculative", "width", "layout", "rounds_layout"),
         donate_argnames="state",
         out_shardings=(replicated, shardings),
     )
@@ -151,8 +151,9 @@ def step_programs(config: ModelConfig, mesh: Mesh, slots: int, chunk: int, conte
             jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=replicated),
             jax.ShapeDtypeStruct((1, text.hidden_size), jnp.bfloat16, sharding=replicated),
             jax.ShapeDtypeStruct((slots, -(-text.unpadded_vocab_size // 32)), jnp.int32, sharding=by_slot),
+            None,  # no draft: no constrained rounds
         )
-        static = {"speculative": shape.speculative, "width": shape.width, "layout": batch_layout}
+        static = {"speculative": shape.speculative, "width": shape.width, "layout": batch_layout, "rounds_layout": None}
         with jax.set_mesh(mesh):
             lowered = step.trace(*arguments, **static).lower()
         yield shape, lowered.compile(engines.shape_compiler_options("gpu", shape)).as_text()

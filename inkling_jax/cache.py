@@ -148,10 +148,13 @@ def layout_for_budget(
     page holds its tokens' K/V of every full-attention layer and, with a draft, their draft context K/V."""
     sliding_layers, full_layers = _layer_counts(text)
     ring = ring_size(text, max_chunk)
+    gamma = 0 if draft is None else draft.block_size
     fixed = max_num_seqs * (
         sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp)
         + conv_state_bytes(text, dtype, tp)
-        + text.unpadded_vocab_size * 5  # sampling: int32 output counts and a bool prompt mask per token
+        # sampling: int32 output counts, a bool prompt mask and float32 kept logits per token; with a draft the
+        # float32 q of a kept round's γ drafts
+        + text.unpadded_vocab_size * (9 + 4 * gamma)
     )
     per_page = PAGE_SIZE * (
         max(1, full_layers) * kv_bytes_per_token(text, False, dtype, tp) + draft_bytes_per_token(draft, dtype, tp)
@@ -320,6 +323,10 @@ class DecodeState:
     # [S, vocab] float32: the logits each slot's one-token sample of the last step came from, for the slots whose
     # sample that step deferred (`inkling_jax.step.resample_fn`); other rows hold older steps' logits
     logits: jax.Array
+    # [S, γ] int32 and [S, γ, vocab] float32 (γ = 0 without a draft): the drafts of a constrained slot's next round
+    # and the q each was drawn from, kept while the host computes their masks (`inkling_jax.step.Rounds`)
+    drafts: jax.Array
+    draft_probs: jax.Array
 
     @property
     def nbytes(self) -> int:
@@ -355,6 +362,7 @@ def init_state(
         conv_attention=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
         conv_mlp=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
     )
+    gamma = 0 if draft is None else draft.block_size
     if draft is not None:
         pool = (draft.num_hidden_layers, layout.num_pages, draft.num_key_value_heads, layout.page_size, draft.head_dim)
         kv = dataclasses.replace(kv, draft_k=zeros(*pool), draft_v=zeros(*pool))
@@ -366,4 +374,6 @@ def init_state(
         prompt_mask=jnp.zeros((slots, text.unpadded_vocab_size), bool),
         generated=jnp.zeros(slots, jnp.int32),
         logits=jnp.zeros((slots, text.unpadded_vocab_size), jnp.float32),
+        drafts=jnp.zeros((slots, gamma), jnp.int32),
+        draft_probs=jnp.zeros((slots, gamma, text.unpadded_vocab_size), jnp.float32),
     )

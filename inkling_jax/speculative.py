@@ -33,9 +33,16 @@ import jax.numpy as jnp
 
 from inkling_jax.cache import KVCache
 from inkling_jax.model.attention import read_draft_context
-from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.text import CausalLM
-from inkling_jax.sampling import SamplingParams, filtered_logits, most_likely, penalize, request_keys
+from inkling_jax.sampling import (
+    SamplingParams,
+    allowed_only,
+    any_slot,
+    filtered_logits,
+    most_likely,
+    penalize,
+    request_keys,
+)
 from pallas_kernels.numerics import log_softmax, softmax, total
 
 # --speculative: no speculation, DSpark drafts sampled from the draft's distribution, or its argmax
@@ -106,7 +113,8 @@ def propose(
     model: CausalLM,
     anchors: jax.Array,
     kv: KVCache,
-    chunk: Chunk,
+    lengths: jax.Array,
+    page_table: jax.Array,
     params: SamplingParams,
     generated: jax.Array,
     greedy: bool = False,
@@ -114,15 +122,16 @@ def propose(
     """(drafts [S, γ] int32, q [S, γ, V] float32): the DSpark draft's γ tokens after each slot's anchor and
     the exact distribution each was drawn from.
 
-    anchors [S]: the last sampled token of each slot, at position chunk.lengths (not yet in the state);
-    kv: the state holding the draft's context for the positions before it; generated [S]: the index of
+    anchors [S]: the last sampled token of each slot, at position lengths [S] (not yet in the state); kv: the
+    state holding the draft's context for the positions before it, through page_table [S, max pages] (any rows
+    of the state's slots, with their lengths, sampling and generated); generated [S]: the index of
     the round's first emitted token in its request (draft k has index generated + k). One block pass
     gives every slot's hidden state, then the RNN head runs slot by slot, each bias reading the token
     just drafted: q_k = softmax of (U_k + bias_k) under the request's temperature and filters.
     """
     draft = model.dspark
-    context_k, context_v, context_positions = read_draft_context(kv, chunk)
-    h = draft.block_hidden(anchors, chunk.lengths, context_k, context_v, context_positions, model.model.embed_tokens)
+    context_k, context_v, context_positions = read_draft_context(kv, page_table)
+    h = draft.block_hidden(anchors, lengths, context_k, context_v, context_positions, model.model.embed_tokens)
     base = model.logits(h)  # [S, γ, V]
     gamma = h.shape[1]
 
@@ -161,6 +170,19 @@ def penalize_positions(
     return jnp.put_along_axis(base, columns, repenalized, axis=-1, inplace=False)  # duplicates agree
 
 
+def constrain_positions(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits [S, K, V] with -inf where allowed [S, K, W] leaves a token out (`allowed_only` per position); only in
+    a round where some row is constrained."""
+    slots, positions, vocab = logits.shape
+
+    def cut(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+        flat = allowed_only(logits.reshape(slots * positions, vocab), allowed.reshape(slots * positions, -1))
+        return flat.reshape(logits.shape)
+
+    constrained = jnp.any(allowed != -1, axis=(1, 2))
+    return jax.lax.cond(any_slot(constrained), cut, lambda logits, _: logits, logits, allowed)
+
+
 def accepts(u: jax.Array, p_x: jax.Array, q_x: jax.Array) -> jax.Array:
     """Whether a draft x passes, given u ~ U[0, 1): with probability min(1, p(x) / q(x)).
 
@@ -187,6 +209,7 @@ def verify(
     prompt_mask: jax.Array,
     generated: jax.Array,
     num_top: int = 0,
+    allowed: jax.Array | None = None,
 ) -> Verified:
     """Accept a prefix of every slot's drafts and sample the token after it, exactly as the target alone.
 
@@ -195,11 +218,16 @@ def verify(
     drawn from (`sample_draft`'s q); num_drafts [S] int32 in 0 … γ: how many leading drafts to consider
     (0: a plain decode step for that slot); output_counts [S, V], prompt_mask [S, V]: as `sample` would see
     them for the token after the anchor; generated [S] int32: the index of the round's first emitted token
-    in its request (tokens generated before it); num_top (static): top log-probabilities to return.
+    in its request (tokens generated before it); num_top (static): top log-probabilities to return; allowed
+    [S, K, W] int32 (or None): the tokens each position may emit, as `sample`'s packed bits, each position's row
+    after the inputs before it (a row of -1: any). A constraint cuts the target's logits where `sample` cuts them,
+    so the emitted tokens follow the constrained target exactly: a refused draft has p(x) = 0 and is rejected,
+    and neither the residual nor the bonus holds a refused token.
     """
     _, positions, vocab = target_logits.shape
     position = jnp.arange(positions)[None, :]  # [1, K]
-    penalized = penalize_positions(target_logits, draft_tokens, params, output_counts, prompt_mask)  # [S, K, V]
+    constrained = target_logits if allowed is None else constrain_positions(target_logits, allowed)
+    penalized = penalize_positions(constrained, draft_tokens, params, output_counts, prompt_mask)  # [S, K, V]
     p = jax.vmap(vocab_probs, in_axes=(1, None), out_axes=1)(penalized, params)  # [S, K, V]
     q = jnp.concatenate([draft_probs, jnp.zeros_like(p[:, :1])], axis=1)  # [S, K, V]; no draft at the last
     x = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)  # [S, K]

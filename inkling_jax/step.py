@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from inkling_jax.cache import DecodeState, commit_conv
 from inkling_jax.model.chunk import Chunk, Lanes
+from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import Sampled, SamplingParams, any_slot, sample
 from inkling_jax.sharding import DATA, replica_specs
 from inkling_jax.speculative import propose, verify
@@ -85,6 +86,20 @@ class Emitted:
     top_ids: jax.Array  # [S, K, n] int32, the n most likely tokens at each position
     top_logprobs: jax.Array  # [S, K, n] float32
     last: jax.Array  # [S] int32: the token the slot's next step starts from (its feedback)
+    drafts: jax.Array  # [S, γ] int32: the drafts the state keeps for each slot's next constrained round (`Rounds`)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """A speculative step's constrained rounds, R rows a replica (sent packed, one transfer). Row r's slot verifies
+    the drafts the state keeps for it (`kept`; else none: its first round) under each position's mask, the masks the
+    host computed along those drafts, and after what it emits drafts its next round, which the state keeps and the
+    step emits (`Emitted.drafts`) for the host to compute that round's masks."""
+
+    slot: jax.Array  # [R] int32: the row's slot in its replica (S: an unused row)
+    kept: jax.Array  # [R] bool: verify the slot's kept drafts (else no draft)
+    allowed: jax.Array  # [R, γ + 1, W] int32: the tokens each position may emit, as packed bits (-1: any)
 
 
 def pack_spans(
@@ -133,8 +148,8 @@ def pack_spans(
     return flat.reshape(-1), starts, *lane_table.reshape(3, -1)
 
 
-def _one_token(sampled: Sampled, emit: jax.Array) -> Emitted:
-    """A plain step's output: each slot's one sampled token, kept where `emit` is set."""
+def _one_token(sampled: Sampled, emit: jax.Array, drafts: jax.Array) -> Emitted:
+    """A plain step's output: each slot's one sampled token, kept where `emit` is set (drafts: the state's)."""
     return Emitted(
         sampled.tokens[:, None],
         emit.astype(jnp.int32),
@@ -142,6 +157,7 @@ def _one_token(sampled: Sampled, emit: jax.Array) -> Emitted:
         sampled.top_ids[:, None],
         sampled.top_logprobs[:, None],
         sampled.tokens,
+        drafts,
     )
 
 
@@ -179,6 +195,7 @@ def step_fn(
     previous: jax.Array,
     image_pool: jax.Array | None = None,
     allowed: jax.Array | None = None,
+    rounds: Rounds | None = None,
     num_top: int = 0,
     speculative: bool = False,
     greedy_draft: bool = False,
@@ -188,13 +205,13 @@ def step_fn(
     """One engine step; previous [S]: each slot's `last` token of the previous step (read where `batch.feedback` is
     set); image_pool [R, H]: the image features `batch.image_rows` point at (read only; a model without an image tower
     ignores it); allowed [S, W] int32: the tokens each slot may sample, as packed bits (`sampling.allowed_only`; None or
-    a row of -1: any; a speculating slot's row must be -1, the verify applies none). A `batch.defer` slot is sampled
+    a row of -1: any; a speculating slot's row must be -1: its masks come in `rounds`). A `batch.defer` slot is sampled
     unconstrained whatever its row and its logits are kept for `resample_fn`, which draws the sample again under the
     mask the host computes meanwhile. Outputs are meaningful for slots with counts > 0. speculative (static): run DSpark
-    rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1); greedy_draft (static): the draft
-    proposes its argmax instead of sampling; width, lane_width (static): the narrow group's queries per slot and the
-    lanes'. `step` is it jitted with the state donated; `inkling_jax.runtime.engine` jits it with the output shardings
-    pinned to the input ones."""
+    rounds for the `batch.speculate` slots (the model needs a draft; width γ + 1), those `rounds` names constrained
+    (None: none); greedy_draft (static): the draft proposes its argmax instead of sampling; width, lane_width (static):
+    the narrow group's queries per slot and the lanes'. `step` is it jitted with the state donated;
+    `inkling_jax.runtime.engine` jits it with the output shardings pinned to the input ones."""
     replica_step = functools.partial(
         _step,
         graphdef,
@@ -209,11 +226,11 @@ def step_fn(
         slots = P(DATA)
         replica_step = jax.shard_map(
             replica_step,
-            in_specs=(P(), replica_specs(state), slots, slots, P(), slots),
+            in_specs=(P(), replica_specs(state), slots, slots, P(), slots, slots),
             out_specs=(slots, replica_specs(state)),
             axis_names={DATA},
         )
-    emitted, state = replica_step(params, state, batch, previous, image_pool, allowed)
+    emitted, state = replica_step(params, state, batch, previous, image_pool, allowed, rounds)
     if not mesh.empty:
         emitted = jax.lax.with_sharding_constraint(emitted, P())
     return emitted, state
@@ -234,6 +251,7 @@ def _step(
     previous: jax.Array,
     image_pool: jax.Array | None,
     allowed: jax.Array | None,
+    rounds: Rounds | None,
     num_top: int,
     speculative: bool,
     greedy_draft: bool,
@@ -249,6 +267,9 @@ def _step(
     state = dataclasses.replace(_reset(state, batch.reset), page_table=batch.page_table)
     spec = batch.speculate & (batch.counts > 0) if speculative else jnp.zeros_like(batch.speculate)
     gamma = model.dspark.config.block_size if speculative else 0
+    if speculative and rounds is None:
+        words = -(-state.prompt_mask.shape[1] // 32)
+        rounds = Rounds(jnp.zeros(0, jnp.int32), jnp.zeros(0, bool), jnp.zeros((0, gamma + 1, words), jnp.int32))
     lanes = None
     if batch.lane_slot.shape[0]:
         lanes = Lanes(batch.lane_slot, batch.lane_first, batch.lane_count, lane_width)
@@ -279,22 +300,41 @@ def _step(
     emit = batch.emit & (batch.counts > 0)
 
     if speculative:
+        slots = batch.counts.shape[0]
         anchors = token_ids[jnp.minimum(starts, tokens - 1)]
-        drafts, q = propose(model, anchors, state.kv, chunk, batch.sampling, generated, greedy_draft)
+        drafts, q = propose(
+            model, anchors, state.kv, chunk.lengths, chunk.page_table, batch.sampling, generated, greedy_draft
+        )
+        kept_rows = jnp.where(rounds.kept, rounds.slot, slots)  # the constrained rounds verify the kept drafts
+        at = jnp.minimum(rounds.slot, slots - 1)
+        drafts = drafts.at[kept_rows].set(state.drafts[at], mode="drop")
+        q = q.at[kept_rows].set(state.draft_probs[at], mode="drop")
         after = starts[:, None] + 1 + jnp.arange(gamma)[None, :]
         token_ids = token_ids.at[jnp.where(spec[:, None], after, tokens)].set(drafts, mode="drop")
         at = jnp.where(spec[:, None], starts[:, None] + jnp.arange(gamma + 1), chunk.last[:, None])  # [S, γ + 1]
         at = jnp.minimum(at, tokens - 1)
         logits, kv, windows = model.step(token_ids, state.kv, chunk, windows=True, at=at, images=images)
         plain = _one_token(
-            sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top, allowed), emit
+            sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top, allowed),
+            emit,
+            state.drafts,
         )
-        kept_logits = _deferred_logits(state.logits, logits[:, 0], jnp.arange(batch.counts.shape[0]), deferred)
-        num_drafts = jnp.where(spec, gamma, 0)
-        rounds = verify(logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top)
-        last = jnp.take_along_axis(rounds.tokens, rounds.num_accepted[:, None], axis=1)[:, 0]
+        kept_logits = _deferred_logits(state.logits, logits[:, 0], jnp.arange(slots), deferred)
+        num_drafts = jnp.where(spec, gamma, 0).at[jnp.where(rounds.kept, slots, rounds.slot)].set(0, mode="drop")
+        masks = jnp.full((slots, *rounds.allowed.shape[1:]), -1, jnp.int32)
+        masks = masks.at[rounds.slot].set(rounds.allowed, mode="drop")
+        verified = verify(
+            logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top, masks
+        )
+        last = jnp.take_along_axis(verified.tokens, verified.num_accepted[:, None], axis=1)[:, 0]
         speculated = Emitted(
-            rounds.tokens, rounds.num_accepted + 1, rounds.logprobs, rounds.top_ids, rounds.top_logprobs, last
+            verified.tokens,
+            verified.num_accepted + 1,
+            verified.logprobs,
+            verified.top_ids,
+            verified.top_logprobs,
+            last,
+            state.drafts,
         )
         emitted = jax.tree.map(  # plain's [S, 1] entries broadcast: past its count they are padding
             lambda ours, theirs: jnp.where(spec.reshape(-1, *(1,) * (ours.ndim - 1)), ours, theirs), speculated, plain
@@ -302,6 +342,15 @@ def _step(
         committed = jnp.where(spec, emitted.count, batch.counts)
         kv = commit_conv(kv, windows, committed, spec)
         lengths = state.lengths + committed
+        kept_drafts, kept_probs = _next_rounds(
+            model,
+            rounds.slot,
+            (emitted.last, kv, lengths, state.page_table, batch.sampling, generated + emitted.count),
+            (state.drafts, state.draft_probs),
+            greedy_draft,
+        )
+        emitted = dataclasses.replace(emitted, drafts=kept_drafts)
+        state = dataclasses.replace(state, drafts=kept_drafts, draft_probs=kept_probs)
     elif chunk.busy.shape[0] < chunk.slots:  # fewer tokens than slots: the busy slots' rows alone are sampled
         rows, slots = chunk.busy_index, chunk.slots
         logits, kv = model.step(token_ids, state.kv, chunk, at=chunk.last[rows][:, None], images=images)
@@ -315,7 +364,7 @@ def _step(
             num_top,
             None if allowed is None else allowed[rows],
         )
-        busy = _one_token(sampled, emit[rows] & (chunk.busy < slots))
+        busy = _one_token(sampled, emit[rows] & (chunk.busy < slots), state.drafts[rows])
         kept_logits = _deferred_logits(state.logits, logits[:, 0], chunk.busy, deferred)
         emitted = jax.tree.map(
             lambda x: jnp.zeros((slots, *x.shape[1:]), x.dtype).at[chunk.busy].set(x, mode="drop"), busy
@@ -325,7 +374,7 @@ def _step(
     else:
         logits, kv = model.step(token_ids, state.kv, chunk, images=images)
         emitted = _one_token(
-            sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top, allowed), emit
+            sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top, allowed), emit, state.drafts
         )
         kept_logits = _deferred_logits(state.logits, logits, jnp.arange(batch.counts.shape[0]), deferred)
         lengths = state.lengths + batch.counts
@@ -342,6 +391,24 @@ def _step(
         logits=kept_logits,
     )
     return emitted, state
+
+
+def _next_rounds(
+    model: CausalLM, rows: jax.Array, after: tuple, kept: tuple[jax.Array, jax.Array], greedy: bool
+) -> tuple[jax.Array, jax.Array]:
+    """The state's kept drafts [S, γ] and their q [S, γ, V] with the next round drafted for the slots `rows` [R]
+    (S: none) names, after what they emitted: after = (anchors [S], kv, lengths [S], page_table, sampling,
+    generated [S]) once the step committed. A draft pass over those rows alone, run only in a step that has one."""
+    anchors, kv, lengths, page_table, sampling, generated = after
+    slots = lengths.shape[0]
+    at = jnp.minimum(rows, slots - 1)
+
+    def drafted(drafts: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        params = jax.tree.map(lambda column: column[at], sampling)
+        new, q = propose(model, anchors[at], kv, lengths[at], page_table[at], params, generated[at], greedy)
+        return drafts.at[rows].set(new, mode="drop"), probs.at[rows].set(q, mode="drop")
+
+    return jax.lax.cond(any_slot(rows < slots), drafted, lambda *kept: kept, *kept)
 
 
 def _deferred_logits(kept: jax.Array, logits: jax.Array, rows: jax.Array, deferred: jax.Array) -> jax.Array:
@@ -366,26 +433,34 @@ class Redrawn:
     last: jax.Array  # [S] int32: the token each slot's next step starts from
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Redraw:
+    """What `resample_fn` takes from the host: the slots whose samples it draws and how (one transfer, packed)."""
+
+    rows: jax.Array  # [R] int32: the slots (a row past the slots: none)
+    allowed: jax.Array  # [R, W] int32: each row's allowed tokens as packed bits
+    sampling: SamplingParams  # each [R]: the rows' slots' sampling parameters
+
+
 def resample_fn(
     state: DecodeState,
     last: jax.Array,
     count: jax.Array,
-    rows: jax.Array,
-    allowed: jax.Array,
-    sampling: SamplingParams,
+    redraw: Redraw,
 ) -> tuple[Redrawn, DecodeState]:
-    """A step's one-token samples of the slots `rows` [R] names (the step deferred them, `StepBatch.defer`; a row past
-    the slots: none) drawn again from the logits it kept, under allowed [R, W]: what the step would have emitted and
-    left had it taken these masks (the same logits, penalties, noise and filters, in a program of its own: the chosen
-    tokens' log-probabilities equal up to fp32 rounding). last, count [S]: the step's `Emitted.last` (a plain slot's one
-    sample) and `Emitted.count`; sampling: every slot's [S]. So the host can compute a slot's mask while the step that
-    needs it runs, once it has read the token before."""
+    """A step's one-token samples of the slots `redraw.rows` names (the step deferred them, `StepBatch.defer`) drawn
+    again from the logits it kept, under `redraw.allowed`: what the step would have emitted and left had it taken
+    these masks (the same logits, penalties, noise and filters, in a program of its own: the chosen tokens'
+    log-probabilities equal up to fp32 rounding). last, count [S]: the step's `Emitted.last` (a plain slot's one
+    sample) and `Emitted.count`. So the host can compute a slot's mask while the step that needs it runs, once it has
+    read the token before."""
+    rows, allowed, params = redraw.rows, redraw.allowed, redraw.sampling
     slots, vocab = state.output_counts.shape
     real, at = rows < slots, jnp.minimum(rows, slots - 1)
     into = jnp.where(real, rows, slots)  # scatters drop the padding rows
     counted, own = real & (count[at] > 0), jnp.arange(rows.shape[0])
     before = state.output_counts[at].at[own, jnp.where(counted, last[at], vocab)].add(-1, mode="drop")
-    params = jax.tree.map(lambda column: column[at], sampling)
     sampled = sample(
         state.logits[at], params, before, state.prompt_mask[at], state.generated[at] - count[at], 0, allowed
     )

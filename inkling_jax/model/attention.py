@@ -79,13 +79,14 @@ def write_draft_context(kv: KVCache, k: jax.Array, v: jax.Array, chunk: Chunk) -
     return dataclasses.replace(kv, draft_k=draft_k, draft_v=draft_v)
 
 
-def read_draft_context(kv: KVCache, chunk: Chunk) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each slot's draft context K, V [draft layers, S, L, Hkv, D] in position order and their positions
-    [S, L]: `Draft.block_hidden`'s context (it reads only positions before the anchor)."""
+def read_draft_context(kv: KVCache, page_table: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's draft context K, V [draft layers, S, L, Hkv, D] in position order and their positions [S, L],
+    through the rows' pages (page_table [S, max pages]): `Draft.block_hidden`'s context (it reads only positions
+    before the anchor)."""
     layers = range(kv.draft_k.shape[0])
-    k = jnp.stack([read_pages(kv.draft_k, layer, chunk)[0] for layer in layers])
-    v = jnp.stack([read_pages(kv.draft_v, layer, chunk)[0] for layer in layers])
-    return k, v, read_pages(kv.draft_k, 0, chunk)[1]
+    k = jnp.stack([paged_keys(kv.draft_k[layer], page_table)[0] for layer in layers])
+    v = jnp.stack([paged_keys(kv.draft_v[layer], page_table)[0] for layer in layers])
+    return k, v, paged_keys(kv.draft_k[0], page_table)[1]
 
 
 def write_ring(rings: jax.Array, layer: int, values: jax.Array, chunk: Chunk) -> jax.Array:

@@ -244,12 +244,28 @@ class Grammars:
     def fill(self, allowed: np.ndarray, matchers: dict[int, Matcher]) -> None:
         """Write each matcher's allowed tokens into its row of `allowed` ([S, words] int32, C-contiguous), all at
         once on the executor's threads (without the GIL): a 200K-token mask takes up to half a millisecond."""
+        self._check(allowed)
+        pairs = [(matcher._matcher, row) for row, matcher in matchers.items()]
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, allowed)
+
+    def fill_along(self, allowed: np.ndarray, matchers: dict[int, tuple[Matcher, Sequence[int]]]) -> None:
+        """For each matcher and the draft tokens after it, write into rows row ... row + len(drafts) of `allowed`
+        ([N, words] int32, C-contiguous, -1 where nothing is written) the tokens allowed after each prefix of the
+        drafts: row + k after drafts[:k]. Rows past a draft the constraint refuses (or past its end) are not
+        written. The matchers end where they started; all at once on the executor's threads."""
+        self._check(allowed)
+        triples = [(m._matcher, row, [int(t) for t in drafts]) for row, (m, drafts) in matchers.items() if len(drafts)]
+        if triples:
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, triples, allowed)
+        first = {row: matcher for row, (matcher, drafts) in matchers.items() if not len(drafts)}
+        if first:
+            self.fill(allowed, first)
+
+    def _check(self, allowed: np.ndarray) -> None:
         if allowed.ndim != 2 or allowed.shape[1] != self.words or allowed.dtype != np.int32:
             raise ValueError(f"masks are int32 [slots, {self.words}], got {allowed.dtype} {allowed.shape}")
         if not allowed.flags.c_contiguous:
             raise ValueError("the masks must be C-contiguous")
-        pairs = [(matcher._matcher, row) for row, matcher in matchers.items()]
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, allowed)
 
     def _template(self, constraint: Constraint, frame: str | None) -> llguidance.LLMatcher:
         """The compiled constraint, compiled once however many threads ask for it at once (the others wait for

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -67,7 +67,7 @@ from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES
 from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shardings
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
-from inkling_jax.step import Emitted, Redrawn, StepBatch, pack_spans, resample_fn, step_fn
+from inkling_jax.step import Emitted, Redraw, Redrawn, Rounds, StepBatch, pack_spans, resample_fn, step_fn
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 from pallas_kernels import import_kernel_runtimes
 from pallas_kernels.moe import kernel_platform
@@ -115,6 +115,7 @@ def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
 STEP_PROGRAMS = ProgramTable(8)  # the process's latest step programs, by `program_key`: its engines share them
 RESAMPLERS = ProgramTable(4)  # the process's latest resample programs, by their arguments' form
+ROUND_ROWS = 8  # the constrained speculative rounds a step runs in each replica
 RESAMPLE_ROWS = (8,)  # the rows of a resample program below one per slot: a step's few constrained slots sample
 # over few rows (each a whole vocabulary)
 FEW_TOKENS = 8  # a plain decode step of at most this many tokens (per replica) compiles as a shape of its own, when
@@ -227,13 +228,14 @@ class Engine:
                 greedy_draft=greedy_draft,
                 lane_width=self.lane_width,
             ),
-            static_argnames=("speculative", "width", "layout"),
+            static_argnames=("speculative", "width", "layout", "rounds_layout"),
             donate_argnames="state",
             out_shardings=out_shardings,
             compiler_options=compiler_options,
         )
         self._resample = jax.jit(
-            resample_fn,
+            _packed_resample,
+            static_argnames="layout",
             donate_argnames="state",
             out_shardings=out_shardings,
             compiler_options=compiler_options,
@@ -260,6 +262,11 @@ class Engine:
         self.mask_words = -(-self.text.unpadded_vocab_size // 32)  # int32 words of a slot's allowed-token bits
         # what a step without constrained slots reads for them: every token allowed, never sent again
         self._any_token = jax.device_put(np.full((self.slots, self.mask_words), -1, np.int32), self.by_slot)
+        # a speculative step's constrained rounds, packed (`Rounds`); the none a step without any reads, sent once
+        self._rounds_layout = BatchLayout.of(self._host_rounds({}), self.replicas) if self.speculative else None
+        self._no_rounds = None
+        if self._rounds_layout is not None:
+            self._no_rounds = jax.device_put(self._rounds_layout.pack(self._host_rounds({})), self.by_slot)
         self._set_up_images(model, max_images, max_image_tiles, image_feature_tokens)
 
     def _set_up_images(
@@ -487,19 +494,29 @@ class Engine:
             flat_rows,
         )
 
-    def step(self, batch: StepBatch, allowed: np.ndarray | None = None) -> Emitted:
+    def step(
+        self,
+        batch: StepBatch,
+        allowed: np.ndarray | None = None,
+        rounds: Mapping[int, tuple[bool, np.ndarray]] | None = None,
+    ) -> Emitted:
         """Dispatch one step on a host batch (`host_batch`); returns at once with the device's outputs (`fetch`
         waits for them). Slots with `feedback` set start from the last token emitted for them by the previous
         step, which the host need not have read yet. The step is speculative when any slot has `speculate` set.
         allowed [S, mask_words] int32: the tokens each slot may sample, as packed bits (a row of -1: any; None:
-        no slot is constrained, and nothing is sent for them)."""
+        no slot is constrained, and nothing is sent for them). rounds: the speculating slots whose round runs under
+        a constraint (at most ROUND_ROWS a replica), each with (kept, masks [γ + 1, mask_words]): whether it
+        verifies the drafts the state keeps for it (`Emitted.drafts` of its last step; else none) and each
+        position's allowed tokens after the anchor and the drafts before it (`inkling_jax.step.Rounds`)."""
         if not self.speculative and np.any(batch.speculate):
             raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
         if np.any(batch.speculate & batch.defer) or (
             allowed is not None and np.any(batch.speculate & np.any(allowed != -1, axis=1))
         ):
-            raise SpeculationError("a constrained slot cannot speculate: the verify applies no constraint")
-        shape, args = self.arguments(batch, allowed)
+            raise SpeculationError("a speculating slot's masks come in rounds, not allowed, and it defers no sample")
+        if rounds and not all(batch.speculate[slot] for slot in rounds):
+            raise SpeculationError("a constrained round's slot must speculate")
+        shape, args = self.arguments(batch, allowed, rounds)
         program = self._programs.get(shape)
         if program is None:
             program = self._program(shape, args)
@@ -508,10 +525,10 @@ class Engine:
         return emitted
 
     def resample(self, emitted: Emitted, batch: StepBatch, slots: Sequence[int], allowed: np.ndarray) -> Resampled:
-        """Dispatch the deferred samples of the last step (`step` of a batch that defers these `slots`)
-        under their masks, allowed [len(slots), mask_words] (`inkling_jax.step.resample_fn`, over the fewest rows of
-        RESAMPLE_ROWS or the slots that hold them); returns the step's outputs with those samples in, for `fetch`.
-        The next step starts from them."""
+        """Dispatch the deferred samples of the last step (`step` of a batch that defers these `slots`) under their
+        masks, allowed [len(slots), mask_words] (`inkling_jax.step.resample_fn`, over the fewest rows of RESAMPLE_ROWS
+        or the slots that hold them, its `Redraw` sent packed); returns the step's outputs with those samples in, for
+        `fetch`. The next step starts from them."""
         count, words = len(slots), self.mask_words
         if allowed.shape != (count, words) or allowed.dtype != np.int32:
             raise ValueError(f"allowed must be int32 [{count}, {words}], got {allowed.dtype} {allowed.shape}")
@@ -520,13 +537,14 @@ class Engine:
         rows[:count] = slots
         masks = np.full((bucket, words), -1, np.int32)
         masks[:count] = allowed
-        replicated = NamedSharding(self.mesh, P())
-        on_mesh = jax.tree.map(  # every process's copy of the same host values, as the batch's arrays are made
-            lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
-            (rows, masks, batch.sampling),
-        )
-        args = (self.state, emitted.last, emitted.count, *on_mesh)
-        program = self._resamplers.get(bucket) or self._resampler(bucket, args)
+        at = np.minimum(rows, self.slots - 1)
+        redraw = Redraw(rows, masks, jax.tree.map(lambda column: np.asarray(column)[at], batch.sampling))
+        layout = BatchLayout.of(redraw, 1)
+        packed = layout.pack(redraw)
+        replicated = NamedSharding(self.mesh, P())  # one transfer; each process sends the same host values
+        on_mesh = jax.make_array_from_callback(packed.shape, replicated, lambda index: packed[index])
+        args = (self.state, emitted.last, emitted.count, on_mesh)
+        program = self._resamplers.get(bucket) or self._resampler(bucket, args, layout)
         redrawn, self.state = program(*args)
         self.previous = redrawn.last
         return Resampled(emitted, tuple(slots), redrawn)
@@ -535,15 +553,15 @@ class Engine:
         """The rows of the resample program that takes `count` deferred slots."""
         return next((rows for rows in RESAMPLE_ROWS if count <= rows < self.slots), self.slots)
 
-    def _resampler(self, bucket: int, args: tuple) -> jax.stages.Compiled:
+    def _resampler(self, bucket: int, args: tuple, layout: BatchLayout) -> jax.stages.Compiled:
         """The resample program of `bucket` rows: compiled, or taken from an engine of this process that compiled
         it for arguments of the same shapes, dtypes and shardings (the program is the same function of them)."""
         leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves), self._options["compiler_options"])
+        key = (tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves), layout, self._options["compiler_options"])
         program = RESAMPLERS.get(key)
         if program is None:
             with jax.set_mesh(self.mesh):
-                program = RESAMPLERS.put(key, self._resample.lower(*args).compile())
+                program = RESAMPLERS.put(key, self._resample.lower(*args, layout=layout).compile())
         self._resamplers[bucket] = program
         return program
 
@@ -556,11 +574,16 @@ class Engine:
                 allowed = np.full((bucket, self.mask_words), -1, np.int32)
                 self.fetch(self.resample(self.step(batch), batch, range(bucket), allowed))
 
-    def arguments(self, batch: StepBatch, allowed: np.ndarray | None = None) -> tuple[StepShape, tuple]:
+    def arguments(
+        self,
+        batch: StepBatch,
+        allowed: np.ndarray | None = None,
+        rounds: Mapping[int, tuple[bool, np.ndarray]] | None = None,
+    ) -> tuple[StepShape, tuple]:
         """The shape of the step program that runs a host batch, and the program's arguments: the parameters'
         arrays, the state, the batch packed into one int32 buffer on the mesh (split by replica: one transfer),
-        the previous step's tokens, the image features and the allowed tokens (`step`). They hold the engine's
-        state, which the next step donates: good for one call."""
+        the previous step's tokens, the image features, the allowed tokens and a speculative step's constrained
+        rounds, packed (`step`). They hold the engine's state, which the next step donates: good for one call."""
         speculative = bool(np.any(batch.speculate))
         shape = StepShape(
             batch.token_ids.shape[0] // self.replicas,
@@ -578,7 +601,32 @@ class Engine:
                     f"allowed must be int32 [{self.slots}, {self.mask_words}], got {allowed.dtype} {allowed.shape}"
                 )
             masks = jax.make_array_from_callback(allowed.shape, self.by_slot, lambda index: allowed[index])
-        return shape, (self._param_leaves, self.state, on_mesh, self.previous, self.image_pool, masks)
+        constrained = None
+        if speculative and rounds:
+            host = self._rounds_layout.pack(self._host_rounds(rounds))
+            constrained = jax.make_array_from_callback(host.shape, self.by_slot, lambda index: host[index])
+        elif speculative:
+            constrained = self._no_rounds
+        return shape, (self._param_leaves, self.state, on_mesh, self.previous, self.image_pool, masks, constrained)
+
+    def _host_rounds(self, rounds: Mapping[int, tuple[bool, np.ndarray]]) -> Rounds:
+        """The constrained rounds as `Rounds` rows, ROUND_ROWS a replica (each slot numbered in its replica)."""
+        per, words = self.slots_per_replica, self.mask_words
+        slot = np.full((self.replicas, ROUND_ROWS), per, np.int32)
+        kept = np.zeros((self.replicas, ROUND_ROWS), bool)
+        allowed = np.full((self.replicas, ROUND_ROWS, self.gamma + 1, words), -1, np.int32)
+        used = [0] * self.replicas
+        for index, (keep, masks) in sorted(rounds.items()):
+            replica = self.replica_of(index)
+            row, used[replica] = used[replica], used[replica] + 1
+            if row >= ROUND_ROWS:
+                raise SpeculationError(f"more than {ROUND_ROWS} constrained rounds in a replica's step")
+            if masks.shape != (self.gamma + 1, words) or masks.dtype != np.int32:
+                raise ValueError(
+                    f"a round's masks are int32 [{self.gamma + 1}, {words}], got {masks.dtype} {masks.shape}"
+                )
+            slot[replica, row], kept[replica, row], allowed[replica, row] = index % per, keep, masks
+        return Rounds(slot.reshape(-1), kept.reshape(-1), allowed.reshape(-1, self.gamma + 1, words))
 
     def _layout(self, shape: StepShape) -> BatchLayout:
         """Where a host batch of `shape`'s arrays lie in its packed buffer (the same for every batch of it)."""
@@ -659,15 +707,26 @@ class Engine:
     def _lower(self, args: tuple, shape: StepShape) -> jax.stages.Lowered:
         """Trace and lower the step for `args` (what a restart over the executable cache skips)."""
         with jax.set_mesh(self.mesh):
-            return self._step.lower(*args, speculative=shape.speculative, width=shape.width, layout=self._layout(shape))
+            return self._step.lower(
+                *args,
+                speculative=shape.speculative,
+                width=shape.width,
+                layout=self._layout(shape),
+                rounds_layout=self._rounds_layout if shape.speculative else None,
+            )
 
     @staticmethod
     def fetch(emitted: Emitted | Resampled) -> Emitted:
         """The step's outputs as numpy arrays, on every process (they are replicated); a resampled step's with its
         redrawn samples in."""
+        parts = (emitted.emitted, emitted.redrawn) if isinstance(emitted, Resampled) else (emitted,)
+        local = jax.tree.map(lambda x: x.addressable_data(0), parts)
+        for shard in jax.tree.leaves(local):
+            shard.copy_to_host_async()  # every copy in flight before the first is waited for
+        host = jax.tree.map(np.asarray, local)
         if not isinstance(emitted, Resampled):
-            return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), emitted)
-        step, redrawn = Engine.fetch(emitted.emitted), Engine.fetch(emitted.redrawn)
+            return host[0]
+        step, redrawn = host
         slots, count = list(emitted.slots), len(emitted.slots)
         tokens, logprobs = step.tokens.copy(), step.logprobs.copy()
         tokens[slots, 0], logprobs[slots, 0] = redrawn.tokens[:count], redrawn.logprobs[:count]
@@ -932,10 +991,21 @@ def _flat_step(
     previous: jax.Array,
     image_pool: jax.Array,
     allowed: jax.Array,
+    rounds: jax.Array | None,
     *,
     layout: BatchLayout,
+    rounds_layout: BatchLayout | None,
     **static: object,
 ) -> tuple[Emitted, DecodeState]:
-    """`step_fn` over the parameters' arrays (in `param_tree`'s order) and a packed host batch (`layout`)."""
+    """`step_fn` over the parameters' arrays (in `param_tree`'s order), a packed host batch (`layout`) and a
+    speculative step's packed constrained rounds (`rounds_layout`)."""
     params = jax.tree.unflatten(param_tree, param_leaves)
-    return step_fn(graphdef, params, state, layout.unpack(packed), previous, image_pool, allowed, **static)
+    batch, rounds = layout.unpack(packed), None if rounds_layout is None else rounds_layout.unpack(rounds)
+    return step_fn(graphdef, params, state, batch, previous, image_pool, allowed, rounds, **static)
+
+
+def _packed_resample(
+    state: DecodeState, last: jax.Array, count: jax.Array, packed: jax.Array, *, layout: BatchLayout
+) -> tuple[Redrawn, DecodeState]:
+    """`resample_fn` over its `Redraw` packed into one int32 buffer (`layout`)."""
+    return resample_fn(state, last, count, layout.unpack(packed))

@@ -4,7 +4,8 @@ A step brings about twenty small arrays (tokens, spans, lanes, flags, the page t
 sent one by one, each is its own host-to-device copy and its own argument of the step program. Packed, the
 host makes one [replicas, words] buffer (a replica's slots, tokens and lanes in its row, so the buffer splits
 by replica as the arrays do) and the step program takes the arrays back out of it by static offsets: bools as
-0 / 1 words, float32 and uint32 by their bits, so the values are the host's exactly.
+0 / 1 words, float32 and uint32 by their bits, so the values are the host's exactly. The resample program's
+`Redraw` (rows, masks and their sampling columns) travels the same way, over one replica.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inkling_jax.step import StepBatch
+from inkling_jax.step import Redraw, StepBatch
 
 WORD = np.dtype(np.int32)
 KINDS = ("bool", "int32", "uint32", "float32")  # what a StepBatch holds
@@ -31,7 +32,7 @@ class BatchLayout:
     replicas: int
 
     @classmethod
-    def of(cls, batch: StepBatch, replicas: int) -> BatchLayout:
+    def of(cls, batch: StepBatch | Redraw, replicas: int) -> BatchLayout:
         """The layout of a host batch whose arrays split by replica along their first axis."""
         leaves, tree = jax.tree.flatten(batch)
         fields = []
@@ -47,7 +48,7 @@ class BatchLayout:
         """A replica's words in the buffer."""
         return sum(int(np.prod(shape)) for shape, _ in self.leaves)
 
-    def pack(self, batch: StepBatch) -> np.ndarray:
+    def pack(self, batch: StepBatch | Redraw) -> np.ndarray:
         """The host batch as [replicas, words] int32 (numpy); ValueError for a batch of another layout."""
         leaves, tree = jax.tree.flatten(batch)
         if tree != self.tree:
@@ -60,8 +61,8 @@ class BatchLayout:
             rows.append(leaf.astype(WORD) if kind == "bool" else leaf.view(WORD))
         return np.concatenate(rows, axis=1) if rows else np.zeros((self.replicas, 0), WORD)
 
-    def unpack(self, packed: jax.Array) -> StepBatch:
-        """The StepBatch a packed [replicas, words] buffer holds (inside the step program)."""
+    def unpack(self, packed: jax.Array) -> StepBatch | Redraw:
+        """The batch a packed [replicas, words] buffer holds (inside the program)."""
         leaves, offset = [], 0
         for shape, kind in self.leaves:
             size = int(np.prod(shape))

@@ -26,8 +26,12 @@ it can. A sequence that stops (EOS, stop token, max_tokens, cancellation) may ha
 flight; its result is dropped. A constrained sequence's mask needs its last token, which may still be in flight:
 its steps defer its sample (`Engine.resample`), and the host reads the step before, advances the matcher and
 computes the mask while the step runs, then draws the sample under it (every constrained token so, whatever
-else the step holds: its bits do not depend on the batch). Detokenizing and stop strings happen in the consumers'
-threads (the server's) or in their `on_delta` callbacks (the batch runner's), through
+else the step holds: its bits do not depend on the batch). A constrained sequence speculates too (at most ROUND_ROWS
+a replica a step, the others decode as above): a step verifies the drafts the state kept for it under the masks of
+each position, which the host computed along those drafts after reading the step before, and drafts its next round
+after what it emits; while such a sequence runs, the loop reads each step before planning the next (the host's
+time between steps is the price of the round's tokens). Its first round verifies no draft. Detokenizing and stop
+strings happen in the consumers' threads (the server's) or in their `on_delta` callbacks (the batch runner's), through
 `inkling_jax.runtime.text_stream`.
 """
 
@@ -44,7 +48,7 @@ from collections.abc import Callable
 import numpy as np
 
 from inkling_jax.runtime.constraints import ConstraintError, Grammars, Matcher
-from inkling_jax.runtime.engine import Engine, pages_for
+from inkling_jax.runtime.engine import ROUND_ROWS, Engine, pages_for
 from inkling_jax.runtime.images import placeholder_runs
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
 from inkling_jax.step import Emitted, StepBatch
@@ -86,6 +90,7 @@ class _Sequence:
     stop_ids: frozenset[int] = frozenset()  # the tokens that end it: its stop ids, and EOS unless ignored
     prompt_rows: np.ndarray | None = None  # [prompt] each prompt token's image-feature pool row, -1 for text
     matcher: Matcher | None = None  # its constraint's place after the outputs read so far
+    drafts: list[int] | None = None  # a constrained round's drafts the state keeps for its slot (None: none)
 
     @property
     def tiles(self) -> int:
@@ -117,6 +122,7 @@ class _Plan:
     sequences: dict[int, _Sequence]  # slot -> sequence
     bounds: dict[int, int]  # slot -> the most tokens the step can emit for it
     deferred: list[int] = dataclasses.field(default_factory=list)  # constrained slots: sampled by `_resample`
+    rounds: dict[int, tuple[bool, np.ndarray]] = dataclasses.field(default_factory=dict)  # constrained rounds
     emitted: Emitted | None = None
 
 
@@ -284,9 +290,12 @@ class Scheduler:
                     continue
                 self._take_inbox()
             try:
+                if pending is not None and self._rounds_wanted():
+                    self._read(pending)  # a constrained round's masks follow the tokens and drafts before it
+                    pending = None
                 plan = self._plan()
                 if plan is not None:
-                    plan.emitted = self.engine.step(plan.batch)
+                    plan.emitted = self.engine.step(plan.batch, rounds=plan.rounds or None)
                 if pending is not None:
                     self._read(pending)  # overlaps the step just dispatched
                 if plan is not None and plan.deferred:
@@ -318,6 +327,7 @@ class Scheduler:
         lanes = [engine.lanes] * engine.replicas  # and its prompt lanes
         pieces: dict[int, tuple[_Sequence, list[int], int, bool]] = {}  # slot -> (sequence, tokens, width, speculate)
         order = self._by_priority()
+        rounds: dict[int, _Sequence] = {}  # the step's constrained rounds
         for slot in order:  # decoding first: the step always has room for every decoding slot's tokens
             sequence = self._slots[slot]
             request = sequence.request
@@ -328,10 +338,12 @@ class Scheduler:
                     speculate = (
                         engine.speculative
                         and request.speculative
-                        and sequence.matcher is None
                         and wanted > 1
                         and pages_for(held + engine.gamma + 1) <= capacity
+                        and (sequence.matcher is None or self._takes_round(sequence, rounds, slot))
                     )
+                    if sequence.matcher is not None and not speculate:
+                        sequence.drafts = None  # its kept round, if any, no longer follows its last token
                     piece = [] if sequence.in_flight else [sequence.token(sequence.known - 1)]  # else on device
                     span = engine.gamma + 1 if speculate else 1
                     pieces[slot] = (sequence, piece, span, speculate)
@@ -354,6 +366,7 @@ class Scheduler:
                 start = sequence.known + sequence.bound - 1 if sequence.decoding else sequence.fed
                 self._grow(sequence, start + span)
         pieces = {slot: piece for slot, piece in pieces.items() if self._slots[slot] is piece[0]}  # not preempted
+        rounds = {slot: sequence for slot, sequence in rounds.items() if slot in pieces}
         if not pieces:
             return None
         slots = engine.slots
@@ -384,7 +397,7 @@ class Scheduler:
                 kept[slot], bounds[slot] = sequence, span if speculating else 1
                 sequence.in_flight += 1
                 sequence.bound += bounds[slot]
-        deferred = [slot for slot, sequence in kept.items() if sequence.matcher is not None]
+        deferred = [slot for slot, sequence in kept.items() if sequence.matcher is not None and slot not in rounds]
         defer[deferred] = True  # constrained slots sample after the step (`_resample`), under masks computed meanwhile
         batch = engine.host_batch(
             tokens,
@@ -400,7 +413,40 @@ class Scheduler:
             defer=defer,
             image_rows=image_rows if (image_rows >= 0).any() else None,
         )
-        return _Plan(batch, kept, bounds, deferred)
+        return _Plan(batch, kept, bounds, deferred, self._round_masks(rounds))
+
+    def _rounds_wanted(self) -> bool:
+        """Whether a constrained sequence may run a speculative round: the loop then reads each step before it plans
+        the next, as a round's masks follow the tokens and drafts of the step before."""
+        return self.engine.speculative and any(
+            s is not None and s.matcher is not None and s.request.speculative for s in self._slots
+        )
+
+    def _takes_round(self, sequence: _Sequence, rounds: dict[int, _Sequence], slot: int) -> bool:
+        """Whether a constrained sequence runs this step as a speculative round (its last step read, and a row of
+        its replica's ROUND_ROWS free), recorded in `rounds`."""
+        replica = self.engine.replica_of(slot)
+        taken = sum(self.engine.replica_of(other) == replica for other in rounds)
+        if sequence.in_flight or taken >= ROUND_ROWS:
+            return False
+        rounds[slot] = sequence
+        return True
+
+    def _round_masks(self, rounds: dict[int, _Sequence]) -> dict[int, tuple[bool, np.ndarray]]:
+        """Each constrained round's (kept, masks [γ + 1, words]): after its last token and along the drafts the state
+        keeps for it (a first round verifies none: one mask)."""
+        if not rounds:
+            return {}
+        width = self.engine.gamma + 1
+        allowed = np.full((len(rounds) * width, self.engine.mask_words), -1, np.int32)
+        along = {
+            index * width: (sequence.matcher, sequence.drafts or []) for index, sequence in enumerate(rounds.values())
+        }
+        self._grammars.fill_along(allowed, along)
+        masks = allowed.reshape(len(rounds), width, -1)
+        return {
+            slot: (sequence.drafts is not None, masks[index]) for index, (slot, sequence) in enumerate(rounds.items())
+        }
 
     def _resample(self, plan: _Plan) -> None:
         """Draw the constrained samples of a dispatched step under their masks, now that the matchers have read
@@ -468,7 +514,7 @@ class Scheduler:
 
     def _preempt(self, sequence: _Sequence) -> None:
         self._release(sequence)
-        sequence.fed, sequence.decoding = 0, False
+        sequence.fed, sequence.decoding, sequence.drafts = 0, False, None
         self._waiting.append(sequence)
         self._counters["preemptions"] += 1
         logger.info("preempted %s (%d tokens) to free pages", sequence.request.id, sequence.known)
@@ -489,6 +535,8 @@ class Scheduler:
             if sequence.finished:
                 continue  # stopped while this step was in flight
             count = int(emitted.count[slot])
+            if slot in plan.rounds:
+                sequence.drafts = emitted.drafts[slot].tolist()  # its next round's, after what it emits now
             if plan.batch.speculate[slot]:
                 sequence.rounds += 1
                 sequence.round_tokens += count

@@ -28,6 +28,16 @@ from inkling_jax.tokenizer import Tokenizer
 from pallas_kernels.devices import on_hopper
 
 CHUNK = 8
+DRAFT = {  # a DSpark draft of the four-layer model: γ = 3
+    "num_hidden_layers": 1,
+    "block_size": 3,
+    "target_layer_ids": [1, 3],
+    "mask_token_id": 5,
+    "markov_rank": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 24,
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +49,7 @@ def model(tmp_path_factory):
     return load_causal_lm(write_checkpoint(config, folder / "checkpoint", experts="fp32", seed=2), np.float32)[1]
 
 
-def make_engine(model, slots: int, pages: int) -> Engine:
+def make_engine(model, slots: int, pages: int, speculative: str = "none") -> Engine:
     """Its tests run hundreds of steps: compiled with LLVM's optimisations."""
     layout = CacheLayout(slots, pages, 32, CHUNK)  # 32 pages of 128 tokens: the model's whole context
     mesh = make_mesh("tp1", model.config)
@@ -49,6 +59,7 @@ def make_engine(model, slots: int, pages: int) -> Engine:
         layout,
         mesh,
         MAX_LOGPROBS,
+        speculative,
         compiler_options=OPTIMIZED_STEPS,
         tokenizer=tokenizer,
         checkpoint="tiny, four layers",
@@ -349,6 +360,64 @@ def test_constrained_requests_match_and_resume_exactly(two_slots):
             assert isinstance(value["where"], dict) and type(value["where"]["ok"]) is bool
     assert alone["short"][-1].finish_reason == "length"
     assert together.tokens["short"] == together.tokens[requests[0].id][:4]
+
+
+def assert_matches(tokenizer, constraint: Constraint, tokens: list[int]) -> None:
+    """The text of `tokens` (ending in the end of sequence) matches the regex or is one of the choices."""
+    assert tokens[-1] == tokenizer.eos_token_id
+    text = tokenizer.decode(tokens[:-1])
+    assert re.fullmatch(constraint.spec, text) if constraint.kind == "regex" else text in constraint.spec, text
+
+
+@pytest.mark.slow
+def test_constrained_requests_speculate_exactly(tmp_path_factory, two_slots):
+    """On an engine that speculates, constrained requests run DSpark rounds verified under each position's mask:
+    greedy ones stream what plain constrained greedy decoding streams (the engine without a draft), through
+    preemptions; seeded sampled ones give text that matches; an unconstrained one beside them that opts out is
+    unchanged."""
+    folder = tmp_path_factory.mktemp("drafted")
+    config = four_layers(TINY_CONFIG, folder / "config.json")
+    path = write_checkpoint(config, folder / "checkpoint", experts="fp32", seed=2, draft=DRAFT)
+    drafted = make_engine(load_causal_lm(path, np.float32)[1], slots=2, pages=3, speculative="dspark")
+    rng = np.random.default_rng(8)
+    constraints = [Constraint("regex", r"[a-f]{3,8}( [0-9]{2}){1,3}"), Constraint("choice", ("alpha", "gamma delta"))]
+    requests = [
+        dataclasses.replace(
+            request,
+            id=f"c{index}",
+            prompt_token_ids=(*request.prompt_token_ids[:-1], 65),
+            max_tokens=60,
+            temperature=0.0 if index < 2 else 0.8,
+            constraint=constraints[index % 2],
+        )
+        for index, request in enumerate(random_requests(rng, 4, prompt_range=(118, 126)))
+    ]
+    # first and long: the constrained ones, admitted after it, are preempted when their answers cross a page
+    free = random_requests(rng, 1, prompt_range=(100, 110), max_tokens=(50, 60))[0]
+    requests.insert(0, dataclasses.replace(free, speculative=False))  # the noise of plain decoding, speculating or not
+    plain = run_all(two_slots, requests)
+    scheduler = make_scheduler(drafted)
+    try:
+        speculated = run(scheduler, requests)
+        stats = scheduler.stats()
+    finally:
+        scheduler.stop()
+    assert stats.preemptions >= 1 and stats.speculative_rounds > 0
+    for request in requests:
+        got = speculated.tokens[request.id]
+        if request.constraint is None or request.temperature == 0:
+            assert got == plain[request.id], request.id
+        if request.constraint is not None:
+            assert speculated.deltas[request.id][-1].finish_reason == "stop"
+            assert_matches(drafted.tokenizer, request.constraint, got)
+
+
+def run_all(engine: Engine, requests: list[Request]) -> dict[str, list[int]]:
+    scheduler = make_scheduler(engine)
+    try:
+        return run(scheduler, requests).tokens
+    finally:
+        scheduler.stop()
 
 
 @pytest.mark.slow

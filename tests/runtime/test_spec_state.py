@@ -196,8 +196,7 @@ def test_block_from_the_pool_equals_the_block_from_features(drafted):
         lengths = lengths + commit
     assert lengths.tolist() == [length, length]
 
-    read = Chunk.uniform(lengths, jnp.zeros(2, jnp.int32), page_table, 1, kernel_size=TAPS)
-    pool_k, pool_v, pool_positions = read_draft_context(kv, read)
+    pool_k, pool_v, pool_positions = read_draft_context(kv, page_table)
     assert pool_k.shape == (2, 2, 4 * page, 2, 8)
     np.testing.assert_array_equal(pool_k[:, :, :length], k[:, :, :length])
     np.testing.assert_array_equal(pool_v[:, :, :length], v[:, :, :length])
@@ -230,6 +229,5 @@ def test_engine_steps_keep_the_draft_context(drafted):
     positions = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), ids.shape)
     _, _, captured = model.model(ids, positions, capture=config.draft.target_layer_ids)
     k, _ = draft.context_kv(draft.context_features(captured), positions)
-    read = Chunk.uniform(lengths, jnp.zeros(2, jnp.int32), page_table, 1, kernel_size=TAPS)
-    pool_k, _, _ = read_draft_context(kv, read)
+    pool_k, _, _ = read_draft_context(kv, page_table)
     np.testing.assert_allclose(pool_k[:, :, :13], k, rtol=2e-5, atol=2e-5)

@@ -1,6 +1,7 @@
 """Speculative verification emits exactly what the target alone would: the one-step law by exact algebra,
 the joint law of the first emitted tokens by chi-square tests through the jitted rule on a toy Markov target
-and draft (which deliberately broken variants must fail), greedy equality, and slot independence."""
+and draft (which deliberately broken variants must fail), under a toy grammar the constrained target's, greedy
+equality (constrained too), and slot independence."""
 
 import dataclasses
 import functools
@@ -84,6 +85,8 @@ TARGET = _toy.normal(0, 1.2, (VOCAB, VOCAB)).astype(np.float32)  # logits of the
 DRAFT_BASE = _toy.normal(0, 0.6, (GAMMA, VOCAB)).astype(np.float32)  # per draft position
 DRAFT_BIAS = _toy.normal(0, 1.0, (VOCAB, VOCAB)).astype(np.float32)  # on the previous draft token
 PROMPT = np.isin(np.arange(VOCAB), [0, 4])
+ALLOWED = np.random.default_rng(12).random((VOCAB, VOCAB)) < 0.5  # a toy grammar: the tokens allowed after each
+ALLOWED[np.arange(VOCAB), (np.arange(VOCAB) + 1) % VOCAB] = True  # one, at least
 COUNTS = np.bincount([ANCHOR, 1, 1], minlength=VOCAB)  # the anchor and two earlier outputs
 
 CONFIGS = {
@@ -101,9 +104,12 @@ CONFIGS = {
 }
 
 
-def exact_next(last: int, counts: np.ndarray, values: dict) -> np.ndarray:
-    """The target's next-token distribution, from the definitions, in float64."""
+def exact_next(last: int, counts: np.ndarray, values: dict, constrained: bool = False) -> np.ndarray:
+    """The target's next-token distribution, from the definitions, in float64 (under the toy grammar: restricted
+    to the tokens it allows after `last` before the penalties and filters)."""
     logits = TARGET[last].astype(np.float64)
+    if constrained:
+        logits = np.where(ALLOWED[last], logits, -np.inf)
     seen = PROMPT | (counts > 0)
     repetition = values.get("repetition_penalty", 1.0)
     logits = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
@@ -120,13 +126,13 @@ def exact_next(last: int, counts: np.ndarray, values: dict) -> np.ndarray:
     return result
 
 
-def exact_joint(values: dict) -> np.ndarray:
+def exact_joint(values: dict, constrained: bool = False) -> np.ndarray:
     """P(y_1, y_2, y_3) [V**3] after the anchor, by the chain rule."""
     joint = np.zeros((VOCAB,) * FIRST)
     for cell in np.ndindex(*joint.shape):
         counts, last, prob = COUNTS.copy(), ANCHOR, 1.0
         for token in cell:
-            prob *= exact_next(last, counts, values)[token]
+            prob *= exact_next(last, counts, values, constrained)[token]
             counts[token] += 1
             last = token
         joint[cell] = prob
@@ -138,11 +144,13 @@ def make_round():
     """A jitted speculative round of the toy: GAMMA sequential drafts, then verify against the target.
 
     greedy_draft (bool scalar): draft the argmax with a one-hot q. prebias_q (bool scalar): a broken draft
-    that hands verify its q without the Markov bias, not the q it sampled from. Traced, so that every variant
-    shares one compilation."""
+    that hands verify its q without the Markov bias, not the q it sampled from. constrained (bool scalar): verify
+    under the toy grammar, each position's mask after its input (the drafts themselves unconstrained). Traced, so
+    that every variant shares one compilation."""
     target, base, bias = (jnp.asarray(t) for t in (TARGET, DRAFT_BASE, DRAFT_BIAS))
+    masks = jnp.asarray(packed_bits(ALLOWED))  # [V, 1]: the allowed tokens after each token
 
-    def round_(anchor, params, counts, prompt, generated, num_drafts, greedy_draft, prebias_q):
+    def round_(anchor, params, counts, prompt, generated, num_drafts, greedy_draft, prebias_q, constrained):
         def draft(last, k):
             logits = 0.6 * target[last] + base[k] + bias[last]  # [S, V]
             sampled, greedy = (sample_draft(logits, params, generated + k, greedy=g) for g in (False, True))
@@ -152,13 +160,22 @@ def make_round():
         _, (drafts, probs) = jax.lax.scan(draft, anchor, jnp.arange(GAMMA))  # [γ, S], [γ, S, V]
         drafts, probs = drafts.T, probs.transpose(1, 0, 2)
         inputs = jnp.concatenate([anchor[:, None], drafts], axis=1)  # [S, K]
-        out = verify(target[inputs], drafts, probs, num_drafts, params, counts, prompt, generated)
+        allowed = jnp.where(constrained, masks[inputs], -1)  # [S, K, 1]
+        out = verify(target[inputs], drafts, probs, num_drafts, params, counts, prompt, generated, 0, allowed)
         emitted = out.num_accepted + 1
         counts = counts.at[jnp.arange(counts.shape[0])[:, None], out.tokens].add(1, mode="drop")
         anchor = jnp.take_along_axis(out.tokens, out.num_accepted[:, None], axis=1)[:, 0]
         return drafts, out.tokens, emitted, anchor, counts, generated + emitted
 
     return jax.jit(round_)
+
+
+def packed_bits(allowed: np.ndarray) -> np.ndarray:
+    """[..., V] bool as `sample`'s allowed masks [..., ceil(V / 32)] int32."""
+    words = -(-allowed.shape[-1] // 32)
+    padded = np.zeros((*allowed.shape[:-1], 32 * words), bool)
+    padded[..., : allowed.shape[-1]] = allowed
+    return np.packbits(padded, axis=-1, bitorder="little").view(np.int32)
 
 
 def start(values: dict, num_drafts: np.ndarray) -> tuple:
@@ -176,7 +193,7 @@ def test_verify_accepts_and_resamples_with_the_formula():
     the residual, a full acceptance the bonus from p_1 (which depends on the accepted draft)."""
     values = CONFIGS["filters and penalties"]
     inputs = start(values, np.ones(SLOTS))
-    drafts, tokens, emitted, *_ = (np.asarray(a) for a in make_round()(*inputs, False, False))
+    drafts, tokens, emitted, *_ = (np.asarray(a) for a in make_round()(*inputs, False, False, False))
     x, accepted = drafts[:, 0], emitted == 2
     p = exact_next(ANCHOR, COUNTS, values)
     draft_logits = 0.6 * TARGET[ANCHOR] + DRAFT_BASE[0] + DRAFT_BIAS[ANCHOR]
@@ -201,7 +218,9 @@ def test_verify_accepts_and_resamples_with_the_formula():
         np.testing.assert_allclose(frequencies, bonus, atol=5 * np.sqrt(0.25 / rows.sum()))
 
 
-def first_tokens(round_fn, values: dict, greedy_draft: bool = False, prebias_q: bool = False) -> np.ndarray:
+def first_tokens(
+    round_fn, values: dict, greedy_draft: bool = False, prebias_q: bool = False, constrained: bool = False
+) -> np.ndarray:
     """The first FIRST tokens each of SLOTS independent requests emits [S, FIRST], over as many rounds as
     needed. Each slot verifies a random (but fixed, so non-anticipating) number of drafts."""
     rng = np.random.default_rng(11)
@@ -213,7 +232,7 @@ def first_tokens(round_fn, values: dict, greedy_draft: bool = False, prebias_q: 
     rows = np.broadcast_to(np.arange(SLOTS)[:, None], (SLOTS, GAMMA + 1))
     for _ in range(FIRST):  # every round emits at least one token
         _, tokens, emitted, anchor, counts, generated = round_fn(
-            anchor, params, counts, prompt, generated, num_drafts, greedy_draft, prebias_q
+            anchor, params, counts, prompt, generated, num_drafts, greedy_draft, prebias_q, constrained
         )
         tokens, emitted = np.asarray(tokens), np.asarray(emitted)
         columns = filled[:, None] + np.arange(GAMMA + 1)
@@ -224,11 +243,11 @@ def first_tokens(round_fn, values: dict, greedy_draft: bool = False, prebias_q: 
     return result
 
 
-def chi_square(tokens: np.ndarray, values: dict) -> tuple[float, float, int]:
+def chi_square(tokens: np.ndarray, values: dict, constrained: bool = False) -> tuple[float, float, int]:
     """(statistic, p-value, degrees of freedom) of the observed joint against the exact one; cells the
-    filters exclude must stay empty, cells expecting fewer than 5 are pooled."""
+    filters (or the grammar) exclude must stay empty, cells expecting fewer than 5 are pooled."""
     observed = np.bincount(np.ravel_multi_index(tokens.T, (VOCAB,) * FIRST), minlength=VOCAB**FIRST)
-    expected = exact_joint(values) * len(tokens)
+    expected = exact_joint(values, constrained) * len(tokens)
     assert observed[expected == 0].sum() == 0
     small = (expected > 0) & (expected < 5)
     big = expected >= 5
@@ -252,6 +271,19 @@ def test_joint_of_the_first_tokens_is_the_targets(name, greedy_draft):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["temperature 1", "filters and penalties"])
+def test_joint_under_a_grammar_is_the_constrained_targets(name):
+    """Verifying under each position's mask (drafts drawn without one) emits the constrained target's joint: the
+    grammar's refused sequences never, the others as often as the target restricted to the grammar draws them."""
+    values = CONFIGS[name]
+    tokens = first_tokens(make_round(), values, constrained=True)
+    statistic, p_value, dof = chi_square(tokens, values, constrained=True)
+    print(f"{name} under the grammar: chi2 = {statistic:.1f}, dof {dof}, p = {p_value:.3g}")
+    assert p_value > ALPHA
+    assert exact_joint(values)[exact_joint(values, True) == 0].sum() > 0.3  # the grammar refuses likely sequences
+
+
+@pytest.mark.slow
 def test_broken_rules_fail_the_joint_test(monkeypatch):
     """The same test must reject (a) a rejection sampling p instead of the residual, (b) a q other than the
     one the draft sampled from (its pre-bias distribution)."""
@@ -269,12 +301,17 @@ def test_broken_rules_fail_the_joint_test(monkeypatch):
 
 
 @pytest.mark.slow
-def test_greedy_emits_the_targets_greedy_decoding():
+@pytest.mark.parametrize("constrained", [False, True])
+def test_greedy_emits_the_targets_greedy_decoding(constrained):
     """At temperature 0 the emitted tokens are plain greedy decoding (with penalties, filters ignored as in
-    `sample`), whatever the drafts and their q, and the padding and log-probabilities are as documented."""
+    `sample`; under a grammar, plain constrained greedy decoding), whatever the drafts and their q, and the padding
+    and log-probabilities are as documented."""
     vocab, slots, length = 12, 32, 10
     rng = np.random.default_rng(20)
     table = jnp.asarray(rng.normal(0, 1.0, (vocab, vocab)), jnp.float32)
+    grammar = rng.random((vocab, vocab)) < (0.4 if constrained else 1.0)  # the tokens allowed after each
+    grammar[np.arange(vocab), rng.integers(0, vocab, vocab)] = True
+    masks = jnp.asarray(packed_bits(grammar))  # [V, 1]
     params = dataclasses.replace(
         params_for(slots, top_k=3, top_p=0.5),
         repetition_penalty=jnp.asarray(rng.uniform(1.0, 1.6, slots), jnp.float32),
@@ -288,7 +325,7 @@ def test_greedy_emits_the_targets_greedy_decoding():
 
     plain, last, counts = [], first, counts0
     for t in range(length + GAMMA):
-        token = sample(table[last], params, counts, prompt, jnp.full(slots, t, jnp.int32)).tokens
+        token = sample(table[last], params, counts, prompt, jnp.full(slots, t, jnp.int32), 0, masks[last]).tokens
         plain.append(token)
         counts, last = counts.at[rows, token].add(1), token
     plain = np.stack(plain, axis=1)
@@ -303,7 +340,18 @@ def test_greedy_emits_the_targets_greedy_decoding():
         q = jnp.asarray(rng.dirichlet(np.ones(vocab), (slots, GAMMA)), jnp.float32)  # unrelated to the drafts
         inputs = jnp.concatenate([anchor[:, None], drafts.astype(jnp.int32)], axis=1)
         num_drafts = jnp.asarray(rng.integers(0, GAMMA + 1, slots), jnp.int32)
-        out = step(table[inputs], inputs[:, 1:], q, num_drafts, params, counts, prompt, generated, num_top=2)
+        out = step(
+            table[inputs],
+            inputs[:, 1:],
+            q,
+            num_drafts,
+            params,
+            counts,
+            prompt,
+            generated,
+            num_top=2,
+            allowed=masks[inputs],
+        )
         tokens, a = np.asarray(out.tokens), np.asarray(out.num_accepted)
         assert np.all(a <= np.asarray(num_drafts))
         position = np.arange(GAMMA + 1)[None, :]
@@ -321,6 +369,7 @@ def test_greedy_emits_the_targets_greedy_decoding():
         generated = generated + out.num_accepted + 1
     np.testing.assert_array_equal(emitted[:, :length], plain[:, :length])
     assert accepted > slots  # drafts were accepted, not only corrected
+    assert grammar[plain[:, :-1], plain[:, 1:]].all()
 
 
 def random_round(rng: np.random.Generator, slots: int, vocab: int) -> tuple:

@@ -209,6 +209,45 @@ def test_bad_speculation_settings_are_named(model):
         engine.step(engine.idle_batch(StepShape(2, 1, 0, True)))
 
 
+def only(token: int) -> np.ndarray:
+    """The mask words [1] allowing `token` alone."""
+    return np.asarray([1 << token], np.int32)
+
+
+def test_a_constrained_round_verifies_the_drafts_it_kept(model):
+    """Engine.step's constrained rounds: a first round verifies no draft, emits one token under its mask and drafts
+    the next round (`Emitted.drafts`); a round whose masks allow only the drafts it kept, then one token, emits them
+    all and that token, sampled or greedy; the slot beside it emits what it emits with no round next to it."""
+    engine = Engine(model, CacheLayout(2, 2, 1, GAMMA + 1), make_mesh("tp1", model.config), speculative="dspark")
+    rng = np.random.default_rng()
+    table, both, one = np.asarray([[0], [1]], np.int32), np.ones(2, bool), np.ones(2, np.int32)
+    tokens = np.full((2, GAMMA + 1), ANCHOR, np.int32)
+    for temperature in (0.0, 0.9):
+        sampling = [Sampling(temperature, int(rng.integers(1000))), Sampling(0.9, int(rng.integers(1000)))]
+        first, last = (int(t) for t in rng.integers(0, VOCAB, 2))
+        runs = []
+        for constrained in (True, False):
+            start = engine.host_batch(
+                tokens, one, sampling, table, reset=both, is_prompt=both, emit=both, speculate=both
+            )
+            masks = np.full((GAMMA + 1, 1), -1, np.int32)
+            masks[0] = only(first)
+            out = engine.fetch(engine.step(start, rounds={0: (False, masks)} if constrained else None))
+            drafts = out.drafts[0].tolist()
+            kept = np.stack([only(t) for t in [*drafts, last]])
+            then = engine.host_batch(
+                np.zeros_like(tokens), one, sampling, table, feedback=both, emit=both, speculate=both
+            )
+            runs.append(
+                (out, engine.fetch(engine.step(then, rounds={0: (True, kept)} if constrained else None)), drafts)
+            )
+        (out, then, drafts), (free_out, free_then, _) = runs
+        assert out.count[0] == 1 and out.tokens[0, 0] == first and len(drafts) == GAMMA
+        assert then.count[0] == GAMMA + 1 and then.tokens[0].tolist() == [*drafts, last]
+        for a, b in ((out, free_out), (then, free_then)):
+            assert a.tokens[1, : a.count[1]].tolist() == b.tokens[1, : b.count[1]].tolist()
+
+
 def scheduler_outputs(model, speculative: str, requests: list[Request]) -> tuple[dict, dict, Stats, int]:
     """Run `requests` through a scheduler whose small page pool forces preemptions: (tokens by id, last
     delta by id, stats, compilations after warm-up)."""
