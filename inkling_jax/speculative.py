@@ -170,17 +170,18 @@ def penalize_positions(
     return jnp.put_along_axis(base, columns, repenalized, axis=-1, inplace=False)  # duplicates agree
 
 
-def constrain_positions(logits: jax.Array, allowed: jax.Array) -> jax.Array:
-    """logits [S, K, V] with -inf where allowed [S, K, W] leaves a token out (`allowed_only` per position); only in
-    a round where some row is constrained."""
+def constrain_positions(logits: jax.Array, rows: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits [S, K, V] with -inf where allowed [R, K, W] leaves a token out of the slot that rows [R] names (S:
+    none; `allowed_only` per position); only the named slots' logits are touched, in a round that names one."""
     slots, positions, vocab = logits.shape
+    at = jnp.minimum(rows, slots - 1)
 
-    def cut(logits: jax.Array, allowed: jax.Array) -> jax.Array:
-        flat = allowed_only(logits.reshape(slots * positions, vocab), allowed.reshape(slots * positions, -1))
-        return flat.reshape(logits.shape)
+    def cut(logits: jax.Array) -> jax.Array:
+        named = logits[at].reshape(-1, vocab)
+        cut = allowed_only(named, allowed.reshape(named.shape[0], -1)).reshape(rows.shape[0], positions, vocab)
+        return logits.at[rows].set(cut, mode="drop")
 
-    constrained = jnp.any(allowed != -1, axis=(1, 2))
-    return jax.lax.cond(any_slot(constrained), cut, lambda logits, _: logits, logits, allowed)
+    return jax.lax.cond(any_slot(rows < slots), cut, lambda logits: logits, logits)
 
 
 def accepts(u: jax.Array, p_x: jax.Array, q_x: jax.Array) -> jax.Array:
@@ -209,7 +210,7 @@ def verify(
     prompt_mask: jax.Array,
     generated: jax.Array,
     num_top: int = 0,
-    allowed: jax.Array | None = None,
+    allowed: tuple[jax.Array, jax.Array] | None = None,
 ) -> Verified:
     """Accept a prefix of every slot's drafts and sample the token after it, exactly as the target alone.
 
@@ -219,14 +220,15 @@ def verify(
     (0: a plain decode step for that slot); output_counts [S, V], prompt_mask [S, V]: as `sample` would see
     them for the token after the anchor; generated [S] int32: the index of the round's first emitted token
     in its request (tokens generated before it); num_top (static): top log-probabilities to return; allowed
-    [S, K, W] int32 (or None): the tokens each position may emit, as `sample`'s packed bits, each position's row
-    after the inputs before it (a row of -1: any). A constraint cuts the target's logits where `sample` cuts them,
+    (rows [R], masks [R, K, W] int32) or None: the tokens each position of the slots `rows` names (S: none) may
+    emit, as `sample`'s packed bits, each position's row after the inputs before it (a row of -1: any); the other
+    slots are unconstrained. A constraint cuts the target's logits where `sample` cuts them,
     so the emitted tokens follow the constrained target exactly: a refused draft has p(x) = 0 and is rejected,
     and neither the residual nor the bonus holds a refused token.
     """
     _, positions, vocab = target_logits.shape
     position = jnp.arange(positions)[None, :]  # [1, K]
-    constrained = target_logits if allowed is None else constrain_positions(target_logits, allowed)
+    constrained = target_logits if allowed is None else constrain_positions(target_logits, *allowed)
     penalized = penalize_positions(constrained, draft_tokens, params, output_counts, prompt_mask)  # [S, K, V]
     p = jax.vmap(vocab_probs, in_axes=(1, None), out_axes=1)(penalized, params)  # [S, K, V]
     q = jnp.concatenate([draft_probs, jnp.zeros_like(p[:, :1])], axis=1)  # [S, K, V]; no draft at the last

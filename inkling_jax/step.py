@@ -305,10 +305,7 @@ def _step(
         drafts, q = propose(
             model, anchors, state.kv, chunk.lengths, chunk.page_table, batch.sampling, generated, greedy_draft
         )
-        kept_rows = jnp.where(rounds.kept, rounds.slot, slots)  # the constrained rounds verify the kept drafts
-        at = jnp.minimum(rounds.slot, slots - 1)
-        drafts = drafts.at[kept_rows].set(state.drafts[at], mode="drop")
-        q = q.at[kept_rows].set(state.draft_probs[at], mode="drop")
+        drafts, q = _kept_rounds(rounds, (drafts, q), (state.drafts, state.draft_probs))
         after = starts[:, None] + 1 + jnp.arange(gamma)[None, :]
         token_ids = token_ids.at[jnp.where(spec[:, None], after, tokens)].set(drafts, mode="drop")
         at = jnp.where(spec[:, None], starts[:, None] + jnp.arange(gamma + 1), chunk.last[:, None])  # [S, γ + 1]
@@ -321,8 +318,7 @@ def _step(
         )
         kept_logits = _deferred_logits(state.logits, logits[:, 0], jnp.arange(slots), deferred)
         num_drafts = jnp.where(spec, gamma, 0).at[jnp.where(rounds.kept, slots, rounds.slot)].set(0, mode="drop")
-        masks = jnp.full((slots, *rounds.allowed.shape[1:]), -1, jnp.int32)
-        masks = masks.at[rounds.slot].set(rounds.allowed, mode="drop")
+        masks = (rounds.slot, rounds.allowed)
         verified = verify(
             logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top, masks
         )
@@ -391,6 +387,18 @@ def _step(
         logits=kept_logits,
     )
     return emitted, state
+
+
+def _kept_rounds(rounds: Rounds, fresh: tuple[jax.Array, jax.Array], kept: tuple[jax.Array, jax.Array]) -> tuple:
+    """The step's drafts [S, γ] and q [S, γ, V] (`fresh`) with the state's (`kept`) for the rounds that verify what
+    they kept; only in a step that has one."""
+    slots = fresh[0].shape[0]
+    rows, at = jnp.where(rounds.kept, rounds.slot, slots), jnp.minimum(rounds.slot, slots - 1)
+
+    def substituted(drafts: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return drafts.at[rows].set(kept[0][at], mode="drop"), q.at[rows].set(kept[1][at], mode="drop")
+
+    return jax.lax.cond(any_slot(rows < slots), substituted, lambda *fresh: fresh, *fresh)
 
 
 def _next_rounds(

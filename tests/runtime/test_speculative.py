@@ -160,8 +160,10 @@ def make_round():
         _, (drafts, probs) = jax.lax.scan(draft, anchor, jnp.arange(GAMMA))  # [γ, S], [γ, S, V]
         drafts, probs = drafts.T, probs.transpose(1, 0, 2)
         inputs = jnp.concatenate([anchor[:, None], drafts], axis=1)  # [S, K]
-        allowed = jnp.where(constrained, masks[inputs], -1)  # [S, K, 1]
-        out = verify(target[inputs], drafts, probs, num_drafts, params, counts, prompt, generated, 0, allowed)
+        rows = jnp.where(constrained, jnp.arange(anchor.shape[0]), anchor.shape[0])  # every slot, or none
+        out = verify(
+            target[inputs], drafts, probs, num_drafts, params, counts, prompt, generated, 0, (rows, masks[inputs])
+        )
         emitted = out.num_accepted + 1
         counts = counts.at[jnp.arange(counts.shape[0])[:, None], out.tokens].add(1, mode="drop")
         anchor = jnp.take_along_axis(out.tokens, out.num_accepted[:, None], axis=1)[:, 0]
@@ -350,7 +352,7 @@ def test_greedy_emits_the_targets_greedy_decoding(constrained):
             prompt,
             generated,
             num_top=2,
-            allowed=masks[inputs],
+            allowed=(jnp.arange(slots), masks[inputs]),
         )
         tokens, a = np.asarray(out.tokens), np.asarray(out.num_accepted)
         assert np.all(a <= np.asarray(num_drafts))
