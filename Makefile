@@ -34,14 +34,17 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 # Two workers (CI has two cores), each test file on one worker (its module fixtures compile once).
-# A worker a hung test ended (tests/conftest.py) is not restarted (xdist would run the hung test again): the run
-# fails there, its stacks printed, and the tests that worker had yet to run are not reported.
+# A test that crashes its worker runs once more on a fresh one, and fails if it crashes again: XLA:CPU's compiler
+# segfaults now and then late in a worker's life (in multi-device compiles after hundreds of programs; never
+# reproduced alone). No other failure is run again, nor a test that hung (tests/conftest.py: its stacks are printed).
+PYTEST := $(PY) -m pytest -n 2 --dist loadfile --max-worker-restart 4 --reruns 1 --only-rerun "crashed while running"
+
 test: lint
-	$(PY) -m pytest -n 2 --dist loadfile --max-worker-restart 0
+	$(PYTEST)
 
 # The edit loop: every area's tests but those marked slow (pyproject.toml), in under 3 minutes on two cores.
 test-fast: lint
-	$(PY) -m pytest -n 2 --dist loadfile --max-worker-restart 0 -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # Regenerate the transformers parity fixtures (Python 3.11 + torch CPU + transformers 5.23.0).
 fixtures:

@@ -86,7 +86,7 @@ class Emitted:
     top_ids: jax.Array  # [S, K, n] int32, the n most likely tokens at each position
     top_logprobs: jax.Array  # [S, K, n] float32
     last: jax.Array  # [S] int32: the token the slot's next step starts from (its feedback)
-    drafts: jax.Array  # [S, γ] int32: the drafts the state keeps for each slot's next constrained round (`Rounds`)
+    drafts: jax.Array  # [S, γ] int32: the drafts a constrained round kept for its slot's next round (`Rounds`)
 
 
 @jax.tree_util.register_dataclass

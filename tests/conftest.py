@@ -58,6 +58,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             log.close()
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test whose worker it hung is not run again (the Makefile runs a test that crashed its worker once more)."""
+    for log in HANGS.glob("*.log"):
+        text = log.read_text(errors="replace")
+        if text.startswith(f"{item.nodeid} still running") and "most recent call first" in text:
+            pytest.fail(f"hung in an earlier attempt: its stacks are in {log}", pytrace=False)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
     """Re-arms the guard for the test's remaining time: pytest's faulthandler plugin cancels it when a phase

@@ -419,7 +419,7 @@ class Scheduler:
         """Whether a constrained sequence may run a speculative round: the loop then reads each step before it plans
         the next, as a round's masks follow the tokens and drafts of the step before."""
         return self.engine.speculative and any(
-            s is not None and s.matcher is not None and s.request.speculative for s in self._slots
+            s is not None and s.decoding and s.matcher is not None and s.request.speculative for s in self._slots
         )
 
     def _takes_round(self, sequence: _Sequence, rounds: dict[int, _Sequence], slot: int) -> bool:
@@ -482,7 +482,7 @@ class Scheduler:
                     self._encode_images(head)
                 if head.replay_until == 0:  # first admission
                     self._counters["prompt"] += len(head.prompt)
-                head.slot, head.fed, head.replay_until = slot, 0, head.known
+                head.slot, head.fed, head.replay_until, head.drafts = slot, 0, head.known, None
                 self._slots[slot] = head
 
     def _encode_images(self, sequence: _Sequence) -> None:
@@ -535,7 +535,7 @@ class Scheduler:
             if sequence.finished:
                 continue  # stopped while this step was in flight
             count = int(emitted.count[slot])
-            if slot in plan.rounds:
+            if slot in plan.rounds and sequence.slot == slot:
                 sequence.drafts = emitted.drafts[slot].tolist()  # its next round's, after what it emits now
             if plan.batch.speculate[slot]:
                 sequence.rounds += 1

@@ -214,6 +214,7 @@ def only(token: int) -> np.ndarray:
     return np.asarray([1 << token], np.int32)
 
 
+@pytest.mark.slow
 def test_a_constrained_round_verifies_the_drafts_it_kept(model):
     """Engine.step's constrained rounds: a first round verifies no draft, emits one token under its mask and drafts
     the next round (`Emitted.drafts`); a round whose masks allow only the drafts it kept, then one token, emits them
