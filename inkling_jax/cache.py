@@ -42,6 +42,9 @@ class CacheBudgetError(ValueError):
     """A memory budget too small for the requested slots and context."""
 
 
+ROUND_ROWS = 8  # the constrained speculative rounds a step runs in each replica (`inkling_jax.step.Rounds`)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """Static sizes of a decode state (all compiled into the step's shapes)."""
@@ -149,13 +152,15 @@ def layout_for_budget(
     sliding_layers, full_layers = _layer_counts(text)
     ring = ring_size(text, max_chunk)
     gamma = 0 if draft is None else draft.block_size
-    fixed = max_num_seqs * (
-        sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp)
-        + conv_state_bytes(text, dtype, tp)
-        # sampling: int32 output counts, a bool prompt mask and float32 kept logits per token; with a draft the
-        # float32 q of a kept round's γ drafts
-        + text.unpadded_vocab_size * (9 + 4 * gamma)
-    )
+    fixed = (
+        max_num_seqs
+        * (
+            sliding_layers * ring * kv_bytes_per_token(text, True, dtype, tp)
+            + conv_state_bytes(text, dtype, tp)
+            + text.unpadded_vocab_size * 9  # sampling: int32 output counts, a bool prompt mask, float32 kept logits
+        )
+        + ROUND_ROWS * gamma * (text.unpadded_vocab_size + 1) * 4
+    )  # the constrained rounds' kept drafts and q
     per_page = PAGE_SIZE * (
         max(1, full_layers) * kv_bytes_per_token(text, False, dtype, tp) + draft_bytes_per_token(draft, dtype, tp)
     )
@@ -323,8 +328,9 @@ class DecodeState:
     # [S, vocab] float32: the logits each slot's one-token sample of the last step came from, for the slots whose
     # sample that step deferred (`inkling_jax.step.resample_fn`); other rows hold older steps' logits
     logits: jax.Array
-    # [S, γ] int32 and [S, γ, vocab] float32 (γ = 0 without a draft): the drafts of a constrained slot's next round
-    # and the q each was drawn from, kept while the host computes their masks (`inkling_jax.step.Rounds`)
+    # [replicas * ROUND_ROWS, γ] int32 and [replicas * ROUND_ROWS, γ, vocab] float32 (γ = 0 without a draft): by
+    # row of `inkling_jax.step.Rounds`, the drafts of a constrained round's next round and the q each was drawn from,
+    # kept while the host computes their masks
     drafts: jax.Array
     draft_probs: jax.Array
 
@@ -339,9 +345,11 @@ def init_state(
     dtype: jnp.dtype = jnp.bfloat16,
     tp: int = 1,
     draft: DraftConfig | None = None,
+    replicas: int = 1,
 ) -> DecodeState:
-    """An empty decode state for `tp` devices (unsharded; `inkling_jax.sharding` places it on a mesh),
-    with the draft's context K/V pool when a draft is given."""
+    """An empty decode state for `tp` devices (unsharded; `inkling_jax.sharding` places it on a mesh), with the
+    draft's context K/V pool and its constrained rounds' kept drafts (ROUND_ROWS for each of `replicas`) when a
+    draft is given."""
     sliding_layers, full_layers = _layer_counts(text)
     slots, ring, taps = layout.max_num_seqs, layout.ring(text), text.conv_kernel_size - 1
     swa_heads, swa_dim = _kv_heads(text, True, 1)
@@ -374,6 +382,6 @@ def init_state(
         prompt_mask=jnp.zeros((slots, text.unpadded_vocab_size), bool),
         generated=jnp.zeros(slots, jnp.int32),
         logits=jnp.zeros((slots, text.unpadded_vocab_size), jnp.float32),
-        drafts=jnp.zeros((slots, gamma), jnp.int32),
-        draft_probs=jnp.zeros((slots, gamma, text.unpadded_vocab_size), jnp.float32),
+        drafts=jnp.zeros((replicas * ROUND_ROWS, gamma), jnp.int32),
+        draft_probs=jnp.zeros((replicas * ROUND_ROWS, gamma, text.unpadded_vocab_size), jnp.float32),
     )

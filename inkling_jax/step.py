@@ -86,16 +86,17 @@ class Emitted:
     top_ids: jax.Array  # [S, K, n] int32, the n most likely tokens at each position
     top_logprobs: jax.Array  # [S, K, n] float32
     last: jax.Array  # [S] int32: the token the slot's next step starts from (its feedback)
-    drafts: jax.Array  # [S, γ] int32: the drafts a constrained round kept for its slot's next round (`Rounds`)
+    drafts: jax.Array  # [S, γ] int32: the drafts a constrained round kept for its slot's next round (`Rounds`; else 0)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Rounds:
-    """A speculative step's constrained rounds, R rows a replica (sent packed, one transfer). Row r's slot verifies
-    the drafts the state keeps for it (`kept`; else none: its first round) under each position's mask, the masks the
-    host computed along those drafts, and after what it emits drafts its next round, which the state keeps and the
-    step emits (`Emitted.drafts`) for the host to compute that round's masks."""
+    """A speculative step's constrained rounds, ROUND_ROWS rows a replica (sent packed, one transfer). Row r's slot
+    verifies the drafts the state keeps in its row r (`kept`; else none: its first round) under each position's mask,
+    the masks the host computed along those drafts, and after what it emits drafts its next round into row r, which
+    the step emits (`Emitted.drafts`, by slot) for the host to compute that round's masks: a sequence keeps its row
+    from round to round."""
 
     slot: jax.Array  # [R] int32: the row's slot in its replica (S: an unused row)
     kept: jax.Array  # [R] bool: verify the slot's kept drafts (else no draft)
@@ -149,7 +150,7 @@ def pack_spans(
 
 
 def _one_token(sampled: Sampled, emit: jax.Array, drafts: jax.Array) -> Emitted:
-    """A plain step's output: each slot's one sampled token, kept where `emit` is set (drafts: the state's)."""
+    """A plain step's output: each slot's one sampled token, kept where `emit` is set (drafts [S, γ]: none kept)."""
     return Emitted(
         sampled.tokens[:, None],
         emit.astype(jnp.int32),
@@ -259,6 +260,7 @@ def _step(
     lane_width: int,
 ) -> tuple[Emitted, DecodeState]:
     model = nnx.merge(graphdef, params)
+    kept_width = state.drafts.shape[1]  # γ of the kept rounds' drafts (0 without a draft)
     deferred = batch.defer
     if allowed is not None:
         allowed = jnp.where(deferred[:, None], -1, allowed)
@@ -311,10 +313,11 @@ def _step(
         at = jnp.where(spec[:, None], starts[:, None] + jnp.arange(gamma + 1), chunk.last[:, None])  # [S, γ + 1]
         at = jnp.minimum(at, tokens - 1)
         logits, kv, windows = model.step(token_ids, state.kv, chunk, windows=True, at=at, images=images)
+        none_kept = jnp.zeros((slots, kept_width), jnp.int32)
         plain = _one_token(
             sample(logits[:, 0], batch.sampling, output_counts, prompt_mask, generated, num_top, allowed),
             emit,
-            state.drafts,
+            none_kept,
         )
         kept_logits = _deferred_logits(state.logits, logits[:, 0], jnp.arange(slots), deferred)
         num_drafts = jnp.where(spec, gamma, 0).at[jnp.where(rounds.kept, slots, rounds.slot)].set(0, mode="drop")
@@ -330,7 +333,7 @@ def _step(
             verified.top_ids,
             verified.top_logprobs,
             last,
-            state.drafts,
+            none_kept,
         )
         emitted = jax.tree.map(  # plain's [S, 1] entries broadcast: past its count they are padding
             lambda ours, theirs: jnp.where(spec.reshape(-1, *(1,) * (ours.ndim - 1)), ours, theirs), speculated, plain
@@ -345,7 +348,7 @@ def _step(
             (state.drafts, state.draft_probs),
             greedy_draft,
         )
-        emitted = dataclasses.replace(emitted, drafts=kept_drafts)
+        emitted = dataclasses.replace(emitted, drafts=none_kept.at[rounds.slot].set(kept_drafts, mode="drop"))
         state = dataclasses.replace(state, drafts=kept_drafts, draft_probs=kept_probs)
     elif chunk.busy.shape[0] < chunk.slots:  # fewer tokens than slots: the busy slots' rows alone are sampled
         rows, slots = chunk.busy_index, chunk.slots
@@ -360,7 +363,7 @@ def _step(
             num_top,
             None if allowed is None else allowed[rows],
         )
-        busy = _one_token(sampled, emit[rows] & (chunk.busy < slots), state.drafts[rows])
+        busy = _one_token(sampled, emit[rows] & (chunk.busy < slots), jnp.zeros((rows.shape[0], kept_width), jnp.int32))
         kept_logits = _deferred_logits(state.logits, logits[:, 0], chunk.busy, deferred)
         emitted = jax.tree.map(
             lambda x: jnp.zeros((slots, *x.shape[1:]), x.dtype).at[chunk.busy].set(x, mode="drop"), busy
@@ -370,7 +373,9 @@ def _step(
     else:
         logits, kv = model.step(token_ids, state.kv, chunk, images=images)
         emitted = _one_token(
-            sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top, allowed), emit, state.drafts
+            sample(logits, batch.sampling, output_counts, prompt_mask, generated, num_top, allowed),
+            emit,
+            jnp.zeros((batch.counts.shape[0], kept_width), jnp.int32),
         )
         kept_logits = _deferred_logits(state.logits, logits, jnp.arange(batch.counts.shape[0]), deferred)
         lengths = state.lengths + batch.counts
@@ -390,13 +395,13 @@ def _step(
 
 
 def _kept_rounds(rounds: Rounds, fresh: tuple[jax.Array, jax.Array], kept: tuple[jax.Array, jax.Array]) -> tuple:
-    """The step's drafts [S, γ] and q [S, γ, V] (`fresh`) with the state's (`kept`) for the rounds that verify what
-    they kept; only in a step that has one."""
+    """The step's drafts [S, γ] and q [S, γ, V] (`fresh`) with the rows' kept ones ([R, γ], [R, γ, V]) for the rounds
+    that verify what they kept; only in a step that has one."""
     slots = fresh[0].shape[0]
-    rows, at = jnp.where(rounds.kept, rounds.slot, slots), jnp.minimum(rounds.slot, slots - 1)
+    rows = jnp.where(rounds.kept, rounds.slot, slots)
 
     def substituted(drafts: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return drafts.at[rows].set(kept[0][at], mode="drop"), q.at[rows].set(kept[1][at], mode="drop")
+        return drafts.at[rows].set(kept[0], mode="drop"), q.at[rows].set(kept[1], mode="drop")
 
     return jax.lax.cond(any_slot(rows < slots), substituted, lambda *fresh: fresh, *fresh)
 
@@ -404,19 +409,20 @@ def _kept_rounds(rounds: Rounds, fresh: tuple[jax.Array, jax.Array], kept: tuple
 def _next_rounds(
     model: CausalLM, rows: jax.Array, after: tuple, kept: tuple[jax.Array, jax.Array], greedy: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """The state's kept drafts [S, γ] and their q [S, γ, V] with the next round drafted for the slots `rows` [R]
-    (S: none) names, after what they emitted: after = (anchors [S], kv, lengths [S], page_table, sampling,
-    generated [S]) once the step committed. A draft pass over those rows alone, run only in a step that has one."""
+    """The rounds' kept drafts [R, γ] and their q [R, γ, V] with each row's next round drafted for its slot (rows
+    [R]: S for an unused row, whose kept ones stay), after what the slot emitted: after = (anchors [S], kv, lengths
+    [S], page_table, sampling, generated [S]) once the step committed. A draft pass over the rows alone, run only in
+    a step that has one."""
     anchors, kv, lengths, page_table, sampling, generated = after
     slots = lengths.shape[0]
-    at = jnp.minimum(rows, slots - 1)
+    at, used = jnp.minimum(rows, slots - 1), rows < slots
 
     def drafted(drafts: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
         params = jax.tree.map(lambda column: column[at], sampling)
         new, q = propose(model, anchors[at], kv, lengths[at], page_table[at], params, generated[at], greedy)
-        return drafts.at[rows].set(new, mode="drop"), probs.at[rows].set(q, mode="drop")
+        return jnp.where(used[:, None], new, drafts), jnp.where(used[:, None, None], q, probs)
 
-    return jax.lax.cond(any_slot(rows < slots), drafted, lambda *kept: kept, *kept)
+    return jax.lax.cond(any_slot(used), drafted, lambda *kept: kept, *kept)
 
 
 def _deferred_logits(kept: jax.Array, logits: jax.Array, rows: jax.Array, deferred: jax.Array) -> jax.Array:

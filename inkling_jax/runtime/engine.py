@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -42,7 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from inkling_jax.cache import PAGE_SIZE, CacheLayout, DecodeState, init_state, layout_for_budget
+from inkling_jax.cache import PAGE_SIZE, ROUND_ROWS, CacheLayout, DecodeState, init_state, layout_for_budget
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import ModelConfig, load_config
@@ -115,7 +116,6 @@ def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
 LANE = 64  # prompt tokens per attention lane: the GPU kernel's query-row tile
 STEP_PROGRAMS = ProgramTable(8)  # the process's latest step programs, by `program_key`: its engines share them
 RESAMPLERS = ProgramTable(4)  # the process's latest resample programs, by their arguments' form
-ROUND_ROWS = 8  # the constrained speculative rounds a step runs in each replica
 RESAMPLE_ROWS = (8,)  # the rows of a resample program below one per slot: a step's few constrained slots sample
 # over few rows (each a whole vocabulary)
 FEW_TOKENS = 8  # a plain decode step of at most this many tokens (per replica) compiles as a shape of its own, when
@@ -213,7 +213,9 @@ class Engine:
             # the step takes the parameters' arrays as a flat list: no pytree of Variables to flatten per step
             self._param_leaves, self._param_tree = jax.tree.flatten(params)
             draft = model.dspark.config if self.speculative else None  # its context pool only when speculating
-            make_state = functools.partial(init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft)
+            make_state = functools.partial(
+                init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft, self.replicas
+            )
             shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
             self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
         # each step returns the state exactly as it took it, so one compilation per width serves all steps
@@ -498,16 +500,17 @@ class Engine:
         self,
         batch: StepBatch,
         allowed: np.ndarray | None = None,
-        rounds: Mapping[int, tuple[bool, np.ndarray]] | None = None,
+        rounds: Mapping[int, tuple[int, bool, np.ndarray]] | None = None,
     ) -> Emitted:
         """Dispatch one step on a host batch (`host_batch`); returns at once with the device's outputs (`fetch`
         waits for them). Slots with `feedback` set start from the last token emitted for them by the previous
         step, which the host need not have read yet. The step is speculative when any slot has `speculate` set.
         allowed [S, mask_words] int32: the tokens each slot may sample, as packed bits (a row of -1: any; None:
         no slot is constrained, and nothing is sent for them). rounds: the speculating slots whose round runs under
-        a constraint (at most ROUND_ROWS a replica), each with (kept, masks [γ + 1, mask_words]): whether it
-        verifies the drafts the state keeps for it (`Emitted.drafts` of its last step; else none) and each
-        position's allowed tokens after the anchor and the drafts before it (`inkling_jax.step.Rounds`)."""
+        a constraint, each with (row, kept, masks [γ + 1, mask_words]): its row of its replica's ROUND_ROWS, where
+        the state keeps its drafts from round to round; whether it verifies the drafts kept there (`Emitted.drafts`
+        of its last round; else none); and each position's allowed tokens after the anchor and the drafts before it
+        (`inkling_jax.step.Rounds`)."""
         if not self.speculative and np.any(batch.speculate):
             raise SpeculationError("a slot asks to speculate but this engine runs without --speculative")
         if np.any(batch.speculate & batch.defer) or (
@@ -578,7 +581,7 @@ class Engine:
         self,
         batch: StepBatch,
         allowed: np.ndarray | None = None,
-        rounds: Mapping[int, tuple[bool, np.ndarray]] | None = None,
+        rounds: Mapping[int, tuple[int, bool, np.ndarray]] | None = None,
     ) -> tuple[StepShape, tuple]:
         """The shape of the step program that runs a host batch, and the program's arguments: the parameters'
         arrays, the state, the batch packed into one int32 buffer on the mesh (split by replica: one transfer),
@@ -609,22 +612,20 @@ class Engine:
             constrained = self._no_rounds
         return shape, (self._param_leaves, self.state, on_mesh, self.previous, self.image_pool, masks, constrained)
 
-    def _host_rounds(self, rounds: Mapping[int, tuple[bool, np.ndarray]]) -> Rounds:
-        """The constrained rounds as `Rounds` rows, ROUND_ROWS a replica (each slot numbered in its replica)."""
+    def _host_rounds(self, rounds: Mapping[int, tuple[int, bool, np.ndarray]]) -> Rounds:
+        """The constrained rounds as `Rounds`, each at its row of its replica's ROUND_ROWS (its slot numbered in its
+        replica)."""
         per, words = self.slots_per_replica, self.mask_words
         slot = np.full((self.replicas, ROUND_ROWS), per, np.int32)
         kept = np.zeros((self.replicas, ROUND_ROWS), bool)
         allowed = np.full((self.replicas, ROUND_ROWS, self.gamma + 1, words), -1, np.int32)
-        used = [0] * self.replicas
-        for index, (keep, masks) in sorted(rounds.items()):
+        for index, (row, keep, masks) in rounds.items():
             replica = self.replica_of(index)
-            row, used[replica] = used[replica], used[replica] + 1
-            if row >= ROUND_ROWS:
-                raise SpeculationError(f"more than {ROUND_ROWS} constrained rounds in a replica's step")
+            if not 0 <= row < ROUND_ROWS or slot[replica, row] != per:
+                raise SpeculationError(f"round row {row} is not a free one of a replica's {ROUND_ROWS}")
             if masks.shape != (self.gamma + 1, words) or masks.dtype != np.int32:
-                raise ValueError(
-                    f"a round's masks are int32 [{self.gamma + 1}, {words}], got {masks.dtype} {masks.shape}"
-                )
+                want = f"int32 [{self.gamma + 1}, {words}]"
+                raise ValueError(f"a round's masks are {want}, got {masks.dtype} {masks.shape}")
             slot[replica, row], kept[replica, row], allowed[replica, row] = index % per, keep, masks
         return Rounds(slot.reshape(-1), kept.reshape(-1), allowed.reshape(-1, self.gamma + 1, words))
 
@@ -761,8 +762,10 @@ class Engine:
         so serving never compiles. The executable cache is read for every shape at once (a thread each); lowering
         is Python (one at a time under the GIL), XLA's compile is not: the shapes not in the cache are lowered one
         after the other, most tokens first (the longest XLA compile starts first), then the encode programs, each
-        handed to a thread of its own for XLA as soon as it is lowered; then a first run of each step, one after the
-        other. Logs each program's time to ready: its compilation and a step's first run."""
+        handed to a thread of its own for XLA as soon as it is lowered (on CPU once all are lowered: XLA:CPU's
+        compile beside a lowering in another thread segfaults now and then with jaxlib 0.11, in multi-device
+        programs); then a first run of each step, one after the other. Logs each program's time to ready: its
+        compilation and a step's first run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
         buckets = [bucket for bucket in self.image_buckets if bucket not in self._encoders]
         if missing or buckets:
@@ -770,12 +773,16 @@ class Engine:
             with ThreadPoolExecutor(len(missing) + len(buckets), thread_name_prefix="step-compile") as pool:
                 loads = pool.map(lambda shape: self._loaded(shape, arguments[shape]), missing)
                 keys = dict(zip(missing, loads, strict=True))
-                compiling = [
-                    pool.submit(self._compiled, shape, *self._lowered(shape, arguments[shape]), keys[shape])
+                steps = (
+                    (self._compiled, shape, *self._lowered(shape, arguments[shape]), keys[shape])
                     for shape in missing
                     if shape not in self._programs
-                ]
-                compiling += [pool.submit(self._encoder, bucket, self._lowered_encoder(bucket)) for bucket in buckets]
+                )
+                encoders = ((self._encoder, bucket, self._lowered_encoder(bucket)) for bucket in buckets)
+                jobs = itertools.chain(steps, encoders)  # each lowered as the loop below reaches it
+                if self.mesh.devices.flat[0].platform == "cpu":
+                    jobs = list(jobs)
+                compiling = [pool.submit(*job) for job in jobs]
                 for program in compiling:
                     program.result()
         for shape in self.shapes:

@@ -47,8 +47,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from inkling_jax.cache import ROUND_ROWS
 from inkling_jax.runtime.constraints import ConstraintError, Grammars, Matcher
-from inkling_jax.runtime.engine import ROUND_ROWS, Engine, pages_for
+from inkling_jax.runtime.engine import Engine, pages_for
 from inkling_jax.runtime.images import placeholder_runs
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
 from inkling_jax.step import Emitted, StepBatch
@@ -91,6 +92,7 @@ class _Sequence:
     prompt_rows: np.ndarray | None = None  # [prompt] each prompt token's image-feature pool row, -1 for text
     matcher: Matcher | None = None  # its constraint's place after the outputs read so far
     drafts: list[int] | None = None  # a constrained round's drafts the state keeps for its slot (None: none)
+    round_row: int = 0  # and the row of its replica's ROUND_ROWS that keeps them
 
     @property
     def tiles(self) -> int:
@@ -122,7 +124,7 @@ class _Plan:
     sequences: dict[int, _Sequence]  # slot -> sequence
     bounds: dict[int, int]  # slot -> the most tokens the step can emit for it
     deferred: list[int] = dataclasses.field(default_factory=list)  # constrained slots: sampled by `_resample`
-    rounds: dict[int, tuple[bool, np.ndarray]] = dataclasses.field(default_factory=dict)  # constrained rounds
+    rounds: dict[int, tuple[int, bool, np.ndarray]] = dataclasses.field(default_factory=dict)  # constrained rounds
     emitted: Emitted | None = None
 
 
@@ -432,11 +434,18 @@ class Scheduler:
         rounds[slot] = sequence
         return True
 
-    def _round_masks(self, rounds: dict[int, _Sequence]) -> dict[int, tuple[bool, np.ndarray]]:
-        """Each constrained round's (kept, masks [γ + 1, words]): after its last token and along the drafts the state
-        keeps for it (a first round verifies none: one mask)."""
+    def _round_masks(self, rounds: dict[int, _Sequence]) -> dict[int, tuple[int, bool, np.ndarray]]:
+        """Each constrained round's (row, kept, masks [γ + 1, words]): the row that keeps its drafts (a sequence with
+        drafts kept keeps its row, the others take free ones), whether it verifies kept drafts, and the masks after
+        its last token and along those drafts (a first round verifies none: one mask)."""
         if not rounds:
             return {}
+        taken = {(self.engine.replica_of(slot), s.round_row) for slot, s in rounds.items() if s.drafts is not None}
+        for slot, sequence in rounds.items():
+            if sequence.drafts is None:
+                replica = self.engine.replica_of(slot)
+                sequence.round_row = next(row for row in range(ROUND_ROWS) if (replica, row) not in taken)
+                taken.add((replica, sequence.round_row))
         width = self.engine.gamma + 1
         allowed = np.full((len(rounds) * width, self.engine.mask_words), -1, np.int32)
         along = {
@@ -445,7 +454,8 @@ class Scheduler:
         self._grammars.fill_along(allowed, along)
         masks = allowed.reshape(len(rounds), width, -1)
         return {
-            slot: (sequence.drafts is not None, masks[index]) for index, (slot, sequence) in enumerate(rounds.items())
+            slot: (sequence.round_row, sequence.drafts is not None, masks[index])
+            for index, (slot, sequence) in enumerate(rounds.items())
         }
 
     def _resample(self, plan: _Plan) -> None:

@@ -380,25 +380,31 @@ def test_constrained_requests_speculate_exactly(tmp_path_factory, two_slots):
     path = write_checkpoint(config, folder / "checkpoint", experts="fp32", seed=2, draft=DRAFT)
     drafted = make_engine(load_causal_lm(path, np.float32)[1], slots=2, pages=3, speculative="dspark")
     rng = np.random.default_rng(8)
-    constraints = [Constraint("regex", r"[a-f]{3,8}( [0-9]{2}){1,3}"), Constraint("choice", ("alpha", "gamma delta"))]
+    long, short = Constraint("regex", r"[a-f]{40,50}( [0-9]{2}){1,3}"), Constraint("choice", ("alpha", "gamma delta"))
+    # the two long greedy answers first: admitted together, both outgrow their first page, and the later one is
+    # preempted (3 pages) with its round's drafts kept; then sampled ones, and one that opts out of speculation
     requests = [
         dataclasses.replace(
             request,
             id=f"c{index}",
             prompt_token_ids=(*request.prompt_token_ids[:-1], 65),
-            max_tokens=60,
+            max_tokens=80,
             temperature=0.0 if index < 2 else 0.8,
-            constraint=constraints[index % 2],
+            constraint=(long, long, short, long)[index],
         )
-        for index, request in enumerate(random_requests(rng, 4, prompt_range=(118, 126)))
+        for index, request in enumerate(random_requests(rng, 4, prompt_range=(100, 110)))
     ]
-    # first and long: the constrained ones, admitted after it, are preempted when their answers cross a page
-    free = random_requests(rng, 1, prompt_range=(100, 110), max_tokens=(50, 60))[0]
-    requests.insert(0, dataclasses.replace(free, speculative=False))  # the noise of plain decoding, speculating or not
+    free = random_requests(rng, 1, prompt_range=(100, 110), max_tokens=(30, 40))[0]
+    requests.append(dataclasses.replace(free, speculative=False))  # the noise of plain decoding, speculating or not
     plain = run_all(two_slots, requests)
-    scheduler = make_scheduler(drafted)
+    scheduler = Scheduler(drafted)
+    scheduler.warm_up()
+    speculated = Collector(len(requests))
+    for request in requests:  # all queued before the loop starts: the same admissions and preemptions every run
+        scheduler.submit(request, speculated.sink(request.id))
+    scheduler.start()
     try:
-        speculated = run(scheduler, requests)
+        assert speculated.done.wait(300)
         stats = scheduler.stats()
     finally:
         scheduler.stop()

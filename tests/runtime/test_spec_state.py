@@ -16,6 +16,7 @@ from paths import TINY_TEXT
 
 from inkling_jax.cache import (
     CONV_STREAMS,
+    ROUND_ROWS,
     CacheLayout,
     bytes_per_sequence,
     commit_conv,
@@ -151,7 +152,8 @@ def test_draft_pool_shape_sizes_and_sharding(drafted):
     state = init_state(text, layout, jnp.float32, draft=draft)
     assert state.kv.draft_k.shape == state.kv.draft_v.shape == (2, 6, 2, 128, 8)
     plain = init_state(text, layout, jnp.float32)
-    assert plain.kv.draft_k is None and state.nbytes - plain.nbytes == 2 * 2 * 6 * 128 * 2 * 8 * 4
+    kept = ROUND_ROWS * draft.block_size * (text.unpadded_vocab_size + 1) * 4  # the constrained rounds' drafts and q
+    assert plain.kv.draft_k is None and state.nbytes - plain.nbytes == 2 * 2 * 6 * 128 * 2 * 8 * 4 + kept
 
     parts = bytes_per_sequence(text, 300, max_chunk=8, dtype=jnp.float32, draft=draft)
     assert parts["draft_context_kv"] == 3 * 128 * 2 * 2 * 2 * 8 * 4  # 3 pages, 2 layers, K and V, 2 heads of 8

@@ -1,7 +1,9 @@
 """The engine's speculative step is lossless: through the full jitted step (draft block, RNN head, sampled
 drafts, verify pass, acceptance, convolution rollback), the joint law of the first two emitted tokens is
 the target's at temperatures 0.6 and 1.0 (chi-square, 100k samples each), and deliberately broken variants
-fail that test; greedy output and the output of requests that opt out are those of plain decoding."""
+fail that test; constrained rounds that verify the drafts they kept (under open masks) pass it, and fail it when
+they verify against another row's q; greedy output and the output of requests that opt out are those of plain
+decoding."""
 
 import json
 import threading
@@ -13,12 +15,15 @@ from paths import TINY_TEXT
 from scipy import stats
 from xla_flags import OPTIMIZED_STEPS
 
+from inkling_jax import cache as cache_module
 from inkling_jax import speculative
+from inkling_jax import step as step_module
 from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.generate import main as generate_main
 from inkling_jax.model.draft import NoDraftError
+from inkling_jax.runtime import engine as engine_module
 from inkling_jax.runtime.batch import generate
 from inkling_jax.runtime.engine import Engine, StepShape
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Request
@@ -51,6 +56,7 @@ ANCHOR = 7  # every sampled sequence starts from this one token
 TEMPERATURES = (0.6, 1.0)
 SLOTS, ROUNDS = 4096, 25  # 25 x 4096 / 2 = 51,200 samples per temperature
 BROKEN_ROUNDS = 2  # 8,192 samples at one temperature: each broken step's statistic is over 3x the bar there
+CONSTRAINED_ROUNDS = 8  # 32,768 samples at one temperature through kept rounds
 ALPHA = 1e-3  # the correct step passes at this level (fixed seeds: the test is deterministic)
 
 
@@ -92,9 +98,16 @@ class Sampling:
         self.temperature, self.seed = temperature, seed
 
 
-def first_two(engine: Engine, rounds: int, temperatures: tuple[float, ...]) -> dict[float, np.ndarray]:
+def first_two(
+    engine: Engine, rounds: int, temperatures: tuple[float, ...], constrained: bool = False
+) -> dict[float, np.ndarray]:
     """The first two tokens [N, 2] each sampled sequence emits, by temperature. Every round restarts all
-    slots from the anchor (reset) with fresh seeds; two speculative steps always emit at least two."""
+    slots from the anchor (reset) with fresh seeds; two speculative steps always emit at least two. constrained:
+    every slot runs constrained rounds under masks that allow every token (the engine needs a row for each slot):
+    a first round, which emits one token and keeps its next drafts, then a round that verifies those."""
+    open_masks = np.full((GAMMA + 1, engine.mask_words), -1, np.int32)
+    starting = {slot: (slot, False, open_masks) for slot in range(SLOTS)} if constrained else None
+    continuing = {slot: (slot, True, open_masks) for slot in range(SLOTS)} if constrained else None
     table = np.arange(SLOTS, dtype=np.int32)[:, None]
     everyone = np.ones(SLOTS, bool)
     one = np.ones(SLOTS, np.int32)
@@ -107,12 +120,14 @@ def first_two(engine: Engine, rounds: int, temperatures: tuple[float, ...]) -> d
         first = engine.step(
             engine.host_batch(
                 tokens, one, sampling, table, reset=everyone, is_prompt=everyone, emit=everyone, speculate=everyone
-            )
+            ),
+            rounds=starting,
         )
         second = engine.step(
             engine.host_batch(
                 np.zeros_like(tokens), one, sampling, table, feedback=everyone, emit=everyone, speculate=everyone
-            )
+            ),
+            rounds=continuing,
         )
         first, second = engine.fetch(first), engine.fetch(second)
         assert np.all((first.count >= 1) & (first.count <= GAMMA + 1))
@@ -145,6 +160,38 @@ def test_the_step_samples_the_targets_joint_law(model):
         statistic, p_value, dof = chi_square(samples[temperature], joint)
         print(f"T {temperature}: chi2 = {statistic:.1f}, dof {dof}, p = {p_value:.3g}")
         assert p_value > ALPHA
+
+
+@pytest.fixture
+def a_row_a_slot(monkeypatch):
+    """Engines built in the test give every slot a constrained round's row."""
+    for module in (cache_module, engine_module):
+        monkeypatch.setattr(module, "ROUND_ROWS", SLOTS)
+
+
+def rolled_q(kept_rounds):
+    """Kept rounds that verify their kept drafts against the q another row kept."""
+
+    def broken(rounds, fresh, kept):
+        return kept_rounds(rounds, fresh, (kept[0], jnp.roll(kept[1], 1, axis=0)))
+
+    return broken
+
+
+@pytest.mark.slow
+def test_constrained_rounds_keep_the_targets_joint_law(model, monkeypatch, a_row_a_slot):
+    """Rounds that verify the drafts and q the state kept from the step before (under masks that allow every token)
+    emit the target's joint law; verifying them against another row's q fails the same test."""
+    samples = first_two(engine_for(model), CONSTRAINED_ROUNDS, (1.0,), constrained=True)[1.0]
+    statistic, p_value, dof = chi_square(samples, exact_joint(model, 1.0))
+    print(f"kept rounds: chi2 = {statistic:.1f}, dof {dof}, p = {p_value:.3g}")
+    assert p_value > ALPHA
+    monkeypatch.setattr(step_module, "_kept_rounds", rolled_q(step_module._kept_rounds))
+    engine_module.STEP_PROGRAMS.clear()  # the next engine traces the patched step
+    samples = first_two(engine_for(model), BROKEN_ROUNDS, (1.0,), constrained=True)[1.0]
+    statistic, _, dof = chi_square(samples, exact_joint(model, 1.0))
+    print(f"another row's q: chi2 = {statistic:.1f}, dof {dof}")
+    assert statistic > 3 * stats.chi2.isf(ALPHA, dof)
 
 
 def wrong_q(sample_draft):
@@ -233,14 +280,14 @@ def test_a_constrained_round_verifies_the_drafts_it_kept(model):
             )
             masks = np.full((GAMMA + 1, 1), -1, np.int32)
             masks[0] = only(first)
-            out = engine.fetch(engine.step(start, rounds={0: (False, masks)} if constrained else None))
+            out = engine.fetch(engine.step(start, rounds={0: (3, False, masks)} if constrained else None))
             drafts = out.drafts[0].tolist()
             kept = np.stack([only(t) for t in [*drafts, last]])
             then = engine.host_batch(
                 np.zeros_like(tokens), one, sampling, table, feedback=both, emit=both, speculate=both
             )
             runs.append(
-                (out, engine.fetch(engine.step(then, rounds={0: (True, kept)} if constrained else None)), drafts)
+                (out, engine.fetch(engine.step(then, rounds={0: (3, True, kept)} if constrained else None)), drafts)
             )
         (out, then, drafts), (free_out, free_then, _) = runs
         assert out.count[0] == 1 and out.tokens[0, 0] == first and len(drafts) == GAMMA
