@@ -165,23 +165,27 @@ class ProgramTable:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._programs: OrderedDict[Hashable, jax.stages.Compiled] = OrderedDict()
+        self._lock = threading.Lock()  # engines look up and store from their compile threads
 
     def get(self, key: Hashable) -> jax.stages.Compiled | None:
         """The program under `key`, now the most recently used; None if the table has none."""
-        if key in self._programs:
-            self._programs.move_to_end(key)
-        return self._programs.get(key)
+        with self._lock:
+            if key in self._programs:
+                self._programs.move_to_end(key)
+            return self._programs.get(key)
 
     def put(self, key: Hashable, program: jax.stages.Compiled) -> jax.stages.Compiled:
         """Keep `program` under `key`, dropping the least recently used beyond the capacity; returns it."""
-        self._programs[key] = program
-        self._programs.move_to_end(key)
-        while len(self._programs) > self.capacity:
-            self._programs.popitem(last=False)
+        with self._lock:
+            self._programs[key] = program
+            self._programs.move_to_end(key)
+            while len(self._programs) > self.capacity:
+                self._programs.popitem(last=False)
         return program
 
     def clear(self) -> None:
-        self._programs.clear()
+        with self._lock:
+            self._programs.clear()
 
     def __len__(self) -> int:
         return len(self._programs)
