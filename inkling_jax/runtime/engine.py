@@ -762,15 +762,17 @@ class Engine:
         so serving never compiles. The executable cache is read for every shape at once (a thread each); lowering
         is Python (one at a time under the GIL), XLA's compile is not: the shapes not in the cache are lowered one
         after the other, most tokens first (the longest XLA compile starts first), then the encode programs, each
-        handed to a thread of its own for XLA as soon as it is lowered (on CPU once all are lowered: XLA:CPU's
-        compile beside a lowering in another thread segfaults now and then with jaxlib 0.11, in multi-device
-        programs); then a first run of each step, one after the other. Logs each program's time to ready: its
-        compilation and a step's first run."""
+        handed to a thread of its own for XLA as soon as it is lowered (on CPU one after the other, once all are
+        lowered: XLA:CPU's compile of a multi-device program beside another compile or a lowering segfaults now and
+        then with jaxlib 0.11); then a first run of each step, one after the other. Logs each program's time to
+        ready: its compilation and a step's first run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
         buckets = [bucket for bucket in self.image_buckets if bucket not in self._encoders]
         if missing or buckets:
             arguments = {shape: self.arguments(self.idle_batch(shape))[1] for shape in missing}
-            with ThreadPoolExecutor(len(missing) + len(buckets), thread_name_prefix="step-compile") as pool:
+            serial = self.mesh.devices.flat[0].platform == "cpu"
+            threads = 1 if serial else len(missing) + len(buckets)
+            with ThreadPoolExecutor(threads, thread_name_prefix="step-compile") as pool:
                 loads = pool.map(lambda shape: self._loaded(shape, arguments[shape]), missing)
                 keys = dict(zip(missing, loads, strict=True))
                 steps = (
@@ -780,7 +782,7 @@ class Engine:
                 )
                 encoders = ((self._encoder, bucket, self._lowered_encoder(bucket)) for bucket in buckets)
                 jobs = itertools.chain(steps, encoders)  # each lowered as the loop below reaches it
-                if self.mesh.devices.flat[0].platform == "cpu":
+                if serial:
                     jobs = list(jobs)
                 compiling = [pool.submit(*job) for job in jobs]
                 for program in compiling:
