@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -762,29 +761,21 @@ class Engine:
         so serving never compiles. The executable cache is read for every shape at once (a thread each); lowering
         is Python (one at a time under the GIL), XLA's compile is not: the shapes not in the cache are lowered one
         after the other, most tokens first (the longest XLA compile starts first), then the encode programs, each
-        handed to a thread of its own for XLA as soon as it is lowered (on CPU one after the other, once all are
-        lowered: XLA:CPU's compile of a multi-device program beside another compile or a lowering segfaults now and
-        then with jaxlib 0.11); then a first run of each step, one after the other. Logs each program's time to
-        ready: its compilation and a step's first run."""
+        handed to a thread of its own for XLA as soon as it is lowered; then a first run of each step, one after the
+        other. Logs each program's time to ready: its compilation and a step's first run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
         buckets = [bucket for bucket in self.image_buckets if bucket not in self._encoders]
         if missing or buckets:
             arguments = {shape: self.arguments(self.idle_batch(shape))[1] for shape in missing}
-            serial = self.mesh.devices.flat[0].platform == "cpu"
-            threads = 1 if serial else len(missing) + len(buckets)
-            with ThreadPoolExecutor(threads, thread_name_prefix="step-compile") as pool:
+            with ThreadPoolExecutor(len(missing) + len(buckets), thread_name_prefix="step-compile") as pool:
                 loads = pool.map(lambda shape: self._loaded(shape, arguments[shape]), missing)
                 keys = dict(zip(missing, loads, strict=True))
-                steps = (
-                    (self._compiled, shape, *self._lowered(shape, arguments[shape]), keys[shape])
+                compiling = [
+                    pool.submit(self._compiled, shape, *self._lowered(shape, arguments[shape]), keys[shape])
                     for shape in missing
                     if shape not in self._programs
-                )
-                encoders = ((self._encoder, bucket, self._lowered_encoder(bucket)) for bucket in buckets)
-                jobs = itertools.chain(steps, encoders)  # each lowered as the loop below reaches it
-                if serial:
-                    jobs = list(jobs)
-                compiling = [pool.submit(*job) for job in jobs]
+                ]
+                compiling += [pool.submit(self._encoder, bucket, self._lowered_encoder(bucket)) for bucket in buckets]
                 for program in compiling:
                     program.result()
         for shape in self.shapes:
