@@ -59,7 +59,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test whose worker it hung is not run again (the Makefile runs a test that crashed its worker once more)."""
+    """A test that hung is not run again: a replaced worker, or the Makefile's second pass, would start it anew."""
     for log in HANGS.glob("*.log"):
         text = log.read_text(errors="replace")
         if text.startswith(f"{item.nodeid} still running") and "most recent call first" in text:
