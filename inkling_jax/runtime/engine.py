@@ -242,6 +242,7 @@ class Engine:
             compiler_options=compiler_options,
         )
         self._resamplers: dict[int, jax.stages.Compiled] = {}  # by rows
+        self._redraw_layouts: dict[int, BatchLayout] = {}  # the packed `Redraw`'s, by rows
         self._layouts: dict[StepShape, BatchLayout] = {}
         # what the executable cache's key needs beyond the arguments, the mesh and the graph definition
         self._options = {
@@ -541,7 +542,9 @@ class Engine:
         masks[:count] = allowed
         at = np.minimum(rows, self.slots - 1)
         redraw = Redraw(rows, masks, jax.tree.map(lambda column: np.asarray(column)[at], batch.sampling))
-        layout = BatchLayout.of(redraw, 1)
+        if bucket not in self._redraw_layouts:
+            self._redraw_layouts[bucket] = BatchLayout.of(redraw, 1)
+        layout = self._redraw_layouts[bucket]
         packed = layout.pack(redraw)
         replicated = NamedSharding(self.mesh, P())  # one transfer; each process sends the same host values
         on_mesh = jax.make_array_from_callback(packed.shape, replicated, lambda index: packed[index])

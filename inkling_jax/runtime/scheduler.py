@@ -440,7 +440,9 @@ class Scheduler:
         its last token and along those drafts (a first round verifies none: one mask)."""
         if not rounds:
             return {}
-        taken = {(self.engine.replica_of(slot), s.round_row) for slot, s in rounds.items() if s.drafts is not None}
+        taken = {  # the rows that keep some sequence's drafts
+            (self.engine.replica_of(s.slot), s.round_row) for s in self._slots if s is not None and s.drafts is not None
+        }
         for slot, sequence in rounds.items():
             if sequence.drafts is None:
                 replica = self.engine.replica_of(slot)
