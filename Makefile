@@ -35,8 +35,8 @@ lint: setup
 
 # Two workers (CI has two cores), each test file on one worker (its module fixtures compile once). XLA:CPU's
 # compiler segfaults now and then while compiling multi-device step programs late in a worker's life (never
-# alone): a crashed worker is replaced and the rest of its files run, and the tests that failed run once more,
-# alone (none left: xdist ran them again on the new worker), so only a failure that repeats fails the suite.
+# alone): a crashed worker is replaced and the rest of its files run (tests/file_scheduling.py), and the tests that
+# crashed run once more, alone, so only a failure that repeats fails the suite.
 PYTEST := $(PY) -m pytest -n 2 --dist loadfile --max-worker-restart 4
 
 test: lint

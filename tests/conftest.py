@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from file_scheduling import CrashSafeFileScheduling
 from xla_flags import DEVICES, UNOPTIMIZED, UNVERIFIED
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -36,6 +37,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller, or a run without xdist: an earlier run's logs go
         shutil.rmtree(HANGS, ignore_errors=True)
         config.stash[TERMINAL] = os.dup(2)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> CrashSafeFileScheduling | None:
+    return CrashSafeFileScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,0 +1,45 @@
+"""The suite's file scheduler (tests/file_scheduling.py) ends a run whose workers crash, runs every other test
+once, and reports each crashed test failed once."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent.parent
+
+CONFTEST = """
+import pytest
+from file_scheduling import CrashSafeFileScheduling
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return CrashSafeFileScheduling(config, log)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_with_crashing_workers_ends_and_runs_every_test_once(tmp_path: Path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    # one line per test run, so a test run twice shows
+    record = "def test_{n}():\n    open('ran.txt', 'a').write('{file}::{n}\\n')\n"
+    crash = "def test_crash():\n    import os; os._exit(1)\n"
+    files = {"early_crash": [0, "crash", 2, 3], "lone": [0], "late_crash": [0, 1, "crash"]}
+    files |= {f"plain{i}": [0, 1, 2] for i in range(5)}
+    for name, tests in files.items():
+        body = [crash if n == "crash" else record.format(n=n, file=name) for n in tests]
+        (tmp_path / f"test_{name}.py").write_text("\n".join(body))
+    env = os.environ | {"PYTHONPATH": str(TESTS)}
+    command = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "--max-worker-restart", "4", "-p",
+               "no:cacheprovider"]  # fmt: skip
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "2 failed" in run.stdout, run.stdout
+    for name in ("early_crash", "late_crash"):
+        assert run.stdout.count(f"crashed while running 'test_{name}.py::test_crash'") == 1, run.stdout
+    ran = sorted((tmp_path / "ran.txt").read_text().split())
+    expected = sorted(f"{name}::{n}" for name, tests in files.items() for n in tests if n != "crash")
+    assert ran == expected
