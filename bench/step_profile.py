@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             flat, shape = decode.tokens, f"step [{args.slots} slots, {decode.tokens} tokens]"
             start = time.perf_counter()
             arguments = on_mesh(actives[-1])[1]
-            leaves, _, first, _, images, masks = arguments
+            leaves, _, first, _, images, masks, rounds = arguments
             lowered = engine._lower(arguments, decode)
             print(f"{shape}: lowered in {_seconds(start)}", flush=True)
             if engine._kernels is not None:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                 compiled = lowered.compile(options or None)
                 print(f"{shape} with {json.dumps(options)}: compiled by XLA in {_seconds(start)}", flush=True)
                 engine.state = zeroed(engine.state)
-                emitted, engine.state = compiled(leaves, engine.state, first, engine.previous, images, masks)
+                emitted, engine.state = compiled(leaves, engine.state, first, engine.previous, images, masks, rounds)
                 logprobs = np.asarray(emitted.top_logprobs)
                 if first_logprobs is None:
                     first_logprobs = logprobs
@@ -130,10 +130,11 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
     """Wall time per step issued back to back, and the step's kernels on a GPU, for each count of active slots
     (written in launch order to `dump`_`active`_active.json when given)."""
     for active in actives:
-        leaves, _, batch, _, images, masks = on_mesh(active)[1]
+        leaves, _, batch, _, images, masks, rounds = on_mesh(active)[1]
 
-        def step(leaves=leaves, batch=batch, images=images, masks=masks):  # the state is donated: each takes the last
-            emitted, engine.state = compiled(leaves, engine.state, batch, engine.previous, images, masks)
+        # the state is donated: each step takes the last one's
+        def step(leaves=leaves, batch=batch, images=images, masks=masks, rounds=rounds):
+            emitted, engine.state = compiled(leaves, engine.state, batch, engine.previous, images, masks, rounds)
             return emitted
 
         dispatch = []
