@@ -33,10 +33,9 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two workers (CI has two cores), each test file on one worker (its module fixtures compile once). XLA:CPU's
-# compiler segfaults now and then while compiling multi-device step programs late in a worker's life (never
-# alone): a crashed worker is replaced and the rest of its files run (tests/file_scheduling.py), and the tests that
-# crashed run once more, alone, so only a failure that repeats fails the suite.
+# Two workers (CI has two cores), each test file on one worker (its module fixtures compile once). A worker that
+# crashes is replaced and the rest of its files run (tests/file_scheduling.py); the tests it crashed in run once
+# more, alone, so only a failure that repeats fails the suite, and a crash never holds CI to its time limit.
 PYTEST := $(PY) -m pytest -n 2 --dist loadfile --max-worker-restart 4
 
 test: lint

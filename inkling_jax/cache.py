@@ -328,11 +328,13 @@ class DecodeState:
     # [S, vocab] float32: the logits each slot's one-token sample of the last step came from, for the slots whose
     # sample that step deferred (`inkling_jax.step.resample_fn`); other rows hold older steps' logits
     logits: jax.Array
-    # [replicas * ROUND_ROWS, γ] int32 and [replicas * ROUND_ROWS, γ, vocab] float32 (γ = 0 without a draft): by
-    # row of `inkling_jax.step.Rounds`, the drafts of a constrained round's next round and the q each was drawn from,
-    # kept while the host computes their masks
-    drafts: jax.Array
-    draft_probs: jax.Array
+    # [replicas * ROUND_ROWS, γ] int32 and [replicas * ROUND_ROWS, γ, vocab] float32, None without a draft: by row of
+    # `inkling_jax.step.Rounds`, the drafts of a constrained round's next round and the q each was drawn from, kept
+    # while the host computes their masks. Never zero-sized: XLA turns a zero-sized input of a data-parallel step's
+    # shard_map into an unused one, and Shardy's pass that drops unused inputs of a manual computation segfaults now
+    # and then (jaxlib 0.11.2, on CPU)
+    drafts: jax.Array | None = None
+    draft_probs: jax.Array | None = None
 
     @property
     def nbytes(self) -> int:
@@ -370,10 +372,15 @@ def init_state(
         conv_attention=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
         conv_mlp=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
     )
-    gamma = 0 if draft is None else draft.block_size
+    kept = {}
     if draft is not None:
         pool = (draft.num_hidden_layers, layout.num_pages, draft.num_key_value_heads, layout.page_size, draft.head_dim)
         kv = dataclasses.replace(kv, draft_k=zeros(*pool), draft_v=zeros(*pool))
+        rows, gamma, vocab = replicas * ROUND_ROWS, draft.block_size, text.unpadded_vocab_size
+        kept = {
+            "drafts": jnp.zeros((rows, gamma), jnp.int32),
+            "draft_probs": jnp.zeros((rows, gamma, vocab), jnp.float32),
+        }
     return DecodeState(
         kv=kv,
         page_table=jnp.zeros((slots, layout.max_pages_per_seq), jnp.int32),
@@ -382,6 +389,5 @@ def init_state(
         prompt_mask=jnp.zeros((slots, text.unpadded_vocab_size), bool),
         generated=jnp.zeros(slots, jnp.int32),
         logits=jnp.zeros((slots, text.unpadded_vocab_size), jnp.float32),
-        drafts=jnp.zeros((replicas * ROUND_ROWS, gamma), jnp.int32),
-        draft_probs=jnp.zeros((replicas * ROUND_ROWS, gamma, text.unpadded_vocab_size), jnp.float32),
+        **kept,
     )

@@ -260,7 +260,7 @@ def _step(
     lane_width: int,
 ) -> tuple[Emitted, DecodeState]:
     model = nnx.merge(graphdef, params)
-    kept_width = state.drafts.shape[1]  # γ of the kept rounds' drafts (0 without a draft)
+    kept_width = 0 if state.drafts is None else state.drafts.shape[1]  # γ of the kept rounds' drafts
     deferred = batch.defer
     if allowed is not None:
         allowed = jnp.where(deferred[:, None], -1, allowed)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from paths import REPO
 
-from inkling_jax.cache import CacheLayout, bytes_per_sequence, init_state, layout_for_budget, ring_size
+from inkling_jax.cache import ROUND_ROWS, CacheLayout, bytes_per_sequence, init_state, layout_for_budget, ring_size
 from inkling_jax.config import load_config, parse_config
 from pallas_kernels.ragged_paged_attention.blocks import ring_block
 
@@ -77,3 +77,17 @@ def test_state_fields_are_separate_buffers_and_can_be_donated():
     step = jax.jit(lambda s: dataclasses.replace(s, lengths=s.lengths + 1), donate_argnums=0)
     state = step(state)
     assert state.lengths.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_no_state_array_is_zero_sized(with_draft):
+    """XLA turns a zero-sized input of the data-parallel step's shard_map into an unused one, and Shardy's pass that
+    drops a manual computation's unused inputs segfaults now and then: every array of the state holds something."""
+    config = load_config(REPO / "configs" / "proxy_h200.json")  # the real model's shapes and its draft
+    layout = CacheLayout(max_num_seqs=4, num_pages=8, max_pages_per_seq=4, max_chunk=8)
+    draft = config.draft if with_draft else None
+    state = jax.eval_shape(lambda: init_state(config.text, layout, draft=draft, replicas=2))
+    assert all(leaf.size > 0 for leaf in jax.tree.leaves(state))
+    assert (state.drafts is not None) == with_draft
+    if with_draft:
+        assert state.draft_probs.shape == (2 * ROUND_ROWS, config.draft.block_size, config.text.unpadded_vocab_size)
