@@ -54,16 +54,18 @@ class CacheLayout:
     max_pages_per_seq: int
     max_chunk: int
     page_size: int = PAGE_SIZE
+    boundaries: bool = False  # keep what a prefix cache saves at page boundaries (`BoundaryStates`)
 
     def ring(self, text: TextConfig) -> int:
         """Tokens a sliding layer keeps per sequence."""
-        return ring_size(text, self.max_chunk)
+        return ring_size(text, self.max_chunk, self.boundaries)
 
 
-def ring_size(text: TextConfig, max_chunk: int) -> int:
+def ring_size(text: TextConfig, max_chunk: int, boundaries: bool = False) -> int:
     """A sliding layer's ring: window + max_chunk slots, rounded up to whole pages beyond one (a tiny test model's
-    ring stays as it is)."""
-    ring = text.sliding_window_size + max_chunk
+    ring stays as it is). With `boundaries`, window + two pages at least: a prefix cache saves the window before the
+    last page boundary a sequence landed on once the sequence ends, up to a page and a few in-flight steps later."""
+    ring = text.sliding_window_size + (max(max_chunk, 2 * PAGE_SIZE) if boundaries else max_chunk)
     return ring if ring <= PAGE_SIZE else -(-ring // PAGE_SIZE) * PAGE_SIZE
 
 
@@ -316,6 +318,122 @@ def commit_conv(kv: KVCache, windows: ConvWindows, commit: jax.Array, slots: jax
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class BoundaryStates:
+    """Each slot's four convolution states (as the KVCache's conv_{stream}) at the last two page boundaries its
+    length landed on, [layers, S, 2, K - 1, ch]: boundary b at index (b // PAGE_SIZE) % 2, so that a step which runs
+    a sequence on past its end (dispatched before the end was read) lands at most on the other index."""
+
+    k: jax.Array
+    v: jax.Array
+    attention: jax.Array
+    mlp: jax.Array
+
+
+def record_boundaries(boundaries: BoundaryStates, kv: KVCache, before: jax.Array, after: jax.Array) -> BoundaryStates:
+    """boundaries with the convolution states of kv (after a step) kept for the slots whose length went from before
+    [S] to after [S], a multiple of PAGE_SIZE."""
+    slots = before.shape[0]
+    landed = (after > before) & (after % PAGE_SIZE == 0)
+    rows, parity = jnp.where(landed, jnp.arange(slots), slots), (after // PAGE_SIZE) % 2
+
+    def kept(states: jax.Array, conv: jax.Array) -> jax.Array:  # [layers, S, 2, K - 1, ch], [layers, S, K - 1, ch]
+        return states.at[:, rows, parity].set(conv, mode="drop")
+
+    return BoundaryStates(*(kept(getattr(boundaries, s), getattr(kv, f"conv_{s}")) for s in CONV_STREAMS))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Snapshots:
+    """A prefix cache's saved states, each where a sequence landed on a page boundary b: the sliding layers' K and V
+    of the window positions before it (position b - window + j at j: [N, sliding layers, kv_heads, window,
+    head_dim]) and every layer's four convolution states there ([N, layers, K - 1, ch]). With the K/V of the pages
+    before b, a sequence resumes at b as if it had computed them."""
+
+    sliding_k: jax.Array
+    sliding_v: jax.Array
+    conv_k: jax.Array
+    conv_v: jax.Array
+    conv_attention: jax.Array
+    conv_mlp: jax.Array
+
+
+def init_snapshots(state: DecodeState, text: TextConfig, count: int) -> Snapshots:
+    """`count` empty snapshots for `state`'s layers (its sliding K/V heads and convolution channels)."""
+    window = text.sliding_window_size
+    kv = state.kv
+
+    def pool(like: jax.Array, *shape: int) -> jax.Array:
+        return jnp.zeros((count, *shape), like.dtype)
+
+    layers, _, heads, _, dim = kv.sliding_k.shape
+    convs = {f"conv_{s}": pool(c, c.shape[0], *c.shape[2:]) for s in CONV_STREAMS for c in [getattr(kv, f"conv_{s}")]}
+    return Snapshots(
+        pool(kv.sliding_k, layers, heads, window, dim), pool(kv.sliding_v, layers, heads, window, dim), **convs
+    )
+
+
+def _window_slots(boundary: jax.Array, window: int, ring: int) -> tuple[jax.Array, jax.Array]:
+    """The ring slots of the window positions before `boundary` and whether each is a position of the sequence."""
+    positions = boundary - window + jnp.arange(window)
+    return positions % ring, positions >= 0
+
+
+def save_snapshot(
+    state: DecodeState, snapshots: Snapshots, slot: jax.Array, index: jax.Array, boundary: jax.Array
+) -> Snapshots:
+    """snapshots with the state `slot` kept at the page `boundary` it landed on last (or the one before) saved at
+    `index`: its window from the rings, its convolution states from `DecodeState.boundaries`."""
+    kv, window = state.kv, snapshots.sliding_k.shape[3]
+    at, _ = _window_slots(boundary, window, kv.sliding_k.shape[3])
+    parity = (boundary // PAGE_SIZE) % 2
+    saved = {
+        name: getattr(snapshots, name).at[index].set(jnp.take(getattr(kv, name)[:, slot], at, axis=2))
+        for name in ("sliding_k", "sliding_v")
+    }
+    for stream in CONV_STREAMS:
+        saved[f"conv_{stream}"] = (
+            getattr(snapshots, f"conv_{stream}").at[index].set(getattr(state.boundaries, stream)[:, slot, parity])
+        )
+    return Snapshots(**saved)
+
+
+def restore_snapshot(
+    state: DecodeState,
+    snapshots: Snapshots,
+    slot: jax.Array,
+    index: jax.Array,
+    boundary: jax.Array,
+    prompt_mask: jax.Array,
+    output_counts: jax.Array,
+) -> DecodeState:
+    """state with `slot` resuming a sequence at the page `boundary`, the snapshot at `index` saved there (the K/V
+    of the pages before it are the sequence's own, shared through its page table): its window and convolution
+    states, its length, and its sampling state (prompt_mask [V] bool: the prompt's tokens before the boundary;
+    output_counts [V] int32: the counts of its outputs there)."""
+    kv, window = state.kv, snapshots.sliding_k.shape[3]
+    at, real = _window_slots(boundary, window, kv.sliding_k.shape[3])
+    at = jnp.where(real, at, kv.sliding_k.shape[3])  # positions before the sequence: not written
+
+    def into_ring(ring: jax.Array, saved: jax.Array) -> jax.Array:  # [layers, S, heads, ring, dim], [layers, ...]
+        return ring.at[:, slot].set(ring[:, slot].at[:, :, at].set(saved[index], mode="drop"))
+
+    restored = {name: into_ring(getattr(kv, name), getattr(snapshots, name)) for name in ("sliding_k", "sliding_v")}
+    for stream in CONV_STREAMS:
+        name = f"conv_{stream}"
+        restored[name] = getattr(kv, name).at[:, slot].set(getattr(snapshots, name)[index])
+    return dataclasses.replace(
+        state,
+        kv=dataclasses.replace(kv, **restored),
+        lengths=state.lengths.at[slot].set(boundary),
+        prompt_mask=state.prompt_mask.at[slot].set(prompt_mask),
+        output_counts=state.output_counts.at[slot].set(output_counts),
+        generated=state.generated.at[slot].set(output_counts.sum()),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
     """Everything sequences keep between steps (donated to the step)."""
 
@@ -335,6 +453,7 @@ class DecodeState:
     # and then (jaxlib 0.11.2, on CPU)
     drafts: jax.Array | None = None
     draft_probs: jax.Array | None = None
+    boundaries: BoundaryStates | None = None  # with a prefix cache (`CacheLayout.boundaries`)
 
     @property
     def nbytes(self) -> int:
@@ -373,6 +492,13 @@ def init_state(
         conv_mlp=zeros(text.num_hidden_layers, slots, taps, text.hidden_size),
     )
     kept = {}
+    if layout.boundaries:
+        kept["boundaries"] = BoundaryStates(
+            *(
+                jnp.zeros((c.shape[0], slots, 2, *c.shape[2:]), dtype)
+                for c in (kv.conv_k, kv.conv_v, kv.conv_attention, kv.conv_mlp)
+            )
+        )
     if draft is not None:
         pool = (draft.num_hidden_layers, layout.num_pages, draft.num_key_value_heads, layout.page_size, draft.head_dim)
         kv = dataclasses.replace(kv, draft_k=zeros(*pool), draft_v=zeros(*pool))

@@ -103,7 +103,8 @@ def replica_specs(state: DecodeState) -> DecodeState:
     (every array is [slots, ...] or [layers, slots or pages, ...])."""
     by_slot, by_layer_then_slot = PartitionSpec(DATA), PartitionSpec(None, DATA)
     specs = jax.tree.map(lambda _: by_slot, state)
-    return dataclasses.replace(specs, kv=jax.tree.map(lambda _: by_layer_then_slot, state.kv))
+    by_layer = {name: jax.tree.map(lambda _: by_layer_then_slot, getattr(state, name)) for name in ("kv", "boundaries")}
+    return dataclasses.replace(specs, **by_layer)
 
 
 def state_specs(state: DecodeState, text: TextConfig, tp: int) -> DecodeState:
@@ -124,7 +125,11 @@ def state_specs(state: DecodeState, text: TextConfig, tp: int) -> DecodeState:
 
     specs = replica_specs(state)
     kv = KVCache(**{f.name: kv_spec(f.name, getattr(specs.kv, f.name)) for f in dataclasses.fields(KVCache)})
-    return dataclasses.replace(specs, kv=kv)
+    boundaries = specs.boundaries
+    if boundaries is not None:  # [layers, slots, 2, taps, channels]: the K/V channels as the conv states'
+        channels = PartitionSpec(None, DATA, None, None, conv_axis)
+        boundaries = dataclasses.replace(boundaries, k=channels, v=channels)
+    return dataclasses.replace(specs, kv=kv, boundaries=boundaries)
 
 
 def state_shardings(state: DecodeState, text: TextConfig, mesh: Mesh) -> DecodeState:

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from inkling_jax.cache import DecodeState, commit_conv
+from inkling_jax.cache import PAGE_SIZE, DecodeState, commit_conv, record_boundaries
 from inkling_jax.model.chunk import Chunk, Lanes
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import Sampled, SamplingParams, any_slot, sample
@@ -321,6 +321,8 @@ def _step(
         )
         kept_logits = _deferred_logits(state.logits, logits[:, 0], jnp.arange(slots), deferred)
         num_drafts = jnp.where(spec, gamma, 0).at[jnp.where(rounds.kept, slots, rounds.slot)].set(0, mode="drop")
+        if state.boundaries is not None:  # a round ends on the next page boundary at most: it lands on every one
+            num_drafts = jnp.minimum(num_drafts, PAGE_SIZE - 1 - state.lengths % PAGE_SIZE)
         masks = (rounds.slot, rounds.allowed)
         verified = verify(
             logits, drafts, q, num_drafts, batch.sampling, output_counts, prompt_mask, generated, num_top, masks
@@ -382,6 +384,8 @@ def _step(
 
     slots = jnp.arange(batch.counts.shape[0])[:, None]
     kept = jnp.where(jnp.arange(emitted.tokens.shape[1])[None, :] < emitted.count[:, None], emitted.tokens, vocab)
+    if state.boundaries is not None:
+        state = dataclasses.replace(state, boundaries=record_boundaries(state.boundaries, kv, state.lengths, lengths))
     state = dataclasses.replace(
         state,
         kv=kv,

@@ -21,7 +21,7 @@ class Driver:
     with `lanes` every slot that brings more than one token is read through lanes of 3 (chunks straddle them), else
     all slots are one narrow group of `width`."""
 
-    def __init__(self, model, width=WIDTH, lanes=False, tokens=None):
+    def __init__(self, model, width=WIDTH, lanes=False, tokens=None, pages=MAX_PAGES, boundaries=False):
         self.graphdef, self.params = nnx.split(model)
         self.text, self.width, self.tokens = model.config, width, tokens or SLOTS * width
         self.layout = (
@@ -29,8 +29,9 @@ class Driver:
             if lanes
             else dict(width=width, lane_width=1, lanes=0)
         )
-        self.state = init_state(self.text, CacheLayout(SLOTS, SLOTS * MAX_PAGES, MAX_PAGES, width), jnp.float32)
-        self.page_table = jnp.arange(SLOTS * MAX_PAGES, dtype=jnp.int32).reshape(SLOTS, MAX_PAGES)
+        layout = CacheLayout(SLOTS, SLOTS * pages, pages, width, boundaries=boundaries)
+        self.state = init_state(self.text, layout, jnp.float32)
+        self.page_table = jnp.arange(SLOTS * pages, dtype=jnp.int32).reshape(SLOTS, pages)
 
     def run(self, chunks, reset=(), emit=(), prompt=(), sampling=None, num_top=0):
         """chunks: {slot: token list (at most width)}; returns the step's Emitted (one token per slot)."""

@@ -4,11 +4,22 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 from paths import REPO
 
-from inkling_jax.cache import ROUND_ROWS, CacheLayout, bytes_per_sequence, init_state, layout_for_budget, ring_size
+from inkling_jax.cache import (
+    ROUND_ROWS,
+    CacheLayout,
+    bytes_per_sequence,
+    init_state,
+    layout_for_budget,
+    record_boundaries,
+    ring_size,
+)
 from inkling_jax.config import load_config, parse_config
+from inkling_jax.sharding import state_specs
 from pallas_kernels.ragged_paged_attention.blocks import ring_block
 
 FULL = load_config(REPO / "configs" / "inkling2_small.json").text
@@ -91,3 +102,24 @@ def test_no_state_array_is_zero_sized(with_draft):
     assert (state.drafts is not None) == with_draft
     if with_draft:
         assert state.draft_probs.shape == (2 * ROUND_ROWS, config.draft.block_size, config.text.unpadded_vocab_size)
+
+
+def test_boundaries_keep_the_convolution_states_where_a_length_lands_on_a_page_boundary():
+    """Only the slots whose length reached a multiple of the page in the step keep their states, at the boundary's
+    parity; the ring keeps the window and two pages so that the window before the last boundary outlives it."""
+    layout = CacheLayout(max_num_seqs=4, num_pages=8, max_pages_per_seq=4, max_chunk=8, boundaries=True)
+    assert layout.ring(TINY) == 384  # window 8 + two pages, in whole pages
+    state = init_state(TINY, layout, jnp.float32)
+    rng = np.random.default_rng(5)
+    kv = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), state.kv)
+    before, after = jnp.array([120, 250, 256, 383]), jnp.array([128, 256, 256, 384])  # slot 2 did not move
+    kept = record_boundaries(state.boundaries, kv, before, after)
+    for stream in ("k", "v", "attention", "mlp"):
+        got, conv = np.asarray(getattr(kept, stream)), np.asarray(getattr(kv, f"conv_{stream}"))
+        np.testing.assert_array_equal(got[:, 0, 1], conv[:, 0])  # 128: parity 1
+        np.testing.assert_array_equal(got[:, 1, 0], conv[:, 1])  # 256: parity 0
+        np.testing.assert_array_equal(got[:, 3, 1], conv[:, 3])  # 384: parity 1
+        assert not got[:, 2].any() and not got[:, 0, 0].any() and not got[:, 1, 1].any()
+    specs = state_specs(state, TINY, 2)
+    assert specs.boundaries.k == PartitionSpec(None, "data", None, None, "model")
+    assert specs.boundaries.mlp == PartitionSpec(None, "data")
