@@ -148,11 +148,13 @@ def layout_for_budget(
     dtype: jnp.dtype = jnp.bfloat16,
     tp: int = 1,
     draft: DraftConfig | None = None,
+    snapshots: int = 0,
 ) -> CacheLayout:
-    """The largest page pool that fits `budget_bytes` (per device) after every slot's fixed state; a
-    page holds its tokens' K/V of every full-attention layer and, with a draft, their draft context K/V."""
+    """The largest page pool that fits `budget_bytes` (per device) after every slot's fixed state and, with a
+    prefix cache, its `snapshots` and each slot's boundary states; a page holds its tokens' K/V of every
+    full-attention layer and, with a draft, their draft context K/V."""
     sliding_layers, full_layers = _layer_counts(text)
-    ring = ring_size(text, max_chunk)
+    ring = ring_size(text, max_chunk, snapshots > 0)
     gamma = 0 if draft is None else draft.block_size
     fixed = (
         max_num_seqs
@@ -161,8 +163,13 @@ def layout_for_budget(
             + conv_state_bytes(text, dtype, tp)
             + text.unpadded_vocab_size * 9  # sampling: int32 output counts, a bool prompt mask, float32 kept logits
         )
-        + ROUND_ROWS * gamma * (text.unpadded_vocab_size + 1) * 4
-    )  # the constrained rounds' kept drafts and q
+        + ROUND_ROWS * gamma * (text.unpadded_vocab_size + 1) * 4  # the constrained rounds' kept drafts and q
+    )
+    if snapshots:  # the prefix cache's: each slot's boundary states, and the snapshots
+        window = sliding_layers * text.sliding_window_size * kv_bytes_per_token(text, True, dtype, tp)
+        fixed += max_num_seqs * 2 * conv_state_bytes(text, dtype, tp) + snapshots * (
+            window + conv_state_bytes(text, dtype, tp)
+        )
     per_page = PAGE_SIZE * (
         max(1, full_layers) * kv_bytes_per_token(text, False, dtype, tp) + draft_bytes_per_token(draft, dtype, tp)
     )
@@ -174,7 +181,7 @@ def layout_for_budget(
             f"{max_num_seqs} sequences ({fixed / 2**30:.2f} GiB); one sequence of {max_context} tokens needs "
             f"{max_pages_per_seq}"
         )
-    return CacheLayout(max_num_seqs, int(num_pages), max_pages_per_seq, max_chunk)
+    return CacheLayout(max_num_seqs, int(num_pages), max_pages_per_seq, max_chunk, boundaries=snapshots > 0)
 
 
 CONV_STREAMS = ("k", "v", "attention", "mlp")  # KVCache.conv_{stream}

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from inkling_jax.cache import DecodeState, KVCache, kv_split
+from inkling_jax.cache import DecodeState, KVCache, Snapshots, kv_split
 from inkling_jax.config import TextConfig, VisionConfig
 from inkling_jax.model.params import logical_axes
 
@@ -130,6 +130,22 @@ def state_specs(state: DecodeState, text: TextConfig, tp: int) -> DecodeState:
         channels = PartitionSpec(None, DATA, None, None, conv_axis)
         boundaries = dataclasses.replace(boundaries, k=channels, v=channels)
     return dataclasses.replace(specs, kv=kv, boundaries=boundaries)
+
+
+def snapshot_shardings(snapshots: Snapshots, text: TextConfig, mesh: Mesh) -> Snapshots:
+    """How a prefix cache's snapshot pool (`init_snapshots` of a state on `mesh`) lies on it: split by replica, and
+    within one like the state it is copied from (K/V and the K/V convolution states by head)."""
+    conv_axis = logical_rules(text, mesh.shape[MODEL])["kv_heads"]
+    conv = PartitionSpec(DATA, None, None, conv_axis)
+    specs = Snapshots(
+        sliding_k=PartitionSpec(DATA, None, MODEL),
+        sliding_v=PartitionSpec(DATA, None, MODEL),
+        conv_k=conv,
+        conv_v=conv,
+        conv_attention=PartitionSpec(DATA),
+        conv_mlp=PartitionSpec(DATA),
+    )
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def state_shardings(state: DecodeState, text: TextConfig, mesh: Mesh) -> DecodeState:

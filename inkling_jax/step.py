@@ -41,7 +41,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from inkling_jax.cache import PAGE_SIZE, DecodeState, commit_conv, record_boundaries
+from inkling_jax.cache import (
+    PAGE_SIZE,
+    DecodeState,
+    Snapshots,
+    commit_conv,
+    record_boundaries,
+    restore_snapshot,
+    save_snapshot,
+)
 from inkling_jax.model.chunk import Chunk, Lanes
 from inkling_jax.model.text import CausalLM
 from inkling_jax.sampling import Sampled, SamplingParams, any_slot, sample
@@ -485,3 +493,58 @@ def resample_fn(
     counts = before.at[own, jnp.where(counted, sampled.tokens, vocab)].add(1, mode="drop")
     redrawn = Redrawn(sampled.tokens, sampled.logprobs, last.at[into].set(sampled.tokens, mode="drop"))
     return redrawn, dataclasses.replace(state, output_counts=state.output_counts.at[into].set(counts, mode="drop"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SnapshotMove:
+    """A prefix cache's copy between one slot of each replica and its snapshot pool, each [replicas]: the slot (in
+    its replica), the snapshot, the page boundary, and whether the replica copies at all."""
+
+    slot: jax.Array  # int32
+    index: jax.Array  # int32
+    boundary: jax.Array  # int32
+    valid: jax.Array  # bool
+
+
+def save_fn(state: DecodeState, snapshots: Snapshots, move: SnapshotMove) -> Snapshots:
+    """`save_snapshot` of each replica's `move` (a replica's snapshots are its own: [replicas * N, ...] by replica)."""
+
+    def save(state: DecodeState, snapshots: Snapshots, move: SnapshotMove) -> Snapshots:
+        return jax.lax.cond(
+            move.valid[0],
+            lambda kept: save_snapshot(state, kept, move.slot[0], move.index[0], move.boundary[0]),
+            lambda kept: kept,
+            snapshots,
+        )
+
+    return _in_replicas(save, state, (P(DATA), P(DATA)), P(DATA))(state, snapshots, move)
+
+
+def restore_fn(
+    state: DecodeState, snapshots: Snapshots, move: SnapshotMove, prompt_mask: jax.Array, output_counts: jax.Array
+) -> DecodeState:
+    """`restore_snapshot` of each replica's `move`, with its sampling state (prompt_mask [replicas, V] bool,
+    output_counts [replicas, V] int32)."""
+
+    def restore(state: DecodeState, snapshots: Snapshots, move: SnapshotMove, mask: jax.Array, counts: jax.Array):
+        return jax.lax.cond(
+            move.valid[0],
+            lambda kept: restore_snapshot(
+                kept, snapshots, move.slot[0], move.index[0], move.boundary[0], mask[0], counts[0]
+            ),
+            lambda kept: kept,
+            state,
+        )
+
+    specs = (P(DATA), P(DATA), P(DATA), P(DATA))
+    return _in_replicas(restore, state, specs, replica_specs(state))(state, snapshots, move, prompt_mask, output_counts)
+
+
+def _in_replicas(fn, state: DecodeState, in_specs: tuple, out_specs: object):
+    """fn(state, *rest) run by each data-parallel replica on its own slots (rest split by replica: in_specs), or as
+    it is on a mesh without replicas."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if DATA not in mesh.axis_names or mesh.shape[DATA] == 1:
+        return fn
+    return jax.shard_map(fn, in_specs=(replica_specs(state), *in_specs), out_specs=out_specs, axis_names={DATA})

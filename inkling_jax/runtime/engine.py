@@ -42,7 +42,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from inkling_jax.cache import PAGE_SIZE, ROUND_ROWS, CacheLayout, DecodeState, init_state, layout_for_budget
+from inkling_jax.cache import (
+    PAGE_SIZE,
+    ROUND_ROWS,
+    CacheLayout,
+    DecodeState,
+    init_snapshots,
+    init_state,
+    layout_for_budget,
+)
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import ModelConfig, load_config
@@ -65,9 +73,21 @@ from inkling_jax.runtime.packed_batch import BatchLayout
 from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sampling import SamplingParams
 from inkling_jax.score import DTYPES
-from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, state_shardings
+from inkling_jax.sharding import DATA, MODEL, make_mesh, shard_model, snapshot_shardings, state_shardings
 from inkling_jax.speculative import SPECULATIVE_MODES, SpeculationError
-from inkling_jax.step import Emitted, Redraw, Redrawn, Rounds, StepBatch, pack_spans, resample_fn, step_fn
+from inkling_jax.step import (
+    Emitted,
+    Redraw,
+    Redrawn,
+    Rounds,
+    SnapshotMove,
+    StepBatch,
+    pack_spans,
+    resample_fn,
+    restore_fn,
+    save_fn,
+    step_fn,
+)
 from inkling_jax.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 from pallas_kernels import import_kernel_runtimes
 from pallas_kernels.moe import kernel_platform
@@ -167,6 +187,7 @@ class Engine:
         max_images: int = DEFAULT_MAX_IMAGES,
         max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
         image_feature_tokens: int | None = None,
+        snapshots: int = 0,
     ):
         """speculative: one of SPECULATIVE_MODES; anything but "none" needs the model's DSpark draft
         (NoDraftError) and a chunk of at least γ + 1 tokens (SpeculationError). compiler_options: XLA's, for
@@ -178,7 +199,9 @@ class Engine:
         slot's decode tokens and two chunks); at least every slot's decode tokens and one more (BatchedTokensError).
         max_images, max_image_tiles: what one request may carry (images; 0: none) and one image (tiles);
         image_feature_tokens: the feature pool's rows (default: four images of max_image_tiles), at least
-        max_image_tiles (ImageOptionsError); a model without an image tower ignores them."""
+        max_image_tiles (ImageOptionsError); a model without an image tower ignores them. snapshots: the states
+        a prefix cache saves at page boundaries, per replica (`save_snapshot`; 0: none, and no state kept for
+        them)."""
         if speculative not in SPECULATIVE_MODES:
             raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         self.speculative = speculative != "none"
@@ -203,7 +226,10 @@ class Engine:
         )
         self.lane_width = min(LANE, self.chunk)
         self.lanes = -(-self.max_num_batched_tokens // self.lane_width)
-        layout = dataclasses.replace(replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas)
+        self.snapshots_per_replica = snapshots
+        layout = dataclasses.replace(
+            replica, max_num_seqs=self.slots, num_pages=replica.num_pages * self.replicas, boundaries=snapshots > 0
+        )
         with jax.set_mesh(mesh):
             if platform := kernel_platform():  # the expert kernels' layout, made once here (in place)
                 lay_out_experts(model, platform)
@@ -215,8 +241,16 @@ class Engine:
             make_state = functools.partial(
                 init_state, self.text, layout, self.dtype, mesh.shape[MODEL], draft, self.replicas
             )
-            shardings = state_shardings(jax.eval_shape(make_state), self.text, mesh)
+            abstract = jax.eval_shape(make_state)
+            shardings = state_shardings(abstract, self.text, mesh)
             self.state = jax.jit(make_state, out_shardings=shardings)()  # built in place, shard by shard
+            self._snapshots = None
+            if snapshots:
+                make_snapshots = functools.partial(init_snapshots, abstract, self.text, snapshots * self.replicas)
+                snapshot_places = snapshot_shardings(jax.eval_shape(make_snapshots), self.text, mesh)
+                self._snapshots = jax.jit(make_snapshots, out_shardings=snapshot_places)()
+                self._save = jax.jit(save_fn, donate_argnames="snapshots", out_shardings=snapshot_places)
+                self._restore = jax.jit(restore_fn, donate_argnames="state", out_shardings=shardings)
         # each step returns the state exactly as it took it, so one compilation per width serves all steps
         num_top, greedy_draft = min(num_top, self.text.unpadded_vocab_size), speculative == "dspark-greedy"
         out_shardings = (NamedSharding(mesh, P()), shardings)
@@ -346,10 +380,11 @@ class Engine:
         max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
         image_feature_tokens: int | None = None,
         compiler_options: dict[str, object] | None = None,
+        snapshots: int = 0,
     ) -> Engine:
         """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
-        after the slots' fixed state (CacheBudgetError if not even one `max_context` sequence fits);
-        without one every slot gets room for `max_context` tokens."""
+        after the slots' fixed state and the prefix cache's `snapshots` (CacheBudgetError if not even one
+        `max_context` sequence fits); without one every slot gets room for `max_context` tokens."""
         pages = pages_for(max_context)
         if budget_bytes is None:
             replica = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
@@ -363,6 +398,7 @@ class Engine:
                 dtype=model.model.embed_tokens.weight.dtype,
                 tp=mesh.shape[MODEL],
                 draft=require_draft(model) if speculative != "none" else None,
+                snapshots=snapshots,
             )
         return cls(
             model,
@@ -378,6 +414,7 @@ class Engine:
             max_images=max_images,
             max_image_tiles=max_image_tiles,
             image_feature_tokens=image_feature_tokens,
+            snapshots=snapshots,
         )
 
     @property
@@ -569,6 +606,55 @@ class Engine:
                 program = RESAMPLERS.put(key, self._resample.lower(*args, layout=layout).compile())
         self._resamplers[bucket] = program
         return program
+
+    def save_snapshot(self, slot: int | None, index: int = 0, boundary: int = 0) -> None:
+        """Dispatch the save of what `slot` kept at the page `boundary` (the last one its length landed on, or the
+        one before) into its replica's snapshot `index` (`inkling_jax.cache.save_snapshot`; None: save nothing)."""
+        with jax.set_mesh(self.mesh):  # the program splits by replica on the mesh
+            self._snapshots = self._save(self.state, self._snapshots, self._move(slot, index, boundary))
+
+    def restore_snapshot(
+        self, slot: int | None, index: int, boundary: int, prompt_mask: np.ndarray, output_counts: np.ndarray
+    ) -> None:
+        """Dispatch the restore of its replica's snapshot `index`, saved at the page `boundary`, into `slot`, with
+        the sampling state there (prompt_mask [vocab] bool, output_counts [vocab] int32): the slot's next step
+        resumes the sequence at the boundary (the pages before it in its page table), not from a reset (None:
+        restore nothing)."""
+        vocab, replica = self.text.unpadded_vocab_size, -1 if slot is None else self.replica_of(slot)
+        if prompt_mask.shape != (vocab,) or output_counts.shape != (vocab,):
+            raise ValueError(
+                f"prompt_mask and output_counts must be [{vocab}], got {prompt_mask.shape}, {output_counts.shape}"
+            )
+        masks, counts = np.zeros((self.replicas, vocab), bool), np.zeros((self.replicas, vocab), np.int32)
+        if slot is not None:
+            masks[replica], counts[replica] = prompt_mask, output_counts
+        by_replica = (jax.device_put(x, self.by_slot) for x in (masks, counts))
+        with jax.set_mesh(self.mesh):
+            self.state = self._restore(self.state, self._snapshots, self._move(slot, index, boundary), *by_replica)
+
+    def _move(self, slot: int | None, index: int = 0, boundary: int = 0) -> SnapshotMove:
+        """A `SnapshotMove` for `slot`'s replica alone (None: for none), on the mesh."""
+        if self._snapshots is None:
+            raise ValueError("this engine keeps no snapshots (snapshots=0)")
+        if slot is not None and not (0 <= index < self.snapshots_per_replica and boundary % PAGE_SIZE == 0):
+            raise ValueError(f"snapshot {index} of {self.snapshots_per_replica} at boundary {boundary}")
+        replicas = self.replicas
+        valid = np.arange(replicas) == (self.replica_of(slot) if slot is not None else -1)
+        move = SnapshotMove(
+            np.full(replicas, (slot or 0) % self.slots_per_replica, np.int32),
+            np.full(replicas, index, np.int32),
+            np.full(replicas, boundary, np.int32),
+            valid,
+        )
+        return jax.tree.map(lambda x: jax.device_put(x, self.by_slot), move)
+
+    def warm_up_snapshots(self) -> None:
+        """Compile the snapshot programs (run once, moving nothing), so that serving with a prefix cache never
+        compiles."""
+        if self._snapshots is not None:
+            self.save_snapshot(None)
+            vocab = self.text.unpadded_vocab_size
+            self.restore_snapshot(None, 0, 0, np.zeros(vocab, bool), np.zeros(vocab, np.int32))
 
     def warm_up_resample(self) -> None:
         """Compile `resample` for each count of rows (an idle step's outputs, resampled with every token allowed), so

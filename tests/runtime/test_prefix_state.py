@@ -13,9 +13,12 @@ from model_configs import four_layers
 from paths import TINY_CONFIG
 from step_driver import Driver
 
-from inkling_jax.cache import PAGE_SIZE, init_snapshots, restore_snapshot, save_snapshot
+from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_snapshots, restore_snapshot, save_snapshot
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
+from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.requests import Request
+from inkling_jax.sharding import make_mesh
 
 WINDOW = 160  # over a page: the window before a boundary spans two pages, and before the first it starts before 0
 WIDTH, LENGTH = 64, 300  # prefill pieces; a sequence of two pages and 44 tokens
@@ -77,3 +80,48 @@ def test_a_sequence_resumed_at_a_saved_boundary_computes_as_the_one_that_ran_thr
     driver.page_table = jnp.asarray(table)
     zeroed = feed(driver, 2, tokens, boundary, decode=0)
     assert not np.array_equal(zeroed[0].logprobs, through[0].logprobs)
+
+
+@pytest.mark.slow
+def test_the_engine_saves_and_restores_within_a_replica(model):
+    """On dp2tp2, a sequence of replica 1 saved at a boundary and restored into another slot of replica 1 samples
+    (seeded, with penalties over the prompt and the outputs) what the first sampled, step for step."""
+    engine = Engine(model, CacheLayout(2, 6, 3, WIDTH), make_mesh("dp2tp2", model.config), num_top=4, snapshots=2)
+    engine.warm_up_snapshots()
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, model.config.unpadded_vocab_size, LENGTH).tolist()
+    request = Request("r", tuple(tokens), max_tokens=8, temperature=0.9, seed=11, repetition_penalty=1.3,
+                      presence_penalty=0.5, top_k=20)  # fmt: skip
+    table = np.zeros((engine.slots, engine.max_pages), np.int32)
+    table[2], table[3] = [0, 1, 2], [0, 1, 3]  # replica 1's pages; slot 3 reads slot 2's first two
+
+    def run(slot: int, start: int, outputs: int) -> list[tuple]:
+        """Feed `slot` the prompt from `start` and decode `outputs` tokens; each emitting step's outputs."""
+        got, fed = [], start
+        while fed < LENGTH:
+            piece = tokens[fed : fed + WIDTH]
+            emitted = step(slot, piece, reset=fed == 0, prompt=True, emit=fed + len(piece) == LENGTH)
+            fed += len(piece)
+        got.append(emitted)
+        for _ in range(outputs):
+            got.append(step(slot, [int(got[-1].tokens[slot, 0])], reset=False, prompt=False, emit=True))
+        return [(e.tokens[slot, :1], e.logprobs[slot, :1], e.top_ids[slot, :1], e.top_logprobs[slot, :1]) for e in got]
+
+    def step(slot: int, piece: list[int], reset: bool, prompt: bool, emit: bool):
+        batch_tokens, counts = np.zeros((engine.slots, len(piece)), np.int32), np.zeros(engine.slots, np.int32)
+        batch_tokens[slot], counts[slot] = piece, len(piece)
+        flags = {name: np.arange(engine.slots) == slot if value else np.zeros(engine.slots, bool)
+                 for name, value in (("reset", reset), ("is_prompt", prompt), ("emit", emit))}  # fmt: skip
+        sampling = [request if s == slot else None for s in range(engine.slots)]
+        return engine.fetch(engine.step(engine.host_batch(batch_tokens, counts, sampling, table, **flags)))
+
+    through = run(2, 0, outputs=4)
+    boundary = 2 * PAGE_SIZE
+    engine.save_snapshot(2, 1, boundary)
+    prompt = np.zeros(model.config.unpadded_vocab_size, bool)
+    prompt[tokens[:boundary]] = True
+    engine.restore_snapshot(3, 1, boundary, prompt, np.zeros(model.config.unpadded_vocab_size, np.int32))
+    resumed = run(3, boundary, outputs=4)
+    for want, got in zip(through, resumed, strict=True):
+        for a, b in zip(want, got, strict=True):
+            np.testing.assert_array_equal(b, a)
