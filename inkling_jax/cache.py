@@ -426,11 +426,20 @@ def restore_snapshot(
         return ring.at[:, slot].set(ring[:, slot].at[:, :, at].set(saved[index], mode="drop"))
 
     restored = {name: into_ring(getattr(kv, name), getattr(snapshots, name)) for name in ("sliding_k", "sliding_v")}
+    boundaries = state.boundaries
     for stream in CONV_STREAMS:
         name = f"conv_{stream}"
         restored[name] = getattr(kv, name).at[:, slot].set(getattr(snapshots, name)[index])
+        if boundaries is not None:  # the slot landed on the boundary: a save there finds its states
+            kept = (
+                getattr(boundaries, stream)
+                .at[:, slot, (boundary // PAGE_SIZE) % 2]
+                .set(getattr(snapshots, name)[index])
+            )
+            boundaries = dataclasses.replace(boundaries, **{stream: kept})
     return dataclasses.replace(
         state,
+        boundaries=boundaries,
         kv=dataclasses.replace(kv, **restored),
         lengths=state.lengths.at[slot].set(boundary),
         prompt_mask=state.prompt_mask.at[slot].set(prompt_mask),

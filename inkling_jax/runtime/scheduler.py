@@ -47,10 +47,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from inkling_jax.cache import ROUND_ROWS
+from inkling_jax.cache import PAGE_SIZE, ROUND_ROWS
 from inkling_jax.runtime.constraints import ConstraintError, Grammars, Matcher
 from inkling_jax.runtime.engine import Engine, pages_for
 from inkling_jax.runtime.images import placeholder_runs
+from inkling_jax.runtime.prefix_cache import Hit, PrefixIndex, image_digest, page_keys
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
 from inkling_jax.step import Emitted, StepBatch
 
@@ -70,6 +71,9 @@ class Stats:
     speculative_tokens: int  # cumulative: tokens those rounds emitted
     image_rows_used: int = 0  # rows of the image feature pool the admitted requests hold
     image_rows_total: int = 0  # rows in the pool (0: the engine takes no images)
+    cached_tokens: int = 0  # cumulative: prompt tokens admissions took from the prefix cache
+    cached_pages: int = 0  # pages the prefix cache holds
+    evicted_pages: int = 0  # cumulative
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,6 +97,10 @@ class _Sequence:
     matcher: Matcher | None = None  # its constraint's place after the outputs read so far
     drafts: list[int] | None = None  # a constrained round's drafts the state keeps for its slot (None: none)
     round_row: int = 0  # and the row of its replica's ROUND_ROWS that keeps them
+    shared: list[bytes] = dataclasses.field(default_factory=list)  # keys of the cached pages it reads
+    landed: int = 0  # the last page boundary its state landed on (where the prefix cache can save it)
+    cached: int = 0  # prompt tokens its first admission took from the prefix cache
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys
 
     @property
     def tiles(self) -> int:
@@ -142,6 +150,8 @@ class Scheduler:
         self._waiting: list[_Sequence] = []
         self._slots: list[_Sequence | None] = [None] * self.engine.slots
         self._free_pages = [list(range(self.engine.pages_per_replica)) for _ in range(self.engine.replicas)]
+        snapshots = engine.snapshots_per_replica  # a prefix cache per replica, where the engine saves snapshots
+        self._prefix = [PrefixIndex(snapshots) for _ in range(engine.replicas)] if snapshots else None
         limits = engine.image_limits
         self._free_rows = list(range(limits.pool_rows)) if limits is not None else []  # of the image-feature pool
         self._ids: dict[str, _Sequence] = {}  # every unfinished request
@@ -229,6 +239,7 @@ class Scheduler:
         requests."""
         start = time.perf_counter()
         self.engine.warm_up()
+        self.engine.warm_up_snapshots()
         logger.info("warm-up compiled and ran every step shape in %.1f s", time.perf_counter() - start)
         if self.engine.tokenizer is not None:
             start = time.perf_counter()
@@ -277,6 +288,9 @@ class Scheduler:
                 speculative_tokens=self._counters["round_tokens"],
                 image_rows_used=rows - len(self._free_rows),
                 image_rows_total=rows,
+                cached_tokens=self._counters["cached"],
+                cached_pages=sum(len(index) for index in self._prefix or ()),
+                evicted_pages=sum(index.evicted_pages for index in self._prefix or ()),
             )
 
     # --- the scheduler thread ---
@@ -356,6 +370,9 @@ class Scheduler:
                 boundary = len(sequence.prompt) if sequence.fed < len(sequence.prompt) else sequence.known
                 most = min(engine.chunk, budget, room[replica], lanes[replica] * engine.lane_width)
                 end = min(boundary, sequence.fed + most)
+                last = boundary // PAGE_SIZE * PAGE_SIZE
+                if self._prefix is not None and sequence.fed < last < end:
+                    end = last  # the state lands on the last page boundary before the end (the cache saves it there)
                 if end <= sequence.fed:
                     continue
                 piece = [sequence.token(p) for p in range(sequence.fed, end)]
@@ -393,6 +410,8 @@ class Scheduler:
                     image_rows[slot, : len(piece)] = sequence.prompt_rows[sequence.fed : sequence.fed + len(piece)]
                 replay[slot] = not is_prompt[slot] and sequence.fed < sequence.replay_until
                 sequence.fed += len(piece)
+                if sequence.fed % PAGE_SIZE == 0:
+                    sequence.landed = sequence.fed
                 sequence.decoding = sequence.fed == sequence.known  # caught up: the sample is its next token
             if sequence.decoding:
                 emit[slot] = True
@@ -485,17 +504,26 @@ class Scheduler:
             head = self._waiting[0]
             if head.in_flight:  # preempted with a token still to read: re-admit once it is read
                 return
-            pool = self._free_pages[self.engine.replica_of(slot)]
+            replica = self.engine.replica_of(slot)
+            pool = self._free_pages[replica]
             if head.request.images and head.prompt_rows is None and head.tiles > len(self._free_rows):
                 return  # its images wait for feature rows
-            if self._slots[slot] is None and pages_for(head.known + 1) <= len(pool):
+            if self._slots[slot] is not None:
+                continue
+            keys, hit = self._cached(head, replica)
+            free = len(pool) + (self._prefix[replica].evictable - len(hit.pages) if self._prefix else 0)
+            if pages_for(head.known + 1) - len(hit.pages) <= free:
                 self._waiting.pop(0)
                 if head.request.images and head.prompt_rows is None:
                     self._encode_images(head)
                 if head.replay_until == 0:  # first admission
                     self._counters["prompt"] += len(head.prompt)
-                head.slot, head.fed, head.replay_until, head.drafts = slot, 0, head.known, None
+                    head.cached = min(hit.tokens, len(head.prompt))
+                    self._counters["cached"] += head.cached
+                head.slot, head.fed, head.replay_until, head.drafts, head.landed = slot, 0, head.known, None, 0
                 self._slots[slot] = head
+                if hit.pages:
+                    self._resume(head, keys[: len(hit.pages)], hit)
 
     def _encode_images(self, sequence: _Sequence) -> None:
         """Give a sequence's tiles rows of the image-feature pool and dispatch its images' encoding into them."""
@@ -515,6 +543,8 @@ class Scheduler:
         replica = self.engine.replica_of(sequence.slot)
         pool = self._free_pages[replica]
         while sequence.slot is not None and len(sequence.pages) < pages_for(tokens):
+            if not pool and self._prefix is not None:
+                pool.extend(self._prefix[replica].evict(pages_for(tokens) - len(sequence.pages)))
             if pool:
                 sequence.pages.append(pool.pop())
             else:
@@ -525,11 +555,61 @@ class Scheduler:
         return max(running, key=lambda s: s.arrival)
 
     def _preempt(self, sequence: _Sequence) -> None:
+        self._publish(sequence)
         self._release(sequence)
         sequence.fed, sequence.decoding, sequence.drafts = 0, False, None
         self._waiting.append(sequence)
         self._counters["preemptions"] += 1
         logger.info("preempted %s (%d tokens) to free pages", sequence.request.id, sequence.known)
+
+    def _cached(self, sequence: _Sequence, replica: int) -> tuple[list[bytes], Hit]:
+        """The page keys of what the sequence holds (all but its last token: a step must feed one) and the
+        prefix cache's longest hit among them."""
+        if self._prefix is None:
+            return [], Hit((), None)
+        keys = self._keys(sequence, (sequence.known - 1) // PAGE_SIZE)
+        return keys, self._prefix[replica].longest(keys)
+
+    def _keys(self, sequence: _Sequence, pages: int) -> list[bytes]:
+        """The keys of the sequence's first `pages` pages (kept: its tokens only grow)."""
+        if len(sequence.keys) < pages:
+            tokens, images = sequence.prompt + tuple(sequence.outputs), []
+            if sequence.request.images:
+                runs = placeholder_runs(sequence.prompt, self.engine.image_limits.image_token_id)
+                images = [(*run, image_digest(image)) for run, image in zip(runs, sequence.request.images, strict=True)]
+            sequence.keys = page_keys(tokens, pages, images)
+        return sequence.keys[:pages]
+
+    def _resume(self, sequence: _Sequence, keys: list[bytes], hit: Hit) -> None:
+        """Start an admitted sequence after its cached pages: read them, and restore the snapshot at their end."""
+        index = self._prefix[self.engine.replica_of(sequence.slot)]
+        sequence.pages, sequence.shared = index.acquire(keys), keys
+        sequence.fed = sequence.landed = hit.tokens
+        vocab = self.text.unpadded_vocab_size
+        prompt_mask = np.zeros(vocab, bool)
+        prompt_mask[list(sequence.prompt[: hit.tokens])] = True
+        outputs = sequence.outputs[: max(0, hit.tokens - len(sequence.prompt))]
+        counts = np.bincount(np.asarray(outputs, np.int64), minlength=vocab)[:vocab].astype(np.int32)
+        self.engine.restore_snapshot(sequence.slot, hit.snapshot, hit.tokens, prompt_mask, counts)
+
+    def _publish(self, sequence: _Sequence) -> None:
+        """Hand the full pages of a sequence leaving its slot to the prefix cache, with a snapshot at the last page
+        boundary it landed on; its cached pages stay with the cache, the rest `_release` frees."""
+        if self._prefix is None or sequence.slot is None:
+            return
+        index = self._prefix[self.engine.replica_of(sequence.slot)]
+        held = sequence.known - 1 if sequence.decoding else sequence.fed  # tokens its steps wrote and kept
+        full = min(held // PAGE_SIZE, len(sequence.pages))
+        keys = self._keys(sequence, full)
+        duplicates = index.publish(keys, sequence.pages[:full])
+        boundary = sequence.landed if PAGE_SIZE <= sequence.landed <= full * PAGE_SIZE else 0
+        if boundary:
+            snapshot = index.save_snapshot(keys[boundary // PAGE_SIZE - 1])
+            if snapshot is not None:
+                self.engine.save_snapshot(sequence.slot, snapshot, boundary)
+        index.release(sequence.shared)
+        self._free_pages[self.engine.replica_of(sequence.slot)].extend(duplicates)
+        sequence.pages, sequence.shared = sequence.pages[full:], []
 
     def _release(self, sequence: _Sequence) -> None:
         """Free the sequence's slot and pages."""
@@ -579,6 +659,8 @@ class Scheduler:
                         emitted.top_ids[slot, :taken], emitted.top_logprobs[slot, :taken], strict=True
                     )
                 )
+            if sequence.decoding:  # every boundary a decoding sequence reaches it lands on (rounds end there)
+                sequence.landed = max(sequence.landed, (sequence.known - 1) // PAGE_SIZE * PAGE_SIZE)
             tokens = tuple(sequence.outputs[len(sequence.outputs) - taken :])
             self._deliver(
                 sequence,
@@ -601,6 +683,7 @@ class Scheduler:
         sequence.finished = True
         if sequence in self._waiting:
             self._waiting.remove(sequence)
+        self._publish(sequence)
         self._release(sequence)
         if sequence.prompt_rows is not None:  # its image features' rows
             self._free_rows.extend(sequence.prompt_rows[sequence.prompt_rows >= 0].tolist())

@@ -4,6 +4,7 @@ one computed; restored without its convolution states (zeros, a bug other engine
 
 import dataclasses
 import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.runtime.engine import Engine
 from inkling_jax.runtime.requests import Request
+from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.sharding import make_mesh
 
 WINDOW = 160  # over a page: the window before a boundary spans two pages, and before the first it starts before 0
@@ -125,3 +127,58 @@ def test_the_engine_saves_and_restores_within_a_replica(model):
     for want, got in zip(through, resumed, strict=True):
         for a, b in zip(want, got, strict=True):
             np.testing.assert_array_equal(b, a)
+
+
+def serve(engine: Engine, requests: list[Request]) -> tuple[dict[str, list[int]], object]:
+    """Every request's tokens when all are queued at once, and the scheduler's stats after."""
+    scheduler = Scheduler(engine)
+    scheduler.warm_up()
+    tokens, done = {r.id: [] for r in requests}, threading.Semaphore(0)
+
+    def sink(request_id: str):
+        def on_delta(delta):
+            tokens[request_id].extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                done.release()
+
+        return on_delta
+
+    for request in requests:
+        scheduler.submit(request, sink(request.id))
+    scheduler.start()
+    try:
+        for _ in requests:
+            assert done.acquire(timeout=300)
+        return tokens, scheduler.stats()
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.slow
+def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(model):
+    """Two slots and requests that share a 300-token beginning whole, in part (a page, and the window into the
+    next), or not at all, greedy and seeded: the later ones resume from what the earlier ones left (the cache
+    holds their pages and snapshots), a small pool makes them evict and preempt, and every request's tokens equal
+    those of an engine without the cache."""
+    rng = np.random.default_rng(12)
+    vocab = model.config.unpadded_vocab_size
+    shared = rng.integers(0, vocab, LENGTH).tolist()
+    tail = [rng.integers(0, vocab, n).tolist() for n in (20, 70, 90, 140)]
+    prompts = [shared + tail[0], shared[:200] + tail[1], shared + tail[2], tail[3], list(shared)]
+    requests = [
+        Request(
+            f"r{i}",
+            tuple(prompt),
+            max_tokens=int(rng.integers(40, 140)),
+            temperature=(0.0, 0.8)[i % 2],
+            seed=i,
+            presence_penalty=0.4,
+        )
+        for i, prompt in enumerate(prompts * 2)
+    ]
+    mesh = make_mesh("tp1", model.config)
+    layout = CacheLayout(2, 7, 5, WIDTH)  # growing sequences outgrow it: some are preempted
+    plain, _ = serve(Engine(model, layout, mesh), requests)
+    cached, stats = serve(Engine(model, layout, mesh, snapshots=3), requests)
+    assert cached == plain
+    assert stats.cached_tokens >= 3 * 2 * PAGE_SIZE and stats.preemptions > 0 and stats.evicted_pages > 0, stats
