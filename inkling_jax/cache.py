@@ -519,7 +519,7 @@ def init_state(
         pool = (draft.num_hidden_layers, layout.num_pages, draft.num_key_value_heads, layout.page_size, draft.head_dim)
         kv = dataclasses.replace(kv, draft_k=zeros(*pool), draft_v=zeros(*pool))
         rows, gamma, vocab = replicas * ROUND_ROWS, draft.block_size, text.unpadded_vocab_size
-        kept = {
+        kept |= {
             "drafts": jnp.zeros((rows, gamma), jnp.int32),
             "draft_probs": jnp.zeros((rows, gamma, vocab), jnp.float32),
         }

@@ -25,6 +25,8 @@ from inkling_jax.sharding import make_mesh
 WINDOW = 160  # over a page: the window before a boundary spans two pages, and before the first it starts before 0
 WIDTH, LENGTH = 64, 300  # prefill pieces; a sequence of two pages and 44 tokens
 save, restore = jax.jit(save_snapshot), jax.jit(restore_snapshot)
+DRAFT = {"num_hidden_layers": 1, "block_size": 4, "target_layer_ids": [1, 3], "mask_token_id": 5, "markov_rank": 6,
+         "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 24}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +34,8 @@ def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("window")
     config = json.loads(four_layers(TINY_CONFIG, folder / "four.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"sliding_window_size": WINDOW}))
-    return load_causal_lm(write_checkpoint(folder / "config.json", folder / "hf", experts="fp32", seed=3), np.float32)[
-        1
-    ]
+    path = write_checkpoint(folder / "config.json", folder / "hf", experts="fp32", seed=3, draft=DRAFT)
+    return load_causal_lm(path, np.float32)[1]
 
 
 def feed(driver: Driver, slot: int, tokens: list[int], start: int, decode: int) -> list:
@@ -182,3 +183,9 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
     cached, stats = serve(Engine(model, layout, mesh, snapshots=3), requests)
     assert cached == plain
     assert stats.cached_tokens >= 3 * 2 * PAGE_SIZE and stats.preemptions > 0 and stats.evicted_pages > 0, stats
+
+    # speculating (its rounds end on page boundaries): greedy requests give plain greedy decoding's tokens
+    greedy = [request for request in requests if request.temperature == 0]
+    drafted, stats = serve(Engine(model, layout, mesh, speculative="dspark", snapshots=3), greedy)
+    assert drafted == {request.id: plain[request.id] for request in greedy}
+    assert stats.cached_tokens >= 2 * PAGE_SIZE and stats.speculative_rounds > 0, stats
