@@ -60,6 +60,7 @@ from inkling_jax.runtime.engine import (
     add_batched_tokens_argument,
     add_image_arguments,
     add_load_format_argument,
+    add_prefix_cache_arguments,
     engine_options,
     load_engine,
 )
@@ -115,6 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     add_batched_tokens_argument(parser)
+    add_prefix_cache_arguments(parser)
     add_image_arguments(parser)
     parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP(S) on this port")

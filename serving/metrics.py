@@ -215,6 +215,17 @@ class _SchedulerCollector(Collector):
         )
         yield CounterMetricFamily("inkling_preemptions", "Sequences preempted to free pages", value=stats.preemptions)
         yield CounterMetricFamily("inkling_prompt_tokens", "Prompt tokens prefilled", value=stats.prompt_tokens)
+        yield CounterMetricFamily(
+            "inkling_prefix_cache_hit_tokens",
+            "Prompt tokens taken from the prefix cache (hit rate: over inkling_prompt_tokens)",
+            value=stats.cached_tokens,
+        )
+        yield GaugeMetricFamily(
+            "inkling_prefix_cache_pages", "KV-cache pages the prefix cache holds", value=stats.cached_pages
+        )
+        yield CounterMetricFamily(
+            "inkling_prefix_cache_evictions", "Cached pages evicted for new ones", value=stats.evicted_pages
+        )
         yield CounterMetricFamily("inkling_generation_tokens", "Tokens generated", value=stats.generated_tokens)
         yield CounterMetricFamily(
             "inkling_speculative_rounds", "Speculative rounds (draft, verify) run", value=stats.speculative_rounds

@@ -452,6 +452,7 @@ class InklingServicer(pb_grpc.InklingServicer):
                 response.usage.prompt_tokens = len(request.prompt_token_ids)
                 response.usage.completion_tokens = completion
                 response.usage.acceptance_length = delta.acceptance_length
+                response.usage.cached_tokens = delta.cached_tokens
                 if delta.acceptance_length:
                     self.metrics.acceptance_length.observe(delta.acceptance_length)
                 response.matched_stop = (text.matched if text is not None else None) or ""

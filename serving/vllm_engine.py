@@ -383,7 +383,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if stopped or delta.finish_reason is not None:
                     running -= 1
                     reason = "stop" if stopped else delta.finish_reason
-                    complete = self._complete(choice, new if stream else choice.emitted, reason, prompt, stream)
+                    emitted = new if stream else choice.emitted
+                    complete = self._complete(choice, emitted, reason, prompt, delta.cached_tokens, stream)
                     yield vpb.GenerateResponse(complete=complete), reason if not running else None
                     if not running:
                         return
@@ -392,13 +393,15 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 task.cancel()
 
     @staticmethod
-    def _complete(choice: Choice, ids: list[int], reason: str, prompt: int, stream: bool) -> vpb.GenerateComplete:
+    def _complete(
+        choice: Choice, ids: list[int], reason: str, prompt: int, cached: int, stream: bool
+    ) -> vpb.GenerateComplete:
         complete = vpb.GenerateComplete(
             output_ids=ids,
             finish_reason=reason,
             prompt_tokens=prompt,
             completion_tokens=len(choice.emitted),
-            cached_tokens=0,
+            cached_tokens=cached,
             index=choice.index,
         )
         if not stream and choice.request.logprobs is not None:

@@ -54,6 +54,7 @@ from inkling_jax.runtime.engine import (
     add_batched_tokens_argument,
     add_image_arguments,
     add_load_format_argument,
+    add_prefix_cache_arguments,
     engine_options,
     load_engine,
     open_checkpoint,
@@ -378,6 +379,7 @@ def main(argv: list[str] | None, module: str) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="slots per data-parallel replica")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     add_batched_tokens_argument(parser)
+    add_prefix_cache_arguments(parser)
     add_image_arguments(parser)
     parser.add_argument(
         "--kv-cache-mib",

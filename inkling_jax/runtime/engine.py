@@ -924,6 +924,22 @@ def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prefix cache's flags, as every command that runs the engine takes them."""
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="compute every prompt whole (by default a request resumes after the pages of an earlier one it starts "
+        "with)",
+    )
+    parser.add_argument(
+        "--prefix-snapshots",
+        type=int,
+        help="states the prefix cache saves at page boundaries, where later requests resume, per data-parallel replica "
+        "(default: one per slot; each holds the sliding window's K/V and the convolution states)",
+    )
+
+
 GPU_STEP = {
     "xla_gpu_dot_merger_threshold_mb": 0,
     "xla_gpu_autotune_level": 0,
@@ -1005,8 +1021,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     """`load_engine`'s options from the flags the command-line front ends share (mesh, dtype, slots, chunk, page
     budget, speculation, token budget, image limits and pool)."""
     names = ("mesh", "dtype", "max_num_seqs", "chunk", "kv_cache_mib", "speculative", "max_num_batched_tokens")
-    names += ("max_images", "max_image_tiles", "image_feature_tokens")
-    return {name: getattr(args, name) for name in names}
+    names += ("max_images", "max_image_tiles", "image_feature_tokens", "prefix_snapshots")
+    return {name: getattr(args, name) for name in names} | ({"prefix_snapshots": 0} if args.no_prefix_cache else {})
 
 
 def load_engine(
@@ -1026,6 +1042,7 @@ def load_engine(
     max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
     image_feature_tokens: int | None = None,
     compiler_options: dict[str, object] | None = None,
+    prefix_snapshots: int | None = None,
 ) -> Engine:
     """The model of `checkpoint` on the mesh `mesh` (read straight into its shards, or with `load_format`
     "dummy" random weights built there from the config alone) and its decode state: `max_num_seqs` slots per
@@ -1034,11 +1051,15 @@ def load_engine(
     checkpoint, tokenizer, mesh, cache budget, speculation without a draft), raised before any weight is read
     where they can be. speculative: one of SPECULATIVE_MODES. executable_cache: a directory for the compiled step
     programs (None: compile every one). max_num_batched_tokens, the image options and compiler_options: see
-    `Engine`."""
+    `Engine`. prefix_snapshots: the prefix cache's snapshots per replica (None: one per slot; 0: no prefix
+    cache)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
     if max_num_seqs < 1 or chunk < 1:
         raise ValueError("max_num_seqs and chunk must be at least 1")
+    snapshots = max_num_seqs if prefix_snapshots is None else prefix_snapshots
+    if snapshots < 0:
+        raise ValueError(f"prefix_snapshots must be at least 0 (0: no prefix cache), got {snapshots}")
     source = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, load_format)
     if speculative not in SPECULATIVE_MODES:
         raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
@@ -1068,6 +1089,7 @@ def load_engine(
         max_image_tiles=max_image_tiles,
         image_feature_tokens=image_feature_tokens,
         compiler_options=compiler_options,
+        snapshots=snapshots,
     )
 
 

@@ -333,3 +333,4 @@ class Delta:
     completion_tokens: int = 0  # so far
     error: str | None = None
     acceptance_length: float = 0.0  # tokens emitted per speculative round so far (0: none ran)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed

@@ -672,6 +672,7 @@ class Scheduler:
                     len(sequence.prompt),
                     len(sequence.outputs),
                     acceptance_length=sequence.acceptance_length,
+                    cached_tokens=sequence.cached,
                 ),
             )
             if reason is not None:
@@ -695,7 +696,15 @@ class Scheduler:
             self._deliver(
                 sequence,
                 Delta(
-                    (), (), (), reason, len(sequence.prompt), len(sequence.outputs), error, sequence.acceptance_length
+                    (),
+                    (),
+                    (),
+                    reason,
+                    len(sequence.prompt),
+                    len(sequence.outputs),
+                    error,
+                    sequence.acceptance_length,
+                    sequence.cached,
                 ),
             )
 

@@ -131,15 +131,17 @@ def test_the_engine_saves_and_restores_within_a_replica(model):
 
 
 def serve(engine: Engine, requests: list[Request]) -> tuple[dict[str, list[int]], object]:
-    """Every request's tokens when all are queued at once, and the scheduler's stats after."""
+    """Every request's tokens when all are queued at once, and the scheduler's stats after (each request's
+    cached prompt tokens, as the last deltas report them, adding up to the stats')."""
     scheduler = Scheduler(engine)
     scheduler.warm_up()
-    tokens, done = {r.id: [] for r in requests}, threading.Semaphore(0)
+    tokens, cached, done = {r.id: [] for r in requests}, {}, threading.Semaphore(0)
 
     def sink(request_id: str):
         def on_delta(delta):
             tokens[request_id].extend(delta.token_ids)
             if delta.finish_reason is not None:
+                cached[request_id] = delta.cached_tokens
                 done.release()
 
         return on_delta
@@ -150,7 +152,9 @@ def serve(engine: Engine, requests: list[Request]) -> tuple[dict[str, list[int]]
     try:
         for _ in requests:
             assert done.acquire(timeout=300)
-        return tokens, scheduler.stats()
+        stats = scheduler.stats()
+        assert sum(cached.values()) == stats.cached_tokens  # each request reports what it took
+        return tokens, stats
     finally:
         scheduler.stop()
 
