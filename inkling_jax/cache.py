@@ -103,6 +103,14 @@ def conv_state_bytes(text: TextConfig, dtype: jnp.dtype, tp: int = 1) -> int:
     return total
 
 
+def snapshot_bytes(text: TextConfig, dtype: jnp.dtype, tp: int = 1) -> int:
+    """Bytes per device of one prefix-cache snapshot (`Snapshots`): the sliding layers' window and every layer's
+    convolution states."""
+    sliding_layers, _ = _layer_counts(text)
+    window = sliding_layers * text.sliding_window_size * kv_bytes_per_token(text, True, dtype, tp)
+    return window + conv_state_bytes(text, dtype, tp)
+
+
 def draft_split(draft: DraftConfig, tp: int) -> bool:
     """Whether tp devices split the draft's context KV heads (else each device keeps all of them)."""
     return draft.num_key_value_heads % tp == 0
@@ -166,10 +174,7 @@ def layout_for_budget(
         + ROUND_ROWS * gamma * (text.unpadded_vocab_size + 1) * 4  # the constrained rounds' kept drafts and q
     )
     if snapshots:  # the prefix cache's: each slot's boundary states, and the snapshots
-        window = sliding_layers * text.sliding_window_size * kv_bytes_per_token(text, True, dtype, tp)
-        fixed += max_num_seqs * 2 * conv_state_bytes(text, dtype, tp) + snapshots * (
-            window + conv_state_bytes(text, dtype, tp)
-        )
+        fixed += max_num_seqs * 2 * conv_state_bytes(text, dtype, tp) + snapshots * snapshot_bytes(text, dtype, tp)
     per_page = PAGE_SIZE * (
         max(1, full_layers) * kv_bytes_per_token(text, False, dtype, tp) + draft_bytes_per_token(draft, dtype, tp)
     )

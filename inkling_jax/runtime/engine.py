@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,11 +45,13 @@ from jax.sharding import PartitionSpec as P
 from inkling_jax.cache import (
     PAGE_SIZE,
     ROUND_ROWS,
+    CacheBudgetError,
     CacheLayout,
     DecodeState,
     init_snapshots,
     init_state,
     layout_for_budget,
+    snapshot_bytes,
 )
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.checkpoint.dummy import dummy_model
@@ -380,26 +382,33 @@ class Engine:
         max_image_tiles: int = DEFAULT_MAX_IMAGE_TILES,
         image_feature_tokens: int | None = None,
         compiler_options: dict[str, object] | None = None,
-        snapshots: int = 0,
+        snapshots: int | None = 0,
     ) -> Engine:
         """`max_num_seqs` slots per replica. With a per-device memory budget the page pool is what fits
         after the slots' fixed state and the prefix cache's `snapshots` (CacheBudgetError if not even one
-        `max_context` sequence fits); without one every slot gets room for `max_context` tokens."""
-        pages = pages_for(max_context)
+        `max_context` sequence fits); without one every slot gets room for `max_context` tokens. snapshots None:
+        one per slot, as many of them as fit a quarter of the budget beside one `max_context` sequence."""
+        pages, dtype, tp = pages_for(max_context), model.model.embed_tokens.weight.dtype, mesh.shape[MODEL]
         if budget_bytes is None:
+            snapshots = max_num_seqs if snapshots is None else snapshots
             replica = CacheLayout(max_num_seqs, max_num_seqs * pages, pages, chunk)
         else:
-            replica = layout_for_budget(
+            layout = functools.partial(
+                layout_for_budget,
                 model.config,
                 budget_bytes,
                 max_num_seqs=max_num_seqs,
                 max_context=max_context,
                 max_chunk=chunk,
-                dtype=model.model.embed_tokens.weight.dtype,
-                tp=mesh.shape[MODEL],
+                dtype=dtype,
+                tp=tp,
                 draft=require_draft(model) if speculative != "none" else None,
-                snapshots=snapshots,
             )
+            if snapshots is None:
+                snapshots = min(max_num_seqs, budget_bytes // 4 // snapshot_bytes(model.config, dtype, tp))
+                while snapshots and not _fits(layout, snapshots):
+                    snapshots -= 1
+            replica = layout(snapshots=snapshots)
         return cls(
             model,
             replica,
@@ -846,12 +855,13 @@ class Engine:
         )
 
     def warm_up(self) -> None:
-        """Compile or load (and run once) every step shape, and compile the encode program of every tile bucket,
-        so serving never compiles. The executable cache is read for every shape at once (a thread each); lowering
-        is Python (one at a time under the GIL), XLA's compile is not: the shapes not in the cache are lowered one
-        after the other, most tokens first (the longest XLA compile starts first), then the encode programs, each
-        handed to a thread of its own for XLA as soon as it is lowered; then a first run of each step, one after the
-        other. Logs each program's time to ready: its compilation and a step's first run."""
+        """Compile or load (and run once) every step shape, and compile the encode program of every tile bucket
+        and the snapshot programs, so serving never compiles. The executable cache is read for every shape at once
+        (a thread each); lowering is Python (one at a time under the GIL), XLA's compile is not: the shapes not in
+        the cache are lowered one after the other, most tokens first (the longest XLA compile starts first), then
+        the encode programs, each handed to a thread of its own for XLA as soon as it is lowered; then a first run
+        of each step, one after the other. Logs each program's time to ready: its compilation and a step's first
+        run."""
         missing = sorted((shape for shape in self.shapes if shape not in self._programs), key=lambda s: -s.tokens)
         buckets = [bucket for bucket in self.image_buckets if bucket not in self._encoders]
         if missing or buckets:
@@ -872,6 +882,7 @@ class Engine:
             self.fetch(self.step(self.idle_batch(shape)))
             self.program_times[shape]["first_run_s"] = time.perf_counter() - start
             logger.info("step [%s]: first run in %.1f s", shape, time.perf_counter() - start)
+        self.warm_up_snapshots()
 
 
 class BatchedTokensError(ValueError):
@@ -1051,15 +1062,14 @@ def load_engine(
     checkpoint, tokenizer, mesh, cache budget, speculation without a draft), raised before any weight is read
     where they can be. speculative: one of SPECULATIVE_MODES. executable_cache: a directory for the compiled step
     programs (None: compile every one). max_num_batched_tokens, the image options and compiler_options: see
-    `Engine`. prefix_snapshots: the prefix cache's snapshots per replica (None: one per slot; 0: no prefix
-    cache)."""
+    `Engine`. prefix_snapshots: the prefix cache's snapshots per replica (None: one per slot, within a quarter of
+    a budget; 0: no prefix cache)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
     if max_num_seqs < 1 or chunk < 1:
         raise ValueError("max_num_seqs and chunk must be at least 1")
-    snapshots = max_num_seqs if prefix_snapshots is None else prefix_snapshots
-    if snapshots < 0:
-        raise ValueError(f"prefix_snapshots must be at least 0 (0: no prefix cache), got {snapshots}")
+    if prefix_snapshots is not None and prefix_snapshots < 0:
+        raise ValueError(f"prefix_snapshots must be at least 0 (0: no prefix cache), got {prefix_snapshots}")
     source = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, load_format)
     if speculative not in SPECULATIVE_MODES:
         raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
@@ -1089,8 +1099,16 @@ def load_engine(
         max_image_tiles=max_image_tiles,
         image_feature_tokens=image_feature_tokens,
         compiler_options=compiler_options,
-        snapshots=snapshots,
+        snapshots=prefix_snapshots,
     )
+
+
+def _fits(layout: Callable[..., CacheLayout], snapshots: int) -> bool:
+    try:
+        layout(snapshots=snapshots)
+    except CacheBudgetError:
+        return False
+    return True
 
 
 def _flat_step(

@@ -239,7 +239,6 @@ class Scheduler:
         requests."""
         start = time.perf_counter()
         self.engine.warm_up()
-        self.engine.warm_up_snapshots()
         logger.info("warm-up compiled and ran every step shape in %.1f s", time.perf_counter() - start)
         if self.engine.tokenizer is not None:
             start = time.perf_counter()
@@ -680,11 +679,22 @@ class Scheduler:
             elif refused is not None:
                 self._finish(sequence, "error", error=f"the step sampled token {refused}, which the constraint refuses")
 
-    def _finish(self, sequence: _Sequence, reason: str, *, delivered: bool = False, error: str | None = None) -> None:
+    def _finish(
+        self,
+        sequence: _Sequence,
+        reason: str,
+        *,
+        delivered: bool = False,
+        error: str | None = None,
+        publish: bool = True,
+    ) -> None:
+        """End a sequence; its pages go to the prefix cache when `publish` and it did not fail (a failed step may
+        have left the device state unusable)."""
         sequence.finished = True
         if sequence in self._waiting:
             self._waiting.remove(sequence)
-        self._publish(sequence)
+        if publish and error is None:
+            self._publish(sequence)
         self._release(sequence)
         if sequence.prompt_rows is not None:  # its image features' rows
             self._free_rows.extend(sequence.prompt_rows[sequence.prompt_rows >= 0].tolist())
@@ -715,5 +725,5 @@ class Scheduler:
             logger.exception("stream of %s failed", sequence.request.id)
 
     def _fail_all(self, error: str | None) -> None:
-        for sequence in list(self._ids.values()):
-            self._finish(sequence, "error" if error else "abort", error=error)
+        for sequence in list(self._ids.values()):  # a failed step or the scheduler's end: nothing more runs
+            self._finish(sequence, "error" if error else "abort", error=error, publish=False)
