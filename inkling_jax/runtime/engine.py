@@ -947,7 +947,8 @@ def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-snapshots",
         type=int,
         help="states the prefix cache saves at page boundaries, where later requests resume, per data-parallel replica "
-        "(default: one per slot; each holds the sliding window's K/V and the convolution states)",
+        "(default: one per slot, within a quarter of --kv-cache-mib; each holds the sliding window's K/V and the "
+        "convolution states)",
     )
 
 
