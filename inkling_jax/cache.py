@@ -341,11 +341,15 @@ class BoundaryStates:
     mlp: jax.Array
 
 
-def record_boundaries(boundaries: BoundaryStates, kv: KVCache, before: jax.Array, after: jax.Array) -> BoundaryStates:
-    """boundaries with the convolution states of kv (after a step) kept for the slots whose length went from before
-    [S] to after [S], a multiple of PAGE_SIZE."""
-    slots = before.shape[0]
-    landed = (after > before) & (after % PAGE_SIZE == 0)
+def landed_on_boundaries(before: jax.Array, after: jax.Array) -> jax.Array:
+    """[S] bool: the slots whose length went from before [S] to after [S], a multiple of PAGE_SIZE."""
+    return (after > before) & (after % PAGE_SIZE == 0)
+
+
+def record_boundaries(boundaries: BoundaryStates, kv: KVCache, after: jax.Array, landed: jax.Array) -> BoundaryStates:
+    """boundaries with the convolution states of kv (after a step) kept for the `landed` slots (at their lengths
+    `after`, [S]; `landed_on_boundaries`)."""
+    slots = after.shape[0]
     rows, parity = jnp.where(landed, jnp.arange(slots), slots), (after // PAGE_SIZE) % 2
 
     def kept(states: jax.Array, conv: jax.Array) -> jax.Array:  # [layers, S, 2, K - 1, ch], [layers, S, K - 1, ch]

@@ -46,6 +46,7 @@ from inkling_jax.cache import (
     DecodeState,
     Snapshots,
     commit_conv,
+    landed_on_boundaries,
     record_boundaries,
     restore_snapshot,
     save_snapshot,
@@ -392,8 +393,11 @@ def _step(
 
     slots = jnp.arange(batch.counts.shape[0])[:, None]
     kept = jnp.where(jnp.arange(emitted.tokens.shape[1])[None, :] < emitted.count[:, None], emitted.tokens, vocab)
-    if state.boundaries is not None:
-        state = dataclasses.replace(state, boundaries=record_boundaries(state.boundaries, kv, state.lengths, lengths))
+    if state.boundaries is not None:  # a scatter walking every slot's conv states: only in a step where one lands
+        landed = landed_on_boundaries(state.lengths, lengths)
+        record = functools.partial(record_boundaries, kv=kv, after=lengths, landed=landed)
+        boundaries = jax.lax.cond(any_slot(landed), record, lambda kept: kept, state.boundaries)
+        state = dataclasses.replace(state, boundaries=boundaries)
     state = dataclasses.replace(
         state,
         kv=kv,

@@ -14,6 +14,7 @@ from inkling_jax.cache import (
     CacheLayout,
     bytes_per_sequence,
     init_state,
+    landed_on_boundaries,
     layout_for_budget,
     record_boundaries,
     ring_size,
@@ -113,7 +114,7 @@ def test_boundaries_keep_the_convolution_states_where_a_length_lands_on_a_page_b
     rng = np.random.default_rng(5)
     kv = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), state.kv)
     before, after = jnp.array([120, 250, 256, 383]), jnp.array([128, 256, 256, 384])  # slot 2 did not move
-    kept = record_boundaries(state.boundaries, kv, before, after)
+    kept = record_boundaries(state.boundaries, kv, after, landed_on_boundaries(before, after))
     for stream in ("k", "v", "attention", "mlp"):
         got, conv = np.asarray(getattr(kept, stream)), np.asarray(getattr(kv, f"conv_{stream}"))
         np.testing.assert_array_equal(got[:, 0, 1], conv[:, 0])  # 128: parity 1
