@@ -33,8 +33,9 @@ def test_a_run_with_crashing_workers_ends_and_runs_every_test_once(tmp_path: Pat
         body = [crash if n == "crash" else record.format(n=n, file=name) for n in tests]
         (tmp_path / f"test_{name}.py").write_text("\n".join(body))
     env = os.environ | {"PYTHONPATH": str(TESTS)}
+    # -rN: no short summary, whose lines repeat the failure (untruncated where the terminal is wide)
     command = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "--max-worker-restart", "4", "-p",
-               "no:cacheprovider"]  # fmt: skip
+               "no:cacheprovider", "-rN"]  # fmt: skip
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "2 failed" in run.stdout, run.stdout
