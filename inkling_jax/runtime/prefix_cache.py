@@ -70,10 +70,12 @@ class _Entry:
 @dataclasses.dataclass(frozen=True)
 class Hit:
     """A cached run of pages a sequence resumes after: `pages` in order, and the snapshot saved at the end of the
-    last (None for an empty hit)."""
+    last (None for an empty hit); `run`: how many of its pages are cached, snapshot or not (where it leaves the
+    cache's chain, a snapshot saved would let the next sequence along that chain resume further)."""
 
     pages: tuple[int, ...]
     snapshot: int | None
+    run: int = 0
 
     @property
     def tokens(self) -> int:
@@ -95,6 +97,9 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
     @property
     def evictable(self) -> int:
         """Pages eviction can free: every cached page no running sequence reads."""
@@ -102,14 +107,15 @@ class PrefixIndex:
 
     def longest(self, keys: Sequence[bytes]) -> Hit:
         """The longest run of `keys` from the first that is cached and ends at a saved snapshot (nothing taken)."""
-        depth, snapshot = 0, None
-        for index, key in enumerate(keys):
+        depth, snapshot, run = 0, None, 0
+        for key in keys:
             entry = self._entries.get(key)
             if entry is None:
                 break
+            run += 1
             if entry.snapshot is not None:
-                depth, snapshot = index + 1, entry.snapshot
-        return Hit(tuple(self._entries[key].page for key in keys[:depth]), snapshot)
+                depth, snapshot = run, entry.snapshot
+        return Hit(tuple(self._entries[key].page for key in keys[:depth]), snapshot, run)
 
     def acquire(self, keys: Sequence[bytes]) -> list[int]:
         """The pages of `keys` (all cached), now read by one more sequence."""

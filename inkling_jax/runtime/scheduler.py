@@ -99,6 +99,7 @@ class _Sequence:
     round_row: int = 0  # and the row of its replica's ROUND_ROWS that keeps them
     shared: list[bytes] = dataclasses.field(default_factory=list)  # keys of the cached pages it reads
     landed: int = 0  # the last page boundary its state landed on (where the prefix cache can save it)
+    junction: int = 0  # where it leaves a cached chain with no snapshot there (saved when it lands; 0: none)
     cached: int = 0  # prompt tokens its first admission took from the prefix cache
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys
 
@@ -133,6 +134,7 @@ class _Plan:
     bounds: dict[int, int]  # slot -> the most tokens the step can emit for it
     deferred: list[int] = dataclasses.field(default_factory=list)  # constrained slots: sampled by `_resample`
     rounds: dict[int, tuple[int, bool, np.ndarray]] = dataclasses.field(default_factory=dict)  # constrained rounds
+    junctions: list[_Sequence] = dataclasses.field(default_factory=list)  # sequences the step lands on theirs
     emitted: Emitted | None = None
 
 
@@ -311,6 +313,7 @@ class Scheduler:
                 plan = self._plan()
                 if plan is not None:
                     plan.emitted = self.engine.step(plan.batch, rounds=plan.rounds or None)
+                    self._save_junctions(plan.junctions)
                 if pending is not None:
                     self._read(pending)  # overlaps the step just dispatched
                 if plan is not None and plan.deferred:
@@ -369,9 +372,9 @@ class Scheduler:
                 boundary = len(sequence.prompt) if sequence.fed < len(sequence.prompt) else sequence.known
                 most = min(engine.chunk, budget, room[replica], lanes[replica] * engine.lane_width)
                 end = min(boundary, sequence.fed + most)
-                last = boundary // PAGE_SIZE * PAGE_SIZE
-                if self._prefix is not None and sequence.fed < last < end:
-                    end = last  # the state lands on the last page boundary before the end (the cache saves it there)
+                # the state lands where the cache saves it: its junction, and the last page boundary before the end
+                cuts = (sequence.junction, boundary // PAGE_SIZE * PAGE_SIZE) if self._prefix is not None else ()
+                end = min([end, *(cut for cut in cuts if cut > sequence.fed)])
                 if end <= sequence.fed:
                     continue
                 piece = [sequence.token(p) for p in range(sequence.fed, end)]
@@ -396,6 +399,7 @@ class Scheduler:
         sampling = [None] * slots
         kept: dict[int, _Sequence] = {}
         bounds: dict[int, int] = {}
+        junctions: list[_Sequence] = []
         for slot, (sequence, piece, span, speculating) in pieces.items():
             tokens[slot, : len(piece)] = piece
             table[slot, : len(sequence.pages)] = sequence.pages
@@ -411,6 +415,8 @@ class Scheduler:
                 sequence.fed += len(piece)
                 if sequence.fed % PAGE_SIZE == 0:
                     sequence.landed = sequence.fed
+                if sequence.fed == sequence.junction:
+                    junctions.append(sequence)
                 sequence.decoding = sequence.fed == sequence.known  # caught up: the sample is its next token
             if sequence.decoding:
                 emit[slot] = True
@@ -433,7 +439,7 @@ class Scheduler:
             defer=defer,
             image_rows=image_rows if (image_rows >= 0).any() else None,
         )
-        return _Plan(batch, kept, bounds, deferred, self._round_masks(rounds))
+        return _Plan(batch, kept, bounds, deferred, self._round_masks(rounds), junctions)
 
     def _rounds_wanted(self) -> bool:
         """Whether a constrained sequence may run a speculative round: the loop then reads each step before it plans
@@ -520,6 +526,7 @@ class Scheduler:
                     head.cached = min(hit.tokens, len(head.prompt))
                     self._counters["cached"] += head.cached
                 head.slot, head.fed, head.replay_until, head.drafts, head.landed = slot, 0, head.known, None, 0
+                head.junction = hit.run * PAGE_SIZE if hit.run > len(hit.pages) else 0
                 self._slots[slot] = head
                 if hit.pages:
                     self._resume(head, keys[: len(hit.pages)], hit)
@@ -590,6 +597,18 @@ class Scheduler:
         outputs = sequence.outputs[: max(0, hit.tokens - len(sequence.prompt))]
         counts = np.bincount(np.asarray(outputs, np.int64), minlength=vocab)[:vocab].astype(np.int32)
         self.engine.restore_snapshot(sequence.slot, hit.snapshot, hit.tokens, prompt_mask, counts)
+
+    def _save_junctions(self, sequences: list[_Sequence]) -> None:
+        """Save the state of each sequence the step just dispatched lands on its junction: the next sequence along
+        the cached chain resumes there. Dispatched after the step, before any other: its window and the boundary's
+        convolution states are still those of the junction."""
+        for sequence in sequences:
+            index = self._prefix[self.engine.replica_of(sequence.slot)]
+            boundary, sequence.junction = sequence.junction, 0
+            key = sequence.keys[boundary // PAGE_SIZE - 1]
+            snapshot = index.save_snapshot(key) if key in index else None  # its page may have gone meanwhile
+            if snapshot is not None:
+                self.engine.save_snapshot(sequence.slot, snapshot, boundary)
 
     def _publish(self, sequence: _Sequence) -> None:
         """Hand the full pages of a sequence leaving its slot to the prefix cache, with a snapshot at the last page

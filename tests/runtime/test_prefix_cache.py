@@ -51,7 +51,8 @@ def test_a_hit_ends_at_the_deepest_saved_snapshot_of_the_longest_cached_run():
     keys = page_keys(tokens, 5)
     pages = rng.permutation(100)[:5].tolist()
     assert index.publish(keys, pages) == []
-    assert index.longest(keys).pages == ()  # no snapshot: nowhere to resume
+    assert index.longest(keys).pages == () and index.longest(keys).run == 5  # no snapshot: nowhere to resume
+    assert keys[2] in index and page_keys(random_tokens(rng, 1), 1)[0] not in index
     first = index.save_snapshot(keys[1])
     third = index.save_snapshot(keys[3])
     assert index.save_snapshot(keys[3]) is None  # one per page
@@ -59,6 +60,7 @@ def test_a_hit_ends_at_the_deepest_saved_snapshot_of_the_longest_cached_run():
     assert hit.pages == tuple(pages[:4]) and hit.snapshot == third and hit.tokens == 4 * PAGE_SIZE
     diverged = page_keys(tokens[: 3 * PAGE_SIZE] + random_tokens(rng, 2), 5)
     assert index.longest(diverged).pages == tuple(pages[:2]) and index.longest(diverged).snapshot == first
+    assert index.longest(diverged).run == 3  # where it leaves the chain
 
 
 def test_shared_pages_stay_and_idle_ones_go_least_recently_used_chain_ends_first():

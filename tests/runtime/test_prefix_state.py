@@ -130,9 +130,11 @@ def test_the_engine_saves_and_restores_within_a_replica(model):
             np.testing.assert_array_equal(b, a)
 
 
-def serve(engine: Engine, requests: list[Request]) -> tuple[dict[str, list[int]], object]:
-    """Every request's tokens when all are queued at once, and the scheduler's stats after (each request's
-    cached prompt tokens, as the last deltas report them, adding up to the stats')."""
+def serve(
+    engine: Engine, requests: list[Request], one_by_one: bool = False
+) -> tuple[dict[str, list[int]], object, dict[str, int]]:
+    """Every request's tokens when all are queued at once (`one_by_one`: each once the one before finished), the
+    scheduler's stats after and each request's cached prompt tokens, as its last delta reports them."""
     scheduler = Scheduler(engine)
     scheduler.warm_up()
     tokens, cached, done = {r.id: [] for r in requests}, {}, threading.Semaphore(0)
@@ -146,15 +148,18 @@ def serve(engine: Engine, requests: list[Request]) -> tuple[dict[str, list[int]]
 
         return on_delta
 
-    for request in requests:
+    queued = [] if one_by_one else requests  # all queued before the scheduler starts: one order of admission
+    for request in queued:
         scheduler.submit(request, sink(request.id))
     scheduler.start()
     try:
-        for _ in requests:
+        for request in requests:
+            if one_by_one:
+                scheduler.submit(request, sink(request.id))
             assert done.acquire(timeout=300)
         stats = scheduler.stats()
-        assert sum(cached.values()) == stats.cached_tokens  # each request reports what it took
-        return tokens, stats
+        assert sum(cached.values()) == stats.cached_tokens
+        return tokens, stats, cached
     finally:
         scheduler.stop()
 
@@ -183,13 +188,26 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
     ]
     mesh = make_mesh("tp1", model.config)
     layout = CacheLayout(2, 7, 5, WIDTH)  # growing sequences outgrow it: some are preempted
-    plain, _ = serve(Engine(model, layout, mesh), requests)
-    cached, stats = serve(Engine(model, layout, mesh, snapshots=3), requests)
+    plain_engine, engine = Engine(model, layout, mesh), Engine(model, layout, mesh, snapshots=3)
+    plain, *_ = serve(plain_engine, requests)
+    cached, stats, _ = serve(engine, requests)
     assert cached == plain
     assert stats.cached_tokens >= 3 * 2 * PAGE_SIZE and stats.preemptions > 0 and stats.evicted_pages > 0, stats
 
+    # one at a time, each sharing two pages and more with the first, which ends two pages further: the second
+    # leaves the first's chain where no snapshot is and saves one there (its junction), where the third resumes
+    branches = [
+        Request(f"b{i}", tuple(shared + rng.integers(0, vocab, 20).tolist()), max_tokens=120, temperature=0.0,
+                ignore_eos=True)
+        for i in range(3)
+    ]  # fmt: skip
+    expected, *_ = serve(plain_engine, branches, one_by_one=True)
+    given, _, taken = serve(engine, branches, one_by_one=True)
+    assert given == expected
+    assert taken == {"b0": 0, "b1": 0, "b2": 2 * PAGE_SIZE}, taken
+
     # speculating (its rounds end on page boundaries): greedy requests give plain greedy decoding's tokens
     greedy = [request for request in requests if request.temperature == 0]
-    drafted, stats = serve(Engine(model, layout, mesh, speculative="dspark", snapshots=3), greedy)
+    drafted, stats, _ = serve(Engine(model, layout, mesh, speculative="dspark", snapshots=3), greedy)
     assert drafted == {request.id: plain[request.id] for request in greedy}
     assert stats.cached_tokens >= 2 * PAGE_SIZE and stats.speculative_rounds > 0, stats
