@@ -1,7 +1,8 @@
 """Load generator over gRPC: a concurrency sweep of streamed Generate calls; TTFT, TPOT, tokens/s.
 
     python -m bench.serve [--address HOST:PORT | --checkpoint DIR [--mesh tp1 --dtype bfloat16 ...]
-        [--kv-cache-mib M] [--load-format auto|dummy] [--compilation-cache DIR|none]]
+        [--kv-cache-mib M] [--load-format auto|dummy] [--compilation-cache DIR|none] [--max-num-batched-tokens N]
+        [--speculative none|dspark|dspark-greedy] [--no-prefix-cache | --prefix-snapshots N]]
         [--concurrency 1 4 16 64] [--requests-per-level 64] [--prompt-tokens 64] [--max-tokens 32] [--out FILE]
         [--gateway] [--prefill-tiles] [--constraint any-text|json-object]
 
@@ -42,8 +43,13 @@ import grpc
 import numpy as np
 
 from inkling_jax.runtime import compilation_cache
-from inkling_jax.runtime.engine import add_load_format_argument
+from inkling_jax.runtime.engine import (
+    add_batched_tokens_argument,
+    add_load_format_argument,
+    add_prefix_cache_arguments,
+)
 from inkling_jax.sharding import parse_mesh
+from inkling_jax.speculative import SPECULATIVE_MODES
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 
@@ -171,8 +177,11 @@ def start_server(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         chunk=args.chunk,
         kv_cache_mib=args.kv_cache_mib,
+        speculative=args.speculative,
         load_format=args.load_format,
         executable_cache=compilation_cache.executables(cache),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_snapshots=0 if args.no_prefix_cache else args.prefix_snapshots,
     )
     scheduler = Scheduler(engine)
     scheduler.warm_up()
@@ -211,25 +220,43 @@ def added(direct: dict, gateway: dict) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", help="a running server; default: start one in-process")
+def add_server_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int, chunk: int) -> None:
+    """The in-process server's flags (`start_server`), as the benchmarks over gRPC take them."""
     parser.add_argument("--checkpoint", help="in-process server's checkpoint (default: tiny synthetic)")
     add_load_format_argument(parser)
     compilation_cache.add_argument(parser)
     parser.add_argument("--mesh", default="tp1")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    parser.add_argument("--chunk", type=int, default=chunk)
+    add_batched_tokens_argument(parser)
     kv_help = "decode state per device (default: every slot's whole context)"
     parser.add_argument("--kv-cache-mib", type=float, help=kv_help)
+    parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none")
+    add_prefix_cache_arguments(parser)
+    parser.add_argument("--prefill-tiles", action="store_true", help="the GPU attention's prefill tiles (see above)")
+
+
+def command_line(module: str, args: argparse.Namespace) -> str:
+    """The command that ran `module` with `args` (the flags given, defaults left out)."""
+    given = {k: v for k, v in vars(args).items() if v not in (None, False) and k != "out"}
+    flags = " ".join(
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(map(str, v)) if isinstance(v, list) else v}")
+        for k, v in given.items()
+    )
+    return f"python -m {module} {flags}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", help="a running server; default: start one in-process")
+    add_server_arguments(parser, max_num_seqs=64, chunk=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests-per-level", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--gateway", action="store_true", help="also through the SMG gateway (see above)")
-    parser.add_argument("--prefill-tiles", action="store_true", help="the GPU attention's prefill tiles (see above)")
     parser.add_argument("--constraint", choices=sorted(CONSTRAINTS), help="constrain every request (see above)")
     args = parser.parse_args()
     for flag in ("gateway", "prefill_tiles"):
@@ -271,13 +298,8 @@ def main() -> None:
         if server is not None:
             server.stop()
             scheduler.stop()
-    given = {k: v for k, v in vars(args).items() if v not in (None, False) and k != "out"}
-    flags = " ".join(
-        f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(map(str, v)) if isinstance(v, list) else v}")
-        for k, v in given.items()
-    )
     result = {
-        "command": f"python -m bench.serve {flags}",
+        "command": command_line("bench.serve", args),
         "server": {"checkpoint": checkpoint, "mesh": info.mesh, "dtype": info.dtype, "max_num_seqs": info.max_num_seqs},
         "levels": levels,
     }
