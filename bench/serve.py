@@ -46,6 +46,7 @@ from inkling_jax.runtime import compilation_cache
 from inkling_jax.runtime.engine import (
     add_batched_tokens_argument,
     add_load_format_argument,
+    add_max_model_len_argument,
     add_prefix_cache_arguments,
 )
 from inkling_jax.sharding import parse_mesh
@@ -181,6 +182,7 @@ def start_server(args: argparse.Namespace):
         load_format=args.load_format,
         executable_cache=compilation_cache.executables(cache),
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_context=args.max_model_len,
         prefix_snapshots=0 if args.no_prefix_cache else args.prefix_snapshots,
     )
     scheduler = Scheduler(engine)
@@ -230,6 +232,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int, 
     parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     parser.add_argument("--chunk", type=int, default=chunk)
     add_batched_tokens_argument(parser)
+    add_max_model_len_argument(parser)
     kv_help = "decode state per device (default: every slot's whole context)"
     parser.add_argument("--kv-cache-mib", type=float, help=kv_help)
     parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none")

@@ -2,7 +2,7 @@
 
     python -m serving.main [--checkpoint DIR] [--mesh tp1] [--host 127.0.0.1] [--port 50051]
         [--dtype bfloat16] [--max-num-seqs 8] [--chunk 64] [--max-num-batched-tokens N] [--kv-cache-mib M]
-        [--metrics-port P] [--gateway-port P] [--served-model-name NAME]
+        [--max-model-len N] [--metrics-port P] [--gateway-port P] [--served-model-name NAME]
         [--speculative none|dspark|dspark-greedy] [--load-format auto|dummy] [--compilation-cache DIR|none]
         [--allowed-media-domains HOST ...] [--drain-timeout 30]
         [--coordinator-address HOST:PORT|auto --num-processes N --process-id I]
@@ -60,6 +60,7 @@ from inkling_jax.runtime.engine import (
     add_batched_tokens_argument,
     add_image_arguments,
     add_load_format_argument,
+    add_max_model_len_argument,
     add_prefix_cache_arguments,
     engine_options,
     load_engine,
@@ -116,6 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per slot per step)")
     add_batched_tokens_argument(parser)
+    add_max_model_len_argument(parser)
     add_prefix_cache_arguments(parser)
     add_image_arguments(parser)
     parser.add_argument("--kv-cache-mib", type=float, help="memory for the decode state (default: what fits)")
@@ -185,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be within 0 .. 65535, got {value}")
     if args.max_num_seqs < 1 or args.chunk < 1:
         parser.error("--max-num-seqs and --chunk must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        parser.error(f"--max-model-len must be at least 1, got {args.max_model_len}")
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
     return args

@@ -157,7 +157,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         model_type=load_config(engine.checkpoint).model_type,
         vocab_size=text.vocab_size,
         unpadded_vocab_size=text.unpadded_vocab_size,
-        max_context=text.max_position_embeddings,
+        max_context=engine.max_context,
         eos_token_ids=eos_ids,
         mesh=engine.mesh_spec,
         max_num_seqs=engine.max_num_seqs,

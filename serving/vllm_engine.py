@@ -448,14 +448,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         info = vpb.GetModelInfoResponse(
             model_path=Path(engine.checkpoint).name,
             is_generation=True,
-            max_context_length=text.max_position_embeddings,
+            max_context_length=engine.max_context,
             vocab_size=text.unpadded_vocab_size,
             supports_vision=engine.image_limits is not None,
             served_model_name=self._name(engine),
             model_type=config.model_type,
             architectures=_architectures(engine.checkpoint),
             eos_token_ids=eos_ids,
-            max_req_input_len=text.max_position_embeddings - 1,
+            max_req_input_len=engine.max_context - 1,
         )
         defaults = _generation_defaults(engine.checkpoint)
         if defaults:

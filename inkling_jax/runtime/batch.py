@@ -417,12 +417,11 @@ def main(argv: list[str] | None, module: str) -> int:
             if remaining:
                 draft = checkpoint.config.draft
                 room = draft.block_size if args.speculative != "none" and draft is not None else 0
-                options = engine_options(args)
+                options = engine_options(args) | {"max_context": _longest(remaining) + room}
                 options |= encode_programs_for(remaining, args.max_image_tiles, args.image_feature_tokens)
                 engine = load_engine(
                     checkpoint,
                     **options,
-                    max_context=_longest(remaining) + room,
                     executable_cache=compilation_cache.executables(cache),
                 )
                 progress = not args.quiet and jax.process_index() == 0

@@ -55,7 +55,7 @@ from inkling_jax.cache import (
 )
 from inkling_jax.checkpoint import CheckpointError, load_model
 from inkling_jax.checkpoint.dummy import dummy_model
-from inkling_jax.config import ModelConfig, load_config
+from inkling_jax.config import ConfigError, ModelConfig, load_config
 from inkling_jax.model.attention import fuse_attention_projections
 from inkling_jax.model.draft import require_draft
 from inkling_jax.model.moe import lay_out_experts
@@ -481,6 +481,13 @@ class Engine:
         if not speculative and tokens is not None and tokens <= FEW_TOKENS < self.slots_per_replica:
             return StepShape(FEW_TOKENS, 1, 0, False)
         return StepShape(self.slots_per_replica * width, width, 0, speculative)
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens, prompt and output, one sequence can hold: the model's context, or less where the page
+        table or the pool is smaller."""
+        pages = min(self.pages_per_replica, self.max_pages)
+        return min(self.text.max_position_embeddings, pages * self.page_size)
 
     def replica_of(self, slot: int) -> int:
         return slot // self.slots_per_replica
@@ -935,6 +942,16 @@ def add_batched_tokens_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_max_model_len_argument(parser: argparse.ArgumentParser) -> None:
+    """`--max-model-len`, as every command that runs the engine takes it (vLLM's name)."""
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="tokens one sequence may hold, prompt and output, rounded up to whole pages of 128 (default: the model's "
+        "context); requests past it are refused, and --kv-cache-mib need only hold one sequence this long",
+    )
+
+
 def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """The prefix cache's flags, as every command that runs the engine takes them."""
     parser.add_argument(
@@ -1031,10 +1048,11 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """`load_engine`'s options from the flags the command-line front ends share (mesh, dtype, slots, chunk, page
-    budget, speculation, token budget, image limits and pool)."""
+    budget, speculation, token budget, context where the command takes it, image limits and pool, prefix cache)."""
     names = ("mesh", "dtype", "max_num_seqs", "chunk", "kv_cache_mib", "speculative", "max_num_batched_tokens")
     names += ("max_images", "max_image_tiles", "image_feature_tokens", "prefix_snapshots")
-    return {name: getattr(args, name) for name in names} | ({"prefix_snapshots": 0} if args.no_prefix_cache else {})
+    options = {name: getattr(args, name) for name in names} | {"max_context": getattr(args, "max_model_len", None)}
+    return options | ({"prefix_snapshots": 0} if args.no_prefix_cache else {})
 
 
 def load_engine(
@@ -1074,6 +1092,9 @@ def load_engine(
     source = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, load_format)
     if speculative not in SPECULATIVE_MODES:
         raise SpeculationError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
+    context = source.config.text.max_position_embeddings
+    if max_context is not None and not 1 <= max_context <= context:
+        raise ConfigError(f"the longest sequence must be 1 to the model's {context} tokens, got {max_context}")
     gamma = 0
     if speculative != "none":
         gamma = require_draft(source.config, source.path).block_size  # before loading anything
@@ -1088,7 +1109,7 @@ def load_engine(
         device_mesh,
         max_num_seqs=max_num_seqs,
         chunk=chunk,
-        max_context=max_context or source.config.text.max_position_embeddings,
+        max_context=max_context or context,
         budget_bytes=None if kv_cache_mib is None else int(kv_cache_mib * 2**20),
         num_top=MAX_LOGPROBS,
         speculative=speculative,

@@ -169,14 +169,12 @@ class Scheduler:
         """The most requests it holds at once: one in each slot and a full waiting queue."""
         return self.engine.slots + self.max_waiting
 
+    # --- the consumer side (any thread) ---
+
     @property
     def max_sequence_tokens(self) -> int:
-        """The most tokens, prompt and output, one sequence can hold: the context, or less where the cache is
-        smaller."""
-        pages = min(self.engine.pages_per_replica, self.engine.max_pages)
-        return min(self.text.max_position_embeddings, pages * self.engine.page_size)
-
-    # --- the consumer side (any thread) ---
+        """The most tokens, prompt and output, one sequence can hold (`Engine.max_context`)."""
+        return self.engine.max_context
 
     def submit(self, request: Request, on_delta: Callable[[Delta], None]) -> None:
         """Queue a request; `on_delta` receives its deltas from the scheduler thread (it must not block).

@@ -38,6 +38,10 @@ class FakeEngine:
     dtype: str = "float32"
     image_limits: None = None  # the echo model takes no images
 
+    @property
+    def max_context(self) -> int:
+        return self.text.max_position_embeddings
+
 
 @dataclasses.dataclass
 class Sequence:

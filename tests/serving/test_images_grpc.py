@@ -310,7 +310,9 @@ def test_media_refs_by_data_and_http_urls(served, pictures):
         "data,http,https",
         f"image={MAX_IMAGES}",
     )
-    assert served.vllm.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10).supports_vision
+    model = served.vllm.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
+    assert model.supports_vision and model.max_context_length == 256  # the engine's, not the model's
+    assert served.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).max_context == 256
     ids = served.tokenizer.encode(
         f"<|message_user|>{IMAGE_MARKER}<|end_message|><|message_user|>{IMAGE_MARKER}<|end_message|>"
         "<|message_user|><|content_text|>which?<|end_message|><|message_model|>",

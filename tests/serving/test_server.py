@@ -829,12 +829,16 @@ def test_main_refuses_bad_input_with_exit_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert server_main.main(["--checkpoint", str(tmp_path), "--port", "0", "--speculative", "dspark"]) == 2
     assert "has no DSpark draft" in capsys.readouterr().err.splitlines()[-1]
+    longest = str(config["max_position_embeddings"] + 1)
+    assert server_main.main(["--checkpoint", str(tmp_path), "--port", "0", "--max-model-len", longest]) == 2
+    assert f"to the model's {int(longest) - 1} tokens, got {longest}" in capsys.readouterr().err.splitlines()[-1]
     monkeypatch.setattr(server_main, "DEFAULT_CONFIG", tmp_path / "configs" / "tiny.json")  # an installed package's
     assert server_main.main(["--port", "0"]) == 2
     assert "pass --checkpoint DIR" in capsys.readouterr().err.splitlines()[-1]
-    with pytest.raises(SystemExit) as exited:
-        server_main.main(["--port", "70000"])
-    assert exited.value.code == 2
+    for flags in (["--port", "70000"], ["--max-model-len", "0"]):
+        with pytest.raises(SystemExit) as exited:
+            server_main.main(flags)
+        assert exited.value.code == 2
     taken = serve(None, None, "127.0.0.1", 0)
     try:
         assert server_main.main(["--port", str(taken.port)]) == 2
