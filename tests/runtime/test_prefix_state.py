@@ -208,6 +208,21 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
 
     # speculating (its rounds end on page boundaries): greedy requests give plain greedy decoding's tokens
     greedy = [request for request in requests if request.temperature == 0]
-    drafted, stats, _ = serve(Engine(model, layout, mesh, speculative="dspark", snapshots=3), greedy)
+    speculating = Engine(model, layout, mesh, speculative="dspark", snapshots=3)
+    drafted, stats, _ = serve(speculating, greedy)
     assert drafted == {request.id: plain[request.id] for request in greedy}
     assert stats.cached_tokens >= 2 * PAGE_SIZE and stats.speculative_rounds > 0, stats
+
+    # a request that goes on from a speculated one's prompt and outputs resumes at the last boundary its outputs
+    # reached: the cache's keys hold the tokens it kept, never a draft the verify rejected (the random draft's are
+    # mostly rejected; a bug other engines shipped); the draft proposes from the unpadded vocabulary, the target's
+    # rows are padded (another one)
+    assert model.config.vocab_size > vocab
+    first = Request("first", tuple(shared + tail[0]), max_tokens=150, temperature=0.0, ignore_eos=True)
+    kept = serve(plain_engine, [first])[0]["first"]
+    assert (len(first.prompt_token_ids) + len(kept) - 1) // PAGE_SIZE * PAGE_SIZE == 3 * PAGE_SIZE
+    tokens = first.prompt_token_ids + tuple(kept) + tuple(rng.integers(0, vocab, 30).tolist())
+    follow = Request("follow", tokens, max_tokens=40, temperature=0.0)
+    given, stats, taken = serve(speculating, [first, follow], one_by_one=True)
+    assert given == {"first": kept, **serve(plain_engine, [follow])[0]}
+    assert taken["follow"] == 3 * PAGE_SIZE and stats.speculative_rounds > 0, (taken, stats)
