@@ -48,6 +48,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from inkling_jax.config import load_config
 from inkling_jax.runtime.constraints import Constraint
 from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.kv_events import Batch, Cleared, Removed, ResumeError, Stored
 from inkling_jax.runtime.requests import MAX_LOGPROBS, Delta, Rejected, Request, validate, validate_sizes
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.runtime.text_stream import TextStream
@@ -527,8 +528,58 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 data=bundle[start : start + TOKENIZER_CHUNK_BYTES], sha256=digest if last else ""
             )
 
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The prefix cache's changes (`inkling_jax.runtime.kv_events`), as they happen, for the gateway's
+        cache-aware routing: pages of 128 tokens, with their token ids; UNIMPLEMENTED without a prefix cache,
+        OUT_OF_RANGE for a batch no longer kept, DATA_LOSS for a subscriber that fell too far behind."""
+        _, scheduler = await self._loaded(context)
+        if scheduler.kv_events is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the prefix cache is off (--no-prefix-cache)")
+        loop, arrived = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            subscription = scheduler.kv_events.subscribe(
+                request.start_sequence_number, lambda: loop.call_soon_threadsafe(arrived.set)
+            )
+        except ResumeError as error:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(error))
+        try:
+            await context.send_initial_metadata(())
+            while True:
+                arrived.clear()
+                batches = subscription.take()
+                if subscription.lost:
+                    await context.abort(grpc.StatusCode.DATA_LOSS, "fell too far behind the cache's events")
+                for batch in batches:
+                    yield kv_event_batch(batch)
+                if not batches:
+                    await arrived.wait()
+        finally:
+            scheduler.kv_events.unsubscribe(subscription)
+
     async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext) -> vpb.EmbedResponse:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this engine serves a generative model, not embeddings")
+
+
+def kv_event_batch(batch: Batch) -> common_pb2.KvEventBatch:
+    """A batch of the prefix cache's events as the gateway's protocol has it."""
+    out = common_pb2.KvEventBatch(sequence_number=batch.number, timestamp=batch.timestamp)
+    if batch.replica >= 0:
+        out.dp_rank = batch.replica
+    for event_id, event in enumerate(batch.events):
+        message = out.events.add(event_id=event_id)
+        match event:
+            case Stored():
+                stored = message.stored
+                stored.blocks.add(block_hash=event.block, token_ids=event.tokens, block_size=len(event.tokens))
+                if event.parent is not None:
+                    stored.parent_block_hash = event.parent
+            case Removed():
+                message.removed.block_hashes.extend(event.blocks)
+            case Cleared():
+                message.cleared.SetInParent()
+    return out
 
 
 def _architectures(checkpoint: str | Path) -> list[str]:

@@ -20,7 +20,7 @@ import dataclasses
 import hashlib
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -84,9 +84,10 @@ class Hit:
 
 class PrefixIndex:
     """The cached pages of one replica's pool and the snapshots saved at their ends (`snapshots`: the snapshot
-    pool's size)."""
+    pool's size; `on_evict`, if given, receives the keys of each eviction's pages)."""
 
-    def __init__(self, snapshots: int):
+    def __init__(self, snapshots: int, on_evict: Callable[[list[bytes]], None] | None = None):
+        self._on_evict = on_evict
         self._entries: dict[bytes, _Entry] = {}
         self._clock = itertools.count(1)
         self._idle: list[tuple[int, bytes]] = []  # (used, key) of pages nothing reads or follows; stale ones skipped
@@ -170,7 +171,7 @@ class PrefixIndex:
 
     def evict(self, count: int) -> list[int]:
         """Free up to `count` pages, least recently used first and a chain's end before what it follows."""
-        freed = []
+        freed, keys = [], []
         while len(freed) < count and self._idle:
             used, key = heapq.heappop(self._idle)
             entry = self._entries.get(key)
@@ -184,7 +185,10 @@ class PrefixIndex:
                 parent.children -= 1
                 self._maybe_idle(entry.parent, parent)
             freed.append(entry.page)
+            keys.append(key)
         self.evicted_pages += len(freed)
+        if keys and self._on_evict is not None:
+            self._on_evict(keys)
         return freed
 
     def _maybe_idle(self, key: bytes, entry: _Entry) -> None:

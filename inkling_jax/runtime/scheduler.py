@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -51,6 +52,7 @@ from inkling_jax.cache import PAGE_SIZE, ROUND_ROWS
 from inkling_jax.runtime.constraints import ConstraintError, Grammars, Matcher
 from inkling_jax.runtime.engine import Engine, pages_for
 from inkling_jax.runtime.images import placeholder_runs
+from inkling_jax.runtime.kv_events import KvEvents, Removed, Stored, block_hash
 from inkling_jax.runtime.prefix_cache import Hit, PrefixIndex, image_digest, page_keys
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
 from inkling_jax.step import Emitted, StepBatch
@@ -119,6 +121,10 @@ class _Sequence:
     def token(self, position: int) -> int:
         return self.prompt[position] if position < len(self.prompt) else self.outputs[position - len(self.prompt)]
 
+    def tokens(self, page: int) -> tuple[int, ...]:
+        """The tokens of its full page `page`."""
+        return tuple(self.token(p) for p in range(page * PAGE_SIZE, (page + 1) * PAGE_SIZE))
+
     @property
     def acceptance_length(self) -> float:
         """Tokens emitted per speculative round (0 before any)."""
@@ -153,7 +159,12 @@ class Scheduler:
         self._slots: list[_Sequence | None] = [None] * self.engine.slots
         self._free_pages = [list(range(self.engine.pages_per_replica)) for _ in range(self.engine.replicas)]
         snapshots = engine.snapshots_per_replica  # a prefix cache per replica, where the engine saves snapshots
-        self._prefix = [PrefixIndex(snapshots) for _ in range(engine.replicas)] if snapshots else None
+        self.kv_events = KvEvents() if snapshots else None  # the caches' changes, for routers (None: no cache)
+        self._prefix = None
+        if snapshots:
+            self._prefix = [
+                PrefixIndex(snapshots, functools.partial(self._evicted, replica)) for replica in range(engine.replicas)
+            ]
         limits = engine.image_limits
         self._free_rows = list(range(limits.pool_rows)) if limits is not None else []  # of the image-feature pool
         self._ids: dict[str, _Sequence] = {}  # every unfinished request
@@ -596,6 +607,9 @@ class Scheduler:
         counts = np.bincount(np.asarray(outputs, np.int64), minlength=vocab)[:vocab].astype(np.int32)
         self.engine.restore_snapshot(sequence.slot, hit.snapshot, hit.tokens, prompt_mask, counts)
 
+    def _evicted(self, replica: int, keys: list[bytes]) -> None:
+        self.kv_events.record(replica, [Removed(tuple(block_hash(key) for key in keys))])
+
     def _save_junctions(self, sequences: list[_Sequence]) -> None:
         """Save the state of each sequence the step just dispatched lands on its junction: the next sequence along
         the cached chain resumes there. Dispatched after the step, before any other: its window and the boundary's
@@ -613,11 +627,18 @@ class Scheduler:
         boundary it landed on; its cached pages stay with the cache, the rest `_release` frees."""
         if self._prefix is None or sequence.slot is None:
             return
-        index = self._prefix[self.engine.replica_of(sequence.slot)]
+        replica = self.engine.replica_of(sequence.slot)
+        index = self._prefix[replica]
         held = sequence.known - 1 if sequence.decoding else sequence.fed  # tokens its steps wrote and kept
         full = min(held // PAGE_SIZE, len(sequence.pages))
         keys = self._keys(sequence, full)
+        stored = [
+            Stored(block_hash(key), block_hash(keys[page - 1]) if page else None, sequence.tokens(page))
+            for page, key in enumerate(keys)
+            if key not in index
+        ]
         duplicates = index.publish(keys, sequence.pages[:full])
+        self.kv_events.record(replica, stored)
         boundary = sequence.landed if PAGE_SIZE <= sequence.landed <= full * PAGE_SIZE else 0
         if boundary:
             snapshot = index.save_snapshot(keys[boundary // PAGE_SIZE - 1])

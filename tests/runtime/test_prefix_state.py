@@ -18,6 +18,8 @@ from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_snapshots, restore_sn
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.runtime.engine import Engine
+from inkling_jax.runtime.kv_events import Stored, block_hash
+from inkling_jax.runtime.prefix_cache import page_keys
 from inkling_jax.runtime.requests import Request
 from inkling_jax.runtime.scheduler import Scheduler
 from inkling_jax.sharding import make_mesh
@@ -159,9 +161,35 @@ def serve(
             assert done.acquire(timeout=300)
         stats = scheduler.stats()
         assert sum(cached.values()) == stats.cached_tokens
+        if scheduler.kv_events is not None:
+            assert_events_follow_the_cache(scheduler, requests, tokens)
         return tokens, stats, cached
     finally:
         scheduler.stop()
+
+
+def assert_events_follow_the_cache(scheduler: Scheduler, requests: list[Request], tokens: dict[str, list[int]]):
+    """Every page the cache's events store is a full page of a request's prompt and outputs, named by its key and
+    chained to the one before; every page they remove was stored; what they leave stored is what the cache holds."""
+    pages = {}
+    for request in requests:
+        sequence = request.prompt_token_ids + tuple(tokens[request.id])
+        keys = page_keys(sequence, len(sequence) // PAGE_SIZE)
+        for page, key in enumerate(keys):
+            parent = block_hash(keys[page - 1]) if page else None
+            pages[block_hash(key)] = (parent, sequence[page * PAGE_SIZE : (page + 1) * PAGE_SIZE])
+    held, removed = set(), 0
+    for batch in scheduler.kv_events.subscribe(1, lambda: None).take():
+        for event in batch.events:
+            if isinstance(event, Stored):
+                assert pages[event.block] == (event.parent, event.tokens) and event.block not in held
+                held.add(event.block)
+            else:
+                assert set(event.blocks) <= held
+                held -= set(event.blocks)
+                removed += len(event.blocks)
+    stats = scheduler.stats()
+    assert (len(held), removed) == (stats.cached_pages, stats.evicted_pages)
 
 
 @pytest.mark.slow

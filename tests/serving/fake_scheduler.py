@@ -18,6 +18,7 @@ from paths import REPO
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.config import TextConfig
 from inkling_jax.runtime.constraints import ConstraintError, Grammars
+from inkling_jax.runtime.kv_events import KvEvents
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob
 from inkling_jax.runtime.scheduler import Stats
 from inkling_jax.tokenizer import Tokenizer
@@ -63,6 +64,7 @@ class FakeScheduler:
         self.engine, self.ready, self.draining, self.step_seconds = engine, ready, False, step_seconds
         self.capacity = capacity
         self.fail_submit: Exception | None = None
+        self.kv_events: KvEvents | None = None  # no prefix cache unless a test gives it one
         self.script: list[int] | None = None  # when set, every continuation is these tokens, repeated
         self.fail_midway: set[tuple[int, ...]] = set()
         self.cancelled: list[str] = []

@@ -21,6 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from inkling_jax.config import load_config
 from inkling_jax.runtime.constraints import Constraint
+from inkling_jax.runtime.kv_events import KvEvents, Removed, Stored
 from inkling_jax.tokenizer import Tokenizer
 from serving.server import Server, serve
 from serving.vllm_engine import MAX_CHOICES, SERVICE_NAME
@@ -297,6 +298,40 @@ def test_model_server_and_load_info(start, checkpoint):
     assert load.num_running_reqs + load.num_waiting_reqs == 1
     assert load.max_total_num_tokens == NUM_PAGES * PAGE_SIZE and 0 < load.token_usage < 1
     call.cancel()
+
+
+def test_kv_events_stream_the_caches_pages_from_a_cleared_state(start):
+    """A subscriber from 0 gets a cleared state, then each batch the cache records, numbered on, with each page's
+    tokens, hash and parent; a resumed one gets the kept batches from its number; without a cache UNIMPLEMENTED."""
+    running = start()
+    assert status_of(lambda: next(running.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())))[0] == (
+        StatusCode.UNIMPLEMENTED
+    )
+    events = running.scheduler.kv_events = KvEvents()
+    rng = random.Random(5)
+    pages = [tuple(rng.randrange(EOS) for _ in range(PAGE_SIZE)) for _ in range(3)]
+    hashes = [rng.randrange(-(2**63), 2**63) for _ in pages]
+    events.record(0, [Stored(hashes[0], None, pages[0])])
+    stream = running.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0), timeout=30)
+    first = next(stream)
+    assert (first.sequence_number, first.HasField("dp_rank")) == (1, False)
+    assert [e.WhichOneof("data") for e in first.events] == ["cleared"]
+    events.record(1, [Stored(hashes[1], hashes[0], pages[1]), Stored(hashes[2], hashes[1], pages[2])])
+    events.record(0, [Removed((hashes[2], hashes[1]))])
+    stored, removed = next(stream), next(stream)
+    stream.cancel()
+    assert (stored.sequence_number, stored.dp_rank, removed.sequence_number, removed.dp_rank) == (2, 1, 3, 0)
+    blocks = [(event.stored.parent_block_hash, *[(b.block_hash, tuple(b.token_ids), b.block_size)
+                                                 for b in event.stored.blocks]) for event in stored.events]  # fmt: skip
+    assert blocks == [(hashes[0], (hashes[1], pages[1], PAGE_SIZE)), (hashes[1], (hashes[2], pages[2], PAGE_SIZE))]
+    assert list(removed.events[0].removed.block_hashes) == [hashes[2], hashes[1]]
+    resumed = running.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=1))
+    first = next(resumed)
+    assert first.sequence_number == 1 and not first.events[0].stored.HasField("parent_block_hash")
+    resumed.cancel()
+    late = running.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=9))
+    code, message = status_of(lambda: next(late))
+    assert code == StatusCode.OUT_OF_RANGE and "batch 9 is not kept" in message
 
 
 def test_the_tokenizer_bundle_is_the_checkpoints_files(start, checkpoint):
