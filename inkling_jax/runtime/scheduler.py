@@ -8,10 +8,12 @@ pages freed) and later recomputed: its prompt and the tokens it had produced are
 latter counted as its output, so penalties and its seeded random stream continue exactly) and
 generation resumes where it stopped.
 
-A request with images gets rows of the engine's image-feature pool for all its tiles when it is first admitted
-(it waits, first come first served, until they are free), and its images are encoded into them then, one by one,
-before the step that prefills their placeholders; it keeps them until it finishes, so a preempted request's
-recomputed prompt reads the same features, however its chunks cut the placeholder runs.
+A request with images gets rows of the engine's image-feature pool for the tiles of the images it computes when it
+is admitted (it waits, first come first served, until they are free; images wholly inside the pages it takes from
+the prefix cache are never read, so neither encoded nor given rows), and those images are encoded into them then,
+one by one, before the step that prefills their placeholders; it keeps them until it finishes, so a preempted
+request's recomputed prompt reads the same features, however its chunks cut the placeholder runs (one that comes
+back with less of its prompt cached gets the images it now computes).
 
 With speculation (`--speculative dspark`), a decoding sequence whose request allows it runs a DSpark
 round each step (up to γ + 1 tokens at once, the same distribution as plain decoding); it decodes
@@ -51,7 +53,7 @@ import numpy as np
 from inkling_jax.cache import PAGE_SIZE, ROUND_ROWS
 from inkling_jax.runtime.constraints import ConstraintError, Grammars, Matcher
 from inkling_jax.runtime.engine import Engine, pages_for
-from inkling_jax.runtime.images import placeholder_runs
+from inkling_jax.runtime.images import RequestImage, placeholder_runs
 from inkling_jax.runtime.kv_events import KvEvents, Removed, Stored, block_hash
 from inkling_jax.runtime.prefix_cache import Hit, PrefixIndex, image_digest, page_keys
 from inkling_jax.runtime.requests import Code, Delta, Rejected, Request, TopLogprob, validate
@@ -104,10 +106,6 @@ class _Sequence:
     junction: int = 0  # where it leaves a cached chain with no snapshot there (saved when it lands; 0: none)
     cached: int = 0  # prompt tokens its first admission took from the prefix cache
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys
-
-    @property
-    def tiles(self) -> int:
-        return sum(image.tiles for image in self.request.images)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -520,16 +518,16 @@ class Scheduler:
                 return
             replica = self.engine.replica_of(slot)
             pool = self._free_pages[replica]
-            if head.request.images and head.prompt_rows is None and head.tiles > len(self._free_rows):
-                return  # its images wait for feature rows
             if self._slots[slot] is not None:
                 continue
             keys, hit = self._cached(head, replica)
+            unencoded = self._unencoded(head, hit.tokens)
+            if sum(length for _, (_, length) in unencoded) > len(self._free_rows):
+                return  # its images wait for feature rows
             free = len(pool) + (self._prefix[replica].evictable - len(hit.pages) if self._prefix else 0)
             if pages_for(head.known + 1) - len(hit.pages) <= free:
                 self._waiting.pop(0)
-                if head.request.images and head.prompt_rows is None:
-                    self._encode_images(head)
+                self._encode_images(head, unencoded)
                 if head.replay_until == 0:  # first admission
                     self._counters["prompt"] += len(head.prompt)
                     head.cached = min(hit.tokens, len(head.prompt))
@@ -540,17 +538,29 @@ class Scheduler:
                 if hit.pages:
                     self._resume(head, keys[: len(hit.pages)], hit)
 
-    def _encode_images(self, sequence: _Sequence) -> None:
-        """Give a sequence's tiles rows of the image-feature pool and dispatch its images' encoding into them."""
-        rows = np.asarray(self._free_rows[-sequence.tiles :], np.int32)
-        del self._free_rows[-sequence.tiles :]
-        sequence.prompt_rows = np.full(len(sequence.prompt), -1, np.int32)
+    def _unencoded(self, sequence: _Sequence, resume: int) -> list[tuple[RequestImage, tuple[int, int]]]:
+        """The sequence's images not encoded yet with a placeholder at or after `resume`, where its computation
+        starts (those wholly before it, in cached pages, are never read), each with its run (start, length)."""
+        if not sequence.request.images:
+            return []
         runs = placeholder_runs(sequence.prompt, self.engine.image_limits.image_token_id)
-        first = 0
-        for image, (start, length) in zip(sequence.request.images, runs, strict=True):
-            sequence.prompt_rows[start : start + length] = rows[first : first + length]
-            self.engine.encode(image, rows[first : first + length])
-            first += length
+        rows = sequence.prompt_rows
+        return [
+            (image, (start, length))
+            for image, (start, length) in zip(sequence.request.images, runs, strict=True)
+            if start + length > resume and (rows is None or rows[start] < 0)
+        ]
+
+    def _encode_images(self, sequence: _Sequence, images: list[tuple[RequestImage, tuple[int, int]]]) -> None:
+        """Give these images of a sequence (`_unencoded`) rows of the image-feature pool and dispatch their encoding
+        into them."""
+        if sequence.prompt_rows is None and sequence.request.images:
+            sequence.prompt_rows = np.full(len(sequence.prompt), -1, np.int32)
+        for image, (start, length) in images:
+            rows = np.asarray(self._free_rows[-length:], np.int32)
+            del self._free_rows[-length:]
+            sequence.prompt_rows[start : start + length] = rows
+            self.engine.encode(image, rows)
 
     def _grow(self, sequence: _Sequence, tokens: int) -> None:
         """Give `sequence` pages for `tokens` tokens, preempting the latest-admitted sequences of its

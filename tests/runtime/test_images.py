@@ -14,7 +14,7 @@ from model_configs import TINY
 from paths import PARITY
 from PIL import Image
 
-from inkling_jax.cache import CacheLayout
+from inkling_jax.cache import PAGE_SIZE, CacheLayout
 from inkling_jax.chat import DEFAULT_TEMPLATE, ChatTemplate
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
@@ -84,10 +84,12 @@ def greedy_reference(model, prompt: tuple[int, ...], images: tuple[RequestImage,
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    """Two slots sharing 3 pages of 128 tokens (two sequences past position 128 cannot both hold theirs)."""
+    """Two slots sharing 3 pages of 128 tokens (two sequences past position 128 cannot both hold theirs), and a
+    prefix cache."""
     model = load_causal_lm(MM / "hf", np.float32)[1]
     layout = CacheLayout(2, 3, 4, CHUNK)
-    return Engine(model, layout, make_mesh("tp1", model.config), num_top=MAX_LOGPROBS, max_image_tiles=TILES)
+    mesh = make_mesh("tp1", model.config)
+    return Engine(model, layout, mesh, num_top=MAX_LOGPROBS, max_image_tiles=TILES, snapshots=2)
 
 
 class Collector:
@@ -182,6 +184,28 @@ def test_a_preempted_request_keeps_its_images(fixture, engine, scheduler):
     before = scheduler.stats().preemptions
     assert run(scheduler, requests) == alone
     assert scheduler.stats().preemptions > before
+
+
+@pytest.mark.slow
+def test_images_in_cached_pages_are_not_encoded_again(fixture, reference_model, engine, scheduler, monkeypatch):
+    """A request that resumes after a cached page holding an image's placeholders neither encodes that image nor
+    takes rows for it, and continues as whole-sequence scoring does; its image after the cached page is encoded."""
+    prompt, images = case(fixture, "two")
+    rng = np.random.default_rng(5)
+    text = tuple(rng.integers(0, IMAGE_TOKEN, PAGE_SIZE + 4 - len(prompt)).tolist())
+    first = Request("first", prompt + text, max_tokens=6, temperature=0.0, images=images)
+    third = (*rng.integers(0, IMAGE_TOKEN, 3).tolist(), *[IMAGE_TOKEN] * images[1].tiles, 7, 8)
+    second = Request("second", prompt + text[:-2] + third, max_tokens=6, temperature=0.0, images=(*images, images[1]))
+    encoded = []
+    encode = engine.encode
+    monkeypatch.setattr(engine, "encode", lambda image, rows: encoded.append(image) or encode(image, rows))
+    run(scheduler, [first])
+    assert encoded == list(images)
+    encoded.clear()
+    tokens = run(scheduler, [second])["second"]
+    assert encoded == [images[1]]  # the third image's, after the cached page; the first two are in it
+    assert tokens == greedy_reference(reference_model, second.prompt_token_ids, second.images, 6)
+    assert len(scheduler._free_rows) == engine.image_limits.pool_rows
 
 
 def test_requests_with_images_that_do_not_fit_are_refused(fixture, engine):
