@@ -22,7 +22,6 @@ Run it twice, with and without --no-prefix-cache, for the cache's gain on each.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.serve import add_server_arguments, command_line, start_server
+from bench.serve import add_server_arguments, command_line, report, start_server
 from serving.proto import inkling_pb2 as pb
 from serving.proto import inkling_pb2_grpc as pb_grpc
 
@@ -134,10 +133,7 @@ def main() -> None:
     finally:
         server.stop()
         scheduler.stop()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -250,6 +250,14 @@ def command_line(module: str, args: argparse.Namespace) -> str:
     return f"python -m {module} {flags}"
 
 
+def report(result: dict, out: Path | None) -> None:
+    """Print the result as JSON, and write it to `out` if given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="a running server; default: start one in-process")
@@ -306,10 +314,7 @@ def main() -> None:
         "server": {"checkpoint": checkpoint, "mesh": info.mesh, "dtype": info.dtype, "max_num_seqs": info.max_num_seqs},
         "levels": levels,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":
