@@ -408,6 +408,12 @@ class Engine:
                 snapshots = min(max_num_seqs, budget_bytes // 4 // snapshot_bytes(model.config, dtype, tp))
                 while snapshots and not _fits(layout, snapshots):
                     snapshots -= 1
+                if not snapshots:
+                    logger.warning(
+                        "no prefix cache: the budget holds one %d-token sequence and no snapshot beside it (raise "
+                        "--kv-cache-mib or lower --max-model-len for one)",
+                        max_context,
+                    )
             replica = layout(snapshots=snapshots)
         return cls(
             model,

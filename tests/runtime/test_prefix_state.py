@@ -14,7 +14,15 @@ from model_configs import four_layers
 from paths import TINY_CONFIG
 from step_driver import Driver
 
-from inkling_jax.cache import PAGE_SIZE, CacheLayout, init_snapshots, restore_snapshot, save_snapshot
+from inkling_jax.cache import (
+    PAGE_SIZE,
+    CacheBudgetError,
+    CacheLayout,
+    init_snapshots,
+    restore_snapshot,
+    save_snapshot,
+    snapshot_bytes,
+)
 from inkling_jax.checkpoint import load_causal_lm
 from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.runtime.engine import Engine
@@ -254,3 +262,30 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
     given, stats, taken = serve(speculating, [first, follow], one_by_one=True)
     assert given == {"first": kept, **serve(plain_engine, [follow])[0]}
     assert taken["follow"] == 3 * PAGE_SIZE and stats.speculative_rounds > 0, (taken, stats)
+
+
+def test_default_snapshots_fit_a_quarter_of_the_budget_beside_one_whole_sequence(model):
+    """Without a count, a budget gets one snapshot per slot, as many as a quarter of it holds, and fewer where one
+    sequence of the whole context would not fit beside them."""
+    mesh, slots, context = make_mesh("tp1", model.config), 6, 4096
+    each = snapshot_bytes(model.config, jnp.float32, 1)
+
+    def snapshots(budget: int, count: int | None = None) -> int:
+        engine = Engine.create(model, mesh, max_num_seqs=slots, chunk=WIDTH, max_context=context,
+                               budget_bytes=budget, snapshots=count)  # fmt: skip
+        return engine.snapshots_per_replica
+
+    least = next(b for b in range(each, 4000 * each, each // 4) if can_create(snapshots, b))  # room for one
+    roomy = least + 40 * each
+    assert roomy // 4 // each > slots and snapshots(roomy) == slots
+    assert least // 4 // each >= 2 and snapshots(least) == 1  # a quarter would hold more, one sequence fewer
+    with pytest.raises(CacheBudgetError):
+        snapshots(least, 2)
+
+
+def can_create(snapshots, budget: int) -> bool:
+    try:
+        snapshots(budget, 1)
+    except CacheBudgetError:
+        return False
+    return True
