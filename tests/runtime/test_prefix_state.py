@@ -4,6 +4,7 @@ one computed; restored without its convolution states (zeros, a bug other engine
 
 import dataclasses
 import json
+import logging
 import threading
 
 import jax
@@ -264,7 +265,7 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
     assert taken["follow"] == 3 * PAGE_SIZE and stats.speculative_rounds > 0, (taken, stats)
 
 
-def test_default_snapshots_fit_a_quarter_of_the_budget_beside_one_whole_sequence(model):
+def test_default_snapshots_fit_a_quarter_of_the_budget_beside_one_whole_sequence(model, caplog):
     """Without a count, a budget gets one snapshot per slot, as many as a quarter of it holds, and fewer where one
     sequence of the whole context would not fit beside them."""
     mesh, slots, context = make_mesh("tp1", model.config), 6, 4096
@@ -281,6 +282,9 @@ def test_default_snapshots_fit_a_quarter_of_the_budget_beside_one_whole_sequence
     assert least // 4 // each >= 2 and snapshots(least) == 1  # a quarter would hold more, one sequence fewer
     with pytest.raises(CacheBudgetError):
         snapshots(least, 2)
+    with caplog.at_level(logging.WARNING, "inkling_jax.runtime.engine"):
+        assert snapshots(least - each) == 0  # one sequence fits, no snapshot beside it: said, not silent
+    assert "no prefix cache: the budget holds one 4096-token sequence" in caplog.text
 
 
 def can_create(snapshots, budget: int) -> bool:
