@@ -234,7 +234,7 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
     # one at a time, each sharing two pages and more with the first, which ends two pages further: the second
     # leaves the first's chain where no snapshot is and saves one there (its junction), where the third resumes
     branches = [
-        Request(f"b{i}", tuple(shared + rng.integers(0, vocab, 20).tolist()), max_tokens=120, temperature=0.0,
+        Request(f"b{i}", tuple(shared + rng.integers(0, vocab, 20).tolist()), max_tokens=70, temperature=0.0,
                 ignore_eos=True)
         for i in range(3)
     ]  # fmt: skip
@@ -255,7 +255,7 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
     # mostly rejected; a bug other engines shipped); the draft proposes from the unpadded vocabulary, the target's
     # rows are padded (another one)
     assert model.config.vocab_size > vocab
-    first = Request("first", tuple(shared + tail[0]), max_tokens=150, temperature=0.0, ignore_eos=True)
+    first = Request("first", tuple(shared + tail[0]), max_tokens=70, temperature=0.0, ignore_eos=True)
     kept = serve(plain_engine, [first])[0]["first"]
     assert (len(first.prompt_token_ids) + len(kept) - 1) // PAGE_SIZE * PAGE_SIZE == 3 * PAGE_SIZE
     tokens = first.prompt_token_ids + tuple(kept) + tuple(rng.integers(0, vocab, 30).tolist())
