@@ -56,7 +56,8 @@ def block_hash(key: bytes) -> int:
 
 
 class Subscription:
-    """One subscriber's batches not yet taken; `notify` is called (from the thread that records) when some arrive."""
+    """One subscriber's batches not yet taken; `notify` is called (from the thread that records) when some arrive.
+    It is `lost` when it fell too far behind or `notify` failed."""
 
     def __init__(self, notify: Callable[[], None]):
         self._notify = notify
@@ -76,7 +77,10 @@ class Subscription:
             if len(self._pending) > BACKLOG:
                 self._pending.clear()
                 self.lost = True
-        self._notify()
+        try:
+            self._notify()
+        except Exception:  # its reader is gone (say, its event loop closed): the recording side goes on
+            self.lost = True
 
 
 class KvEvents:

@@ -68,3 +68,15 @@ def test_a_subscriber_that_falls_too_far_behind_is_lost(monkeypatch):
         events.record(0, [stored(rng)])
         assert len(quick.take()) == 1
     assert slow.lost and slow.take() == [] and not quick.lost
+
+
+def test_a_subscriber_whose_reader_is_gone_does_not_stop_the_recording():
+    rng = np.random.default_rng(4)
+    events = KvEvents()
+
+    def closed() -> None:
+        raise RuntimeError("Event loop is closed")
+
+    gone, other = events.subscribe(1, closed), events.subscribe(1, lambda: None)
+    events.record(0, [stored(rng)])
+    assert gone.lost and not other.lost and [b.number for b in other.take()] == [1]
