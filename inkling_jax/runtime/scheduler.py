@@ -200,13 +200,12 @@ class Scheduler:
                 f"the images' {tiles} tiles can never fit this server's image feature pool of "
                 f"{self.engine.image_limits.pool_rows} rows",
             )
-        needed = pages_for(len(request.prompt_token_ids) + request.max_tokens)
-        if needed > min(self.engine.pages_per_replica, self.engine.max_pages):
-            capacity = min(self.engine.pages_per_replica, self.engine.max_pages) * self.engine.page_size
+        needed = len(request.prompt_token_ids) + request.max_tokens
+        if needed > self.engine.max_context:  # within the model's context (validated): past the cache's
             raise Rejected(
                 Code.RESOURCE_EXHAUSTED,
-                f"prompt + max_tokens needs {needed} pages; one sequence can hold at most {capacity} "
-                "tokens in this server's cache",
+                f"prompt + max_tokens needs {pages_for(needed)} pages; one sequence can hold at most "
+                f"{self.engine.max_context} tokens in this server's cache",
             )
         with self._lock:
             if request.id in self._ids:
