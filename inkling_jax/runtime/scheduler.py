@@ -707,23 +707,21 @@ class Scheduler:
                 )
             if sequence.decoding:  # every boundary a decoding sequence reaches it lands on (rounds end there)
                 sequence.landed = max(sequence.landed, (sequence.known - 1) // PAGE_SIZE * PAGE_SIZE)
-            tokens = tuple(sequence.outputs[len(sequence.outputs) - taken :])
-            self._deliver(
-                sequence,
-                Delta(
-                    tokens,
-                    logprobs,
-                    top,
-                    reason,
-                    len(sequence.prompt),
-                    len(sequence.outputs),
-                    acceptance_length=sequence.acceptance_length,
-                    cached_tokens=sequence.cached,
-                ),
+            delta = Delta(
+                tuple(sequence.outputs[len(sequence.outputs) - taken :]),
+                logprobs,
+                top,
+                reason,
+                len(sequence.prompt),
+                len(sequence.outputs),
+                acceptance_length=sequence.acceptance_length,
+                cached_tokens=sequence.cached,
             )
             if reason is not None:
-                self._finish(sequence, reason, delivered=True)
-            elif refused is not None:
+                self._finish(sequence, reason, final=delta)
+                continue
+            self._deliver(sequence, delta)
+            if refused is not None:
                 self._finish(sequence, "error", error=f"the step sampled token {refused}, which the constraint refuses")
 
     def _finish(
@@ -731,12 +729,13 @@ class Scheduler:
         sequence: _Sequence,
         reason: str,
         *,
-        delivered: bool = False,
+        final: Delta | None = None,
         error: str | None = None,
         publish: bool = True,
     ) -> None:
         """End a sequence; its pages go to the prefix cache when `publish` and it did not fail (a failed step may
-        have left the device state unusable)."""
+        have left the device state unusable). Its last delta (`final`, or an empty one) is delivered after its id
+        leaves the in-flight set, so a client may reuse the id as soon as it sees the finish."""
         sequence.finished = True
         if sequence in self._waiting:
             self._waiting.remove(sequence)
@@ -749,21 +748,19 @@ class Scheduler:
         with self._lock:
             self._ids.pop(sequence.request.id, None)
             self._lock.notify_all()
-        if not delivered:
-            self._deliver(
-                sequence,
-                Delta(
-                    (),
-                    (),
-                    (),
-                    reason,
-                    len(sequence.prompt),
-                    len(sequence.outputs),
-                    error,
-                    sequence.acceptance_length,
-                    sequence.cached,
-                ),
+        if final is None:
+            final = Delta(
+                (),
+                (),
+                (),
+                reason,
+                len(sequence.prompt),
+                len(sequence.outputs),
+                error,
+                sequence.acceptance_length,
+                sequence.cached,
             )
+        self._deliver(sequence, final)
 
     def _deliver(self, sequence: _Sequence, delta: Delta) -> None:
         try:

@@ -199,6 +199,17 @@ def test_cancelled_and_refused_requests(two_slots):
         assert collector.deltas[request.id][-1].finish_reason == "abort"
         stats = scheduler.stats()
         assert (stats.running, stats.pages_used) == (0, 0)
+        short = dataclasses.replace(request, max_tokens=3)
+        again, reused = Collector(1), []
+
+        def reuse_at_finish(delta):  # a client that sends the same id again as soon as it sees the finish
+            if delta.finish_reason is not None:
+                scheduler.submit(short, again.sink(short.id))
+                reused.append(delta.finish_reason)
+
+        scheduler.submit(short, reuse_at_finish)
+        assert again.done.wait(60) and reused == ["length"]
+        assert len(again.tokens[short.id]) == 3
         bad = {
             Code.INVALID_ARGUMENT: Request("a", (1, 700)),
             Code.OUT_OF_RANGE: Request("b", (1, 2), max_tokens=5000),
