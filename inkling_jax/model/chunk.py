@@ -83,8 +83,7 @@ class Chunk:
             raise ValueError("an ordered layout has no lanes and room for every narrow sequence's queries")
         slots = lengths.shape[0]
         flat = jnp.arange(tokens, dtype=jnp.int32)
-        inside = (flat[None, :] >= starts[:, None]) & (flat[None, :] < (starts + counts)[:, None])  # [S, T]
-        token_slot = jnp.where(inside.any(axis=0), jnp.argmax(inside, axis=0), slots).astype(jnp.int32)
+        token_slot = token_slots(starts, counts, tokens)
         offset = flat - starts[jnp.minimum(token_slot, slots - 1)]
         laned = jnp.zeros(slots, bool)
         if lanes is not None:
@@ -212,6 +211,20 @@ class Chunk:
     def _narrow_index(self) -> jax.Array:
         """[S, width] the flat index of each slot's narrow-group query rows (unclipped)."""
         return self.starts[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
+
+
+def token_slots(starts: jax.Array, counts: jax.Array, tokens: int) -> jax.Array:
+    """starts, counts [S] -> [T] int32: the slot whose span (disjoint, as a step's are) holds each flat token, S
+    where none does. Linear in S + T: each token takes the span that opens last at or before it, and is in it
+    where that span reaches it (a step of thousands of slots and tokens would not hold an [S, T] comparison)."""
+    slots = starts.shape[0]
+    flat = jnp.arange(tokens, dtype=jnp.int32)
+    opens = jnp.where(counts > 0, starts, tokens)  # an empty span holds nothing
+    opening = jnp.full(tokens, slots, jnp.int32).at[opens].set(jnp.arange(slots, dtype=jnp.int32), mode="drop")
+    last_open = jax.lax.cummax(jnp.where(opening < slots, flat, -1))  # [T]: -1 before the first span
+    slot = opening[jnp.maximum(last_open, 0)]
+    ends = (starts + counts)[jnp.minimum(slot, slots - 1)]
+    return jnp.where((last_open >= 0) & (flat < ends), slot, slots).astype(jnp.int32)
 
 
 def busy_slots(counts: jax.Array, tokens: int) -> jax.Array:
