@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from exact_wgmma import exact_wgmma  # noqa: F401 (an autouse fixture)
 from jax import export
 from test_ragged_paged_attention import PRODUCTION_DIM, among_other_layers, production_operands
 
