@@ -98,6 +98,7 @@ class _Sequence:
     round_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()  # the tokens that end it: its stop ids, and EOS unless ignored
     prompt_rows: np.ndarray | None = None  # [prompt] each prompt token's image-feature pool row, -1 for text
+    image_runs: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # its images' placeholder runs
     matcher: Matcher | None = None  # its constraint's place after the outputs read so far
     drafts: list[int] | None = None  # a constrained round's drafts the state keeps for its slot (None: none)
     round_row: int = 0  # and the row of its replica's ROUND_ROWS that keeps them
@@ -207,13 +208,19 @@ class Scheduler:
                 f"prompt + max_tokens needs {pages_for(needed)} pages; one sequence can hold at most "
                 f"{self.engine.max_context} tokens in this server's cache",
             )
+        # each image's placeholder run (start, length), found once: admission and the page keys read them
+        runs = []
+        if request.images:
+            runs = placeholder_runs(request.prompt_token_ids, self.engine.image_limits.image_token_id)
         with self._lock:
             if request.id in self._ids:
                 raise Rejected(Code.INVALID_ARGUMENT, f"request id {request.id!r} is already in flight")
             if len(self._waiting) + len(self._inbox) >= self.max_waiting:
                 raise Rejected(Code.RESOURCE_EXHAUSTED, f"the queue is full ({self.max_waiting} waiting requests)")
             stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self.eos)
-            sequence = _Sequence(request, on_delta, next(self._arrivals), stop_ids=stop_ids, matcher=matcher)
+            sequence = _Sequence(
+                request, on_delta, next(self._arrivals), stop_ids=stop_ids, matcher=matcher, image_runs=runs
+            )
             self._ids[request.id] = sequence
             self._inbox.append(("submit", sequence))
             self._lock.notify()
@@ -540,13 +547,10 @@ class Scheduler:
     def _unencoded(self, sequence: _Sequence, resume: int) -> list[tuple[RequestImage, tuple[int, int]]]:
         """The sequence's images not encoded yet with a placeholder at or after `resume`, where its computation
         starts (those wholly before it, in cached pages, are never read), each with its run (start, length)."""
-        if not sequence.request.images:
-            return []
-        runs = placeholder_runs(sequence.prompt, self.engine.image_limits.image_token_id)
         rows = sequence.prompt_rows
         return [
             (image, (start, length))
-            for image, (start, length) in zip(sequence.request.images, runs, strict=True)
+            for image, (start, length) in zip(sequence.request.images, sequence.image_runs, strict=True)
             if start + length > resume and (rows is None or rows[start] < 0)
         ]
 
@@ -599,8 +603,10 @@ class Scheduler:
         if len(sequence.keys) < pages:
             tokens, images = sequence.prompt + tuple(sequence.outputs), []
             if sequence.request.images:
-                runs = placeholder_runs(sequence.prompt, self.engine.image_limits.image_token_id)
-                images = [(*run, image_digest(image)) for run, image in zip(runs, sequence.request.images, strict=True)]
+                images = [
+                    (*run, image_digest(image))
+                    for run, image in zip(sequence.image_runs, sequence.request.images, strict=True)
+                ]
             sequence.keys = page_keys(tokens, pages, images)
         return sequence.keys[:pages]
 
