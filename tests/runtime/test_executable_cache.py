@@ -204,7 +204,9 @@ def test_step_programs_get_their_platforms_options(model, monkeypatch):
     """A plain TPU decode step keeps its gathers off SparseCore; every GPU shape keeps dots unmerged and its
     matmuls in cuBLAS, untuned, reading stacked weights in place, and runs its independent kernels side by side and
     its conditionals and loops in command buffers; TPU prefill and speculative shapes, and CPU, add nothing to what
-    XLA compiles."""
+    XLA compiles. The programs run between steps (resamples, prefix snapshots' saves and restores) take a plain
+    decode step's options: on a GPU a conditional outside the command buffers would make the host wait for the
+    step before."""
     decode, prefill, verify = StepShape(8, 1, 0, False), StepShape(64, 1, 4, False), StepShape(16, 8, 0, True)
     assert shape_compiler_options("tpu", decode) == {"xla_tpu_offload_gather_to_sparsecore": False}
     gpu = {
@@ -220,11 +222,21 @@ def test_step_programs_get_their_platforms_options(model, monkeypatch):
     assert shape_compiler_options("gpu", verify) == gpu
     assert shape_compiler_options("tpu", prefill) == shape_compiler_options("tpu", verify) == {}
     assert shape_compiler_options("cpu", decode) == {}
+    assert engine_module.between_steps_options("gpu") == gpu and engine_module.between_steps_options("cpu") == {}
+    assert engine_module.between_steps_options("tpu") == shape_compiler_options("tpu", decode)
     asked = []
     monkeypatch.setattr(engine_module, "shape_compiler_options", lambda *shape: asked.append(shape) or {})
-    engine = make_engine(model, None)
+    engine = Engine(model, CacheLayout(SLOTS, 3, 32, 8), make_mesh("tp1", model.config), snapshots=1)
+    plain = (jax.default_backend(), StepShape(1, 1, 0, False))
+    assert asked == [plain]  # the snapshots' save and restore
+    asked.clear()
     engine.fetch(engine.step(one_token_batch(engine, 3, first=True, prompt=True, emit=True)))
     assert asked and set(asked) == {(jax.default_backend(), engine.shape(prefill=False, speculative=False))}
+    asked.clear()
+    monkeypatch.setattr(engine_module, "RESAMPLERS", engine_module.ProgramTable(4))
+    engine.warm_up_resample()
+    buckets = {engine._resample_rows(count) for count in (*engine_module.RESAMPLE_ROWS, engine.slots)}
+    assert asked.count(plain) == len(buckets)
 
 
 @pytest.mark.slow
