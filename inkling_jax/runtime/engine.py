@@ -996,7 +996,7 @@ def between_steps_options(platform: str) -> dict[str, object]:
     save or restore): a plain decode step's. On a GPU their conditionals and loops (the sampler's branches and its
     top-p search, a save a replica skips) then run in command buffers, decided on the device; outside them the host
     waits for each predicate, that is for the step before to end, and the loop no longer runs ahead of the device
-    (constrained decoding on the 48-layer proxy at 64 streams: 25 ms of the host's 35 a step so, on an H100)."""
+    (bench/results/serve_constraints_proxy_h100.md)."""
     return shape_compiler_options(platform, StepShape(1, 1, 0, False))
 
 
