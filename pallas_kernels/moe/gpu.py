@@ -15,12 +15,15 @@ stores the accumulator transposed into SMEM and copies only the visit's own rows
 jax's ragged_dot_mgpu), so visits that share rows never write each other's.
 
 Up to 8 tokens (`chosen_experts`): one visit per distinct chosen expert, multiplying every token (8 rows, wgmma's
-narrowest N side) into rows of its own: no sort, no row gather, three small reductions for the plan. Decode of more
-tokens: the copies share tiles of TM rows (TM twice the mean group, 8 ... 32: about one tile per chosen expert, so each
-wgmma's N side is no wider than the groups need), each chosen expert's bytes read once per column tile. Prefill: each
-expert's copies are visited in windows of their own (no row multiplied twice), each in the narrowest of a few widths (64
-... 112 rows, those a group of the call's tokens can need) that holds it: one pipeline per width in each CTA, the items
-of all widths dealt round the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows
+narrowest N side) into rows of its own: no sort, no row gather, three small reductions for the plan. The same plan
+up to 64 tokens where the routing is dense (`visits_every_token`: each expert expected to be chosen by at least half
+of them, as 16 experts top-8 are): each chosen expert's bytes read once, against about twice in shared tiles, for at
+most twice the rows its copies fill, and none of the sort's kernels. Decode of more tokens: the copies share tiles
+of TM rows (TM twice the mean group, 8 ... 32: about one tile per chosen expert, so each wgmma's N side is no wider
+than the groups need), each chosen expert's bytes read once per column tile. Prefill: each expert's copies are
+visited in windows of their own (no row multiplied twice), each in the narrowest of a few widths (64 ... 112 rows,
+those a group of the call's tokens can need) that holds it: one pipeline per width in each CTA, the items of all
+widths dealt round the CTAs in turn. The gate_up kernel applies the softcapped SwiGLU in its epilogue (its rows
 laid out in pairs, `layouts.paired_rows`: a warpgroup's 64 rows are 32 hidden units' gate and up rows). After the
 matmuls XLA combines the copies (`routing.combine`, `routing.weighted_sum`).
 
@@ -70,6 +73,7 @@ from pallas_kernels.quantized import MXFP8, NVFP4
 
 ask_ptxas_once()
 
+EVERY_TOKEN_TM = 64  # the most tokens a visit of `chosen_experts` multiplies (dense routing)
 OWN_TMS = (64, 80, 96, 112)  # prefill: the widths (rows) of the windows of an expert's own, each window the narrowest
 # that holds its copies (at 4096 tokens the groups average 85 copies: one width of 96, two windows for groups past
 # it, multiplied 41K rows; these, 36K); 112 the widest where the quantized formats keep rings of 3 SMEM stages
@@ -169,16 +173,26 @@ def own_widths(largest_group: int) -> tuple[int, ...]:
     return tuple(width for width in OWN_TMS if width < largest_group) + tuple(fits[:1])
 
 
+def visits_every_token(tokens: int, top_k: int, num_experts: int, routed_experts: int | None = None) -> bool:
+    """Whether the call's plan is `chosen_experts` (each chosen expert's visit multiplies every token): at most
+    SHARED_TM[0] tokens (wgmma's narrowest N side, what a shared tile of their copies costs), or at most
+    EVERY_TOKEN_TM where a token chooses each of the `routed_experts` (default `num_experts`) with a chance of at
+    least one half, so that a visit multiplies at most twice the rows its expert's copies fill."""
+    if tokens <= SHARED_TM[0]:
+        return True
+    return tokens <= EVERY_TOKEN_TM and 2 * top_k >= (routed_experts or num_experts)
+
+
 def chosen_experts(experts: jax.Array, num_experts: int, first: jax.Array | int = 0) -> tuple[Tiles, jax.Array]:
-    """The plan for at most SHARED_TM[0] tokens: one visit per distinct chosen expert (in id order), each
-    multiplying every token (rows 0 ... tm - 1: the tokens, then zeros; wgmma's narrowest N side, what a shared tile
-    of those copies costs) and writing rows v * tm ... v * tm + tm - 1 of its own. There is nothing to sort or
-    gather; three small reductions over the copies' pairs make the plan. `first`: the weights' index of expert 0 (a
-    layer's first expert in stacked layers' weights), added to the visits' experts inside the last reduction rather
-    than by a kernel of its own. Also each copy's visit, [N, k] int32 (meaningless for a dropped copy): copy (n, j)'s
-    product is row visit * tm + n."""
+    """The plan of `visits_every_token`: one visit per distinct chosen expert (in id order), each multiplying
+    every token (rows 0 ... tm - 1: the tokens, then zeros; tm the tokens in whole tiles of 8, at least SHARED_TM[0])
+    and writing rows v * tm ... v * tm + tm - 1 of its own. There is nothing to sort or gather; three small
+    reductions over the copies' pairs make the plan. `first`: the weights' index of expert 0 (a layer's first expert
+    in stacked layers' weights), added to the visits' experts inside the last reduction rather than by a kernel of
+    its own. Also each copy's visit, [N, k] int32 (meaningless for a dropped copy): copy (n, j)'s product is row
+    visit * tm + n."""
     tokens, top_k = experts.shape
-    tm, count = SHARED_TM[0], min(num_experts, tokens * top_k)
+    tm, count = max(SHARED_TM[0], -(-tokens // 8) * 8), min(num_experts, tokens * top_k)
     flat = experts.reshape(-1)
     kept = kept_copies(flat, num_experts)
     copy = jnp.arange(flat.shape[0])
@@ -367,7 +381,7 @@ def supports(two_i: int, hidden: int, fmt: str) -> bool:
     return hidden % 256 == 0 and (two_i // 2) % 256 == 0 and fmt in (PLAIN, MXFP8, NVFP4)
 
 
-def _few_tokens(
+def _every_token(
     x: jax.Array,
     gate_up: GpuWeight,
     down: GpuWeight,
@@ -380,9 +394,8 @@ def _few_tokens(
     first: jax.Array | int,
     interpret: bool = False,
 ) -> jax.Array:
-    """At most SHARED_TM[0] tokens, at least one expert each (x in gate_up's `layouts.gpu_k_order`, checked by
-    `check`) by `chosen_experts`, in two kernels; the ids name experts first ... first + num_experts - 1 of
-    the weights."""
+    """The tokens (x in gate_up's `layouts.gpu_k_order`, checked by `check`), at least one expert each, by
+    `chosen_experts`, in two kernels; the ids name experts first ... first + num_experts - 1 of the weights."""
     tiles, visit = chosen_experts(experts, num_experts, first)
     # the token rows as they are: TMA reads the tile's rows past them as zeros (no padded copy)
     hidden_rows = grouped_matmul(x, gate_up, tiles, swiglu=caps, interpret=interpret)
@@ -408,7 +421,7 @@ def moe_experts(
     interpret: bool = False,
 ) -> jax.Array:
     """`reference.moe_experts`'s contract over weights laid out by `layouts.for_gpu` (`interpret`: run the
-    kernels in Mosaic GPU's interpreter): at most SHARED_TM[0] tokens by `chosen_experts`, more by the copies
+    kernels in Mosaic GPU's interpreter): by `chosen_experts` where `visits_every_token`, else by the copies
     sorted by expert (`tile_copies`, choosing shared tiles or own windows by the copies `routing.route` expects
     to keep for `routed_experts`; `distinct_ids`: no token names an expert twice). With `layer`, the weights are
     stacked layers' [L, E, ...] and layer `layer`'s are read in place (`layouts.layers_as_one`)."""
@@ -420,8 +433,8 @@ def moe_experts(
     if experts.size == 0:
         return jnp.zeros((tokens, hidden), out_dtype)
     caps = (gate_cap, up_cap)
-    if tokens <= SHARED_TM[0]:
-        return _few_tokens(
+    if visits_every_token(tokens, experts.shape[1], num_experts, routed_experts):
+        return _every_token(
             in_gpu_k_order(x, gate_up.format),
             gate_up,
             down,

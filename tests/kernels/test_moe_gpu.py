@@ -238,11 +238,13 @@ def test_windows_that_each_hold_a_group_bound_the_visits_by_the_experts(monkeypa
     assert gpu_work.step_k(NVFP4, 4608, tiles.tm) == 128
 
 
-@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1)])
-def test_few_tokens_visit_each_chosen_expert_once(tokens, top_k, experts):
-    """At most 8 tokens: one visit per distinct kept expert (real visits first, within the static bound), each
-    reading the token rows and writing 8 rows of its own; each kept copy's visit is its expert's; the visits name
-    the experts of a layer's stacked weights from its first one."""
+@pytest.mark.parametrize(
+    "tokens, top_k, experts", [(1, 8, 384), (8, 8, 384), (8, 8, 16), (5, 3, 4), (2, 2, 1), (12, 8, 16), (64, 8, 16)]
+)
+def test_chosen_experts_visit_each_once(tokens, top_k, experts):
+    """One visit per distinct kept expert (real visits first, within the static bound), each reading the token rows
+    (in whole tiles of 8, at least 8) and writing as many rows of its own; each kept copy's visit is its expert's;
+    the visits name the experts of a layer's stacked weights from its first one."""
     rng = np.random.default_rng(tokens * experts + top_k)
     for _ in range(10):
         ids = rng.integers(-1, experts + 1, (tokens, top_k))  # repeats, and dropped ids (-1, E)
@@ -258,8 +260,22 @@ def test_few_tokens_visit_each_chosen_expert_once(tokens, top_k, experts):
         np.testing.assert_array_equal(tiles.expert[visit[kept]], first + ids[kept])
         assert np.all((tiles.expert >= 0) & (tiles.expert < first + experts))  # padding visits name a valid one
         assert tiles.first_row is None  # visit v writes rows v * tm ...: the kernel computes where
-        assert tiles.tm == 8 and tiles.rows == tiles.expert.shape[0] * 8
+        tm = max(8, -(-tokens // 8) * 8)
+        assert tiles.tm == tm and tiles.rows == tiles.expert.shape[0] * tm
         assert tiles.reads_tokens and tiles.writes_from is None and tiles.writes_to is None  # whole tiles of their own
+
+
+@pytest.mark.parametrize(
+    "tokens, top_k, experts, routed, every",
+    [(8, 1, 384, None, True), (9, 8, 384, None, False), (9, 8, 16, None, True), (64, 8, 16, None, True),
+     (65, 8, 16, None, False), (64, 8, 4, 16, True), (64, 8, 4, 32, False), (12, 2, 4, None, True),
+     (12, 1, 4, None, False)],
+)  # fmt: skip
+def test_dense_routing_visits_every_token(tokens, top_k, experts, routed, every):
+    """Up to 8 tokens, and up to 64 where each of the routed experts is expected to be chosen by half the tokens
+    (16 experts top-8; under expert parallelism, the experts the ids were chosen among): a visit per chosen expert
+    over every token; else the copies sorted by expert."""
+    assert gpu.visits_every_token(tokens, top_k, experts, routed) is every
 
 
 @pytest.mark.slow
@@ -331,9 +347,9 @@ def assert_close_to_oracle(got: jax.Array, want: jax.Array) -> None:
 
 
 CASES = [  # (format, tokens, top_k, foreign ids + fp32 out, experts); each format's decode is checked exactly above
-    (NVFP4, 32, 2, False, 2),  # prefill: each expert's copies in tiles of their own (>= 16 copies per expert)
+    (NVFP4, 48, 1, False, 3),  # prefill: each expert's copies in tiles of their own (>= 16 copies per expert)
     (NVFP4, 3, 4, True, EXPERTS),  # decode of few tokens: each chosen expert's visit; expert parallelism's drops
-    (MXFP8, 12, 2, True, EXPERTS),  # decode: shared tiles; dropped ids
+    (MXFP8, 12, 2, True, EXPERTS),  # decode, dense routing: each chosen expert's visit of 16 rows; dropped ids
 ] + (
     []
     if CPU
@@ -362,15 +378,20 @@ def test_routed_experts_match_oracle(fmt, tokens, top_k, foreign, num_experts):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", [NVFP4] if CPU else [MXFP8, NVFP4])  # the plan's property; decodes checked above
 def test_a_token_gets_the_same_bits_at_every_token_count(fmt):
-    """The first tokens' outputs alone (chosen experts' visits), among more in shared tiles and among many in windows
-    of their own: bit for bit the same (each work item sums its whole K in one order, whatever the plan; K of 6 steps,
-    which a few tokens' visits once split over the CTAs)."""
-    counts, top_k = ((3, 12), 2) if CPU else ((8, 16, 64, 196), 8)  # on CPU: a few tokens' visits, shared tiles
-    x, gate_up, down, experts, weights = routed_case(13, max(counts), top_k, fmt, hidden=1536)
+    """The first tokens' outputs alone (chosen experts' visits), among more in visits of every token (dense routing),
+    in shared tiles (the same ids as if chosen among more experts) and among many in windows of their own: bit for bit
+    the same (each work item sums its whole K in one order, whatever the plan; K of 6 steps, which a few tokens' visits
+    once split over the CTAs). Each call: (tokens, the experts the ids were chosen among)."""
+    top_k = 2 if CPU else 8  # of 4 experts on CPU, 16 on a GPU: dense routing
+    calls = ((3, None), (12, None), (12, 8)) if CPU else ((8, None), (16, None), (64, None), (64, 64), (196, None))
+    x, gate_up, down, experts, weights = routed_case(13, max(n for n, _ in calls), top_k, fmt, hidden=1536)
     laid = (for_gpu(gate_up, paired=True), for_gpu(down))
-    run = jax.jit(lambda *a: moe_experts(*a, **CAPS, distinct_ids=True, backend="gpu"))
-    first = min(counts)
-    outs = [np.asarray(run(x[:n], *laid, experts[:n], weights[:n]), np.float32)[:first] for n in counts]
+    run = jax.jit(
+        lambda *a, routed: moe_experts(*a, **CAPS, routed_experts=routed, distinct_ids=True, backend="gpu"),
+        static_argnames="routed",
+    )
+    first = calls[0][0]
+    outs = [np.asarray(run(x[:n], *laid, experts[:n], weights[:n], routed=r), np.float32)[:first] for n, r in calls]
     assert np.abs(outs[0]).max() > 0
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
@@ -397,7 +418,7 @@ def test_own_windows_of_every_width_match_oracle(fmt, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, tokens, top_k", [(MXFP8, 6, 4), (MXFP8, 12, 4), (NVFP4, 64, 2)])  # chosen experts;
+@pytest.mark.parametrize("fmt, tokens, top_k", [(MXFP8, 6, 4), (MXFP8, 12, 1), (NVFP4, 64, 1)])  # chosen experts;
 # shared tiles; own windows (CPU)
 def test_ctas_chain_their_items(fmt, tokens, top_k, monkeypatch):
     """Three CTAs, each walking many work items through one pipeline (START, STEADY ..., STOP; gate_up's K in
