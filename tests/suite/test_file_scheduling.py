@@ -1,12 +1,15 @@
 """The suite's file scheduler (tests/file_scheduling.py) ends a run whose workers crash, runs every other test
-once, and reports each crashed test failed once."""
+once, and reports each crashed test failed once; a replacement worker gets work only once it has reported what it
+collected."""
 
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+from file_scheduling import CrashSafeFileScheduling
 
 TESTS = Path(__file__).resolve().parent.parent
 
@@ -44,3 +47,50 @@ def test_a_run_with_crashing_workers_ends_and_runs_every_test_once(tmp_path: Pat
     ran = sorted((tmp_path / "ran.txt").read_text().split())
     expected = sorted(f"{name}::{n}" for name, tests in files.items() for n in tests if n != "crash")
     assert ran == expected
+
+
+class FakeWorker:
+    """What the scheduler asks of a worker: its name, whether it is shutting down, and the tests it is sent."""
+
+    def __init__(self, name: str):
+        self.gateway, self.shutting_down, self.sent = types.SimpleNamespace(id=name), False, []
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.sent += indices
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+class FakeConfig:
+    """Two workers; files in collection order."""
+
+    option = types.SimpleNamespace(loadscopereorder=False)
+
+    def getvalue(self, name: str) -> list[str]:
+        assert name == "tx"
+        return ["2*popen"]
+
+
+def test_a_replacement_gets_work_once_it_has_collected():
+    """Both workers crash; the first replacement to report its collection gets a file, and the other, not yet
+    reported (xdist reschedules every node on each report), gets one when it reports."""
+    collection = [f"test_{name}.py::test_{n}" for name in "abcdef" for n in range(3)]
+    scheduler = CrashSafeFileScheduling(FakeConfig())
+    first, second = FakeWorker("gw0"), FakeWorker("gw1")
+    for worker in (first, second):
+        scheduler.add_node(worker)
+        scheduler.add_node_collection(worker, collection)
+    scheduler.schedule()
+    assert first.sent and second.sent
+    for worker in (first, second):
+        assert scheduler.remove_node(worker) is not None  # each died in its first test
+    late, early = FakeWorker("gw2"), FakeWorker("gw3")
+    scheduler.add_node(late)
+    scheduler.add_node(early)
+    scheduler.add_node_collection(early, collection)
+    scheduler.schedule()  # reschedules every node, `late` too, which has collected nothing yet
+    assert early.sent and not late.sent
+    scheduler.add_node_collection(late, collection)
+    scheduler.schedule()
+    assert late.sent and not set(late.sent) & set(early.sent)
