@@ -187,23 +187,22 @@ def chosen_experts(experts: jax.Array, num_experts: int, first: jax.Array | int 
     """The plan of `visits_every_token`: one visit per distinct chosen expert (in id order), each multiplying
     every token (rows 0 ... tm - 1: the tokens, then zeros; tm the tokens in whole tiles of 8, at least SHARED_TM[0])
     and writing rows v * tm ... v * tm + tm - 1 of its own. There is nothing to sort or gather; three small
-    reductions over the copies' pairs make the plan. `first`: the weights' index of expert 0 (a layer's first expert
-    in stacked layers' weights), added to the visits' experts inside the last reduction rather than by a kernel of
-    its own. Also each copy's visit, [N, k] int32 (meaningless for a dropped copy): copy (n, j)'s product is row
-    visit * tm + n."""
+    reductions over the experts make the plan (which are chosen, each one's visit, each visit's expert; over pairs
+    of copies they cost [N * k, N * k] comparisons, which XLA split into twice the kernels at 64 tokens). `first`:
+    the weights' index of expert 0 (a layer's first expert in stacked layers' weights), added to the visits' experts
+    inside the last reduction rather than by a kernel of its own. Also each copy's visit, [N, k] int32 (meaningless
+    for a dropped copy): copy (n, j)'s product is row visit * tm + n."""
     tokens, top_k = experts.shape
     tm, count = max(SHARED_TM[0], -(-tokens // 8) * 8), min(num_experts, tokens * top_k)
     flat = experts.reshape(-1)
-    kept = kept_copies(flat, num_experts)
-    copy = jnp.arange(flat.shape[0])
-    earlier_same = (flat[None, :] == flat[:, None]) & (copy[None, :] < copy[:, None])
-    leading = kept & ~jnp.any(earlier_same, axis=1)  # the first copy of each chosen expert
-    # each copy's visit: the distinct chosen experts below its id; a sentinel id past them all (row 0) counts them
-    ids = jnp.concatenate([jnp.full(1, num_experts, flat.dtype), flat])
-    below = jnp.sum(leading[None, :] & (flat[None, :] < ids[:, None]), axis=1, dtype=jnp.int32)  # [1 + N * k]
-    visit = below[1:]
-    chosen = leading[None, :] & (visit[None, :] == jnp.arange(count)[:, None])
-    expert = jnp.sum(jnp.where(chosen, flat[None, :] + first, 0), axis=1, dtype=jnp.int32)  # padding: expert 0
+    ids = jnp.arange(num_experts, dtype=flat.dtype)
+    chosen = jnp.any(flat[None, :] == ids[:, None], axis=1)  # [E]; a dropped id names none
+    # each expert's visit: the chosen experts below it; a sentinel id past them all (row 0) counts them
+    ends = jnp.concatenate([jnp.full(1, num_experts, flat.dtype), ids])
+    below = jnp.sum(chosen[None, :] & (ids[None, :] < ends[:, None]), axis=1, dtype=jnp.int32)  # [1 + E]
+    visit = below[1:][jnp.clip(flat, 0, num_experts - 1)]
+    takes = chosen[None, :] & (below[None, 1:] == jnp.arange(count)[:, None])  # [count, E]
+    expert = jnp.sum(jnp.where(takes, ids[None, :] + first, 0), axis=1, dtype=jnp.int32)  # padding: expert 0
     tiles = Tiles(expert, None, None, None, below, None, None, (tm,), count * tm, reads_tokens=True)
     return tiles, visit.reshape(tokens, top_k)
 
