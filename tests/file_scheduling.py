@@ -4,9 +4,9 @@ pytest-xdist 3.8.0's file scheduler can deadlock once it replaces a crashed work
 and 1378): it puts the dead worker's finished files back on the queue as empty work that never completes, hands
 the crashed test to the replacement to crash again, and may leave a new worker holding a single test it cannot
 start (a worker runs a test only once it knows the next one), or hand work to a replacement before it has
-reported what it collected. Here the crashed test is reported failed once and not
-restarted, only the dead worker's unfinished files go back on the queue, and a worker is topped up until it holds
-enough tests to keep going, or told no more are coming."""
+reported what it collected. Here the crashed test is reported failed once and not restarted, only the dead
+worker's unfinished files go back on the queue, and a worker is topped up until it holds enough tests to keep
+going, or told no more are coming."""
 
 from xdist.scheduler import LoadFileScheduling
 from xdist.workermanage import WorkerController

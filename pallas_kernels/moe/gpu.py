@@ -185,7 +185,7 @@ def visits_every_token(tokens: int, top_k: int, num_experts: int, routed_experts
 
 def chosen_experts(experts: jax.Array, num_experts: int, first: jax.Array | int = 0) -> tuple[Tiles, jax.Array]:
     """The plan of `visits_every_token`: one visit per distinct chosen expert (in id order), each multiplying
-    every token (rows 0 ... tm - 1: the tokens, then zeros; tm the tokens in whole tiles of 8, at least SHARED_TM[0])
+    every token (rows 0 ... tm - 1: the tokens, then zeros; tm the tokens in whole tiles of 8, wgmma's N side)
     and writing rows v * tm ... v * tm + tm - 1 of its own. There is nothing to sort or gather; three small
     reductions over the experts make the plan (which are chosen, each one's visit, each visit's expert; over pairs
     of copies they cost [N * k, N * k] comparisons, which XLA split into twice the kernels at 64 tokens). `first`:
@@ -193,7 +193,7 @@ def chosen_experts(experts: jax.Array, num_experts: int, first: jax.Array | int 
     inside the last reduction rather than by a kernel of its own. Also each copy's visit, [N, k] int32 (meaningless
     for a dropped copy): copy (n, j)'s product is row visit * tm + n."""
     tokens, top_k = experts.shape
-    tm, count = max(SHARED_TM[0], -(-tokens // 8) * 8), min(num_experts, tokens * top_k)
+    tm, count = -(-tokens // 8) * 8, min(num_experts, tokens * top_k)
     flat = experts.reshape(-1)
     ids = jnp.arange(num_experts, dtype=flat.dtype)
     chosen = jnp.any(flat[None, :] == ids[:, None], axis=1)  # [E]; a dropped id names none
