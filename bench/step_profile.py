@@ -10,9 +10,9 @@ engine does) and to compile it (XLA); then for each `--active` count (slots with
 server with that many requests) the wall time per step issued back to back, the host's time to dispatch one step
 whose arguments are already on the device, on an idle device (XLA's launch of its kernels and the call's own
 work; not building or sending the batch), and on a GPU the steps' timeline (`bench.timeline`: per step the span
-of its kernels, the time the device was busy and idle, the kernel time by kind) and the step's kernels by CUPTI:
-their count, their sum, and the kernels grouped by name, longest first. Copies of parameters or state show up
-there as memcpy and dynamic-slice kernels.
+of its kernels, the time the device was busy and idle, the kernel time by kind) and, from the same trace, the
+step's kernels: their count, their sum, and the kernels grouped by name, longest first. Copies of parameters or
+state show up there as memcpy and dynamic-slice kernels.
 
 Each `--active` count runs the program the engine picks for it (up to 8 active slots of more: the 8-token decode
 program), lowered once. Each `--options` is a set of XLA options (a JSON object) that lowering is compiled with
@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.timeline import Layout, layout, trace_kernels
-from bench.timing import call_kernels_ms
+from bench.timeline import Kernel, layout, trace_kernels
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import load_config
 from inkling_jax.runtime.engine import Engine, StepShape, shape_compiler_options
@@ -154,37 +153,37 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
             flush=True,
         )
         if jax.default_backend() == "gpu":
-            for line in step_timeline(step, repeats).lines():
+            kernels = traced_kernels(step, repeats)
+            for line in layout(kernels, repeats).lines():
                 print(f"{active} active: {line}", flush=True)
-            try:
-                kernels = call_kernels_ms(step, repeats=repeats)
-            except RuntimeError as error:  # e.g. a program whose runs launch different kernels (graphs instantiated)
-                print(f"{active} active: CUPTI could not measure the step's kernels: {error}", flush=True)
-                continue
-            report(kernels)
+            report(kernels, repeats)
             if dump:
-                Path(f"{dump}_{active}_active.json").write_text(json.dumps(kernels))
+                first_run = sorted(kernels, key=lambda k: k.start_us)[: len(kernels) // repeats]
+                Path(f"{dump}_{active}_active.json").write_text(
+                    json.dumps([(k.name, k.duration_us / 1e3) for k in first_run])
+                )
 
 
-def step_timeline(step, runs: int) -> Layout:
-    """`runs` steps issued back to back under the profiler, laid out in time (before any CUPTI measure, which
-    changes how XLA launches the kernels afterwards)."""
+def traced_kernels(step, runs: int) -> list[Kernel]:
+    """The kernels of `runs` steps issued back to back under the profiler (one CUPTI session: a second one in the
+    same process can abort it when its activity buffers overflow)."""
     jax.block_until_ready(step())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             emitted = [step() for _ in range(runs)]
             jax.block_until_ready(emitted)
-        return layout(trace_kernels(Path(trace_dir)), runs)
+        return trace_kernels(Path(trace_dir))
 
 
-def report(kernels: list[tuple[str, float]]) -> None:
-    """The kernels' count and sum, and their groups by name (numbered instances together), longest first."""
-    print(f"kernels: {len(kernels)}, {sum(ms for _, ms in kernels):.3f} ms a step on the device", flush=True)
+def report(kernels: list[Kernel], runs: int) -> None:
+    """The kernels' count and sum per run, and their groups by name (numbered instances together), longest first."""
+    per_run = sum(k.duration_us for k in kernels) / 1e3 / runs
+    print(f"kernels: {len(kernels) // runs}, {per_run:.3f} ms a step on the device", flush=True)
     groups: dict[str, list[float]] = collections.defaultdict(list)
-    for name, ms in kernels:
-        groups[re.sub(r"[._]\d+$", "", name)].append(ms)
+    for kernel in kernels:
+        groups[re.sub(r"[._]\d+$", "", kernel.name)].append(kernel.duration_us / 1e3 / runs)
     for name, times in sorted(groups.items(), key=lambda item: -sum(item[1]))[:30]:
-        print(f"{sum(times):8.3f} ms {len(times):5d}x {name}", flush=True)
+        print(f"{sum(times):8.3f} ms {len(times) // runs:5d}x {name}", flush=True)
 
 
 if __name__ == "__main__":
