@@ -1,4 +1,6 @@
-"""The engine step on the tiny parity model: chunked prefill, decode, batch independence, no recompilation."""
+"""The engine step: chunked prefill, decode, batch independence, no recompilation; on the tiny parity model's config
+in four layers with random weights (every kind of layer and block, in step programs that compile in a third of twelve
+layers' time), and greedy decoding on the parity checkpoint itself against transformers' generation."""
 
 import dataclasses
 
@@ -7,11 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_configs import four_layers
 from paths import TINY_TEXT
 from step_driver import MAX_PAGES, SLOTS, WIDTH, Driver, full_logprobs, prefill
 
 from inkling_jax.cache import CacheLayout, init_state
 from inkling_jax.checkpoint import load_causal_lm
+from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.forward import logits_fn
 from inkling_jax.model.attention import grouped_attention
 from inkling_jax.model.chunk import Chunk
@@ -20,8 +24,16 @@ from inkling_jax.step import StepBatch, pack_spans, step
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_causal_lm(TINY_TEXT / "hf", jnp.float32)[1]
+def checkpoint(tmp_path_factory):
+    """The parity model's config (window 8, relative extent 12, tau floor 10) in four layers, random weights."""
+    folder = tmp_path_factory.mktemp("four_layers")
+    config = four_layers(TINY_TEXT / "hf" / "config.json", folder / "config.json")
+    return write_checkpoint(config, folder / "checkpoint", experts="fp32", seed=7)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_causal_lm(checkpoint, jnp.float32)[1]
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +74,8 @@ def test_a_slot_a_new_sequence_takes_over_computes_as_a_fresh_one(model, lanes):
     np.testing.assert_array_equal(used.logprobs, fresh.logprobs)
 
 
-def test_greedy_decode_matches_the_reference_generation(model, reference):
-    driver = Driver(model)
+def test_greedy_decode_matches_the_reference_generation(reference):
+    driver = Driver(load_causal_lm(TINY_TEXT / "hf", jnp.float32)[1])
     prompt, want = reference["greedy_prompt"].tolist(), reference["greedy_ids"].tolist()
     out = driver.run({0: prompt[:8]}, reset={0}, prompt={0})
     out = driver.run({0: prompt[8:]}, prompt={0}, emit={0})
@@ -267,12 +279,12 @@ def test_the_state_is_updated_in_place(model):
 
 
 @pytest.mark.slow
-def test_fused_attention_projections_give_the_same_logits():
+def test_fused_attention_projections_give_the_same_logits(checkpoint):
     """The engine's fused projections (query side on every layer, K and V on sliding ones) on a bf16 model of both
     layer kinds: the unfused model's logits bit for bit, on fresh random tokens."""
     from inkling_jax.model.attention import Attention, fuse_attention_projections
 
-    model = load_causal_lm(TINY_TEXT / "hf", jnp.bfloat16)[1]
+    model = load_causal_lm(checkpoint, jnp.bfloat16)[1]
     tokens = jax.random.randint(jax.random.key(31), (2, 19), 0, model.config.unpadded_vocab_size)
     want = np.asarray(logits_fn(model)(tokens), np.float32)
     fuse_attention_projections(model)
