@@ -1,6 +1,8 @@
-"""Images through the engine on the tiny_mm parity checkpoint (float32): greedy generation with one and two images
-equals greedy decoding of whole-sequence `multimodal_logits`, with placeholder runs cut by prefill chunks, beside
-other requests and after a preemption, with nothing compiled after warm-up; the batch runner's JSONL "images"."""
+"""Images through the engine on the tiny_mm parity config in four text layers with random weights and a DSpark draft
+(float32; every kind of layer and block in step programs that compile in half of seven layers' time), with the parity
+fixture's prompts and pixel values: greedy generation with one and two images equals greedy decoding of whole-sequence
+`multimodal_logits`, with placeholder runs cut by prefill chunks, beside other requests and after a preemption, with
+nothing compiled after warm-up; the batch runner's JSONL "images"."""
 
 import json
 import re
@@ -52,14 +54,33 @@ TILES = 16  # the most tiles an image may have: one encode bucket
 IMAGE_TOKEN = 300
 
 
+DRAFT = {"num_hidden_layers": 1, "block_size": 3, "target_layer_ids": [1, 3], "mask_token_id": 370, "markov_rank": 8}
+
+
 @pytest.fixture(scope="module")
 def fixture() -> dict[str, np.ndarray]:
     return dict(np.load(MM / "images.npz"))
 
 
 @pytest.fixture(scope="module")
-def reference_model():
-    return load_causal_lm(MM / "hf", np.float32)[1]
+def mm_checkpoint(tmp_path_factory) -> Path:
+    """tiny_mm's config with four text layers in blocks of two (sliding, full), random fp32 weights and a draft."""
+    folder = tmp_path_factory.mktemp("tiny_mm_four")
+    config = json.loads((MM / "hf" / "config.json").read_text())
+    config["text_config"] |= {
+        "num_hidden_layers": 4,
+        "n_layers_per_attn_res_block": 2,
+        "layer_types": ["hybrid_sliding", "hybrid"] * 2,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    out = write_checkpoint(folder / "config.json", folder / "checkpoint", experts="fp32", seed=6, draft=DRAFT)
+    shutil.copy(MM / "hf" / "preprocessor_config.json", out / "preprocessor_config.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_model(mm_checkpoint):
+    return load_causal_lm(mm_checkpoint, np.float32)[1]
 
 
 def case(fixture: dict, name: str) -> tuple[tuple[int, ...], tuple[RequestImage, ...]]:
@@ -83,10 +104,10 @@ def greedy_reference(model, prompt: tuple[int, ...], images: tuple[RequestImage,
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
+def engine(mm_checkpoint) -> Engine:
     """Two slots sharing 3 pages of 128 tokens (two sequences past position 128 cannot both hold theirs), and a
     prefix cache."""
-    model = load_causal_lm(MM / "hf", np.float32)[1]
+    model = load_causal_lm(mm_checkpoint, np.float32)[1]
     layout = CacheLayout(2, 3, 4, CHUNK)
     mesh = make_mesh("tp1", model.config)
     return Engine(model, layout, mesh, num_top=MAX_LOGPROBS, max_image_tiles=TILES, snapshots=2)
@@ -267,10 +288,10 @@ def write_image(path: Path, size: tuple[int, int], seed: int = 0) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """tiny_mm with 8-pixel tiles in its processor settings, a tokenizer and the chat template."""
+def checkpoint(tmp_path_factory, mm_checkpoint) -> Path:
+    """The four-layer tiny_mm with 8-pixel tiles in its processor settings, a tokenizer and the chat template."""
     out = tmp_path_factory.mktemp("tiny_mm")
-    for file in (MM / "hf").iterdir():
+    for file in mm_checkpoint.iterdir():
         shutil.copy(file, out / file.name)
     (out / "processor_config.json").write_text(json.dumps({"image_processor": {"size": 8}}))
     write_tokenizer(out, build_tokenizer(load_config(out).text))
@@ -360,19 +381,11 @@ def test_a_text_only_model_refuses_images(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_speculative_decoding_with_images_is_lossless(tmp_path, fixture):
-    """A random tiny_mm with a DSpark draft: greedy tokens of a request with images under `--speculative dspark` are
+def test_speculative_decoding_with_images_is_lossless(fixture, mm_checkpoint, reference_model):
+    """The random tiny_mm's DSpark draft: greedy tokens of a request with images under `--speculative dspark` are
     whole-sequence scoring's (the draft reads the target's hidden states of the image placeholders too)."""
-    draft = {
-        "num_hidden_layers": 1,
-        "block_size": 3,
-        "target_layer_ids": [1, 4],
-        "mask_token_id": 370,
-        "markov_rank": 8,
-    }
-    out = write_checkpoint(MM / "hf" / "config.json", tmp_path / "drafted", experts="fp32", draft=draft)
-    reference = load_causal_lm(out, np.float32)[1]
-    model = load_causal_lm(out, np.float32)[1]
+    reference = reference_model
+    model = load_causal_lm(mm_checkpoint, np.float32)[1]
     layout = CacheLayout(2, 2, 2, CHUNK)
     mesh = make_mesh("tp1", model.config)
     engine = Engine(model, layout, mesh, num_top=MAX_LOGPROBS, speculative="dspark", max_image_tiles=TILES)
