@@ -1,5 +1,6 @@
 """Images over gRPC, on the embedded checkpoint's config (configs/tiny.json: a random model with a small image tower)
-in float32, one engine for the module: inkling.v1 Generate with a text prompt and with token ids, SMG's vLLM protocol
+in four text layers (every kind of layer and block, a third of twelve layers' compile) and float32, one engine for
+the module: inkling.v1 Generate with a text prompt and with token ids, SMG's vLLM protocol
 with media_refs (data: and a loopback http: URL), `serving.client --image`; each bad image refused with its status
 and message, beside a stream it does not disturb."""
 
@@ -89,7 +90,16 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    checkpoint = write_checkpoint(CONFIG, tmp_path_factory.mktemp("tiny") / "checkpoint", experts="fp32")
+    folder = tmp_path_factory.mktemp("tiny")
+    config = json.loads(CONFIG.read_text())
+    config["text_config"] |= {
+        "num_hidden_layers": 4,
+        "n_layers_per_attn_res_block": 2,
+        "layer_types": ["hybrid_sliding", "hybrid"] * 2,
+    }
+    config["dspark_config"]["target_layer_ids"] = [1, 3]
+    (folder / "config.json").write_text(json.dumps(config))
+    checkpoint = write_checkpoint(folder / "config.json", folder / "checkpoint", experts="fp32")
     engine = load_engine(
         checkpoint, dtype="float32", max_num_seqs=3, chunk=16, max_context=256, max_images=MAX_IMAGES,
         max_image_tiles=MAX_TILES,
