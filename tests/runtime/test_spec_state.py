@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from model_configs import TINY
+from model_configs import TINY, four_layers
 from paths import TINY_TEXT
 
 from inkling_jax.cache import (
@@ -47,9 +47,12 @@ def test_committed_history_is_the_window_slice():
 
 
 @pytest.fixture(scope="module")
-def target():
-    """The tiny parity model's step, jitted once per (width, windows)."""
-    model = load_causal_lm(FIXTURE, jnp.float32)[1]
+def target(tmp_path_factory):
+    """The step of the tiny parity model's config in four layers (random weights; every kind of layer and block, a
+    third of twelve layers' compile), jitted once per (width, windows)."""
+    folder = tmp_path_factory.mktemp("four_layers")
+    config = four_layers(FIXTURE / "config.json", folder / "config.json")
+    model = load_causal_lm(write_checkpoint(config, folder / "checkpoint", experts="fp32", seed=8), jnp.float32)[1]
     graphdef, params = nnx.split(model)
 
     @functools.partial(jax.jit, static_argnames="windows")
@@ -169,6 +172,14 @@ def test_draft_pool_shape_sizes_and_sharding(drafted):
     assert state_specs(plain, text, 2).kv.draft_k is None
 
 
+@functools.partial(nnx.jit, static_argnames="capture")
+def context_kv(model, ids: jax.Array, positions: jax.Array, capture: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The draft's context K and V [layers, B, T, Hkv, D] from a whole-sequence forward's features at the `capture`
+    layers (one program a shape, not each operation compiled on its own)."""
+    _, _, captured = model.model(ids, positions, capture=list(capture))
+    return model.dspark.context_kv(model.dspark.context_features(captured), positions)
+
+
 @pytest.mark.slow
 def test_block_from_the_pool_equals_the_block_from_features(drafted):
     """Draft context K/V committed a verify chunk at a time (per-slot commits, garbage around) and read
@@ -183,8 +194,7 @@ def test_block_from_the_pool_equals_the_block_from_features(drafted):
 
     ids = jax.random.randint(jax.random.key(0), (2, length + VERIFY), 0, config.text.unpadded_vocab_size)
     positions = jnp.broadcast_to(jnp.arange(length + VERIFY, dtype=jnp.int32), ids.shape)
-    _, _, captured = model.model(ids, positions, capture=config.draft.target_layer_ids)
-    k, v = draft.context_kv(draft.context_features(captured), positions)  # [layers, 2, T, Hkv, D]
+    k, v = context_kv(model, ids, positions, tuple(config.draft.target_layer_ids))  # [layers, 2, T, Hkv, D]
 
     commits = [(5, 1), (3, 8), (1, 4), (4, 0)]  # per round and slot; slot 1's last round idles
     lengths = jnp.zeros(2, jnp.int32)
@@ -216,7 +226,7 @@ def test_engine_steps_keep_the_draft_context(drafted):
     """Prefill in chunks and a decode step through the engine's step fill the draft pool with the
     context K/V of every position fed, as computed from a whole-sequence forward."""
     config, model = drafted
-    text, draft = config.text, model.dspark
+    text = config.text
     layout = CacheLayout(max_num_seqs=2, num_pages=4, max_pages_per_seq=2, max_chunk=VERIFY)
     state = init_state(text, layout, jnp.float32, draft=config.draft)
     page_table = jnp.asarray([[3, 0], [1, 2]], jnp.int32)
@@ -229,7 +239,6 @@ def test_engine_steps_keep_the_draft_context(drafted):
         _, kv = step(tokens.reshape(-1), kv, Chunk.uniform(lengths, counts, page_table, VERIFY, kernel_size=TAPS))
         lengths = lengths + counts
     positions = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), ids.shape)
-    _, _, captured = model.model(ids, positions, capture=config.draft.target_layer_ids)
-    k, _ = draft.context_kv(draft.context_features(captured), positions)
+    k, _ = context_kv(model, ids, positions, tuple(config.draft.target_layer_ids))
     pool_k, _, _ = read_draft_context(kv, page_table)
     np.testing.assert_allclose(pool_k[:, :, :13], k, rtol=2e-5, atol=2e-5)
