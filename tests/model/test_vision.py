@@ -270,9 +270,11 @@ def test_tower_tensors_without_a_vision_config_are_refused(tmp_path):
 
 
 def _multimodal_config(tmp_path: Path) -> Path:
-    """configs/tiny.json's text model (no draft) with a tiny image tower: tp2 and tp4 fit the text model and split
-    the tower's MLP (128) and projector (48) widths; its 2 heads split on tp2 and are replicated on tp4."""
+    """configs/tiny.json's text model (no draft) in four layers (a third of twelve layers' compile) with a tiny image
+    tower: tp2 and tp4 fit the text model and split the tower's MLP (128) and projector (48) widths; its 2 heads split
+    on tp2 and are replicated on tp4."""
     text = {k: v for k, v in json.loads(TINY_CONFIG.read_text()).items() if k not in ("model_type", "dspark_config")}
+    text |= {"num_hidden_layers": 4, "n_layers_per_attn_res_block": 2, "layer_types": ["hybrid_sliding", "hybrid"] * 2}
     vision = {
         "hidden_size": 32,
         "num_hidden_layers": 2,
