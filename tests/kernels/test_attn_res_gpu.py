@@ -143,7 +143,7 @@ def test_lowers_for_cuda_at_production_shapes(tokens, queries):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("queries", [1, 3])
-@pytest.mark.parametrize("tokens", [1, 64, 4096])
+@pytest.mark.parametrize("tokens", [1, 4096])  # one token a CTA: the count is the grid's (64 lowers above)
 @pytest.mark.parametrize("stacked", [True, False])
 def test_lowers_for_cuda_with_a_count(tokens, queries, stacked):
     """The scan's operands at the production shapes: 8 bf16 blocks (one stacked buffer, or listed), the fp32
