@@ -1,4 +1,5 @@
-"""The executable cache on the tiny parity model: a second engine over the same directory loads its step program
+"""The executable cache on the tiny parity model's config in four layers (random weights: step programs that compile
+in a third of twelve layers' time): a second engine over the same directory loads its step program
 without lowering it and emits the same tokens bit for bit, with the state still donated; another program's key
 misses; a corrupt or truncated entry is deleted and compiled again. Engines of one process share their programs
 (`STEP_PROGRAMS`), which each test but that one's empties first: its engines stand for processes of their own.
@@ -10,23 +11,26 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from model_configs import four_layers
 from paths import TINY_TEXT
 
 from inkling_jax.cache import CacheLayout
 from inkling_jax.checkpoint import load_causal_lm
+from inkling_jax.checkpoint.synthetic import write_checkpoint
 from inkling_jax.runtime import engine as engine_module
 from inkling_jax.runtime import executable_cache
 from inkling_jax.runtime.engine import Engine, StepShape, shape_compiler_options
 from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sharding import make_mesh
 
-FIXTURE = TINY_TEXT / "hf"
 SLOTS, PROMPT, NEW_TOKENS = 2, [3, 1, 4, 1, 5, 9], 4
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_causal_lm(FIXTURE, np.float32)[1]
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("four_layers")
+    config = four_layers(TINY_TEXT / "hf" / "config.json", folder / "config.json")
+    return load_causal_lm(write_checkpoint(config, folder / "checkpoint", experts="fp32", seed=1), np.float32)[1]
 
 
 def make_engine(model, directory: Path | None, mesh: str = "tp1", num_top: int = MAX_LOGPROBS) -> Engine:
