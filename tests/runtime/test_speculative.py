@@ -328,8 +328,9 @@ def test_greedy_emits_the_targets_greedy_decoding(constrained):
     rows = jnp.arange(slots)
 
     plain, last, counts = [], first, counts0
+    sample_step = jax.jit(sample, static_argnames="num_top")  # one program, not each operation compiled on its own
     for t in range(length + GAMMA):
-        token = sample(table[last], params, counts, prompt, jnp.full(slots, t, jnp.int32), 0, masks[last]).tokens
+        token = sample_step(table[last], params, counts, prompt, jnp.full(slots, t, jnp.int32), 0, masks[last]).tokens
         plain.append(token)
         counts, last = counts.at[rows, token].add(1), token
     plain = np.stack(plain, axis=1)
