@@ -208,7 +208,7 @@ def test_block_from_the_pool_equals_the_block_from_features(drafted):
         lengths = lengths + commit
     assert lengths.tolist() == [length, length]
 
-    pool_k, pool_v, pool_positions = read_draft_context(kv, page_table)
+    pool_k, pool_v, pool_positions = jax.jit(read_draft_context)(kv, page_table)
     assert pool_k.shape == (2, 2, 4 * page, 2, 8)
     np.testing.assert_array_equal(pool_k[:, :, :length], k[:, :, :length])
     np.testing.assert_array_equal(pool_v[:, :, :length], v[:, :, :length])
@@ -216,8 +216,9 @@ def test_block_from_the_pool_equals_the_block_from_features(drafted):
 
     anchors = jnp.asarray([11, 42], jnp.int32)
     embed = model.model.embed_tokens
-    from_pool = draft.block_hidden(anchors, lengths, pool_k, pool_v, pool_positions, embed)
-    direct = draft.block_hidden(anchors, lengths, k[:, :, :length], v[:, :, :length], positions[:, :length], embed)
+    block_hidden = nnx.jit(lambda draft, *args: draft.block_hidden(*args))  # one program a shape
+    from_pool = block_hidden(draft, anchors, lengths, pool_k, pool_v, pool_positions, embed)
+    direct = block_hidden(draft, anchors, lengths, k[:, :, :length], v[:, :, :length], positions[:, :length], embed)
     np.testing.assert_allclose(from_pool, direct, rtol=1e-6, atol=1e-6)
 
 
@@ -240,5 +241,5 @@ def test_engine_steps_keep_the_draft_context(drafted):
         lengths = lengths + counts
     positions = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), ids.shape)
     k, _ = context_kv(model, ids, positions, tuple(config.draft.target_layer_ids))
-    pool_k, _, _ = read_draft_context(kv, page_table)
+    pool_k, _, _ = jax.jit(read_draft_context)(kv, page_table)
     np.testing.assert_allclose(pool_k[:, :, :13], k, rtol=2e-5, atol=2e-5)
