@@ -257,19 +257,23 @@ def test_entry_point_picks_a_backend():
 
 
 @pytest.mark.slow
-def test_the_model_through_the_tpu_kernel(monkeypatch):
-    """The tiny parity model's whole-sequence forward with every mix + norm (both per layer and the final one)
-    running the TPU kernel in interpret mode: the same log-probabilities as through the oracle."""
+def test_the_model_through_the_tpu_kernel(monkeypatch, tmp_path):
+    """The tiny parity model's config in four layers (two blocks of two, as the twelve are two of six; random weights)
+    in a whole-sequence forward with every mix + norm (both per layer and the final one) running the TPU kernel in
+    interpret mode: the same log-probabilities as through the oracle."""
     import functools
 
+    from model_configs import four_layers
     from paths import TINY_TEXT as FIXTURE
     from step_driver import full_logprobs
 
     import inkling_jax.model.text as text
     from inkling_jax.checkpoint import load_causal_lm
+    from inkling_jax.checkpoint.synthetic import write_checkpoint
     from pallas_kernels import attn_res
 
-    model = load_causal_lm(FIXTURE / "hf", jnp.float32)[1]
+    config = four_layers(FIXTURE / "hf" / "config.json", tmp_path / "config.json")
+    model = load_causal_lm(write_checkpoint(config, tmp_path / "checkpoint", experts="fp32"), jnp.float32)[1]
     ids = np.load(FIXTURE / "reference.npz")["input_ids"].tolist()[:14]
     want = full_logprobs(model, ids)
     calls = []
