@@ -1,4 +1,6 @@
-"""Meshes, parameter partitioning and expert parallelism on 8 simulated CPU devices (tests/conftest.py)."""
+"""Meshes, parameter partitioning and expert parallelism on 8 simulated CPU devices (tests/conftest.py). The meshes'
+logits are checked on four-layer models (`model_configs.four_layers`: every kind of layer and block, a third of
+twelve layers' compile): the parity model's config with random weights, and the wide-headed one."""
 
 import json
 
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from model_configs import WIDE_HEADS
+from model_configs import WIDE_HEADS, four_layers
 from paths import PARITY
 
 from inkling_jax.checkpoint import load_causal_lm
@@ -46,9 +48,23 @@ def test_mesh_specs_parse_and_bad_ones_are_named(model):
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
+    """WIDE_HEADS in four layers, NVFP4 and MXFP8 experts."""
     work = tmp_path_factory.mktemp("wide_heads")
-    (work / "config.json").write_text(json.dumps(WIDE_HEADS))
-    return load_causal_lm(write_checkpoint(work / "config.json", work / "checkpoint", experts="mixed"), jnp.float32)[1]
+    (work / "wide.json").write_text(json.dumps(WIDE_HEADS))
+    config = four_layers(work / "wide.json", work / "config.json")
+    checkpoint = write_checkpoint(config, work / "checkpoint", experts="mixed")
+    model = load_causal_lm(checkpoint, jnp.float32)[1]
+    positions = [position for segment in model.model.segments for position in segment.positions]
+    assert {position.mlp.experts.weights()[0].format for position in positions} == {"nvfp4", "mxfp8"}
+    return model
+
+
+@pytest.fixture(scope="module")
+def four_layer_parity(tmp_path_factory):
+    """The parity model's config (4 query heads, 2 KV heads) in four layers, random fp32 weights."""
+    work = tmp_path_factory.mktemp("four_layers")
+    config = four_layers(PARITY / "tiny_text" / "hf" / "config.json", work / "config.json")
+    return write_checkpoint(config, work / "checkpoint", experts="fp32", seed=4)
 
 
 def assert_mesh_matches_one_device(model, spec, ids, prompt):
@@ -65,9 +81,10 @@ def assert_mesh_matches_one_device(model, spec, ids, prompt):
 # the parity fixture at tp4 (one query head a device); data parallelism and quantized (mixed NVFP4 / MXFP8)
 # experts under a mesh: the wide model's cases below
 @pytest.mark.slow
-def test_tp4_gives_the_same_logits_and_greedy_continuation(reference):
+def test_tp4_gives_the_same_logits_and_greedy_continuation(reference, four_layer_parity):
     ids = jnp.asarray(reference["input_ids"][None], jnp.int32)
-    assert_mesh_matches_one_device(load_fixture("tiny_text"), "tp4", ids, reference["greedy_prompt"].tolist())
+    model = load_causal_lm(four_layer_parity, jnp.float32)[1]
+    assert_mesh_matches_one_device(model, "tp4", ids, reference["greedy_prompt"].tolist())
 
 
 @pytest.mark.slow
@@ -80,13 +97,13 @@ def test_meshes_up_to_tp8_give_the_same_logits_and_greedy_continuation(wide_mode
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("spec", "kv_axis"), [("tp4", None), ("tp2", "model")])
-def test_fused_projections_shard_by_head(reference, spec, kv_axis):
+def test_fused_projections_shard_by_head(reference, four_layer_parity, spec, kv_axis):
     """The engine's fused attention projections under a mesh: the query side's by head, sliding layers' K and V by
     KV head while tp divides them (2 KV heads: split at tp2, replicated at tp4); the one-device logits and greedy
     continuation."""
     from inkling_jax.model.attention import fuse_attention_projections
 
-    model = fuse_attention_projections(load_fixture("tiny_text"))
+    model = fuse_attention_projections(load_causal_lm(four_layer_parity, jnp.float32)[1])
     sharded = shard_model(model, make_mesh(spec, model.config))
     attentions = [position.self_attn for position in sharded.model.segments[0].positions]
     sliding = next(attention for attention in attentions if attention.sliding)
