@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from paths import REPO
+from model_configs import four_layers
+from paths import REPO, TINY_CONFIG
 
 from inkling_jax.runtime import compilation_cache
 
-# generate on the tiny config's dummy model, counting JAX's persistent-cache events in its process
+# generate on a dummy model of the tiny text config in four layers (what is cached, not the model's depth, is under
+# test: a third of twelve layers' compile), counting JAX's persistent-cache events in its process
 SCRIPT = """
 import collections, json, sys
 import jax.monitoring
@@ -29,10 +31,11 @@ print(json.dumps({"code": code, "hits": events["/jax/compilation_cache/cache_hit
 def test_a_second_process_compiles_from_the_cache(tmp_path):
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": 0, "prompt_token_ids": [3, 1, 4, 1, 5], "max_tokens": 4}))
     cache = tmp_path / "xla"
+    config = four_layers(TINY_CONFIG, tmp_path / "config.json")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
 
     def run(output: str) -> tuple[dict, str]:
-        command = [sys.executable, "-c", SCRIPT, "--checkpoint", str(REPO / "configs" / "tiny.json"),
+        command = [sys.executable, "-c", SCRIPT, "--checkpoint", str(config),
                    "--load-format", "dummy", "--dtype", "float32", "--input", str(tmp_path / "in.jsonl"),
                    "--output", str(tmp_path / output), "--quiet", "--compilation-cache", str(cache)]  # fmt: skip
         done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
