@@ -34,3 +34,11 @@ def four_layers(config_path: Path, out: Path) -> Path:
         config["dspark_config"]["target_layer_ids"] = [1, 3]
     out.write_text(json.dumps(config))
     return out
+
+
+def without_tokenizer(checkpoint: Path) -> Path:
+    """A synthetic checkpoint with its tokenizer and chat template removed: token ids in and out, as the parity
+    fixtures serve them (no "text" in a result)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (checkpoint / name).unlink()
+    return checkpoint
