@@ -24,12 +24,18 @@ TINY = {
 }  # fmt: skip
 
 
+# four layers in blocks of two (sliding, full): every kind of layer and block at a config's widths, in a step program
+# that compiles in a third of twelve layers' time (for tests of what runs the model, not of its depth)
+FOUR_LAYERS = {
+    "num_hidden_layers": 4,
+    "n_layers_per_attn_res_block": 2,
+    "layer_types": ["hybrid_sliding", "hybrid"] * 2,
+}
+
+
 def four_layers(config_path: Path, out: Path) -> Path:
-    """The config at `config_path` with four layers in blocks of two (sliding, full), written to `out`: every kind of
-    layer and block at the config's widths, in a step program that compiles in a third of twelve layers' time (for
-    tests of what runs the model, not of its depth). A draft reads layers 1 and 3."""
-    config = json.loads(config_path.read_text())
-    config.update(num_hidden_layers=4, n_layers_per_attn_res_block=2, layer_types=["hybrid_sliding", "hybrid"] * 2)
+    """The text config at `config_path` in FOUR_LAYERS, written to `out`. A draft reads layers 1 and 3."""
+    config = json.loads(config_path.read_text()) | FOUR_LAYERS
     if "dspark_config" in config:
         config["dspark_config"]["target_layer_ids"] = [1, 3]
     out.write_text(json.dumps(config))

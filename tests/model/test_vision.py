@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_configs import FOUR_LAYERS
 from paths import PARITY, TINY_CONFIG
 
 from inkling_jax import score
@@ -274,7 +275,7 @@ def _multimodal_config(tmp_path: Path) -> Path:
     tower: tp2 and tp4 fit the text model and split the tower's MLP (128) and projector (48) widths; its 2 heads split
     on tp2 and are replicated on tp4."""
     text = {k: v for k, v in json.loads(TINY_CONFIG.read_text()).items() if k not in ("model_type", "dspark_config")}
-    text |= {"num_hidden_layers": 4, "n_layers_per_attn_res_block": 2, "layer_types": ["hybrid_sliding", "hybrid"] * 2}
+    text |= FOUR_LAYERS
     vision = {
         "hidden_size": 32,
         "num_hidden_layers": 2,

@@ -1,7 +1,7 @@
 """`python -m inkling_jax.generate` (the batch runner over the scheduler) on the tiny parity model's config in four
 layers with random weights: what the runner does, not the model's depth, is under test (a step program of four
-layers compiles in a third of twelve layers' time). The parity checkpoint's greedy tokens through the whole runner
-are checked by tests/runtime/test_distributed.py (one process and two)."""
+layers compiles in a third of twelve layers' time); the parity checkpoint itself for transformers' greedy tokens
+through the runner and for the refused inputs (it has no tokenizer)."""
 
 import json
 from pathlib import Path
@@ -48,11 +48,10 @@ def run(checkpoint: Path, tmp_path: Path, lines: list, *options: str) -> tuple[i
 def mixed_requests(greedy: list[int]) -> list[dict]:
     """Greedy, greedy with a stop token (the fourth greedy token), and sampled requests (top-p, top-k, seeded) of
     random prompts."""
-    prompt = PROMPT
     rng = np.random.default_rng(0)
     requests = [
-        {"id": "greedy", "prompt_token_ids": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0},
-        {"id": "stop", "prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0, "stop_token_ids": [greedy[3]]},
+        {"id": "greedy", "prompt_token_ids": PROMPT, "max_tokens": GREEDY_TOKENS, "temperature": 0},
+        {"id": "stop", "prompt_token_ids": PROMPT, "max_tokens": 16, "temperature": 0, "stop_token_ids": [greedy[3]]},
     ]
     for i in range(4):
         requests.append(

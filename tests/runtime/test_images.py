@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from model_configs import TINY
+from model_configs import FOUR_LAYERS, TINY
 from paths import PARITY
 from PIL import Image
 
@@ -67,11 +67,7 @@ def mm_checkpoint(tmp_path_factory) -> Path:
     """tiny_mm's config with four text layers in blocks of two (sliding, full), random fp32 weights and a draft."""
     folder = tmp_path_factory.mktemp("tiny_mm_four")
     config = json.loads((MM / "hf" / "config.json").read_text())
-    config["text_config"] |= {
-        "num_hidden_layers": 4,
-        "n_layers_per_attn_res_block": 2,
-        "layer_types": ["hybrid_sliding", "hybrid"] * 2,
-    }
+    config["text_config"] |= FOUR_LAYERS
     (folder / "config.json").write_text(json.dumps(config))
     out = write_checkpoint(folder / "config.json", folder / "checkpoint", experts="fp32", seed=6, draft=DRAFT)
     shutil.copy(MM / "hf" / "preprocessor_config.json", out / "preprocessor_config.json")
