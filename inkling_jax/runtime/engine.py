@@ -235,7 +235,8 @@ class Engine:
         with jax.set_mesh(mesh):
             if platform := kernel_platform():  # the expert kernels' layout, made once here (in place)
                 lay_out_experts(model, platform)
-            fuse_attention_projections(model)  # one gemm for the projections of each input (in place)
+            # one gemm for the projections of each input (in place)
+            fuse_attention_projections(model, mesh.shape[MODEL])
             self.graphdef, params = nnx.split(shard_model(model, mesh))
             # the step takes the parameters' arrays as a flat list: no pytree of Variables to flatten per step
             self._param_leaves, self._param_tree = jax.tree.flatten(params)
