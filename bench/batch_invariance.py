@@ -8,9 +8,8 @@ on the rows of a step of each size (the engine's step shapes; the first rows the
 the engine compiles its steps with, and counts the elements of the shared rows that differ from the smallest
 size's, bit for bit, at Inkling 2 Small's widths (hidden 4608, 48 query and 8 KV heads of 128, 16 experts of
 2304, top 8):
-- dense projections (`numerics.einsum`, bf16 in, fp32 sums rounded once): the query side with K and V (sliding
-  layers' one gemm), the query side and K or V alone (full layers), the output projection and the LM head, at each
-  size's token count;
+- dense projections (`numerics.einsum`, bf16 in, fp32 sums rounded once): the query side, K / V, the output
+  projection and the LM head, at each size's token count;
 - `rms_normalize` and `log_softmax` over the vocabulary;
 - the router (`model.moe.Router`: sigmoid scores, top 8 of 16 with the selection bias, normalised weights) and the
   attention-residual mix with its RMSNorm (`attn_res_norm`, 8 blocks, 3 queries), at each token count;
@@ -92,16 +91,15 @@ def normal(key: int, shape: tuple[int, ...], std: float = 1.0) -> jax.Array:
 def projections(sizes: list[int]) -> dict[str, dict[int, np.ndarray]]:
     tokens = normal(1, (max(sizes), 6144))
     cases = {
-        "query side, K and V (sliding layers)": (13104 + 2 * KV_HEADS * DIM, HIDDEN),
-        "query side (full layers)": (13104, HIDDEN),
-        "K or V (full layers)": (KV_HEADS * DIM, HIDDEN),
+        "query side": (13104, HIDDEN),
+        "K and V": (2 * KV_HEADS * DIM, HIDDEN),
         "output": (HIDDEN, 6144),
         "LM head": (201024, HIDDEN),
     }
     # the GPU scheduler test's model (tests/runtime/test_scheduler.py: hidden 512, 8 query and 2 KV heads of 128)
     cases |= {
-        "test widths, query side, K and V": (2184 + 512, 512),
         "test widths, query side": (2184, 512),
+        "test widths, K and V": (512, 512),
         "test widths, full layer's K": (256, 512),
         "test widths, dynamic taps": (8, 512),
         "test widths, output": (512, 1024),

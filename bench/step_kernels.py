@@ -54,7 +54,7 @@ def abstract_model(config: ModelConfig) -> nnx.Module:
         formats = configured_expert_formats("config", config.quantization, config.text.num_hidden_layers)
         model = CausalLM(config.text, jnp.bfloat16, nnx.Rngs(0), expert_formats=formats)
         lay_out_experts(model, "gpu")
-        return fuse_attention_projections(model, 1)
+        return fuse_attention_projections(model)
 
     return nnx.eval_shape(build)
 

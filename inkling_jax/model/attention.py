@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from inkling_jax.cache import KVCache, advance_conv, kv_split
+from inkling_jax.cache import KVCache, advance_conv
 from inkling_jax.config import TextConfig
 from inkling_jax.model.chunk import Chunk
 from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
@@ -203,43 +203,33 @@ class Attention(nnx.Module):
         self.q_l2_clip = ScaledL2Clip(rngs, self.num_heads, self.head_dim, config.qk_l2_clip_threshold, dtype)
         self.rel_l2_clip = ScaledL2Clip(rngs, self.num_heads, config.d_rel, config.rel_l2_clip_threshold, dtype)
 
-    def fuse_projections(self, tp: int) -> None:
-        """In place, for a mesh of `tp` devices on its model axis: one weight for the projections that read the same
-        input (`HeadProjections`), so that one gemm reads each group (at a decode step's few tokens a gemm costs
-        about its launch, and a narrow one reads its bytes slowly): on sliding layers q, gate, r, sink, K and V in
-        groups of a KV head and its query heads, where the mesh splits the KV heads as it splits the query heads
-        (`kv_split`); else the query side's ([..., H, 2D + d_rel + 1, hidden]) and, on sliding layers, K and V's
-        ([..., KV, 2D, hidden]). Same values (`HeadProjections`). The fused module no longer names its weights as
-        checkpoints do."""
-        d, d_rel, heads, kv_heads = self.head_dim, self.config.d_rel, self.num_heads, self.num_kv_heads
-        query_side = [(self.q_proj, heads, d), (self.gate_proj, heads, d), (self.r_proj, heads, d_rel)]
-        query_side.append((self.sink_proj, heads, 1))
+    def fuse_projections(self) -> None:
+        """In place: one weight for the projections that read the same input (`HeadProjections`), the query
+        side's (q, gate, r, sink: [..., H, 2D + d_rel + 1, hidden]) and on sliding layers K and V's ([..., KV,
+        2D, hidden]), so one gemm reads each group (at a decode step's few tokens a gemm costs about its launch).
+        Same values (`HeadProjections`). The fused module no longer names its weights as checkpoints do."""
+        d, d_rel = self.head_dim, self.config.d_rel
+        query_side = [(self.q_proj, d), (self.gate_proj, d), (self.r_proj, d_rel), (self.sink_proj, 1)]
+        self.query_side = HeadProjections(query_side, self.num_heads, "heads")
         del self.q_proj, self.gate_proj, self.r_proj, self.sink_proj
-        if not self.sliding:
-            self.query_side = HeadProjections(query_side, heads, "heads")
-            return
-        key_value = [(self.k_proj, kv_heads, d), (self.v_proj, kv_heads, d)]
-        del self.k_proj, self.v_proj
-        if kv_split(self.config, tp):
-            self.heads_side = HeadProjections(query_side + key_value, kv_heads, "kv_heads")
-        else:
-            self.query_side = HeadProjections(query_side, heads, "heads")
-            self.key_value = HeadProjections(key_value, kv_heads, "kv_heads")
+        if self.sliding:
+            self.key_value = HeadProjections([(self.k_proj, d), (self.v_proj, d)], self.num_kv_heads, "kv_heads")
+            del self.k_proj, self.v_proj
 
-    def _projections(self, q_in: jax.Array, k_in: jax.Array, v_in: jax.Array) -> tuple[jax.Array, ...]:
-        """q_in, k_in, v_in [B, T, hidden] -> q [B, T, H, D], gate logits [B, T, H * D], rel [B, T, H, d_rel],
-        sinks [B, T, H], and K and V before their convolutions, [B, T, KV * D] each."""
-        if hasattr(self, "heads_side"):
-            q, gate, rel, sinks, k, v = self.heads_side(q_in)
-        elif hasattr(self, "query_side"):
-            q, gate, rel, sinks = self.query_side(q_in)
-            k, v = self.key_value(k_in) if hasattr(self, "key_value") else (self.k_proj(k_in), self.v_proj(v_in))
-        else:
-            heads = (*q_in.shape[:-1], self.num_heads, -1)
-            q, gate, rel = (proj(q_in).reshape(heads) for proj in (self.q_proj, self.gate_proj, self.r_proj))
-            sinks, k, v = self.sink_proj(q_in), self.k_proj(k_in), self.v_proj(v_in)
-        flat = (*q_in.shape[:-1], -1)
-        return q, gate.reshape(flat), rel, sinks.reshape(flat), k.reshape(flat), v.reshape(flat)
+    def _query_side(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """x [B, T, hidden] -> q [B, T, H, D], gate logits [B, T, H * D], rel [B, T, H, d_rel], sinks [B, T, H]."""
+        if hasattr(self, "query_side"):
+            q, gate, rel, sinks = self.query_side(x)
+            return q, gate.reshape(*x.shape[:-1], -1), rel, sinks[..., 0]
+        heads = (*x.shape[:-1], self.num_heads, -1)
+        return (self.q_proj(x).reshape(heads), self.gate_proj(x), self.r_proj(x).reshape(heads), self.sink_proj(x))
+
+    def _keys_values(self, k_in: jax.Array, v_in: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """k_in, v_in [B, T, hidden] -> K and V before their convolutions, [B, T, KV * D] each."""
+        if hasattr(self, "key_value"):
+            k, v = self.key_value(k_in)
+            return k.reshape(*k.shape[:-2], -1), v.reshape(*v.shape[:-2], -1)
+        return self.k_proj(k_in), self.v_proj(v_in)
 
     def _convolve(self, conv: nnx.Module, x: jax.Array, source: jax.Array, lags: jax.Array | None) -> jax.Array:
         return conv(x, lags=lags) if self.sliding else conv(x, source, lags=lags)
@@ -265,8 +255,9 @@ class Attention(nnx.Module):
         kv_heads = (batch, length, self.num_kv_heads, self.head_dim)
         kv_size = self.num_kv_heads * self.head_dim
 
-        q, gate_logits, rel, sinks, k_pre, v_pre = self._projections(q_in, k_in, v_in)
+        q, gate_logits, rel, sinks = self._query_side(q_in)
         q = self.q_l2_clip(q)
+        k_pre, v_pre = self._keys_values(k_in, v_in)
         k_lags = v_lags = None
         if kv is not None:
             k_lags = chunk.lags(k_pre.astype(jnp.float32), kv.conv_k[0, ..., :kv_size])
@@ -329,11 +320,10 @@ class Attention(nnx.Module):
         return self.o_proj(out), kv
 
 
-def fuse_attention_projections(model: nnx.Module, tp: int) -> nnx.Module:
-    """`model` with every attention layer's projections fused for a mesh of `tp` devices on its model axis
-    (`Attention.fuse_projections`), in place."""
+def fuse_attention_projections(model: nnx.Module) -> nnx.Module:
+    """`model` with every attention layer's projections fused (`Attention.fuse_projections`), in place."""
     layers = [module for _, module in nnx.iter_graph(model) if isinstance(module, Attention)]
     for layer in layers:
-        if hasattr(layer, "q_proj"):
-            layer.fuse_projections(tp)
+        if not hasattr(layer, "query_side"):
+            layer.fuse_projections()
     return model

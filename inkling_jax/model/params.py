@@ -66,31 +66,24 @@ class Linear(nnx.Module):
 
 
 class HeadProjections(nnx.Module):
-    """Projections of one input fused into one weight [G, F, in]: each projection's heads in G equal groups, group g
-    holding heads g * heads / G ... of every projection in order (a stacked module's weight carries its leading axes
-    too). One gemm reads them all, sharded by group as each of them was by head. Each output column is its own dot
-    product: the separate projections' values (bit for bit on CPU; a GPU's gemm may sum a wider matrix in another
-    order)."""
+    """Projections of one input fused into one weight [H, F, in] (sizes: each projection's F per head, in order;
+    a stacked module's weight carries its leading axes too): one gemm reads them all, sharded by head as each of
+    them was. Each output column is its own dot product: the separate projections' values (bit for bit on CPU; a
+    GPU's gemm may sum a wider matrix in another order)."""
 
-    def __init__(self, projections: list[tuple[Linear, int, int]], groups: int, axis: str):
-        """projections: (Linear with weight [..., heads * f, in], heads, f) each, heads a multiple of `groups`;
-        axis: the logical axis of the groups."""
+    def __init__(self, projections: list[tuple[Linear, int]], heads: int, axis: str):
+        """projections: (Linear with weight [..., heads * f, in], f) each; axis: the logical axis of their heads."""
         weights = []
-        for linear, heads, per_head in projections:
+        for linear, per_head in projections:
             weight = linear.weight[...]
-            weights.append(weight.reshape(*weight.shape[:-2], groups, heads // groups * per_head, weight.shape[-1]))
+            weights.append(weight.reshape(*weight.shape[:-2], heads, per_head, weight.shape[-1]))
         leading = logical_axes(projections[0][0].weight)[:-2]
         fused = jnp.concatenate(weights, axis=-2)
         self.weight = nnx.Param(fused, out_sharding=(*leading, axis, None, "embed"), eager_sharding=False)
-        self.heads = tuple((heads, per_head) for _, heads, per_head in projections)
+        self.sizes = tuple(per_head for _, per_head in projections)
 
     def __call__(self, x: jax.Array) -> list[jax.Array]:
-        """x [..., in] -> each projection's [..., heads, f] in x's dtype."""
-        out = einsum("...i,gfi->...gf", x, round_to(self.weight[...], x.dtype))  # [..., G, F]
-        groups = out.shape[-2]
-        widths = [heads // groups * per_head for heads, per_head in self.heads]
-        bounds = [0, *itertools.accumulate(widths)]
-        return [
-            out[..., start:end].reshape(*x.shape[:-1], heads, per_head)
-            for (start, end), (heads, per_head) in zip(itertools.pairwise(bounds), self.heads, strict=True)
-        ]
+        """x [..., in] -> each projection's [..., H, f] in x's dtype."""
+        out = einsum("...i,hfi->...hf", x, round_to(self.weight[...], x.dtype))
+        bounds = [0, *itertools.accumulate(self.sizes)]
+        return [out[..., start:end] for start, end in itertools.pairwise(bounds)]

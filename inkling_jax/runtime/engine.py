@@ -235,8 +235,7 @@ class Engine:
         with jax.set_mesh(mesh):
             if platform := kernel_platform():  # the expert kernels' layout, made once here (in place)
                 lay_out_experts(model, platform)
-            # one gemm for the projections of each input (in place)
-            fuse_attention_projections(model, mesh.shape[MODEL])
+            fuse_attention_projections(model)  # one gemm for the projections of each input (in place)
             self.graphdef, params = nnx.split(shard_model(model, mesh))
             # the step takes the parameters' arrays as a flat list: no pytree of Variables to flatten per step
             self._param_leaves, self._param_tree = jax.tree.flatten(params)

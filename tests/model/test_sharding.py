@@ -96,28 +96,19 @@ def test_meshes_up_to_tp8_give_the_same_logits_and_greedy_continuation(wide_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["tp4", "tp2"])
-def test_fused_projections_shard_by_head(reference, four_layer_parity, spec):
-    """The engine's fused attention projections under a mesh, split by head: while tp divides the KV heads (2: at
-    tp2) a sliding layer's one weight in groups of a KV head and its query heads, else (tp4: K and V replicated) the
-    query side's by head and K and V's whole; full layers' query side by head. The one-device logits and greedy
+@pytest.mark.parametrize(("spec", "kv_axis"), [("tp4", None), ("tp2", "model")])
+def test_fused_projections_shard_by_head(reference, four_layer_parity, spec, kv_axis):
+    """The engine's fused attention projections under a mesh: the query side's by head, sliding layers' K and V by
+    KV head while tp divides them (2 KV heads: split at tp2, replicated at tp4); the one-device logits and greedy
     continuation."""
     from inkling_jax.model.attention import fuse_attention_projections
 
-    model = load_causal_lm(four_layer_parity, jnp.float32)[1]
-    mesh = make_mesh(spec, model.config)
-    sharded = shard_model(fuse_attention_projections(model, mesh.shape["model"]), mesh)
+    model = fuse_attention_projections(load_causal_lm(four_layer_parity, jnp.float32)[1])
+    sharded = shard_model(model, make_mesh(spec, model.config))
     attentions = [position.self_attn for position in sharded.model.segments[0].positions]
     sliding = next(attention for attention in attentions if attention.sliding)
-    full = next(attention for attention in attentions if not attention.sliding)
-    split = P(None, "model", None, None)
-    if spec == "tp2":
-        assert sliding.heads_side.weight[...].sharding.spec == split
-        assert not hasattr(sliding, "query_side") and not hasattr(sliding, "key_value")
-    else:
-        assert sliding.query_side.weight[...].sharding.spec == split
-        assert sliding.key_value.weight[...].sharding.spec == P(None, None, None, None)
-    assert full.query_side.weight[...].sharding.spec == split
+    assert sliding.query_side.weight[...].sharding.spec == P(None, "model", None, None)
+    assert sliding.key_value.weight[...].sharding.spec == P(None, kv_axis, None, None)
     ids = jnp.asarray(reference["input_ids"][None], jnp.int32)
     assert_mesh_matches_one_device(model, spec, ids, reference["greedy_prompt"].tolist())
 

@@ -280,19 +280,17 @@ def test_the_state_is_updated_in_place(model):
 
 @pytest.mark.slow
 def test_fused_attention_projections_give_the_same_logits(checkpoint):
-    """The engine's fused projections (on sliding layers one weight for the query side, K and V; on full layers the
-    query side's) on a bf16 model of both layer kinds: the unfused model's logits bit for bit, on fresh random
-    tokens."""
+    """The engine's fused projections (query side on every layer, K and V on sliding ones) on a bf16 model of both
+    layer kinds: the unfused model's logits bit for bit, on fresh random tokens."""
     from inkling_jax.model.attention import Attention, fuse_attention_projections
 
     model = load_causal_lm(checkpoint, jnp.bfloat16)[1]
     tokens = jax.random.randint(jax.random.key(31), (2, 19), 0, model.config.unpadded_vocab_size)
     want = np.asarray(logits_fn(model)(tokens), np.float32)
-    fuse_attention_projections(model, 1)
+    fuse_attention_projections(model)
     layers = [module for _, module in nnx.iter_graph(model) if isinstance(module, Attention)]
     assert {layer.sliding for layer in layers} == {True, False}
     for layer in layers:
-        assert not hasattr(layer, "q_proj")
-        assert hasattr(layer, "heads_side") == layer.sliding == (not hasattr(layer, "query_side"))
-        assert hasattr(layer, "k_proj") == (not layer.sliding)  # a full layer's K and V read inputs of their own
+        assert hasattr(layer, "query_side") and not hasattr(layer, "q_proj")
+        assert hasattr(layer, "key_value") == layer.sliding == (not hasattr(layer, "k_proj"))
     np.testing.assert_array_equal(np.asarray(logits_fn(model)(tokens), np.float32), want)
