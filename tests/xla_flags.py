@@ -7,7 +7,7 @@ DEVICES = "--xla_force_host_platform_device_count=8"  # multi-device tests on on
 UNOPTIMIZED = "--xla_backend_optimization_level=0"  # the tests' programs are tiny and compile-bound
 UNVERIFIED = "--xla_disable_hlo_passes=hlo-verifier"  # XLA's checks of its own passes: a tenth of each compile
 # an engine's compiler_options where a test runs many steps of it: LLVM's optimisations back on for its step
-# programs (the tiny mixed-expert engine: a fifth more to compile, a quarter of the time a step)
+# programs (they lengthen each compile, and pay for it only over many steps)
 OPTIMIZED_STEPS = {"xla_backend_optimization_level": 2}
 
 
