@@ -11,20 +11,23 @@ server with that many requests) the wall time per step issued back to back, the 
 whose arguments are already on the device, on an idle device (XLA's launch of its kernels and the call's own
 work; not building or sending the batch), and on a GPU the steps' timeline (`bench.timeline`: per step the span
 of its kernels, the time the device was busy and idle, the kernel time by kind) and, from the same trace, the
-step's kernels: their count, their sum, and the kernels grouped by name, longest first. Copies of parameters or
-state show up there as memcpy and dynamic-slice kernels.
+step's kernels: their count, their sum, the kernels grouped by name, longest first, and per layer (`per_layer`: a
+layer's wall time, kernels and kernel time by kind, averaged over the layers of each expert format). Copies of
+parameters or state show up there as memcpy and dynamic-slice kernels.
 
 Each `--active` count runs the program the engine picks for it (up to 8 active slots of more: the 8-token decode
 program), lowered once. Each `--options` is a set of XLA options (a JSON object) that lowering is compiled with
 (default: the options the engine gives the shape); each program's first step from a zeroed state is checked
 against the first program's: its top log-probabilities' largest difference. `--dump` writes each program's
-optimized HLO and, on a GPU, its kernels in launch order with their times (to map kernels to the HLO's fusions).
+optimized HLO and, on a GPU, one step's kernels in launch order with their start and duration (to map kernels to
+the HLO's fusions).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import re
 import tempfile
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.timeline import Kernel, layout, trace_kernels
+from bench.timeline import Kernel, kind_of, layout, trace_kernels
 from inkling_jax.checkpoint.dummy import dummy_model
 from inkling_jax.config import load_config
 from inkling_jax.runtime.engine import Engine, StepShape, shape_compiler_options
@@ -157,11 +160,15 @@ def profile(compiled, engine: Engine, on_mesh, actives: list[int], repeats: int,
             for line in layout(kernels, repeats).lines():
                 print(f"{active} active: {line}", flush=True)
             report(kernels, repeats)
+            first_run = sorted(kernels, key=lambda k: k.start_us)[: len(kernels) // repeats]
+            for line in per_layer(first_run):
+                print(f"{active} active: {line}", flush=True)
             if dump:
-                first_run = sorted(kernels, key=lambda k: k.start_us)[: len(kernels) // repeats]
-                Path(f"{dump}_{active}_active.json").write_text(
-                    json.dumps([(k.name, k.duration_us / 1e3) for k in first_run])
-                )
+                start = first_run[0].start_us
+                rows = [
+                    {"name": k.name, "start_us": k.start_us - start, "duration_us": k.duration_us} for k in first_run
+                ]
+                Path(f"{dump}_{active}_active.json").write_text(json.dumps(rows))
 
 
 def traced_kernels(step, runs: int) -> list[Kernel]:
@@ -184,6 +191,31 @@ def report(kernels: list[Kernel], runs: int) -> None:
         groups[re.sub(r"[._]\d+$", "", kernel.name)].append(kernel.duration_us / 1e3 / runs)
     for name, times in sorted(groups.items(), key=lambda item: -sum(item[1]))[:30]:
         print(f"{sum(times):8.3f} ms {len(times) // runs:5d}x {name}", flush=True)
+
+
+def per_layer(kernels: list[Kernel]) -> list[str]:
+    """One step's kernels in launch order cut into layers at each layer's first expert kernel (gate_up's), so each
+    piece holds a layer's experts and the next layer's attention: per expert format (the piece's first kernel's
+    kind), the mean over its pieces of the wall time (from a piece's start to the next one's), the kernel count and
+    the kernel time by kind (kernels side by side both counted). The pieces after the last layer's experts (the
+    LM head, sampling) and before the first's are left out."""
+    starts = [i for i, kernel in enumerate(kernels) if kernel.name.startswith("experts_") and "swiglu" in kernel.name]
+    pieces: dict[str, list[tuple[float, list[Kernel]]]] = collections.defaultdict(list)
+    for first, following in itertools.pairwise(starts):
+        wall = kernels[following].start_us - kernels[first].start_us
+        pieces[kind_of(kernels[first].name)].append((wall, kernels[first:following]))
+    lines = []
+    for fmt, layers in pieces.items():
+        count = len(layers)
+        by_kind: dict[str, float] = collections.defaultdict(float)
+        for _, piece in layers:
+            for kernel in piece:
+                by_kind[kind_of(kernel.name)] += kernel.duration_us / count
+        wall = sum(w for w, _ in layers) / count
+        kernel_count = sum(len(piece) for _, piece in layers) / count
+        kinds = ", ".join(f"{kind} {us:.1f}" for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]))
+        lines.append(f"per layer, {fmt} ({count}): wall {wall:.1f} us, {kernel_count:.1f} kernels; us by kind: {kinds}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ KINDS = (
     ("NVFP4 experts", re.compile(r"experts_nvfp4")),
     ("MXFP8 experts", re.compile(r"experts_mxfp8")),
     ("bf16 experts", re.compile(r"experts_")),
+    ("attention", re.compile(r"ragged_paged_attention")),
+    ("attention-residual mix", re.compile(r"attn_res")),
     ("Mosaic GPU kernels", re.compile(r"mosaic_gpu")),
     ("cuBLAS gemms", re.compile(r"nvjet|gemm|cublas|cutlass", re.IGNORECASE)),
     ("copies", re.compile(r"memcpy|memset|^copy", re.IGNORECASE)),

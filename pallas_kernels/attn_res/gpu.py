@@ -232,6 +232,7 @@ def attn_res_norm(
         grid_names=("token",),
         num_threads=WARPGROUPS,
         thread_name="wg",
+        kernel_name="attn_res_norm",
         scratch_types=[
             *(plgpu.SMEM((1, hidden), dtype) for dtype in dtypes),
             plgpu.SMEM((WARPGROUPS, (1 + num_queries) * count), jnp.float32),

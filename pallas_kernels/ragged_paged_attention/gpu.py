@@ -845,6 +845,7 @@ def _attention(
         grid_names=("split", "tile", "sh"),
         num_threads=3,
         thread_name="wg",
+        kernel_name="ragged_paged_attention",
         compiler_params=plgpu.CompilerParams(  # rows reduce in-warp
             approx_math=True, reduction_scratch_bytes=0, lowering_semantics=semantics
         ),

@@ -47,6 +47,8 @@ def test_the_layout_counts_every_microsecond_once(seed):
 def test_kernels_are_sorted_into_kinds():
     assert kind_of("experts_mxfp8_matmul_mosaic_gpu_kernel") == "MXFP8 experts"
     assert kind_of("anonymous_mosaic_gpu_kernel") == "Mosaic GPU kernels"
+    assert kind_of("ragged_paged_attention_mosaic_gpu_kernel") == "attention"
+    assert kind_of("attn_res_norm_mosaic_gpu_kernel") == "attention-residual mix"
     assert kind_of("nvjet_sm90_tss_512x8_64x3_2x1_v_ssched_bz_TNT") == "cuBLAS gemms"
     assert kind_of("input_reduce_fusion_12") == XLA_KERNELS
 
