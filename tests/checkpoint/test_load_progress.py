@@ -76,6 +76,7 @@ def test_lines_add_up_to_the_checkpoint(checkpoint, logs, monkeypatch):
     assert (int(match[2]), int(match[3].replace(",", ""))) == (tensors, nbytes)
 
 
+@pytest.mark.slow
 def test_without_a_terminal_a_line_every_tenth_of_the_bytes(checkpoint, logs, monkeypatch):
     monkeypatch.setattr(progress, "INTERVAL_S", float("inf"))
     _, nbytes = _headers(checkpoint)

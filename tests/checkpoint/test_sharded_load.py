@@ -76,7 +76,7 @@ def test_sharded_load_equals_unsharded_load_then_shard_model(checkpoints, unshar
     assert_placed_like(model, unsharded[name], mesh)
 
 
-@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("spec", ["tp4", pytest.param("dp2tp4", marks=pytest.mark.slow)])
 def test_each_shard_reads_only_its_slice_and_each_slice_is_read_once(monkeypatch, spec):
     """Record the byte range (within its tensor) of every slice the loader cuts from the memory-mapped
     files, which is all it touches: an expert-sharded tensor is asked for exactly its tp shards, each

@@ -127,7 +127,7 @@ def test_rejects_what_it_does_not_take():
 
 
 @pytest.mark.parametrize("queries", [1, 3])
-@pytest.mark.parametrize("tokens", [1, 64, 4096])
+@pytest.mark.parametrize("tokens", [1, *(pytest.param(tokens, marks=pytest.mark.slow) for tokens in (64, 4096))])
 def test_lowers_for_cuda_at_production_shapes(tokens, queries):
     """Hidden 4608, 8 closed blocks (bf16) + the fp32 partial, bf16 out."""
     from test_attn_res import production_operands

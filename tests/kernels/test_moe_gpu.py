@@ -441,6 +441,7 @@ def test_all_copies_dropped_gives_zeros():
     np.testing.assert_array_equal(np.asarray(got, np.float32), 0.0)
 
 
+@pytest.mark.slow
 def test_bad_input_is_named():
     x, gate_up, down, experts, weights = routed_case(0, 2, 2, MXFP8)
     laid_up, laid_down = for_gpu(gate_up, paired=True), for_gpu(down)

@@ -143,7 +143,12 @@ def test_every_nvfp4_code_dequantizes_exactly(dtype):
 
 
 @pytest.mark.parametrize(
-    ("tokens", "top_k", "experts"), [(70, 4, 8), (300, 8, 16), (40, 8, 2), (16, 4, 8), (1, 8, 40), (9, 8, 40)]
+    ("tokens", "top_k", "experts"),
+    [
+        (300, 8, 16),
+        (1, 8, 40),
+        *(pytest.param(*case, marks=pytest.mark.slow) for case in [(70, 4, 8), (40, 8, 2), (16, 4, 8), (9, 8, 40)]),
+    ],
 )  # prefill-sized groups; decode's one copy or two per expert
 def test_tiles_are_each_experts_own(tokens, top_k, experts):
     """Every kept copy in a row of a tile that only its expert's visit multiplies, each tile visited once, the
@@ -227,6 +232,7 @@ def test_both_grid_orders_give_the_oracle(fmt, monkeypatch):
     np.testing.assert_allclose(outs[0], want, rtol=2**-6, atol=2**-8 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_grid_order_reads_fewer_bytes():
     """Visits outside where each expert's copies fit one tile and there are column tiles to re-read it for;
     column tiles outside where one tile holds all the columns, or where experts span several tiles and re-reading

@@ -194,6 +194,7 @@ def test_unexpected_original_tensor_is_named(tmp_path):
         load_causal_lm(tmp_path, jnp.float32)
 
 
+@pytest.mark.slow
 def test_score_cli_reports_unreadable_ids_and_unwritable_output(tmp_path):
     checkpoint, ids = PARITY / "tiny_text" / "hf", tmp_path / "ids.json"
     ids.write_bytes(b"\xff\xfe[1]")

@@ -17,6 +17,8 @@ from bench.e2e import main
 from inkling_jax.config import load_config
 from inkling_jax.param_count import count_parameters
 
+pytestmark = pytest.mark.slow  # every test reads one whole run of the bench (a module fixture)
+
 CONCURRENCY, LONG_PROMPTS, CHUNK = (1, 2), 2, 16
 
 
@@ -39,7 +41,6 @@ def run(tmp_path_factory: pytest.TempPathFactory, config: Path) -> tuple[dict, s
     return json.loads((out / "e2e.json").read_text()), done.stdout, out / "e2e.md"
 
 
-@pytest.mark.slow
 def test_the_cold_compile_covers_every_step_shape(run):
     result, _, _ = run
     slots = max(CONCURRENCY) + LONG_PROMPTS

@@ -92,6 +92,7 @@ def no_lowering(*args, **kwargs):
     raise AssertionError("the step was lowered")
 
 
+@pytest.mark.slow
 def test_a_second_engine_loads_the_program_and_emits_the_same_tokens(model, first, monkeypatch):
     directory, want = first
     engine = make_engine(model, directory)
@@ -100,6 +101,7 @@ def test_a_second_engine_loads_the_program_and_emits_the_same_tokens(model, firs
     assert engine.compilations == 1 and engine.programs_loaded == 1
 
 
+@pytest.mark.slow
 def test_engines_of_one_process_share_their_programs(model, monkeypatch):
     """A second engine over a model of the same form and mesh takes the first one's program without lowering it and
     emits the same tokens bit for bit (an engine of another program has another key: `test_another_program_misses`)."""
@@ -124,6 +126,7 @@ def test_the_process_keeps_the_programs_used_last():
     assert len(table) == 3
 
 
+@pytest.mark.slow
 def test_another_program_misses(model, first):
     directory, _ = first
     base, other_top = make_engine(model, None), make_engine(model, None, num_top=3)
@@ -180,6 +183,7 @@ def test_a_corrupt_entry_is_deleted_compiled_again_and_stored(model, first, capl
     assert same(greedy(again), want) and again.programs_loaded == 1
 
 
+@pytest.mark.slow
 def test_a_truncated_entry_is_deleted(first, tmp_path, caplog):
     directory, _ = first
     (entry,) = directory.glob("*.exe")

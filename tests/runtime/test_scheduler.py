@@ -185,6 +185,7 @@ def test_preempted_sequences_resume_exactly(two_slots):
     assert together.tokens == alone
 
 
+@pytest.mark.slow
 def test_cancelled_and_refused_requests(two_slots):
     rng = np.random.default_rng(2)
     scheduler = make_scheduler(two_slots)
@@ -226,6 +227,7 @@ def test_cancelled_and_refused_requests(two_slots):
         scheduler.stop()
 
 
+@pytest.mark.slow
 def test_a_constrained_slot_samples_its_allowed_tokens_and_leaves_its_neighbour_alone(two_slots):
     """engine.step's allowed-token masks: the constrained slot's greedy token is its best allowed one under the raw
     log-probabilities the step reports, and the unconstrained slot beside it emits what it emits with no mask."""
@@ -262,6 +264,7 @@ def test_a_constrained_slot_samples_its_allowed_tokens_and_leaves_its_neighbour_
             np.testing.assert_array_equal(getattr(out, name)[1], getattr(alone, name)[1])
 
 
+@pytest.mark.slow
 def test_a_deferred_sample_drawn_under_its_mask_is_the_masked_steps(two_slots):
     """A step that defers a slot's sample (sampled unconstrained, whatever its row of the masks), then `Engine.resample`
     with the slot's mask, emits and leaves what the step given the mask does: the same tokens, top lists, penalty counts
@@ -490,6 +493,7 @@ def test_64_constrained_and_unconstrained_streams_at_once(two_slots):
             assert set(json.loads(text)) == {"n"} and json.loads(text)["n"] <= 9, text
 
 
+@pytest.mark.slow
 def test_constraints_are_refused_before_they_are_queued(two_slots, monkeypatch):
     scheduler = make_scheduler(two_slots)
     try:

@@ -114,6 +114,7 @@ def test_verify_then_commit_equals_feeding_the_committed_tokens(target, seed):
     np.testing.assert_array_equal(after_commit, after_direct)
 
 
+@pytest.mark.slow
 def test_step_without_windows_is_unchanged(target):
     text, run = target
     state = init_state(text, CacheLayout(SLOTS, SLOTS, 1, VERIFY), jnp.float32)

@@ -192,6 +192,7 @@ def start(values: dict, num_drafts: np.ndarray) -> tuple:
     return jax.device_put(inputs, jax.devices()[0])  # placed like the round's outputs: one compilation
 
 
+@pytest.mark.slow
 def test_verify_accepts_and_resamples_with_the_formula():
     """One draft per slot: the acceptance rate of each draft token is min(1, p(x)/q(x)), a rejection emits
     the residual, a full acceptance the bonus from p_1 (which depends on the accepted draft)."""

@@ -228,6 +228,7 @@ def test_lanes_in_a_step_of_fewer_tokens_than_slots(model):
         assert last[0] == last[2] == 0  # NO_PREVIOUS: idle slots keep it
 
 
+@pytest.mark.slow
 def test_no_compilation_after_warm_up(model):
     driver = Driver(model)
     driver.run({0: [1, 2, 3]}, reset={0}, prompt={0}, emit={0})  # warm-up: the one (slots, width) shape

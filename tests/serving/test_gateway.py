@@ -384,6 +384,7 @@ def test_serving_main_refuses_a_gateway_it_cannot_run(capsys, options, message):
     assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_gateway_that_keeps_exiting_is_restarted_then_given_up(monkeypatch):
     monkeypatch.setattr(gateway_process, "RESTART_DELAY_SECONDS", 0.05)
     front = gateway_process.Gateway([sys.executable, "-c", "import sys; sys.exit(3)"])

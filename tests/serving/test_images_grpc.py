@@ -138,7 +138,7 @@ def status_of(call) -> tuple[StatusCode, str]:
 
 
 @pytest.fixture(scope="module")
-def pictures(served: Served, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[bytes]]:
+def pictures(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[bytes]]:
     """Two PNGs of different sizes (4 and 3 tiles), as files and bytes."""
     directory = tmp_path_factory.mktemp("pictures")
     encoded = [png(size, seed) for seed, size in enumerate(SIZES)]
@@ -164,6 +164,7 @@ def batch_runner_tokens(served: Served, directory: Path, line: dict) -> tuple[li
     return tokens, len(request.prompt_token_ids)
 
 
+@pytest.mark.slow
 def test_a_text_prompt_with_two_images_equals_the_batch_runner(served, pictures):
     directory, encoded = pictures
     text = f"compare {IMAGE_MARKER} with {IMAGE_MARKER}, please"
@@ -177,6 +178,7 @@ def test_a_text_prompt_with_two_images_equals_the_batch_runner(served, pictures)
     assert stats.image_rows_used == 0 and stats.image_rows_total == served.engine.image_limits.pool_rows
 
 
+@pytest.mark.slow
 def test_token_ids_place_each_image_after_its_marker(served, pictures):
     _, encoded = pictures
     text = f"{IMAGE_MARKER}{IMAGE_MARKER} two"
@@ -224,6 +226,7 @@ def bad_requests(served: Served, encoded: list[bytes]) -> list[tuple[pb.Generate
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bad_images_are_refused_and_a_stream_beside_them_runs_on(served, pictures):
     _, encoded = pictures
     bad = bad_requests(served, encoded)
@@ -312,6 +315,7 @@ def refs_request(ids: list[int], *urls: str) -> vpb.GenerateRequest:
     return request
 
 
+@pytest.mark.slow
 def test_media_refs_by_data_and_http_urls(served, pictures):
     _, encoded = pictures
     info = served.vllm.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10)
@@ -356,6 +360,7 @@ def test_media_refs_by_data_and_http_urls(served, pictures):
     assert status == StatusCode.INVALID_ARGUMENT and "mm_inputs: images processed by the gateway" in details
 
 
+@pytest.mark.slow
 def test_the_client_sends_images_at_markers_it_puts_in_front(served, pictures, capsys):
     directory, _ = pictures
     address = f"127.0.0.1:{served.server.port}"
@@ -368,6 +373,7 @@ def test_the_client_sends_images_at_markers_it_puts_in_front(served, pictures, c
     assert "cannot read --image" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_openai_chat_with_an_image_through_the_smg_gateway(served, pictures):
     """The real gateway in front of the server: an image_url part as a data: URL reaches the engine as media_refs
     (the served name has no "inkling"), its placeholders after the marker the chat template renders for it."""
