@@ -22,7 +22,7 @@ from inkling_jax.model.norms import ScaledL2Clip, l2_clip, rms_normalize
 from inkling_jax.model.params import HeadProjections, Linear, normal, param
 from inkling_jax.model.short_conv import DynamicShortConvolution, ShortConvolution
 from inkling_jax.sharding import MODEL
-from pallas_kernels.numerics import round_to
+from pallas_kernels.numerics import materialized, round_to
 from pallas_kernels.ragged_paged_attention import paged_keys, ragged_paged_attention
 from pallas_kernels.relative_attention import relative_attention
 
@@ -262,8 +262,10 @@ class Attention(nnx.Module):
         if kv is not None:
             k_lags = chunk.lags(k_pre.astype(jnp.float32), kv.conv_k[0, ..., :kv_size])
             v_lags = chunk.lags(v_pre.astype(jnp.float32), kv.conv_v[0, ..., :kv_size])
-        k = self._convolve(self.k_sconv, k_pre, k_in, k_lags)
-        v = self._convolve(self.v_sconv, v_pre, v_in, v_lags)
+        # each convolved once into its own array: the norms' reductions and the cache writes read the values, where
+        # fused with the convolution the reductions' few rows each redo its lag gathers
+        k = materialized(self._convolve(self.k_sconv, k_pre, k_in, k_lags))
+        v = materialized(self._convolve(self.v_sconv, v_pre, v_in, v_lags))
         k = round_to(l2_clip(k.reshape(kv_heads), config.qk_l2_clip_threshold), dtype)
         v = round_to(rms_normalize(v.reshape(kv_heads), config.rms_norm_eps), dtype)
         rel = self.rel_l2_clip(rel)
