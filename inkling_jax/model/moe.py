@@ -35,8 +35,11 @@ class Router(nnx.Module):
         """x [N, H] -> (expert ids [N, k] int32, weights [N, k] fp32)."""
         # a reduction, not a dot: the product is tiny, and as an fp32 gemm of 16 columns cuBLAS gives it two CTAs
         logits = total(x.astype(jnp.float32)[:, None, :] * self.weight[...].astype(jnp.float32)[None])
-        scores = materialized(jax.nn.sigmoid(logits))  # the weights' sum below reads them, not their exp
-        _, experts = jax.lax.top_k(scores + self.e_score_correction_bias[...], self.top_k)
+        # the weights' sum below reads the scores, not their exp; the selection's biased scores come from the same
+        # kernel (one kernel less between the router and the experts)
+        scores = jax.nn.sigmoid(logits)
+        scores, biased = materialized((scores, scores + self.e_score_correction_bias[...]))
+        _, experts = jax.lax.top_k(biased, self.top_k)
         weights = jnp.take_along_axis(scores, experts, axis=-1)
         weights = weights / (total(weights, keepdims=True) + 1e-20)
         return experts.astype(jnp.int32), weights * self.route_scale
