@@ -200,7 +200,8 @@ def chosen_experts(experts: jax.Array, num_experts: int, first: jax.Array | int 
     # each expert's visit: the chosen experts below it; a sentinel id past them all (row 0) counts them
     ends = jnp.concatenate([jnp.full(1, num_experts, flat.dtype), ids])
     below = jnp.sum(chosen[None, :] & (ids[None, :] < ends[:, None]), axis=1, dtype=jnp.int32)  # [1 + E]
-    visit = composed_indices(below[1:], jnp.clip(flat, 0, num_experts - 1))  # one kernel, not one per row read
+    # an array of its own: fused into the combine's gather of the rows, it would be recomputed for every value read
+    visit = composed_indices(below[1:], jnp.clip(flat, 0, num_experts - 1))
     takes = chosen[None, :] & (below[None, 1:] == jnp.arange(count)[:, None])  # [count, E]
     expert = jnp.sum(jnp.where(takes, ids[None, :] + first, 0), axis=1, dtype=jnp.int32)  # padding: expert 0
     tiles = Tiles(expert, None, None, None, below, None, None, (tm,), count * tm, reads_tokens=True)
