@@ -251,8 +251,9 @@ def requests() -> list[Request]:
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(model):
-    return generate(model, requests(), 3, 8)
+def plain_outputs(model) -> dict:
+    """The requests' tokens by id from plain decoding on one device (the scheduler test's plain engine's programs)."""
+    return scheduler_outputs(model, "none", requests())[0]
 
 
 def test_bad_speculation_settings_are_named(model):
@@ -279,12 +280,14 @@ def test_a_constrained_round_verifies_the_drafts_it_kept(model):
     """Engine.step's constrained rounds: a first round verifies no draft, emits one token under its mask and drafts
     the next round (`Emitted.drafts`); a round whose masks allow only the drafts it kept, then one token, emits them
     all and that token, sampled or greedy; the slot beside it emits what it emits with no round next to it."""
-    engine = Engine(model, CacheLayout(2, 2, 1, GAMMA + 1), make_mesh("tp1", model.config), speculative="dspark")
+    engine = scheduler_engine(model, "dspark")  # slots 0 and 1 run, the others idle
     rng = np.random.default_rng()
-    table, both, one = np.asarray([[0], [1]], np.int32), np.ones(2, bool), np.ones(2, np.int32)
-    tokens = np.full((2, GAMMA + 1), ANCHOR, np.int32)
+    table = np.arange(engine.slots, dtype=np.int32)[:, None].repeat(engine.max_pages, 1)  # a page each
+    both, one = np.arange(engine.slots) < 2, (np.arange(engine.slots) < 2).astype(np.int32)
+    tokens = np.full((engine.slots, GAMMA + 1), ANCHOR, np.int32)
     for temperature in (0.0, 0.9):
         sampling = [Sampling(temperature, int(rng.integers(1000))), Sampling(0.9, int(rng.integers(1000)))]
+        sampling += [None] * (engine.slots - 2)
         first, last = (int(t) for t in rng.integers(0, VOCAB, 2))
         runs = []
         for constrained in (True, False):
@@ -309,13 +312,18 @@ def test_a_constrained_round_verifies_the_drafts_it_kept(model):
             assert a.tokens[1, : a.count[1]].tolist() == b.tokens[1, : b.count[1]].tolist()
 
 
+def scheduler_engine(model, speculative: str) -> Engine:
+    """4 slots, 5 pages of 128 tokens, 2 per sequence (the whole context): a small pool that forces preemptions.
+    The file's engines of one-device steps take this form, so that they share its step programs
+    (`engine_module.STEP_PROGRAMS`). Hundreds of steps of 4 slots: LLVM's optimisations would cost more to
+    compile than they save in running."""
+    return Engine(model, CacheLayout(4, 5, 2, 8), make_mesh("tp1", model.config), MAX_LOGPROBS, speculative)
+
+
 def scheduler_outputs(model, speculative: str, requests: list[Request]) -> tuple[dict, dict, Stats, int]:
-    """Run `requests` through a scheduler whose small page pool forces preemptions: (tokens by id, last
-    delta by id, stats, compilations after warm-up)."""
-    layout = CacheLayout(4, 5, 2, 8)  # 4 slots, 5 pages of 128 tokens, 2 per sequence (the whole context)
-    mesh = make_mesh("tp1", model.config)
-    # hundreds of steps of 4 slots: LLVM's optimisations would cost more to compile than they save in running
-    engine = Engine(model, layout, mesh, MAX_LOGPROBS, speculative)
+    """Run `requests` through a scheduler of `scheduler_engine`: (tokens by id, last delta by id, stats,
+    compilations after warm-up)."""
+    engine = scheduler_engine(model, speculative)
     scheduler = Scheduler(engine)
     scheduler.warm_up()
     compiled = engine.compilations
@@ -401,8 +409,8 @@ def test_greedy_and_opted_out_requests_match_plain_decoding_on_a_mesh(model, pla
     speculation, next to speculating ones. (The scheduler test covers sampled drafting on one device.)"""
     mesh = make_mesh("dp2tp2", model.config)
     speculated = generate(model, requests(), 3, 8, mesh=mesh, speculative="dspark-greedy")
-    for request, got, want in zip(requests(), speculated, plain_outputs, strict=True):
+    for request, got in zip(requests(), speculated, strict=True):
         if request.temperature == 0 or not request.speculative:
-            assert got["token_ids"] == want["token_ids"]
+            assert got["token_ids"] == plain_outputs[request.id]
         assert ("acceptance_length" in got) == (request.speculative and len(got["token_ids"]) > 1)
         assert 1.0 <= got.get("acceptance_length", 1.0) <= GAMMA + 1
