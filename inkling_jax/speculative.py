@@ -39,7 +39,7 @@ from inkling_jax.sampling import (
     allowed_only,
     any_slot,
     filtered_logits,
-    most_likely,
+    most_likely_if_asked,
     penalize,
     request_keys,
 )
@@ -252,7 +252,5 @@ def verify(
 
     logprobs = log_softmax(target_logits)
     chosen = jnp.take_along_axis(logprobs, jnp.minimum(tokens, vocab - 1)[..., None], axis=-1)[..., 0]
-    top_logprobs, top_ids = most_likely(logprobs, num_top)
-    return Verified(
-        num_accepted, tokens, jnp.where(tokens < vocab, chosen, 0.0), top_ids.astype(jnp.int32), top_logprobs
-    )
+    top_values, top_ids = most_likely_if_asked(logprobs, params, num_top)
+    return Verified(num_accepted, tokens, jnp.where(tokens < vocab, chosen, 0.0), top_ids.astype(jnp.int32), top_values)

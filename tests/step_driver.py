@@ -58,7 +58,7 @@ class Driver:
             jnp.asarray(starts),
             *map(jnp.asarray, lanes),
             page_table=self.page_table,
-            sampling=sampling or SamplingParams.neutral(SLOTS),
+            sampling=sampling or SamplingParams.neutral(SLOTS, logprobs=num_top),
             **flags,
         )
         out, self.state = step(

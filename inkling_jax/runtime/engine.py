@@ -119,17 +119,21 @@ NEUTRAL_SAMPLING = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "seed": 0,
+    "logprobs": 0,
 }
-_SAMPLING_DTYPES = {"top_k": np.int32, "seed": np.uint32}
+_SAMPLING_DTYPES = {"top_k": np.int32, "seed": np.uint32, "logprobs": np.int32}
 
 
 def sampling_columns(sampling: Sequence[object | None]) -> SamplingParams:
-    """Host SamplingParams [S] from each slot's object with the sampling fields (None, or a field it lacks: the
-    neutral value)."""
+    """Host SamplingParams [S] from each slot's object with the sampling fields (None, or a field it lacks or
+    leaves None: the neutral value)."""
+
+    def value(slot: object | None, name: str) -> object:
+        found = None if slot is None else getattr(slot, name, None)
+        return NEUTRAL_SAMPLING[name] if found is None else found
 
     def column(name: str) -> np.ndarray:
-        values = [NEUTRAL_SAMPLING[name] if s is None else getattr(s, name, NEUTRAL_SAMPLING[name]) for s in sampling]
-        return np.asarray(values, _SAMPLING_DTYPES.get(name, np.float32))
+        return np.asarray([value(s, name) for s in sampling], _SAMPLING_DTYPES.get(name, np.float32))
 
     return SamplingParams(**{name: column(name) for name in NEUTRAL_SAMPLING})
 

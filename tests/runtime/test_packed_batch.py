@@ -37,6 +37,7 @@ def random_batch(rng: np.random.Generator) -> StepBatch:
         floats(),
         floats(),
         rng.integers(0, 2**32, SLOTS, dtype=np.uint32),
+        ints(SLOTS),
     )
     return StepBatch(ints(TOKENS), ints(SLOTS), ints(SLOTS), ints(LANES), ints(LANES), ints(LANES), flags(), flags(),
                      flags(), flags(), flags(), flags(), flags(), ints(None, (SLOTS, PAGES)), sampling)  # fmt: skip

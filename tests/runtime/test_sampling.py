@@ -114,20 +114,29 @@ def test_greedy_and_logprobs():
     logits = rng.normal(size=(4, VOCAB)).astype(np.float32)
     counts = np.zeros((4, VOCAB), np.int32)
     counts[1, logits[1].argmax()] = 2  # a repeated best token loses to the frequency penalty
-    params = dataclasses.replace(SamplingParams.neutral(4), frequency_penalty=jnp.asarray([0.0, 50.0, 0.0, 0.0]))
+    penalties = {"frequency_penalty": jnp.asarray([0.0, 50.0, 0.0, 0.0])}
+    expected = logits.argmax(-1)
+    expected[1] = np.argsort(-logits[1])[1]
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for asked in (4, 0):  # with no slot asking for top log-probabilities the step skips their search
+        out = sample(
+            jnp.asarray(logits),
+            dataclasses.replace(SamplingParams.neutral(4, logprobs=asked), **penalties),
+            jnp.asarray(counts),
+            jnp.zeros((4, VOCAB), bool),
+            jnp.zeros(4, jnp.int32),
+            num_top=4,
+        )
+        np.testing.assert_array_equal(np.asarray(out.tokens), expected)
+        np.testing.assert_allclose(np.asarray(out.logprobs), logprobs[np.arange(4), expected], rtol=1e-5)
     out = sample(
         jnp.asarray(logits),
-        params,
+        dataclasses.replace(SamplingParams.neutral(4, logprobs=4), **penalties),
         jnp.asarray(counts),
         jnp.zeros((4, VOCAB), bool),
         jnp.zeros(4, jnp.int32),
         num_top=4,
     )
-    expected = logits.argmax(-1)
-    expected[1] = np.argsort(-logits[1])[1]
-    np.testing.assert_array_equal(np.asarray(out.tokens), expected)
-    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    np.testing.assert_allclose(np.asarray(out.logprobs), logprobs[np.arange(4), expected], rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-logits, axis=-1)[:, :4])
     np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-logprobs, axis=-1)[:, :4], rtol=1e-5)
 
@@ -190,14 +199,15 @@ def test_top_k_and_top_p_keep_what_their_definitions_keep():
 
 @pytest.mark.slow
 def test_a_slot_gets_alone_what_it_gets_in_any_mixed_batch():
-    """The batch decides whether the penalties, the top-k / top-p search and the draw run at all; a slot's token
-    and log-probabilities do not depend on which of them its neighbours switch on."""
+    """The batch decides whether the penalties, the top-k / top-p search, the draw and the search for top
+    log-probabilities run at all; a slot's token and log-probabilities do not depend on which of them its
+    neighbours switch on."""
     rng = np.random.default_rng(5)
     slots = [
         {},  # greedy, nothing on
-        {"repetition_penalty": 1.3, "frequency_penalty": 0.4},  # greedy with penalties
+        {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "logprobs": 3},  # greedy with penalties
         {"temperature": 0.8, "seed": 11},  # plain sampling
-        {"temperature": 1.1, "top_k": 4, "seed": 12},
+        {"temperature": 1.1, "top_k": 4, "seed": 12, "logprobs": 2},
         {"temperature": 0.9, "top_p": 0.7, "min_p": 0.05, "presence_penalty": 0.5, "seed": 13},
     ]
     logits = rng.normal(0, 2.0, (len(slots), VOCAB)).astype(np.float32)
@@ -205,6 +215,7 @@ def test_a_slot_gets_alone_what_it_gets_in_any_mixed_batch():
     prompt = rng.random((len(slots), VOCAB)) < 0.3
     generated = rng.integers(0, 40, len(slots)).astype(np.int32)
     step = jax.jit(sample, static_argnames="num_top")
+    top = [slot.get("logprobs", 0) for slot in slots]
 
     def run(rows):
         params = SamplingParams.neutral(len(rows))
@@ -222,7 +233,7 @@ def test_a_slot_gets_alone_what_it_gets_in_any_mixed_batch():
             num_top=3,
         )
         return {
-            row: (int(out.tokens[i]), float(out.logprobs[i]), tuple(np.asarray(out.top_ids[i])))
+            row: (int(out.tokens[i]), float(out.logprobs[i]), tuple(np.asarray(out.top_ids[i])[: top[row]]))
             for i, row in enumerate(rows)
         }
 
@@ -246,7 +257,7 @@ def test_a_constraint_keeps_greedy_and_draws_to_its_tokens():
     logits = rng.normal(0, 1.5, vocab).astype(np.float32)
     keep = rng.random(vocab) < 0.3
     keep[np.argmax(np.where(keep, -np.inf, logits))] = False  # the unconstrained best token is left out
-    params = params_for(draws, temperature=0.9, seed=3)
+    params = params_for(draws, temperature=0.9, seed=3, logprobs=3)
     params = dataclasses.replace(params, temperature=params.temperature.at[:2].set(0.0))  # two greedy rows
     rows = np.tile(keep, (draws, 1))
     rows[-1] = True  # one row of -1: unconstrained

@@ -158,6 +158,8 @@ def test_concurrent_requests_equal_running_alone(model):
         assert all(len(d.logprobs) == len(d.token_ids) and len(d.top_logprobs[0]) == 3 for d in deltas)
         for delta in deltas:  # the chosen token's logprob is at most the best one's
             assert delta.logprobs[0] <= delta.top_logprobs[0][0].logprob + 1e-6
+            top = [t.logprob for t in delta.top_logprobs[0]]  # a distribution's best three, in order
+            assert top == sorted(top, reverse=True) and sum(np.exp(top)) <= 1 + 1e-5
     stats = scheduler.stats()
     assert (
         stats.pages_used == 0

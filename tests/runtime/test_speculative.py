@@ -318,7 +318,7 @@ def test_greedy_emits_the_targets_greedy_decoding(constrained):
     grammar[np.arange(vocab), rng.integers(0, vocab, vocab)] = True
     masks = jnp.asarray(packed_bits(grammar))  # [V, 1]
     params = dataclasses.replace(
-        params_for(slots, top_k=3, top_p=0.5),
+        params_for(slots, top_k=3, top_p=0.5, logprobs=2),
         repetition_penalty=jnp.asarray(rng.uniform(1.0, 1.6, slots), jnp.float32),
         presence_penalty=jnp.asarray(rng.uniform(0.0, 0.8, slots), jnp.float32),
         frequency_penalty=jnp.asarray(rng.uniform(0.0, 0.5, slots), jnp.float32),
@@ -389,6 +389,7 @@ def random_round(rng: np.random.Generator, slots: int, vocab: int) -> tuple:
         presence_penalty=jnp.zeros(slots, jnp.float32),
         frequency_penalty=jnp.asarray(rng.uniform(0.0, 0.3, slots), jnp.float32),
         seed=jnp.asarray(rng.integers(0, 2**31, slots), jnp.uint32),
+        logprobs=jnp.asarray(rng.integers(0, 3, slots), jnp.int32),  # some return top log-probabilities
     )
     return (
         params,

@@ -132,7 +132,7 @@ def test_a_step_of_fewer_tokens_than_slots_reads_its_busy_slots_alone(model):
     rng = np.random.default_rng(11)
     prompts = rng.integers(0, 500, (SLOTS, 6)).tolist()
     params = dataclasses.replace(
-        SamplingParams.neutral(SLOTS),
+        SamplingParams.neutral(SLOTS, logprobs=5),
         temperature=jnp.full(SLOTS, 0.8),
         top_k=jnp.full(SLOTS, 40),
         seed=jnp.arange(SLOTS, dtype=jnp.uint32) + 21,
