@@ -159,7 +159,21 @@ def _convert(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow
+def _convert_here(checkpoint: Path, out: Path, capsys: pytest.CaptureFixture) -> subprocess.CompletedProcess:
+    """The conversion command's main() in this process: its exit status, stdout and stderr. A bad directory is
+    named before anything loads, so a process of its own would add only its start (the module's entry point is run
+    as a process by `test_the_command_converts_with_progress`)."""
+    logger = logging.getLogger("inkling_jax")
+    state = list(logger.handlers), logger.level, logger.propagate
+    capsys.readouterr()
+    try:
+        code = orbax_io.main(["--checkpoint", str(checkpoint), "--out", str(out)])
+        captured = capsys.readouterr()
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = state  # main() sends the package's logs to stderr
+    return subprocess.CompletedProcess([], code, captured.out, captured.err)
+
+
 @pytest.mark.parametrize(
     ("how", "message"),
     [
@@ -169,7 +183,7 @@ def _convert(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
         ("existing --out", "already exists: an Orbax checkpoint is written to a new directory"),
     ],
 )
-def test_the_command_names_a_bad_directory_in_one_line(tmp_path, how, message):
+def test_the_command_names_a_bad_directory_in_one_line(tmp_path, capsys, how, message):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "out"
     if how == "empty":
         checkpoint.mkdir()
@@ -179,7 +193,7 @@ def test_the_command_names_a_bad_directory_in_one_line(tmp_path, how, message):
         (checkpoint / "model.safetensors").mkdir()
     elif how == "existing --out":
         checkpoint, out = PLAIN, tmp_path
-    result = _convert(checkpoint, out)
+    result = _convert_here(checkpoint, out, capsys)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
