@@ -1,9 +1,8 @@
 """Quantized experts end to end: synthetic checkpoints in the original layout, loading, bad sidecars."""
 
 import json
+import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import pytest
 from checkpoint_edits import edited_copy
 from flax import nnx
 
+from inkling_jax import score
 from inkling_jax.checkpoint import CheckpointError, load_causal_lm
 from inkling_jax.checkpoint.loader import parameter_bytes, parameter_paths
 from inkling_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointFiles
@@ -90,21 +90,17 @@ def test_device_bytes_match_the_checkpoint(mixed):
 
 
 @pytest.mark.slow
-def test_score_cli_runs_on_a_quantized_checkpoint(mixed, tmp_path):
+def test_score_cli_runs_on_a_quantized_checkpoint(mixed, tmp_path, capsys):
+    """The scoring command's main() in this process (tests/model/test_parity.py runs it as a process of its own)."""
     (tmp_path / "ids.json").write_text(json.dumps(np.asarray(IDS[0]).tolist()))
-    command = [
-        sys.executable,
-        "-m",
-        "inkling_jax.score",
-        "--checkpoint",
-        str(mixed),
-        "--input",
-        str(tmp_path / "ids.json"),
-        "--output",
-        str(tmp_path / "out.npy"),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    argv = ["--checkpoint", str(mixed), "--input", str(tmp_path / "ids.json"), "--output", str(tmp_path / "out.npy")]
+    logger = logging.getLogger("inkling_jax")
+    state = list(logger.handlers), logger.level, logger.propagate
+    try:
+        code = score.main(argv)
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = state  # main() sends the package's logs to stderr
+    assert code == 0, capsys.readouterr().err
     _, model = load_causal_lm(mixed, jnp.float32)
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), np.asarray(model(IDS))[0], rtol=1e-5, atol=1e-5)
 
