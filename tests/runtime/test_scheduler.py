@@ -68,8 +68,8 @@ def make_engine(model, slots: int, pages: int, speculative: str = "none") -> Eng
 
 @pytest.fixture(scope="module")
 def two_slots(model) -> Engine:
-    """Two slots sharing 3 pages, compiled once for the tests that need few pages (each runs its own scheduler:
-    admission resets a slot's state)."""
+    """Two slots sharing 3 pages, compiled once for the file's one-device float32 tests (each runs its own
+    scheduler: admission resets a slot's state)."""
     return make_engine(model, slots=2, pages=3)
 
 
@@ -139,9 +139,11 @@ def alone_then_together(engine: Engine, requests: list[Request]) -> tuple[dict[s
 
 
 @pytest.mark.slow
-def test_concurrent_requests_equal_running_alone(model):
+def test_concurrent_requests_equal_running_alone(two_slots):
+    """Twelve queued requests (each within a page) through both slots, prompt pieces of at most 10 tokens a step:
+    each one's deltas are those it gets alone, and warm-up compiled every shape the workload used."""
     requests = random_requests(np.random.default_rng(0), 12)
-    scheduler = make_scheduler(make_engine(model, slots=4, pages=8), prefill_budget=10)
+    scheduler = make_scheduler(two_slots, prefill_budget=10)
     compiled = scheduler.engine.compilations
     try:
         alone = {r.id: run(scheduler, [r]).deltas[r.id] for r in requests}
