@@ -171,8 +171,8 @@ def most_likely(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
 
 def most_likely_if_asked(logprobs: jax.Array, params: SamplingParams, n: int) -> tuple[jax.Array, jax.Array]:
     """`most_likely(logprobs, n)` ([S, ..., V] -> [S, ..., n] values and ids) in a batch where a slot returns top
-    log-probabilities; in one where none does, zeros (never read) without the search (on a GPU two TopK kernels
-    of a row block each, about 1% of a decode step at batch 1)."""
+    log-probabilities; in one where none does, zeros (never read) without the search (on a GPU, TopK kernels of
+    one block per row at the end of every step)."""
     if n == 0:
         return most_likely(logprobs, n)
 
@@ -226,8 +226,8 @@ def sample(
     the tokens each slot may take, as packed bits (`allowed_only`; a row of -1: every token; None: no constraint).
     A constraint cuts the logits before the penalties and filters, so that greedy takes the best allowed token and
     sampling draws from the allowed tokens' renormalized distribution; the log-probabilities stay the model's own.
-    The masks, penalties and the draw run only in a batch where a slot needs them (on a GPU the step's command
-    buffers decide these branches on the device)."""
+    The masks, penalties, the draw and the search for top log-probabilities run only in a batch where a slot needs
+    them (on a GPU the step's command buffers decide these branches on the device)."""
     logprobs = log_softmax(logits)
     if allowed is not None:
         constrained = jnp.any(allowed != -1, axis=-1)
