@@ -177,8 +177,8 @@ def most_likely_if_asked(logprobs: jax.Array, params: SamplingParams, n: int) ->
         return most_likely(logprobs, n)
 
     def skipped(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        shape = (*logprobs.shape[:-1], n)
-        return jnp.zeros(shape, logprobs.dtype), jnp.zeros(shape, jnp.int32)
+        first = logprobs[..., :n]  # zeros like it: its type varies over a data-parallel map as the search's does
+        return jnp.zeros_like(first), jnp.zeros_like(first, dtype=jnp.int32)
 
     return jax.lax.cond(any_slot(params.logprobs > 0), lambda x: most_likely(x, n), skipped, logprobs)
 
