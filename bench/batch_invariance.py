@@ -39,6 +39,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import jax
@@ -50,6 +51,7 @@ from bench.moe_experts import CAPS, routing_case, stored_experts
 from inkling_jax.config import TextConfig
 from inkling_jax.model.moe import Router
 from inkling_jax.runtime.engine import GPU_STEP, Engine, load_engine
+from inkling_jax.runtime.requests import MAX_LOGPROBS
 from pallas_kernels import attn_res, moe, numerics
 from pallas_kernels import ragged_paged_attention as paged_attention
 from pallas_kernels.attn_res import attn_res_norm
@@ -234,7 +236,8 @@ def engine_step(engine: Engine, tokens: list[int], **flags: bool) -> tuple:
     table = np.zeros((slots, engine.max_pages), np.int32)
     table[0] = np.arange(engine.max_pages)
     first = {name: (np.arange(slots) == 0) & value for name, value in flags.items()}
-    out = engine.fetch(engine.step(engine.host_batch(ids, counts, [None] * slots, table, **first)))
+    asks = [SimpleNamespace(logprobs=MAX_LOGPROBS)] + [None] * (slots - 1)  # slot 0 returns the top ones
+    out = engine.fetch(engine.step(engine.host_batch(ids, counts, asks, table, **first)))
     return tuple(np.asarray(a[0, 0]).tolist() for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
 
 

@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{shape} with {json.dumps(options)}: compiled by XLA in {_seconds(start)}", flush=True)
                 engine.state = zeroed(engine.state)
                 emitted, engine.state = compiled(leaves, engine.state, first, engine.previous, images, masks, rounds)
-                logprobs = np.asarray(emitted.top_logprobs)
+                logprobs = np.asarray(emitted.logprobs)  # the top ones are searched only where a slot asks
                 if first_logprobs is None:
                     first_logprobs = logprobs
                 print(
-                    f"first step's top log-probabilities against the first program's: largest difference "
+                    f"first step's log-probabilities against the first program's: largest difference "
                     f"{np.abs(logprobs - first_logprobs).max():.3g}",
                     flush=True,
                 )

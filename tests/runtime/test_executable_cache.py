@@ -7,6 +7,7 @@ One program (the decode step) keeps it fast."""
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from inkling_jax.runtime.requests import MAX_LOGPROBS
 from inkling_jax.sharding import make_mesh
 
 SLOTS, PROMPT, NEW_TOKENS = 2, [3, 1, 4, 1, 5, 9], 4
+ASKS = SimpleNamespace(logprobs=MAX_LOGPROBS)  # a slot's sampling that returns the top log-probabilities
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def one_token_batch(engine: Engine, token: int, first: bool, prompt: bool, emit:
         name: np.asarray([value] + [False] * (SLOTS - 1))
         for name, value in (("reset", first), ("is_prompt", prompt), ("emit", emit))
     }
-    return engine.host_batch(tokens, counts, [None] * SLOTS, np.zeros((SLOTS, engine.max_pages), np.int32), **flags)
+    return engine.host_batch(tokens, counts, [ASKS] * SLOTS, np.zeros((SLOTS, engine.max_pages), np.int32), **flags)
 
 
 def greedy(engine: Engine) -> tuple[list[int], np.ndarray, list[bool]]:
@@ -267,7 +269,7 @@ def test_few_decoding_slots_run_a_program_of_few_tokens(model):
             name: np.isin(np.arange(slots), list(group))
             for name, group in (("reset", reset), ("is_prompt", prompt), ("emit", emit))
         }
-        batch = engine.host_batch(tokens, counts, [None] * slots, table, **flags)
+        batch = engine.host_batch(tokens, counts, [ASKS] * slots, table, **flags)
         return batch.token_ids.shape[0], engine.fetch(engine.step(batch))
 
     firsts = []

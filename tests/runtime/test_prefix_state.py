@@ -106,7 +106,7 @@ def test_the_engine_saves_and_restores_within_a_replica(model):
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, model.config.unpadded_vocab_size, LENGTH).tolist()
     request = Request("r", tuple(tokens), max_tokens=8, temperature=0.9, seed=11, repetition_penalty=1.3,
-                      presence_penalty=0.5, top_k=20)  # fmt: skip
+                      presence_penalty=0.5, top_k=20, logprobs=3)  # fmt: skip
     table = np.zeros((engine.slots, engine.max_pages), np.int32)
     table[2], table[3] = [0, 1, 2], [0, 1, 3]  # replica 1's pages; slot 3 reads slot 2's first two
 

@@ -240,13 +240,14 @@ def test_a_constrained_slot_samples_its_allowed_tokens_and_leaves_its_neighbour_
     prompts = rng.integers(0, vocab, (2, 6), dtype=np.int32)
     table = np.zeros((2, engine.max_pages), np.int32)
     table[1] = 1
+    asks = SimpleNamespace(logprobs=3)  # greedy, with the top log-probabilities
 
     def decode(masks: list[np.ndarray | None]) -> list:
         outputs, tokens, counts = [], prompts, np.full(2, prompts.shape[1], np.int32)
         emit = np.ones(2, bool)
         for number, allowed in enumerate(masks):
             first = np.full(2, number == 0)
-            batch = engine.host_batch(tokens, counts, [None, None], table, reset=first, is_prompt=first, emit=emit)
+            batch = engine.host_batch(tokens, counts, [asks, asks], table, reset=first, is_prompt=first, emit=emit)
             outputs.append(engine.fetch(engine.step(batch, allowed)))
             tokens, counts = outputs[-1].tokens[:, :1], np.ones(2, np.int32)
         return outputs
@@ -280,7 +281,9 @@ def test_a_deferred_sample_drawn_under_its_mask_is_the_masked_steps(two_slots):
     prompts = rng.integers(0, vocab, (2, 7), dtype=np.int32)
     table = np.zeros((2, engine.max_pages), np.int32)
     table[1] = 1
-    sampled = SimpleNamespace(temperature=0.9, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4, seed=77)
+    sampled = SimpleNamespace(
+        temperature=0.9, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4, seed=77, logprobs=3
+    )
     masks = []
     for _ in range(6):
         bits = rng.random((2, words * 32)) < 0.2
