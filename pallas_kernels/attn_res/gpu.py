@@ -1,11 +1,10 @@
 """The attention-residual mix and the RMSNorm after it in one Mosaic GPU kernel for Hopper (sm90).
 
 A CTA takes one token, with two warpgroups that split its H columns in halves. Each copies its half of the
-token's row of every source and of the partial into SMEM (one TMA bulk copy per row, one barrier), and from
-then on reads SMEM only. The arithmetic is fp32 in registers, CHUNK columns at a time (each thread V contiguous
-values of every row: `ROWS`), in three sweeps over the rows in SMEM, each unrolled so that a step's loads issue
-ahead of the sums before it (the sweeps as loops: 8.0 / 10.9 us a one-token call with 8 sources and 1 / 3 queries
-on the H200; unrolled, with the mixes kept: 7.1 / 9.6):
+token's row of every source and of the partial into SMEM (TMA bulk copies in up to three parts of its columns, a
+barrier each, so the first sweep starts on the first part), and from then on reads SMEM only. The arithmetic is
+fp32 in registers, CHUNK columns at a time (each thread V contiguous values of every row: `ROWS`), in three sweeps
+over the rows in SMEM, each unrolled so that a step's loads issue ahead of the sums before it:
 (1) each row's sum of squares and its dot with each query (the queries, [Q, H] fp32, read from GMEM through L2),
 accumulated per column, then summed over the columns (one batched cross-warp reduction) and over the two
 warpgroups (through SMEM); the softmax over the N + 1 sources per query on those scalars, folded with each
@@ -30,6 +29,7 @@ and its logits to -inf: softmax weight exactly 0, nothing of it in the sums.
 """
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -51,7 +51,19 @@ ROWS = plgpu.Layout.TILED(
 COLUMNS = ROWS.reduce(0)  # [CHUNK]: one row of ROWS
 PER_ROW = ROWS.reduce(1)  # [R]: one value per row, in every thread
 WARPGROUPS = 2  # per CTA, each over H / 2 columns of the token
-REDUCTION_ROWS = 16  # rows summed over the columns per cross-warp round (512 bytes of SMEM scratch each)
+# rows summed over the columns per cross-warp round (512 bytes of SMEM scratch each; each round costs two warpgroup
+# barriers): every production call's (1 + Q)(N + 1) sums fit one round
+REDUCTION_ROWS = 36
+LANDINGS = 3  # a warpgroup's row copies land in up to this many parts of whole chunks, a barrier each
+
+
+def _landings(hidden: int) -> list[range]:
+    """The chunks of a warpgroup's columns in the order their copies land: up to LANDINGS parts, a barrier each, so
+    the first sweep starts on the first part while the rest are in flight."""
+    steps = hidden // WARPGROUPS // CHUNK
+    parts = min(LANDINGS, steps)
+    bounds = [steps * p // parts for p in range(parts + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def _load_gmem(ref) -> jax.Array:
@@ -90,25 +102,30 @@ def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: 
     smem, (scores_smem, squares_smem, landed, score_turns, square_turns) = refs[inputs + 3 :][:count], refs[-5:]
     token, wg = lax.axis_index("token"), lax.axis_index("wg")
     share = hidden // WARPGROUPS
-    mine = pl.ds(pl.multiple_of(wg * share, CHUNK), share)  # this warpgroup's columns
-    for s, (row_ref, row_smem) in enumerate(zip(row_refs, smem, strict=True)):
-        copy = functools.partial(
-            plgpu.copy_gmem_to_smem,
-            row_ref.at[pl.ds(token, 1), mine],
-            row_smem.at[:, mine],
-            landed.at[wg],
-            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
-        )
-        if valid is None or s == count - 1:
-            copy()
-        else:  # a masked source's row is not read: its warpgroup arrives without a copy
-            pl.when(s < valid)(copy)
-            pl.when(s >= valid)(functools.partial(plgpu.barrier_arrive, landed.at[wg]))
-    plgpu.barrier_wait(landed.at[wg])
+    landings = _landings(hidden)
     steps = share // CHUNK  # the sweeps run unrolled: each step's loads issue ahead of the sums before them
 
-    def columns(i: int) -> pl.Slice:
-        return pl.ds(pl.multiple_of(wg * share + i * CHUNK, CHUNK), CHUNK)
+    def columns(i: int, width: int = 1) -> pl.Slice:
+        return pl.ds(pl.multiple_of(wg * share + i * CHUNK, CHUNK), width * CHUNK)
+
+    def landed_at(part: int):
+        return landed.at[wg * len(landings) + part]
+
+    for part, chunks in enumerate(landings):
+        for s, (row_ref, row_smem) in enumerate(zip(row_refs, smem, strict=True)):
+            span = columns(chunks.start, len(chunks))
+            copy = functools.partial(
+                plgpu.copy_gmem_to_smem,
+                row_ref.at[pl.ds(token, 1), span],
+                row_smem.at[:, span],
+                landed_at(part),
+                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+            )
+            if valid is None or s == count - 1:
+                copy()
+            else:  # a masked source's row is not read: its warpgroup arrives without a copy
+                pl.when(s < valid)(copy)
+                pl.when(s >= valid)(functools.partial(plgpu.barrier_arrive, landed_at(part)))
 
     def chunk(i: int) -> jax.Array:  # [count, CHUNK] fp32
         rows = [plgpu.load(row.at[:, columns(i)], layout=ROWS).astype(jnp.float32) for row in smem]
@@ -120,9 +137,14 @@ def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: 
     def added(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         return tuple(x + y for x, y in zip(a, b, strict=True))
 
+    queries = [fetch(query_ref, i) for i in range(steps)]  # issued before any wait: no sweep waits on L2
+    firsts = {chunks.start: part for part, chunks in enumerate(landings)}
+
     def scores(i: int) -> tuple[jax.Array, ...]:  # [count, CHUNK] each: squares, then each query's products
+        if i in firsts:
+            plgpu.barrier_wait(landed_at(firsts[i]))
         x = chunk(i)
-        return (x * x, *(x * _rows(q, count) for q in fetch(query_ref, i)))
+        return (x * x, *(x * _rows(q, count) for q in queries[i]))
 
     sums = functools.reduce(added, map(scores, range(steps)))
     totals = _summed(jnp.concatenate(sums, axis=0), scores_smem, score_turns, wg)  # squares, then each q's dots
@@ -142,11 +164,12 @@ def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: 
 
     mixed = [mixes(i) for i in range(steps)]
     squares = functools.reduce(added, ([m * m for m in step] for step in mixed))
+    gains = [fetch(gain_ref, i) for i in range(steps)]  # in flight during the sum below
     squares = _summed(jnp.concatenate(squares, axis=0), squares_smem, square_turns, wg)  # [Q]
     final_inverse_rms = lax.rsqrt(squares / hidden + eps)  # [Q]: the final RMSNorm's 1 / rms
     scales = [_columns(final_inverse_rms[q : q + 1]) for q in range(num_queries)]
     for i, step in enumerate(mixed):
-        for q, (gain, mix) in enumerate(zip(fetch(gain_ref, i), step, strict=True)):
+        for q, (gain, mix) in enumerate(zip(gains[i], step, strict=True)):
             normed = _rows(gain, 1) * (mix * scales[q])
             out_ref.at[q, pl.ds(token, 1), columns(i)][...] = normed.astype(out_ref.dtype)
 
@@ -184,7 +207,8 @@ def check(sources: Sources, partial: jax.Array, queries: jax.Array, norm_weights
             f"the GPU attention-residual kernel needs H ({hidden}) to be a multiple of {WARPGROUPS * CHUNK}"
         )
     count, num_queries = len(sources) + 1, queries.shape[0]
-    exchanges = 4 * WARPGROUPS * ((1 + num_queries) * count + max(2, num_queries)) + 8 * 3 * WARPGROUPS  # + barriers
+    barriers = 8 * WARPGROUPS * (2 + len(_landings(hidden)))
+    exchanges = 4 * WARPGROUPS * ((1 + num_queries) * count + max(2, num_queries)) + barriers
     smem = hidden * sum(x.dtype.itemsize for x in (*sources, partial))
     limit = devices.gpu().smem_bytes
     if smem + REDUCTION_ROWS * 512 + exchanges > limit:
@@ -237,7 +261,7 @@ def attn_res_norm(
             *(plgpu.SMEM((1, hidden), dtype) for dtype in dtypes),
             plgpu.SMEM((WARPGROUPS, (1 + num_queries) * count), jnp.float32),
             plgpu.SMEM((WARPGROUPS, max(2, num_queries)), jnp.float32),
-            plgpu.Barrier(num_arrivals=count, num_barriers=WARPGROUPS),
+            plgpu.Barrier(num_arrivals=count, num_barriers=WARPGROUPS * len(_landings(hidden))),
             plgpu.Barrier(num_barriers=WARPGROUPS),
             plgpu.Barrier(num_barriers=WARPGROUPS),
         ],
