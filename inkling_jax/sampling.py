@@ -83,8 +83,8 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """[S, V]: the temperature-scaled logits in vocabulary order, -inf outside top-k, top-p and min-p (each
     measured on the whole scaled distribution; a token tied with the last one top-k or top-p keeps is kept too).
     A greedy row (temperature 0, whose token is the argmax) is scaled by 1 and cut by min-p alone. The top-k and
-    top-p search runs only in a batch where a sampling slot asks for one (about 1 ms of the proxy's 64-slot decode
-    step on the H200)."""
+    top-p search runs only in a batch where a sampling slot asks for one (it reads the vocabulary's rows many
+    times)."""
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     scaled = logits / temperature
     probs = softmax(scaled)
@@ -106,8 +106,7 @@ def ranked_floor(scaled: jax.Array, probs: jax.Array, params: SamplingParams) ->
     top_p. Both are found without a sort (a sort of the vocabulary costs more than any layer of a decode step): 32
     steps of a binary search over the values' order-preserving 32-bit keys, each step a count and a mass of the
     keys at or above a candidate (XLA:GPU makes a step over several bits' candidates at once a reduction that reads
-    the rows once per candidate: 1.6 ms for 8 steps of 4 bits at 64 rows of the vocabulary on the H200, against
-    1.2 ms for these 32)."""
+    the rows once per candidate: slower than these 32 steps)."""
     keys = _ordered_keys(scaled)
     top_k, top_p = params.top_k[:, None], params.top_p[:, None]
 
@@ -149,9 +148,8 @@ def most_likely(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     chunks of TOP_K_CHUNK values is cut into chunks: its n best lie in the n chunks of the largest maxima, ties by
     index (every value of another chunk has those n maxima ahead of it), found the same way among the chunks'
     maxima; those chunks, in index order so that ties keep lax.top_k's order, hold the candidates. The chunks'
-    maxima are one read of the row, where XLA:GPU's TopK kernel gives each row one block (at n = 20 over 64 rows
-    of the vocabulary on the H200: 0.15 ms, against 1.4 ms for slices of 4096 values in two stages). Rows need n
-    finite values."""
+    maxima are one read of the row, where XLA:GPU's TopK kernel gives each row one block (slices of 4096 values in
+    two stages are several times slower). Rows need n finite values."""
     vocab = logprobs.shape[-1]
     if n == 0 or vocab <= TOP_K_CHUNK * n:
         return _rounds(logprobs, n)
@@ -185,8 +183,7 @@ def most_likely_if_asked(logprobs: jax.Array, params: SamplingParams, n: int) ->
 
 def _rounds(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k(logprobs, n)` in rounds of at most TOP_K_ROUND, each after the rounds before are masked out: at
-    n = 20 over the vocabulary a single top_k is a full sort of every row on the GPU (1.4 ms of a decode step on
-    the H200)."""
+    n = 20 over the vocabulary a single top_k is a full sort of every row on the GPU."""
     values, ids = [], []
     for first in range(0, max(n, 1), TOP_K_ROUND):
         if first:

@@ -183,8 +183,8 @@ def _reset(state: DecodeState, reset: jax.Array) -> DecodeState:
     def clear_vocabulary_rows(counts: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         return clear(counts), clear(mask)
 
-    # a scatter of whole vocabulary rows walks all S rows of updates, dropped ones too (64 us of the proxy's decode
-    # step on the H200); most steps start no sequence
+    # a scatter of whole vocabulary rows walks all S rows of updates, dropped ones too; most steps start no
+    # sequence
     output_counts, prompt_mask = jax.lax.cond(
         any_slot(reset), clear_vocabulary_rows, lambda *kept: kept, state.output_counts, state.prompt_mask
     )

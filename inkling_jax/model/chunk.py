@@ -188,9 +188,9 @@ class Chunk:
 
     def known(self, history: jax.Array) -> jax.Array:
         """The slots' convolution histories [N, K - 1, C] as their sequences have them: zeros before a sequence's
-        first token. A slot's state is never cleared when a new sequence takes it (a scatter over every layer's
-        state, 0.2 ms of a step at the proxy's shapes on the H200); whatever it holds before the new sequence's
-        first token is read as zeros here."""
+        first token. A slot's state is never cleared when a new sequence takes it (that would be a scatter over every
+        layer's state in every step); whatever it holds before the new sequence's first token is read as zeros
+        here."""
         return jnp.where(self.in_sequence[..., None], history, jnp.zeros((), history.dtype))
 
     def lags(self, x: jax.Array, history: jax.Array) -> jax.Array:

@@ -1008,17 +1008,14 @@ def shape_compiler_options(platform: str, shape: StepShape) -> dict[str, object]
     """The XLA options a step program of this shape adds on `platform` to the engine's.
 
     GPU, every shape: no merging of dots that share an input (XLA would concatenate a scanned layer's q, k and v
-    weights, out of their stacks, on every step: 2.3 ms of the proxy's 64-slot decode step on the H200), and the
-    matmuls in cuBLAS, untuned, reading each layer's weights in place in their stacks (dynamic-slice fusion): the
-    H200 ran the proxy's decode step in 19.8 ms of kernels so, against 61.9 ms with untuned Triton gemms (default
-    tiles read the weights many times over), and no autotuning lengthens a cold start. The command buffers run
-    kernels that do not depend on each other side by side (a layer's small norms, clips and cache writes): the
-    proxy's decode step took 10.5 / 18.9 ms back to back at 1 / 64 active slots, against 11.5 / 20.9 with them in
-    launch order (bench/results/README.md). They also hold the step's conditionals and loops, so that a branch
-    the step skips (sampling in a greedy batch, clearing the rows of new sequences) is decided on the device: a
-    conditional outside them makes the host wait for its predicate (the proxy's decode step ran 13.9 / 21.6 ms
-    so, 10.0 / 17.4 within them; 12.2 / 19.6 with the gemms on stacked weights, dynamic-slice fusions, left out).
-    Plain decode steps (one token per slot) on TPU: small gathers stay off SparseCore (jax 0.11 offloads them
+    weights, out of their stacks, on every step), and the matmuls in cuBLAS, untuned, reading each layer's weights
+    in place in their stacks (dynamic-slice fusion): untuned Triton gemms' default tiles read the weights many
+    times over, and no autotuning lengthens a cold start. The command buffers run kernels that do not depend on
+    each other side by side (a layer's small norms, clips and cache writes). They also hold the step's
+    conditionals and loops, so that a branch the step skips (sampling in a greedy batch, clearing the rows of new
+    sequences) is decided on the device: a conditional outside them makes the host wait for its predicate. Each
+    option's effect on the proxy's decode step is measured in bench/results/README.md (step_profile). Plain decode
+    steps (one token per slot) on TPU: small gathers stay off SparseCore (jax 0.11 offloads them
     there, and batch-1 decode runs at half speed)."""
     decode = not (shape.lanes or shape.speculative)
     if platform == "gpu":

@@ -1,8 +1,8 @@
 """The attention-residual mix fused with the RMSNorm after it (twice per layer, and once before the final norm):
 the entry point. `backend` picks "tpu" (Mosaic TPU), "gpu" (Mosaic GPU, Hopper; in Mosaic GPU's interpreter on
 CPU), "xla" (jnp shaped for XLA's GPU fusions), "reference" (the oracle) or "auto": the TPU kernel on TPU; on a
-Hopper GPU the Mosaic GPU kernel for the shapes it takes (on the H200 up to 3x faster than the XLA paths, equal
-at their best: bench/results/README.md); otherwise on GPU the XLA formulation for prefill-sized calls (from the device's
+Hopper GPU the Mosaic GPU kernel for the shapes it takes (faster than the XLA paths, or equal at their best:
+bench/results/README.md); otherwise on GPU the XLA formulation for prefill-sized calls (from the device's
 `xla_mix_from_tokens`) and the oracle for decode-sized ones; the oracle on CPU (`IMPLEMENTATIONS`, a
 `backends.Backends`). Every backend takes the sources as a list or as one stacked
 buffer, and a count `valid` of real ones (a scan over the blocks carries it)."""

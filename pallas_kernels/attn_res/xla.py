@@ -2,8 +2,8 @@
 kernel does): the same fp32 math as the oracle, source by source.
 
 The oracle stacks the N + 1 sources into one fp32 array and scores and mixes them with two fp32 einsums, which
-on GPU become a materialised [..., N + 1, H] copy and batched GEMMs with tiny inner sizes (on the H200: ~1 ms
-for 4096 tokens and 8 blocks, 9% of copy bandwidth; bench/results/README.md). Here each source's sum of squares
+on GPU become a materialised [..., N + 1, H] copy and batched GEMMs with tiny inner sizes (a small fraction of
+copy bandwidth: bench/results/README.md). Here each source's sum of squares
 and its dots with the queries are sibling reductions over that source alone, the softmax runs on [..., Q, N + 1]
 scalars, and the mix is one elementwise pass over the sources, so XLA reads each source a few times and
 materialises nothing of their size. Sums run in another order than the oracle's: equal up to fp32 rounding.

@@ -6,8 +6,8 @@ The copies are walked in visits of a few rows each (`Tiles`: 8 ... 112), every v
 visit's product for one tile of 128 or 192 weight rows (N) over the whole K ("swap AB": the weight rows are wgmma's M
 side, in registers; the visit's copies its N side, from SMEM). One CTA per multiprocessor walks its items (cta, cta +
 CTAs, ...) through one software pipeline per visit width: the next item's first stages stream in under the last steps
-and the epilogue of the one before (a CTA per item drained its pipeline at every item's end: 8-15% of the decode's
-bandwidth). One warpgroup issues the TMA copies of each K step (the weight tile's bytes, its block scales, the tile's
+and the epilogue of the one before (a CTA per item would drain its pipeline at every item's end, idling the memory
+system). One warpgroup issues the TMA copies of each K step (the weight tile's bytes, its block scales, the tile's
 activations) into a ring of SMEM stages; three compute (two where N is no multiple of 192), 64 weight rows each,
 decoding each run of their rows (32 MXFP8 values, one scale block, or 64 NVFP4, four) to bf16 and multiplying 64 K
 values at a time with the activations' matching columns (128-byte swizzled) while the next 64 decode. The epilogue

@@ -8,7 +8,7 @@ PRMT, a shift, a mask; subnormals included), then a bf16 multiply by 2^(scale - 
 fp32(m * block scale * global scale) rounded once: each warpgroup tabulates them in SMEM for every E4M3 block scale byte
 at a work item's start (the global scale is the expert's), and a thread loads its block's 16 bytes once per row and 64 K
 values (the activations' K permuted so that a thread's values are one scale block's; tables built by each thread per row
-and block, 20 instructions for 16 codes, ran the NVFP4 decode at 57% of the copy rate). Each pipeline step loads all its
+and block would cost 20 instructions for 16 codes: a compute-bound NVFP4 decode). Each pipeline step loads all its
 runs' scales (and table entries) up front, so that no shared-memory latency heads a run's dependency chain. Mosaic GPU's
 interpreter runs no inline PTX and its XLA:CPU flushes subnormals, so there the values are decoded through float
 conversions and the wgmma takes them from SMEM."""

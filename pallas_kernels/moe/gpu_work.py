@@ -24,8 +24,8 @@ from pallas_kernels.moe.layouts import PAIR_UNITS, PLAIN, GpuWeight
 from pallas_kernels.moe.reference import capped_swiglu_f32
 from pallas_kernels.quantized import MXFP8, NVFP4
 
-COMPUTE_WGS = (3, 2)  # compute warpgroups per CTA, the most that divide N's tiles of 64 rows (3: 8% faster than 2 at
-# 8 tokens on the H200, more warps hiding the decode's latencies; a CTA of 4 compute warpgroups hung there)
+COMPUTE_WGS = (3, 2)  # compute warpgroups per CTA, the most that divide N's tiles of 64 rows (3 is faster than 2 at
+# a decode's few tokens, more warps hiding the decode's latencies; a CTA of 4 compute warpgroups hangs)
 SHARED_TM = (8, 32)  # decode: the fewest and most rows of a shared tile (a multiple of 8 between: twice the mean group,
 # below the device's `own_windows_from` copies per expert)
 BLOCK = {PLAIN: 32, MXFP8: block_formats.MX_BLOCK, NVFP4: 64}  # K values per decode (quantized: 32 bytes a row)
@@ -80,7 +80,7 @@ def _transforms(row_bytes: int, itemsize: int) -> tuple:
 
 
 WGMMA_K = 64  # K values per wgmma: an activation tile's 128-byte swizzled rows (rows of 64 bytes, a wgmma per
-# 32 columns, streamed 6% slower beside the weights on the H200: TMA moves fewer bytes per row it reads)
+# 32 columns stream slower beside the weights: TMA moves fewer bytes per row it reads)
 X_TRANSFORMS = _transforms(2 * WGMMA_K, 2)  # an activation tile's: WGMMA_K-column slices, one wgmma's K each
 
 
@@ -219,7 +219,7 @@ def accumulate(run, tm: int) -> jax.Array:
 def chain(run_item, start: jax.Array | int, stop: jax.Array) -> None:
     """Items start ... stop - 1 (`run_item(j, pipeline_state)`) through one pipeline (START, STEADY ..., STOP; a
     lone item a whole pipeline): the next item's weights stream in under this one's last steps and epilogue (a
-    pipeline per item drained at every item's end: 8-15% of the decode's bandwidth)."""
+    pipeline per item would drain at every item's end, idling the memory system)."""
 
     @pl.when(stop - start == 1)
     def _():

@@ -32,7 +32,7 @@ class Routing:
 
 
 RANKED_UP_TO = 2048  # copies up to which the sort and the group sizes are comparisons of every pair (a few fused
-# reductions instead of a sort and scatters: 11 us less of the 114 us call at one token on the H200)
+# reductions instead of a sort and scatters: fewer kernels at a decode step's few copies)
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:

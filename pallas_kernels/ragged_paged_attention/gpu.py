@@ -23,10 +23,9 @@ The bias: decode tiles over several positions (verify, and prefill under batch i
 over the rings or of other widths copy tiles of `blocks.frame_bias`, built in XLA around profiles that a small
 kernel sums on the tensor cores as the in-kernel bias does (`_frame_profiles`: one wgmma of the relative states
 with the profile table), so that a position's bias has the same bits in every tile. Decode tiles at one position
-(over the pool, or over a ring that holds a window and a step of keys) and prefill tiles over the pool build
-theirs in the kernel: for prefill tiles (C a multiple of 64) the frame
-would cost Hq * C * (extent + C) values written through several XLA passes, twice the kernel; for decode it is
-two small XLA kernels per call (~6 us at batch 8, ~35 us at 64 slots on a sliding layer). A decode tile's rows
+(over the pool, or over a ring that holds a window and a step of keys) and prefill tiles over the pool build theirs
+in the kernel: for prefill tiles (C a multiple of 64) the frame would cost Hq * C * (extent + C) values written
+through several XLA passes, twice the kernel; for decode it is two small XLA kernels per call. A decode tile's rows
 (the query heads at one position) see key t of a step at distance D0 - t: their bias is one small wgmma of the
 relative states with a window of `keys` rows of a reversed, zero-padded copy of rel_proj. In a ring, a step's
 slots hold consecutive positions up to a wrap, past which they lie a lap back, beyond the window: hidden by the
@@ -46,7 +45,7 @@ decode's splits, and a tile whose rows sit at several positions runs as two reac
 last one's KV block and those in it, each visiting and splitting the blocks up to its own last query's as that
 query's decode does: a position's row is the same bits decoded, verified or prefilled, over rings and over the
 pool without a window (the model's layers; a windowed pool's visible blocks and split count change with the
-step's width). On the H200 prefill attention takes 1.4-5x the prefill tiles' time so (bench/results/README.md).
+step's width). Prefill attention takes longer so than in prefill tiles (bench/results/README.md).
 Without it, prefill tiles rows over CTAs instead (and splits too where there are few), each tile walking only the
 blocks its queries can see (causal and window bounds per tile, `blocks.visible_blocks`).
 """
