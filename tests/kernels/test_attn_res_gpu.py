@@ -2,7 +2,8 @@
 by orders of magnitude, 0, 3 or 8 closed blocks, 1 or 3 queries, odd token counts and leading shapes, the
 partial in fp32 or bf16, fp32 and bf16 outputs; bad shapes rejected; and lowering for CUDA at the production
 shapes (Mosaic GPU's layouts, reductions and copies, which the interpreter does not check; ptxas runs only on
-a GPU). On an H200 every case runs compiled at hidden 4608; on CPU in Mosaic GPU's interpreter at hidden 512.
+a GPU). On an H200 every case runs compiled at hidden 4608; on CPU in Mosaic GPU's interpreter at hidden 512 (and 1536,
+where a warpgroup's copies land in three parts).
 With a count of real sources (a stacked buffer with NaN and inf past it, or a list; traced, and carried by a
 scan), the kernel's call on the leading sources alone.
 """
@@ -64,6 +65,24 @@ def test_kernel_takes_a_count_of_real_sources(valid, queries, stacked):
     got = mixed(x_valid, jnp.float32, "gpu")
     np.testing.assert_allclose(got, mixed(x_alone, jnp.float32, "gpu"), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got, mixed(x_alone, jnp.float32, "reference"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_copies_landing_in_parts():
+    """A warpgroup's row copies land in up to LANDINGS parts that cover its chunks once, in order; at hidden 1536
+    (three chunks a warpgroup, three parts) with masked sources arriving on each part's barrier, the oracle on
+    the real sources."""
+    from test_attn_res import poisoned
+
+    for hidden in (512, 1536, 4608, 9216):
+        parts = gpu._landings(hidden)
+        assert [c for part in parts for c in part] == list(range(hidden // gpu.WARPGROUPS // gpu.CHUNK))
+        assert len(parts) == min(gpu.LANDINGS, hidden // gpu.WARPGROUPS // gpu.CHUNK)
+    x = case(40, 8, 3, (2, 1536 if CPU else HIDDEN), jnp.float32)
+    buffer = poisoned(x["sources"], 5)
+    got = mixed({**x, "sources": buffer, "valid": jnp.int32(5)}, jnp.float32, "gpu")
+    want = mixed({**x, "sources": x["sources"][:5]}, jnp.float32, "reference")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
