@@ -112,8 +112,8 @@ def _mix_and_norm(*refs, operands: int, masked: bool, num_queries: int, hidden: 
         return landed.at[wg * len(landings) + part]
 
     for part, chunks in enumerate(landings):
+        span = columns(chunks.start, len(chunks))
         for s, (row_ref, row_smem) in enumerate(zip(row_refs, smem, strict=True)):
-            span = columns(chunks.start, len(chunks))
             copy = functools.partial(
                 plgpu.copy_gmem_to_smem,
                 row_ref.at[pl.ds(token, 1), span],
