@@ -661,13 +661,16 @@ class Load:
         ]
 
     def long_burst(self) -> list[Awaitable[Call]]:
-        """Slots to 2x slots prompts of 400-700 ids at once: more than the page pool holds, so some are preempted."""
+        """Slots to 2x slots prompts of 400-700 ids at once, each decoding past the end of the page its prompt ends
+        in (ignore_eos): more than the page pool holds, and the sequences the pool admits all grow, so some are
+        preempted."""
         self.long_bursts += 1
         calls = []
         for _ in range(self.rng.randint(self.settings.max_num_seqs, 2 * self.settings.max_num_seqs)):
             request = pb.GenerateRequest(request_id=self._new_id(), sampling=self._sampling())
             request.token_ids.ids[:] = self._ids_of(self.rng.randint(400, 700))
-            request.stop.max_tokens = self.rng.randint(60, 200)
+            request.stop.max_tokens = self.rng.randint(self.info.page_size + 1, 2 * self.info.page_size)
+            request.stop.ignore_eos = True
             if self.rng.random() < 0.25:
                 request.logprobs = self.rng.randint(0, 20)
             calls.append(self.send(Call("Generate: long-prompt burst", OK, request=request)))
