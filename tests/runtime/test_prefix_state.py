@@ -56,8 +56,9 @@ def feed(driver: Driver, slot: int, tokens: list[int], start: int, decode: int) 
     for first in range(start, len(tokens), WIDTH):
         piece = tokens[first : first + WIDTH]
         last = first + WIDTH >= len(tokens)
-        out = driver.run({slot: piece}, reset=(slot,) if first == 0 else (), emit=(slot,) if last else (),
-                         prompt=(slot,))  # fmt: skip
+        out = driver.run(
+            {slot: piece}, reset=(slot,) if first == 0 else (), emit=(slot,) if last else (), prompt=(slot,)
+        )
         if last:
             emitted.append(out)
     for _ in range(decode):
@@ -88,8 +89,10 @@ def test_a_sequence_resumed_at_a_saved_boundary_computes_as_the_one_that_ran_thr
         for field in dataclasses.fields(want):
             np.testing.assert_array_equal(getattr(got, field.name), getattr(want, field.name), field.name)
 
-    no_conv = dataclasses.replace(snapshots, **{n: jnp.zeros_like(getattr(snapshots, n)) for n in
-                                                ("conv_k", "conv_v", "conv_attention", "conv_mlp")})  # fmt: skip
+    no_conv = dataclasses.replace(
+        snapshots,
+        **{n: jnp.zeros_like(getattr(snapshots, n)) for n in ("conv_k", "conv_v", "conv_attention", "conv_mlp")},
+    )
     driver.state = restore(before, no_conv, 2, 1, boundary, prompt, counts)
     table[2, :shared] = table[0, :shared]
     driver.page_table = jnp.asarray(table)
@@ -105,8 +108,17 @@ def test_the_engine_saves_and_restores_within_a_replica(model):
     engine.warm_up_snapshots()
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, model.config.unpadded_vocab_size, LENGTH).tolist()
-    request = Request("r", tuple(tokens), max_tokens=8, temperature=0.9, seed=11, repetition_penalty=1.3,
-                      presence_penalty=0.5, top_k=20, logprobs=3)  # fmt: skip
+    request = Request(
+        "r",
+        tuple(tokens),
+        max_tokens=8,
+        temperature=0.9,
+        seed=11,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        top_k=20,
+        logprobs=3,
+    )
     table = np.zeros((engine.slots, engine.max_pages), np.int32)
     table[2], table[3] = [0, 1, 2], [0, 1, 3]  # replica 1's pages; slot 3 reads slot 2's first two
 
@@ -125,8 +137,10 @@ def test_the_engine_saves_and_restores_within_a_replica(model):
     def step(slot: int, piece: list[int], reset: bool, prompt: bool, emit: bool):
         batch_tokens, counts = np.zeros((engine.slots, len(piece)), np.int32), np.zeros(engine.slots, np.int32)
         batch_tokens[slot], counts[slot] = piece, len(piece)
-        flags = {name: np.arange(engine.slots) == slot if value else np.zeros(engine.slots, bool)
-                 for name, value in (("reset", reset), ("is_prompt", prompt), ("emit", emit))}  # fmt: skip
+        flags = {
+            name: np.arange(engine.slots) == slot if value else np.zeros(engine.slots, bool)
+            for name, value in (("reset", reset), ("is_prompt", prompt), ("emit", emit))
+        }
         sampling = [request if s == slot else None for s in range(engine.slots)]
         return engine.fetch(engine.step(engine.host_batch(batch_tokens, counts, sampling, table, **flags)))
 
@@ -240,10 +254,15 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
     # one at a time, each sharing two pages and more with the first, which ends two pages further: the second
     # leaves the first's chain where no snapshot is and saves one there (its junction), where the third resumes
     branches = [
-        Request(f"b{i}", tuple(shared + rng.integers(0, vocab, 20).tolist()), max_tokens=70, temperature=0.0,
-                ignore_eos=True)
+        Request(
+            f"b{i}",
+            tuple(shared + rng.integers(0, vocab, 20).tolist()),
+            max_tokens=70,
+            temperature=0.0,
+            ignore_eos=True,
+        )
         for i in range(3)
-    ]  # fmt: skip
+    ]
     expected, *_ = serve(plain_engine, branches, one_by_one=True)
     given, _, taken = serve(engine, branches, one_by_one=True)
     assert given == expected
@@ -278,8 +297,9 @@ def test_default_snapshots_fit_a_quarter_of_the_budget_beside_one_whole_sequence
     each = snapshot_bytes(model.config, jnp.float32, 1)
 
     def snapshots(budget: int, count: int | None = None) -> int:
-        engine = Engine.create(model, mesh, max_num_seqs=slots, chunk=WIDTH, max_context=context,
-                               budget_bytes=budget, snapshots=count)  # fmt: skip
+        engine = Engine.create(
+            model, mesh, max_num_seqs=slots, chunk=WIDTH, max_context=context, budget_bytes=budget, snapshots=count
+        )
         return engine.snapshots_per_replica
 
     least = next(b for b in range(each, 4000 * each, each // 4) if can_create(snapshots, b))  # room for one
