@@ -669,7 +669,7 @@ class Load:
         for _ in range(self.rng.randint(self.settings.max_num_seqs, 2 * self.settings.max_num_seqs)):
             request = pb.GenerateRequest(request_id=self._new_id(), sampling=self._sampling())
             request.token_ids.ids[:] = self._ids_of(self.rng.randint(400, 700))
-            request.stop.max_tokens = self.rng.randint(self.info.page_size + 1, 2 * self.info.page_size)
+            request.stop.max_tokens = self.info.page_size + self.rng.randint(1, 32)
             request.stop.ignore_eos = True
             if self.rng.random() < 0.25:
                 request.logprobs = self.rng.randint(0, 20)
