@@ -108,17 +108,8 @@ def test_the_engine_saves_and_restores_within_a_replica(model):
     engine.warm_up_snapshots()
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, model.config.unpadded_vocab_size, LENGTH).tolist()
-    request = Request(
-        "r",
-        tuple(tokens),
-        max_tokens=8,
-        temperature=0.9,
-        seed=11,
-        repetition_penalty=1.3,
-        presence_penalty=0.5,
-        top_k=20,
-        logprobs=3,
-    )
+    sampling = {"temperature": 0.9, "seed": 11, "repetition_penalty": 1.3, "presence_penalty": 0.5, "top_k": 20}
+    request = Request("r", tuple(tokens), max_tokens=8, logprobs=3, **sampling)
     table = np.zeros((engine.slots, engine.max_pages), np.int32)
     table[2], table[3] = [0, 1, 2], [0, 1, 3]  # replica 1's pages; slot 3 reads slot 2's first two
 
@@ -253,15 +244,9 @@ def test_served_requests_sharing_prefixes_give_what_they_give_without_the_cache(
 
     # one at a time, each sharing two pages and more with the first, which ends two pages further: the second
     # leaves the first's chain where no snapshot is and saves one there (its junction), where the third resumes
+    prompts = [tuple(shared + rng.integers(0, vocab, 20).tolist()) for _ in range(3)]
     branches = [
-        Request(
-            f"b{i}",
-            tuple(shared + rng.integers(0, vocab, 20).tolist()),
-            max_tokens=70,
-            temperature=0.0,
-            ignore_eos=True,
-        )
-        for i in range(3)
+        Request(f"b{i}", prompt, max_tokens=70, temperature=0.0, ignore_eos=True) for i, prompt in enumerate(prompts)
     ]
     expected, *_ = serve(plain_engine, branches, one_by_one=True)
     given, _, taken = serve(engine, branches, one_by_one=True)
