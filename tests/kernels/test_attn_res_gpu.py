@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from test_attn_res import case as operands
+from test_attn_res import leading, poisoned, production_operands, scanned
 
 from pallas_kernels.attn_res import attn_res_norm, gpu, reference
 
@@ -23,8 +25,6 @@ EPS = 1e-5
 
 def case(seed: int, count: int, queries: int, shape: tuple[int, ...], partial_dtype: jnp.dtype) -> dict:
     """test_attn_res's random operands, the queries scaled so the logits span a few units at any H."""
-    from test_attn_res import case as operands
-
     return operands(seed, count, queries, shape, partial_dtype, query_scale=8 / shape[-1] ** 0.5)
 
 
@@ -56,7 +56,6 @@ def test_kernel_matches_the_reference(count, queries, shape, partial_dtype):
 def test_kernel_takes_a_count_of_real_sources(valid, queries, stacked):
     """8 sources with NaN and inf past the count (their rows not copied, SMEM left as it was: NaN in the
     interpreter), stacked or listed: the kernel's call on sources[:valid] and the oracle's."""
-    from test_attn_res import poisoned
 
     x = case(20 + valid, 8, queries, (3, HIDDEN), jnp.float32)
     buffer = poisoned(x["sources"], valid)
@@ -72,7 +71,6 @@ def test_copies_landing_in_parts():
     """A warpgroup's row copies land in up to LANDINGS parts that cover its chunks once, in order; at hidden 1536
     (three chunks a warpgroup, three parts) with masked sources arriving on each part's barrier, the oracle on
     the real sources."""
-    from test_attn_res import poisoned
 
     for hidden in (512, 1536, 4608, 9216):
         parts = gpu._landings(hidden)
@@ -89,7 +87,6 @@ def test_copies_landing_in_parts():
 def test_kernel_in_a_scan():
     """The kernel carried by the decoder's kind of scan (traced count, buffer filled block by block): each step
     the oracle on the blocks closed so far."""
-    from test_attn_res import leading, scanned
 
     x = case(30, 3, 3, (2, HIDDEN), jnp.float32)
     rest = {"queries": x["queries"], "norm_weights": x["norm_weights"], "eps": EPS, "out_dtype": jnp.float32}
@@ -149,7 +146,6 @@ def test_rejects_what_it_does_not_take():
 @pytest.mark.parametrize("tokens", [1, *(pytest.param(tokens, marks=pytest.mark.slow) for tokens in (64, 4096))])
 def test_lowers_for_cuda_at_production_shapes(tokens, queries):
     """Hidden 4608, 8 closed blocks (bf16) + the fp32 partial, bf16 out."""
-    from test_attn_res import production_operands
 
     args = production_operands(tokens, queries)
 
@@ -167,7 +163,6 @@ def test_lowers_for_cuda_at_production_shapes(tokens, queries):
 def test_lowers_for_cuda_with_a_count(tokens, queries, stacked):
     """The scan's operands at the production shapes: 8 bf16 blocks (one stacked buffer, or listed), the fp32
     partial and a traced count."""
-    from test_attn_res import production_operands
 
     sources, *args = production_operands(tokens, queries)
     if stacked:
