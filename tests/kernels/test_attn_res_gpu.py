@@ -56,7 +56,6 @@ def test_kernel_matches_the_reference(count, queries, shape, partial_dtype):
 def test_kernel_takes_a_count_of_real_sources(valid, queries, stacked):
     """8 sources with NaN and inf past the count (their rows not copied, SMEM left as it was: NaN in the
     interpreter), stacked or listed: the kernel's call on sources[:valid] and the oracle's."""
-
     x = case(20 + valid, 8, queries, (3, HIDDEN), jnp.float32)
     buffer = poisoned(x["sources"], valid)
     x_valid = {**x, "sources": buffer if stacked else list(buffer), "valid": jnp.int32(valid)}
@@ -71,7 +70,6 @@ def test_copies_landing_in_parts():
     """A warpgroup's row copies land in up to LANDINGS parts that cover its chunks once, in order; at hidden 1536
     (three chunks a warpgroup, three parts) with masked sources arriving on each part's barrier, the oracle on
     the real sources."""
-
     for hidden in (512, 1536, 4608, 9216):
         parts = gpu._landings(hidden)
         assert [c for part in parts for c in part] == list(range(hidden // gpu.WARPGROUPS // gpu.CHUNK))
@@ -87,7 +85,6 @@ def test_copies_landing_in_parts():
 def test_kernel_in_a_scan():
     """The kernel carried by the decoder's kind of scan (traced count, buffer filled block by block): each step
     the oracle on the blocks closed so far."""
-
     x = case(30, 3, 3, (2, HIDDEN), jnp.float32)
     rest = {"queries": x["queries"], "norm_weights": x["norm_weights"], "eps": EPS, "out_dtype": jnp.float32}
 
@@ -146,7 +143,6 @@ def test_rejects_what_it_does_not_take():
 @pytest.mark.parametrize("tokens", [1, *(pytest.param(tokens, marks=pytest.mark.slow) for tokens in (64, 4096))])
 def test_lowers_for_cuda_at_production_shapes(tokens, queries):
     """Hidden 4608, 8 closed blocks (bf16) + the fp32 partial, bf16 out."""
-
     args = production_operands(tokens, queries)
 
     def mix(sources, partial, queries, weights):
@@ -163,7 +159,6 @@ def test_lowers_for_cuda_at_production_shapes(tokens, queries):
 def test_lowers_for_cuda_with_a_count(tokens, queries, stacked):
     """The scan's operands at the production shapes: 8 bf16 blocks (one stacked buffer, or listed), the fp32
     partial and a traced count."""
-
     sources, *args = production_operands(tokens, queries)
     if stacked:
         sources = jax.ShapeDtypeStruct((len(sources), *sources[0].shape), sources[0].dtype)
