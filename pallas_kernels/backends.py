@@ -5,8 +5,9 @@ runs on (`jax.default_backend()`) and a predicate saying whether it takes a call
 first that does, the reference where none does. Every implementation is its module's function of the op's name, with
 the reference's signature, looked up when a call is traced."""
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import jax
@@ -14,6 +15,19 @@ import jax
 from pallas_kernels import devices
 
 AUTO, REFERENCE = "auto", "reference"
+_references_only = False
+
+
+@contextlib.contextmanager
+def references_only() -> Iterator[None]:
+    """Within it, "auto" takes every op's reference: for tracing code that differentiates the model (training),
+    which only the pure-jnp references allow."""
+    global _references_only
+    before, _references_only = _references_only, True
+    try:
+        yield
+    finally:
+        _references_only = before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +64,12 @@ class Backends:
 
     def choose(self, backend: str, *operands) -> str:
         """The implementation `backend` names for these operands: itself, or for "auto" the first kernel of the
-        platform this process runs on that takes them, else the reference."""
+        platform this process runs on that takes them, else the reference (always, within `references_only`)."""
         self.check(backend)
         if backend != AUTO:
             return backend
+        if _references_only:
+            return REFERENCE
         platform = jax.default_backend()
         chosen = (name for name, k in self.kernels.items() if k.platform == platform and k.takes(*operands))
         return next(chosen, REFERENCE)
