@@ -2,10 +2,12 @@
 itself (no downloaded data: the model trained on them is the project's to redistribute).
 
 Six kinds of chat in Inkling 2's framing (`inkling_jax/chat_template.jinja`), each ending with the model's turns:
-sums answered at once; longer sums answered after a reasoning section that adds column by column; products too
-long to do by heart, answered by calling the `calculator` tool and repeating its result; unit conversions; facts
-returned as JSON that follows a schema the prompt gives; continuations of well-known sequences. A task's split is a
-hash of its problem (not of its wording), so a held-out problem is never trained on, whatever the seed or count."""
+small sums answered at once; longer sums answered after a reasoning section that adds column by column; products
+too long to do by heart, answered by calling the `calculator` tool and repeating its result; unit conversions (by a
+power of ten at once, by other factors through the calculator); facts returned as JSON that follows a schema the
+prompt gives; continuations of well-known sequences (days, months, letters, counting in steps of 1, 2, 5 or 10).
+A task's split is a hash of its problem (not of its wording), so a held-out problem is never trained on, whatever
+the seed or count."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ CALCULATOR = {
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluates an arithmetic expression of integers with + - * and parentheses.",
+        "description": "Evaluates an arithmetic expression of integers with + - * / and parentheses.",
         "parameters": {
             "type": "object",
             "properties": {"expression": {"type": "string", "description": "the expression, e.g. 12*(3+4)"}},
@@ -86,7 +88,7 @@ def _answer(text: str, reasoning: str | None = None) -> dict:
 
 
 def sum_task(rng: random.Random) -> Task:
-    a, b = rng.randrange(100), rng.randrange(100)
+    a, b = rng.randrange(21), rng.randrange(21)
     op = rng.choice("+-")
     a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)
     result = str(a + b if op == "+" else a - b)
@@ -119,22 +121,28 @@ def reasoned_sum_task(rng: random.Random) -> Task:
     return Task("reasoned_sum", f"{a}+{b}", _chat(question, _answer(result, column_sum(a, b))), result)
 
 
-def calculator_task(rng: random.Random) -> Task:
-    a, b = rng.randrange(100, 1000), rng.randrange(11, 100)
-    expression, result = f"{a}*{b}", str(a * b)
-    wording = rng.choice(("What is {} times {}?", "Multiply {} by {}.", "Calculate {} x {}."))
+def _with_calculator(question: str, expression: str, result: str) -> tuple[dict, ...]:
+    """A chat whose model calls the calculator on `expression`, reads `result` and answers with it."""
     call = {
         "id": "call_0",
         "type": "function",
         "function": {"name": "calculator", "arguments": json.dumps({"expression": expression}, separators=(",", ":"))},
     }
-    messages = _chat(
-        wording.format(a, b),
+    return _chat(
+        question,
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": result},
         _answer(result),
     )
-    return Task("calculator", expression, messages, result, (CALCULATOR,))
+
+
+def calculator_task(rng: random.Random) -> Task:
+    a, b = rng.randrange(100, 1000), rng.randrange(11, 100)
+    expression, result = f"{a}*{b}", str(a * b)
+    wording = rng.choice(("What is {} times {}?", "Multiply {} by {}.", "Calculate {} x {}."))
+    return Task(
+        "calculator", expression, _with_calculator(wording.format(a, b), expression, result), result, (CALCULATOR,)
+    )
 
 
 UNITS = {  # (larger, smaller): how many smaller make one larger
@@ -149,13 +157,21 @@ UNITS = {  # (larger, smaller): how many smaller make one larger
 
 
 def units_task(rng: random.Random) -> Task:
+    """A conversion: by a power of ten answered at once (zeros written or dropped), by another factor through the
+    calculator."""
     (large, small), factor = rng.choice(sorted(UNITS.items()))
     count = rng.randrange(2, 200)
     if rng.random() < 0.5:
-        question, result = f"How many {small} are in {count} {large}?", count * factor
+        question, expression, result = f"How many {small} are in {count} {large}?", f"{count}*{factor}", count * factor
     else:
-        question, result = f"How many {large} are {count * factor} {small}?", count
-    return Task("units", question, _chat(question, _answer(str(result))), str(result))
+        question, expression, result = (
+            f"How many {large} are {count * factor} {small}?",
+            f"{count * factor}/{factor}",
+            count,
+        )
+    if factor in (10, 100, 1000):
+        return Task("units", question, _chat(question, _answer(str(result))), str(result))
+    return Task("units", question, _with_calculator(question, expression, str(result)), str(result), (CALCULATOR,))
 
 
 NAMES = ("Ada", "Alan", "Grace", "Linus", "Edsger", "Barbara", "Donald", "Frances", "Ken", "Margaret", "Tim", "Radia")
@@ -199,7 +215,7 @@ def continuation_task(rng: random.Random) -> Task:
         start = rng.randrange(len(cycle))
         sequence = [cycle[(start + i) % len(cycle)] for i in range(6)]
     else:
-        first, step = rng.randrange(100), rng.randrange(1, 10)
+        first, step = rng.randrange(100), rng.choice((1, 2, 5, 10))
         sequence = [str(first + i * step) for i in range(6)]
     given, rest = ", ".join(sequence[:3]), ", ".join(sequence[3:])
     question = f"Continue the sequence with the next three: {given}"

@@ -49,14 +49,14 @@ def test_the_model_learns_its_turns_and_nothing_else(sample, template, tokenizer
     for task in sample:
         ids, learned = encode(task, template, tokenizer)
         spans = runs(learned)
-        assert len(spans) == (2 if task.kind == "calculator" else 1), task
+        assert len(spans) == (2 if task.tools else 1), task
         for first, last in spans:
             assert ids[first - 1] == model and ids[last - 1] == end  # after the generation prompt, to sampling's end
         own = tokenizer.decode(ids[spans[-1][0] : spans[-1][1]].tolist())
         assert own.endswith(f"<|content_text|>{task.answer}<|end_message|><|content_model_end_sampling|>")
         given = tokenizer.decode(ids[~learned].tolist())
         prompt = template.render(task.prompt, tools=list(task.tools) or None)
-        if task.kind == "calculator":  # the call is the model's, the result the tool's
+        if task.tools:  # the call is the model's, the result the tool's
             call = tokenizer.decode(ids[spans[0][0] : spans[0][1]].tolist())
             assert call.startswith("calculator<|content_invoke_tool_json|>")
             prompt += f"<|message_tool|>calculator<|content_text|>{task.answer}<|end_message|><|message_model|>"

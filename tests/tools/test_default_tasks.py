@@ -27,7 +27,7 @@ def seed() -> int:
 
 @pytest.fixture(scope="module")
 def held_out(seed):
-    return tasks(seed, 600, "held_out")
+    return tasks(seed, 240, "held_out")
 
 
 @pytest.fixture(scope="module")
@@ -126,14 +126,22 @@ def test_reasoning_adds_column_by_column(held_out):
             assert step.startswith(f"{x} + {y}"), (step, a, b)
 
 
-def test_calculator_tasks_call_the_tool_and_repeat_its_result(held_out):
-    for task in (t for t in held_out if t.kind == "calculator"):
+def test_tool_calls_compute_the_answer(held_out):
+    """Products and the unit conversions by factors other than powers of ten call the calculator on the question's
+    numbers; its result (recomputed here) is the answer."""
+    called = [t for t in held_out if t.tools]
+    assert {t.kind for t in called} == {"calculator", "units"}
+    for task in called:
         user, call, result, final = task.messages
-        a, b = numbers(user["content"])
         (tool_call,) = call["tool_calls"]
         assert tool_call["function"]["name"] == "calculator" == task.tools[0]["function"]["name"]
-        assert json.loads(tool_call["function"]["arguments"]) == {"expression": f"{a}*{b}"}
-        assert result["tool_call_id"] == tool_call["id"] and result["content"] == str(a * b) == final["content"]
+        expression = json.loads(tool_call["function"]["arguments"])["expression"]
+        a, op, b = re.fullmatch(r"(\d+)([*/])(\d+)", expression).groups()
+        value = int(a) * int(b) if op == "*" else int(a) / int(b)
+        assert value == int(value) and str(int(value)) == result["content"] == final["content"] == task.answer
+        assert result["tool_call_id"] == tool_call["id"] and int(a) in numbers(user["content"])
+        if task.kind == "calculator":
+            assert (int(a), int(b)) == tuple(numbers(user["content"])) and op == "*"
 
 
 def test_the_template_frames_the_models_turns(held_out):
@@ -146,7 +154,9 @@ def test_the_template_frames_the_models_turns(held_out):
         )
         if task.kind == "reasoned_sum":
             assert f"<|content_thinking|>{task.messages[-1]['reasoning_content']}<|end_message|>" in text
-        if task.kind == "calculator":
-            a, b = numbers(task.messages[0]["content"])
-            call = f'calculator<|content_invoke_tool_json|>{{"name":"calculator","args":{{"expression":"{a}*{b}"}}}}'
+        if task.tools:
+            expression = json.loads(task.messages[1]["tool_calls"][0]["function"]["arguments"])["expression"]
+            call = (
+                f'calculator<|content_invoke_tool_json|>{{"name":"calculator","args":{{"expression":"{expression}"}}}}'
+            )
             assert f"{prompt}{call}<|end_message|><|content_model_end_sampling|><|message_tool|>calculator" in text
