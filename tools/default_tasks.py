@@ -62,7 +62,7 @@ def split_of(problem: str) -> str:
 
 def tasks(seed: int, count: int, split: str) -> list[Task]:
     """`count` tasks of `split`, the kinds in turn, reproducible from `seed`. Held-out problems are distinct (each
-    graded once); training problems may come again in other words (the small kinds have a few thousand)."""
+    graded once); training problems may repeat, worded anew (the small kinds hold a few hundred)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng, seen, out, misses = random.Random(seed), set(), [], 0
