@@ -16,7 +16,7 @@ from inkling_jax.tokenizer import Tokenizer
 from tools.default_tasks import Task
 
 
-def turn_runs(task: Task) -> list[tuple[int, int]]:
+def _turn_runs(task: Task) -> list[tuple[int, int]]:
     """(first, end) message indices of each run of consecutive model turns."""
     runs, start = [], None
     for i, message in enumerate((*task.messages, {"role": "end"})):
@@ -35,7 +35,7 @@ def encode(task: Task, template: ChatTemplate, tokenizer: Tokenizer) -> tuple[np
     ids: list[int] = []
     learned: list[bool] = []
     rendered = ""
-    for first, end in turn_runs(task):
+    for first, end in _turn_runs(task):
         prompt = template.render(messages[:first], tools=tools)
         through = template.render(messages[:end], tools=tools, add_generation_prompt=False)
         if not (prompt.startswith(rendered) and through.startswith(prompt)):
@@ -46,3 +46,9 @@ def encode(task: Task, template: ChatTemplate, tokenizer: Tokenizer) -> tuple[np
             learned += [own] * len(piece)
         rendered = through
     return np.asarray(ids, np.int32), np.asarray(learned, bool)
+
+
+def learned_spans(learned: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each run of learned tokens in a mask `encode` made: one per run of the model's turns."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], learned.astype(np.int8), [0]])))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))

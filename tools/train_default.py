@@ -33,7 +33,7 @@ from inkling_jax.model.text import CausalLM
 from inkling_jax.sharding import make_mesh
 from inkling_jax.tokenizer import Tokenizer
 from pallas_kernels.backends import references_only
-from tools.default_examples import encode, turn_runs
+from tools.default_examples import encode, learned_spans
 from tools.default_tasks import Task, tasks
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
@@ -90,29 +90,23 @@ def greedy_runs(model: CausalLM, prompts: list[list[int]], limit: int, length: i
     return out
 
 
-def grade(
-    model: CausalLM, held_out: list[Task], template: ChatTemplate, tokenizer: Tokenizer, length: int
-) -> dict[str, float]:
-    """The share of held-out tasks whose every run of model turns the model gives exactly, by kind and in all.
-    A run is decoded after the task's own conversation up to it (a calculator's result comes from the task)."""
-    right = {id(task): True for task in held_out}
-    for number in range(max(len(turn_runs(task)) for task in held_out)):
-        now = [task for task in held_out if number < len(turn_runs(task))]
-        expected, prompts = [], []
-        for task in now:
-            ids, learned = encode(task, template, tokenizer)
-            starts = np.flatnonzero(np.diff(np.concatenate([[0], learned.astype(int)])) == 1)
-            ends = np.flatnonzero(np.diff(np.concatenate([learned.astype(int), [0]])) == -1) + 1
-            prompts.append(ids[: starts[number]].tolist())
-            expected.append(ids[starts[number] : ends[number]].tolist())
-        limit = max(len(e) for e in expected)
-        got_all = greedy_runs(model, prompts, limit, length, tokenizer.eos_token_id)
-        for task, want, got in zip(now, expected, got_all, strict=True):
-            right[id(task)] &= got == want
+def grade(model: CausalLM, held_out: list[tuple[Task, np.ndarray, np.ndarray]], eos: int, length: int) -> dict:
+    """The share of held-out tasks (each with its encoded ids and learned mask) whose every run of model turns the
+    model gives exactly, by kind and in all. A run is decoded after the task's own conversation up to it (a
+    calculator's result comes from the task)."""
+    runs = [learned_spans(learned) for _, _, learned in held_out]
+    right = [True] * len(held_out)
+    for number in range(max(len(r) for r in runs)):
+        now = [i for i, r in enumerate(runs) if number < len(r)]
+        prompts = [held_out[i][1][: runs[i][number][0]].tolist() for i in now]
+        expected = [held_out[i][1][slice(*runs[i][number])].tolist() for i in now]
+        got = greedy_runs(model, prompts, max(len(e) for e in expected), length, eos)
+        for i, want, given in zip(now, expected, got, strict=True):
+            right[i] &= given == want
     by_kind = collections.defaultdict(list)
-    for task in held_out:
-        by_kind[task.kind].append(right[id(task)])
-    return {"all": float(np.mean(list(right.values())))} | {k: float(np.mean(v)) for k, v in sorted(by_kind.items())}
+    for (task, _, _), ok in zip(held_out, right, strict=True):
+        by_kind[task.kind].append(ok)
+    return {"all": float(np.mean(right))} | {k: float(np.mean(v)) for k, v in sorted(by_kind.items())}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -135,9 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     train_ids, train_learned = padded(
         [encode(task, template, tokenizer) for task in tasks(args.seed, args.examples, "train")], args.length
     )
-    held_out = [
-        t for t in tasks(args.seed, args.held_out, "held_out") if len(encode(t, template, tokenizer)[0]) <= args.length
-    ]
+    held_out = [(task, *encode(task, template, tokenizer)) for task in tasks(args.seed, args.held_out, "held_out")]
+    held_out = [example for example in held_out if len(example[1]) <= args.length]
     print(f"{len(train_ids)} training rows of {args.length} tokens in {time.perf_counter() - start:.1f} s", flush=True)
 
     mesh = make_mesh("tp1", config.text)
@@ -156,10 +149,14 @@ def main(argv: list[str] | None = None) -> dict:
             if step % 100 == 0 or step == args.steps - 1:
                 print(f"step {step}: loss {losses[-1]:.4f}, {time.perf_counter() - start:.0f} s", flush=True)
         trained_s = time.perf_counter() - start
-        grades = grade(model, held_out, template, tokenizer, args.length)
+        grades = grade(model, held_out, tokenizer.eos_token_id, args.length)
     print(f"{len(held_out)} held-out tasks answered exactly:", json.dumps(grades), flush=True)
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "train_s": trained_s, "losses": losses[::10]}
-    report["grades"] = grades
+    report = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "train_s": trained_s,
+        "losses": losses[::10],
+        "grades": grades,
+    }
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))
     return report

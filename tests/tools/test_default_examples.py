@@ -3,7 +3,6 @@ the learned ones are exactly the model's turns, each run ending where sampling e
 
 import random
 
-import numpy as np
 import pytest
 from paths import TINY_CONFIG
 
@@ -11,7 +10,7 @@ from inkling_jax.chat import DEFAULT_TEMPLATE, ChatTemplate
 from inkling_jax.checkpoint.synthetic_tokenizer import build_tokenizer
 from inkling_jax.config import load_config
 from inkling_jax.tokenizer import Tokenizer
-from tools.default_examples import encode
+from tools.default_examples import encode, learned_spans
 from tools.default_tasks import tasks
 
 
@@ -32,11 +31,6 @@ def sample():
     return tasks(seed, 60, "train")
 
 
-def runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
-    return list(zip(edges[0::2], edges[1::2], strict=True))
-
-
 def test_the_ids_are_the_whole_conversations(sample, template, tokenizer):
     for task in sample:
         ids, learned = encode(task, template, tokenizer)
@@ -48,7 +42,7 @@ def test_the_model_learns_its_turns_and_nothing_else(sample, template, tokenizer
     model, end = tokenizer.special_tokens["<|message_model|>"], tokenizer.eos_token_id
     for task in sample:
         ids, learned = encode(task, template, tokenizer)
-        spans = runs(learned)
+        spans = learned_spans(learned)
         assert len(spans) == (2 if task.tools else 1), task
         for first, last in spans:
             assert ids[first - 1] == model and ids[last - 1] == end  # after the generation prompt, to sampling's end

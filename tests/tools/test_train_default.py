@@ -37,7 +37,8 @@ def test_training_teaches_the_models_turns(tmp_path):
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     task = next(t for t in tasks(seed, 12, "train") if t.kind == "sum")
-    ids, learned = padded([encode(task, template, tokenizer)], LENGTH)
+    encoded = encode(task, template, tokenizer)
+    ids, learned = padded([encoded], LENGTH)
     model = random_model(config, jnp.float32, make_mesh("tp1", config.text), [None, None], seed)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     with references_only():
@@ -50,4 +51,4 @@ def test_training_teaches_the_models_turns(tmp_path):
         for _ in range(60):
             last = float(train_step(model, optimizer, jnp.asarray(ids), jnp.asarray(learned)))
         assert last < 0.05 * first
-        assert grade(model, [task], template, tokenizer, LENGTH) == {"all": 1.0, "sum": 1.0}
+        assert grade(model, [(task, *encoded)], tokenizer.eos_token_id, LENGTH) == {"all": 1.0, "sum": 1.0}
